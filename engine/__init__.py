@@ -1,0 +1,69 @@
+"""The single-step engine: canvases in, slot log-probabilities out.
+
+`engine` knows tokens and logprobs, not questions (that is `router`). Backends share
+one small protocol, `Engine`:
+
+- `VLLMServerEngine`: vLLM's OpenAI-compatible server over HTTP (the production path).
+- `VLLMEngine`: vLLM in-process (extra `[vllm]`).
+- `TransformersEngine`: in-process torch, DiffusionGemma or a causal LM (extra `[local]`).
+- `FunctionEngine`: a test double driven by a function.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from ._errors import (
+    CanvasRouteError,
+    DecisionError,
+    EngineOverloaded,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeout,
+    EngineUnavailable,
+    InputTooLong,
+    LabelError,
+    UnsupportedQuestion,
+)
+from ._function import FunctionEngine
+from ._server import VLLMServerEngine
+from ._sync import run_sync
+from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult
+
+if TYPE_CHECKING:
+    from ._transformers import TransformersEngine
+    from ._vllm import VLLMEngine
+
+__all__ = [
+    "CanvasRead",
+    "CanvasRouteError",
+    "DecisionError",
+    "Engine",
+    "EngineInfo",
+    "EngineOverloaded",
+    "EngineRequestError",
+    "EngineResponseError",
+    "EngineTimeout",
+    "EngineUnavailable",
+    "FunctionEngine",
+    "InputTooLong",
+    "LabelError",
+    "Message",
+    "ReadResult",
+    "TransformersEngine",
+    "UnsupportedQuestion",
+    "VLLMEngine",
+    "VLLMServerEngine",
+    "run_sync",
+]
+
+_LAZY = {"TransformersEngine": "._transformers", "VLLMEngine": "._vllm"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the heavy backends (torch, vllm) only when asked for."""
+    if name in _LAZY:
+        from importlib import import_module
+
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,102 @@
+"""What an engine reads and returns, and the protocol every backend implements."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from ._errors import EngineResponseError
+
+Message = Mapping[str, str]
+"""A chat message: `{"role": ..., "content": ...}`."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineInfo:
+    """What the router needs to know about an engine before it builds canvases."""
+
+    model: str
+    """Served model name (reported as `gen_ai.request.model`)."""
+    provider: str
+    """`vllm`, `transformers` or `function` (reported as `gen_ai.provider.name`)."""
+    canvas_width: int
+    """Widest canvas one read may use."""
+    max_model_len: int
+    """Prompt plus canvas must fit in this many tokens."""
+    vocab_size: int
+    """Noise ids are drawn from `[0, vocab_size)`."""
+    pad_id: int = 0
+    """Token that fills the canvas after the template."""
+    chat_overhead: int = 0
+    """Tokens the chat template adds around empty messages (for cheap length bounds)."""
+    canvas_prefix: str = "<|channel>thought\n<channel|>"
+    """Text that opens the answer canvas (Gemma 4's empty thought block)."""
+    end_of_turn: str = "<turn|>"
+    """Text that closes the answer (Gemma 4's end of turn)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CanvasRead:
+    """One structured read: a prompt, a seeded canvas, and the slots to read back."""
+
+    messages: tuple[Message, ...]
+    """Chat messages; the engine applies its chat template with a generation prompt."""
+    canvas: tuple[int, ...]
+    """Seed canvas: template ids with noise at the slots."""
+    slots: tuple[int, ...]
+    """Canvas positions whose rows the caller needs, in the caller's order."""
+    label_ids: tuple[int, ...]
+    """Sorted union of every slot's label ids (the ids each row must carry)."""
+    constrained: bool = False
+    """Normalize each row over `label_ids` only (label mass is then 1)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadResult:
+    """Rows of log-probabilities at the requested slots, plus accounting."""
+
+    rows: tuple[Mapping[int, float], ...]
+    """One row per requested slot: token id to logprob (at least the label ids an
+    engine could score; a missing id means 'below everything shown')."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_s: float = 0.0
+    attrs: Mapping[str, object] = field(default_factory=dict)
+    """Engine-specific details (replica URL, batch size) for tracing."""
+
+    def __post_init__(self) -> None:
+        for i, row in enumerate(self.rows):
+            if not row:
+                raise EngineResponseError(f"slot row {i} is empty")
+            for token, lp in row.items():
+                if not math.isfinite(lp) and lp != -math.inf:
+                    raise EngineResponseError(f"slot row {i} holds a non-finite logprob {lp!r} for id {token}")
+                if lp > 1e-4:
+                    raise EngineResponseError(f"slot row {i} holds a positive logprob {lp!r} for id {token}")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A single-step canvas reader. Async-first; the router provides the sync path."""
+
+    async def info(self) -> EngineInfo:
+        """Describe the served model (cached after the first call)."""
+        ...
+
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of plain text; special-token text maps to its special id."""
+        ...
+
+    async def count_prompt(self, messages: Sequence[Message]) -> int:
+        """Token count of the chat prompt, generation prompt included."""
+        ...
+
+    async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
+        """Run one denoising pass per canvas and return the slot rows, in order."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections, threads and models."""
+        ...

@@ -1,0 +1,36 @@
+"""`canvasroute demo | bench | calibrate | dashboard | serve`.
+
+Each command lives in its own module exposing `configure(parser)` and `run(args) -> int`;
+it is imported only when invoked, so `canvasroute --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+
+COMMANDS = {
+    "demo": ("harness.demo", "run the support-triage example graph (offline, embedded model by default)"),
+    "bench": ("harness.bench", "measure overhead, throughput, packing and canvas-vs-AR latency"),
+    "calibrate": ("harness.calibrate", "fit temperatures and thresholds from labelled decisions"),
+    "dashboard": ("harness.dashboard", "render exported decision spans as one HTML page"),
+    "serve": ("harness.serve", "serve gated decisions over HTTP (/v1/systemone)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="canvasroute", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, (module, summary) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=summary)
+        if name == chosen:
+            import_module(module).configure(p)
+    args = parser.parse_args(argv)
+    return int(import_module(COMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

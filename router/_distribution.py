@@ -1,0 +1,82 @@
+"""Distribution math for one answer slot.
+
+For a slot with K labels and a row of log-probabilities `lp`:
+
+- a label id missing from the row gets `floor = min(row) - 5` (it ranked below
+  everything the engine returned);
+- `p = softmax(lp[labels])`, the distribution over labels only;
+- `label_mass = sum(exp(lp[labels]))`, how much of the model's mass fell on labels;
+- `entropy = -sum(p ln p)` in nats; `normalized_entropy = entropy / ln K` (0 when K = 1);
+- `margin = p(top) - p(second)`;
+- `confidence = p(top)`, the probability of the chosen label (for re-reads: its mean
+  over reads, as vLLM's gateway does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStats:
+    """Probabilities over one slot's labels and the figures the gate reads."""
+
+    probs: tuple[float, ...]
+    label_mass: float
+    reads: int = 1
+    agreement: float | None = None
+    """Share of reads whose argmax equals the final answer (re-reads only)."""
+    stderr: float | None = None
+    """Standard error of the chosen label's probability across reads (re-reads only)."""
+
+    @property
+    def top(self) -> int:
+        return max(range(len(self.probs)), key=self.probs.__getitem__)
+
+    @property
+    def confidence(self) -> float:
+        return self.probs[self.top]
+
+    @property
+    def entropy(self) -> float:
+        return -sum(p * math.log(p) for p in self.probs if p > 0.0)
+
+    @property
+    def normalized_entropy(self) -> float:
+        k = len(self.probs)
+        return self.entropy / math.log(k) if k > 1 else 0.0
+
+    @property
+    def margin(self) -> float:
+        ranked = sorted(self.probs, reverse=True)
+        return ranked[0] - ranked[1] if len(ranked) > 1 else 1.0
+
+
+def slot_stats(row: Mapping[int, float], label_ids: Sequence[int]) -> SlotStats:
+    """Label-normalized probabilities from one row of log-probabilities."""
+    floor = min(row.values()) - 5.0
+    lps = [row.get(i, floor) for i in label_ids]
+    top = max(lps)
+    if top == -math.inf:
+        lps, top = [0.0] * len(lps), 0.0
+    weights = [math.exp(lp - top) for lp in lps]
+    total = sum(weights)
+    mass = sum(math.exp(lp) for lp in lps)
+    return SlotStats(tuple(w / total for w in weights), min(1.0, mass))
+
+
+def aggregate(reads: Sequence[SlotStats]) -> SlotStats:
+    """Mean distribution over several reads of one slot, with agreement and stderr."""
+    if len(reads) == 1:
+        return reads[0]
+    n, k = len(reads), len(reads[0].probs)
+    mean = tuple(sum(r.probs[j] for r in reads) / n for j in range(k))
+    top = max(range(k), key=mean.__getitem__)
+    agreement = sum(r.top == top for r in reads) / n
+    tops = [r.probs[top] for r in reads]
+    mu = sum(tops) / n
+    stderr = math.sqrt(sum((x - mu) ** 2 for x in tops) / (n - 1) / n)
+    mass = sum(r.label_mass for r in reads) / n
+    return SlotStats(mean, mass, reads=n, agreement=agreement, stderr=stderr)

@@ -1,0 +1,430 @@
+"""`CanvasDecisionModel`: a decision set becomes one canvas read, gated and escalated."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from langchain_core.decisions import (
+    BaseDecisionModel,
+    ChoiceAnswer,
+    ClassifierRequest,
+    NoulAnswer,
+    ScoreAnswer,
+)
+from langchain_core.messages import BaseMessage
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+
+from engine import (
+    CanvasRead,
+    CanvasRouteError,
+    DecisionError,
+    Engine,
+    EngineInfo,
+    EngineResponseError,
+    InputTooLong,
+    run_sync,
+)
+
+from . import _telemetry as tm
+from ._distribution import SlotStats, aggregate, slot_stats
+from ._escalation import Escalated, EscalationError, escalate, is_target, target_name
+from ._policy import BudgetMeter, EscalationBudget, GatePolicy
+from ._schema import Chunk, Plan, QuestionSpec, parse_questions, plan
+from ._types import CanvasResponse, ReadReport
+
+REREAD_STRIDE = 7919
+"""Read k of a canvas uses noise seed `seed + 7919 k` (vLLM's gateway convention)."""
+_SPECIAL_TEXT = re.compile(r"<(?=\|)|(?<=\|)>|<(?=/?(?:pad|eos|bos|unk|mask|s)>)")
+
+
+class BudgetExhausted(CanvasRouteError):
+    """Escalation was needed, the budget is spent, and the budget says raise."""
+
+
+@dataclass(slots=True)
+class _Read:
+    """Per-question canvas state while a decision set is answered."""
+
+    spec: QuestionSpec
+    chunk: int
+    labels: tuple[str, ...]
+    runs: list[SlotStats]
+    stats: SlotStats | None = None
+    crossed: tuple[str, ...] = ()
+    error: str | None = None
+
+
+class CanvasDecisionModel(BaseDecisionModel):
+    """Answers Noul, Choice and Score questions with one DiffusionGemma canvas read.
+
+    The questions about one state go into one canvas (split into chunks only when they
+    do not fit), one denoising pass returns a distribution per answer slot, and the gate
+    decides per question: answer, re-read with fresh noise, or escalate to `escalate_to`.
+    Engine faults fail expensive: escalate (default), raise, or a declared fallback label.
+
+    Request keys beyond `state` and `questions`: `seed` (int, the noise seed; default a
+    hash of state and questions, so identical requests read identically) and `thread_id`
+    (for per-thread escalation budgets).
+
+    Example:
+        ```python
+        model = CanvasDecisionModel(engine=VLLMServerEngine("http://127.0.0.1:8000"),
+                                    policy=GatePolicy(max_normalized_entropy=0.5))
+        resp = model.invoke({"state": "Refund me now!", "questions": {
+            "team": Choice(instructions="Which team?", criteria={"billing": None, "tech": None})}})
+        resp.answers["team"].choice, resp.reads["team"].path
+        ```
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: Any
+    """The engine that reads canvases (`VLLMServerEngine`, `TransformersEngine`, ...)."""
+    model: str = "canvas"
+    """Reported model name; replaced by the engine's served model on first use."""
+    policy: GatePolicy = Field(default_factory=GatePolicy)
+    """Thresholds and re-reads."""
+    escalate_to: Any = None
+    """`BaseChatModel`, `Runnable` or `BaseDecisionModel` for uncertain questions."""
+    budget: EscalationBudget | None = None
+    """Cap on escalations (None: unbounded)."""
+    on_engine_error: Literal["escalate", "raise", "fallback"] = "escalate"
+    """What an engine fault does: escalate every question, raise, or use `fallback`."""
+    fallback: dict[str, str] = Field(default_factory=dict)
+    """Fallback option per question id (for `on_engine_error="fallback"` and budgets)."""
+    constrained: bool = False
+    """Ask the engine to normalize over the labels (label mass is then always 1)."""
+    escalation_timeout: float = 60.0
+    """Seconds one escalation call may take."""
+
+    _plans: OrderedDict[str, Plan] = PrivateAttr(default_factory=OrderedDict)
+    _meter: BudgetMeter | None = PrivateAttr(default=None)
+
+    @field_validator("escalate_to")
+    @classmethod
+    def _check_target(cls, value: Any) -> Any:
+        if value is not None and not is_target(value):
+            raise ValueError(f"escalate_to must be a chat model, Runnable or decision model, not {type(value)!r}")
+        return value
+
+    def model_post_init(self, context: Any) -> None:
+        if not isinstance(self.engine, Engine):
+            raise TypeError(f"engine must implement engine.Engine, got {type(self.engine).__name__}")
+        if self.budget is not None:
+            self._meter = BudgetMeter(self.budget)
+        if self.on_engine_error == "fallback" and not self.fallback:
+            raise ValueError("on_engine_error='fallback' needs fallback={question id: option}")
+
+    @property
+    def _provider(self) -> str:
+        return "canvasroute"
+
+    @property
+    def budget_counters(self) -> dict[str, int]:
+        """Escalations granted and refused by the budget (empty without a budget)."""
+        return self._meter.snapshot() if self._meter else {}
+
+    # -- BaseDecisionModel --------------------------------------------------------------
+
+    def _classify(self, state: Any, questions: dict[str, Any]) -> CanvasResponse:
+        return run_sync(self.decide(state, questions))
+
+    async def _aclassify(self, state: Any, questions: dict[str, Any]) -> CanvasResponse:
+        return await self.decide(state, questions)
+
+    def _classify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
+        return run_sync(self._adecide_request(request))
+
+    async def _aclassify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
+        return await self._adecide_request(request)
+
+    async def _adecide_request(self, request: Mapping[str, Any]) -> CanvasResponse:
+        if not isinstance(request, Mapping) or "state" not in request or "questions" not in request:
+            raise DecisionError("a decision request is {'state': ..., 'questions': {...}}")
+        return await self.decide(request["state"], request["questions"], seed=request.get("seed"),
+                                 thread_id=request.get("thread_id"), policy=request.get("policy"))
+
+    # -- the decision ------------------------------------------------------------------
+
+    async def decide(self, state: Any, questions: Mapping[str, Any], *, seed: int | None = None,
+                     thread_id: str | None = None, policy: GatePolicy | None = None,
+                     attributes: Mapping[str, Any] | None = None) -> CanvasResponse:
+        """Answer every question about `state`: read, gate, re-read, escalate."""
+        start = time.perf_counter()
+        policy = policy or self.policy
+        specs = parse_questions(questions)
+        for qid, option in self.fallback.items():
+            if qid in specs and option not in specs[qid].options:
+                raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
+        info = await self.engine.info()
+        self.model = info.model
+        state_text = render_state(state)
+        attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
+        if tm.record_content():
+            attrs[tm.STATE_CONTENT] = state_text
+        with tm.span(f"decide {info.model}", attrs) as span:
+            the_plan = await self._plan(specs)
+            messages = [_messages(c, state_text) for c in the_plan.chunks]
+            await _check_length(self.engine, info, the_plan.chunks, messages)
+            if seed is None:
+                seed = _default_seed(state_text, the_plan)
+            usage = {"input_tokens": 0, "output_tokens": 0}
+            reads = {s.question_id: _Read(specs[s.question_id], c, s.labels, [])
+                     for c, chunk in enumerate(the_plan.chunks) for s in chunk.slots}
+            canvas_reads = await self._first_reads(info, the_plan, messages, seed, reads, usage, policy)
+            canvas_reads += await self._rereads(info, the_plan, messages, seed, reads, usage, policy)
+            escalated = await self._escalate(state, state_text, reads, usage, thread_id)
+            reports = [self._report(r, escalated) for r in reads.values()]
+            latency = time.perf_counter() - start
+            reports = [r.model_copy(update={"latency_s": latency}) for r in reports]
+            span.set_attribute(tm.CANVAS_READS, canvas_reads)
+            tm.record_reports(span, reports, latency, info.model)
+        return CanvasResponse(
+            model=info.model,
+            answers={r.question_id: _answer(specs[r.question_id], r) for r in reports},
+            reads={r.question_id: r for r in reports},
+            usage=usage,
+            canvas_reads=canvas_reads,
+            latency_s=latency,
+        )
+
+    async def _plan(self, specs: Mapping[str, QuestionSpec]) -> Plan:
+        key = json.dumps({qid: s.question.model_dump(mode="json") for qid, s in specs.items()}, sort_keys=True)
+        if key not in self._plans:
+            self._plans[key] = await plan(self.engine, specs)
+            while len(self._plans) > 256:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(key)
+        return self._plans[key]
+
+    async def _read(self, info: EngineInfo, the_plan: Plan, jobs: Sequence[tuple[int, int]],
+                    messages: Sequence[tuple[Mapping[str, str], ...]], seed: int, kind: str,
+                    usage: dict[str, int]) -> list[list[SlotStats]]:
+        """One engine call reading (chunk, k) pairs; returns stats per job, in slot order."""
+        batch = [_canvas(the_plan.chunks[c], messages[c], info, seed + REREAD_STRIDE * k, self.constrained)
+                 for c, k in jobs]
+        attrs = {**tm.genai_attributes("canvas_read", info.provider, info.model),
+                 tm.READ_BATCH: len(batch), tm.READ_KIND: kind}
+        with tm.span(f"canvas_read {info.model}", attrs) as span:
+            results = await self.engine.read(batch)
+            if len(results) != len(batch):
+                raise EngineResponseError(f"the engine returned {len(results)} results for {len(batch)} canvases")
+            tokens_in = sum(r.prompt_tokens for r in results)
+            tokens_out = sum(r.completion_tokens for r in results)
+            tm.set_usage(span, tokens_in, tokens_out)
+        usage["input_tokens"] += tokens_in
+        usage["output_tokens"] += tokens_out
+        out = []
+        for (c, _), result in zip(jobs, results, strict=True):
+            slots = the_plan.chunks[c].slots
+            if len(result.rows) != len(slots):
+                raise EngineResponseError(f"the engine returned {len(result.rows)} slot rows for {len(slots)} slots")
+            out.append([slot_stats(row, s.label_ids) for row, s in zip(result.rows, slots, strict=True)])
+        return out
+
+    async def _first_reads(self, info: EngineInfo, the_plan: Plan, messages: Any, seed: int,
+                           reads: dict[str, _Read], usage: dict[str, int], policy: GatePolicy) -> int:
+        jobs = [(c, 0) for c in range(len(the_plan.chunks))]
+        try:
+            stats = await self._read(info, the_plan, jobs, messages, seed, "first", usage)
+        except CanvasRouteError as exc:
+            if self.on_engine_error == "raise" or not (self.escalate_to or self.on_engine_error == "fallback"):
+                raise
+            for r in reads.values():
+                r.error = f"{type(exc).__name__}: {exc}"
+            return len(jobs)
+        self._collect(the_plan, jobs, stats, reads, policy)
+        return len(jobs)
+
+    async def _rereads(self, info: EngineInfo, the_plan: Plan, messages: Any, seed: int,
+                       reads: dict[str, _Read], usage: dict[str, int], policy: GatePolicy) -> int:
+        """Re-read (all questions of) chunks holding an uncertain question, k times each."""
+        chunks = sorted({r.chunk for r in reads.values()
+                         if r.error is None and r.crossed and policy.for_question(r.spec.id).rereads})
+        if not chunks:
+            return 0
+        k = max(policy.for_question(r.spec.id).rereads for r in reads.values() if r.chunk in chunks)
+        jobs = [(c, n) for c in chunks for n in range(1, k + 1)]
+        try:
+            stats = await self._read(info, the_plan, jobs, messages, seed, "reread", usage)
+        except CanvasRouteError as exc:
+            if self.on_engine_error == "raise" or not (self.escalate_to or self.on_engine_error == "fallback"):
+                raise
+            for r in reads.values():
+                if r.chunk in chunks and r.crossed:
+                    r.error = f"{type(exc).__name__}: {exc}"
+            return len(jobs)
+        self._collect(the_plan, jobs, stats, reads, policy)
+        return len(jobs)
+
+    def _collect(self, the_plan: Plan, jobs: Sequence[tuple[int, int]], stats: Sequence[Sequence[SlotStats]],
+                 reads: dict[str, _Read], policy: GatePolicy) -> None:
+        for (c, _), chunk_stats in zip(jobs, stats, strict=True):
+            for slot, st in zip(the_plan.chunks[c].slots, chunk_stats, strict=True):
+                reads[slot.question_id].runs.append(st)
+        for r in reads.values():
+            if r.runs and r.error is None:
+                r.stats = aggregate(r.runs)
+                r.crossed = tuple(policy.for_question(r.spec.id).crossed(r.stats))
+
+    async def _escalate(self, state: Any, state_text: str, reads: dict[str, _Read],
+                        usage: dict[str, int], thread_id: str | None) -> Escalated | None:
+        wanted = [r for r in reads.values() if r.error is not None or r.crossed]
+        if self.on_engine_error == "fallback":
+            wanted = [r for r in wanted if r.error is None]  # faults take the fallback label
+        if not wanted or self.escalate_to is None:
+            return None
+        granted = self._meter.take(len(wanted), thread_id) if self._meter else len(wanted)
+        if granted < len(wanted):
+            spent = wanted[granted:]
+            if self.budget and self.budget.when_spent == "raise":
+                raise BudgetExhausted(f"escalation budget spent; {len(spent)} question(s) could not escalate",
+                                      hint="raise the budget, or set when_spent='keep' or 'fallback'")
+            for r in spent:
+                if r.error is not None and (self.budget is None or self.budget.when_spent == "keep"):
+                    raise BudgetExhausted(f"engine failed ({r.error}) and the escalation budget is spent",
+                                          hint="an engine fault never becomes a cheap answer")
+            wanted = wanted[:granted]
+            for r in spent:
+                r.crossed = (*r.crossed, "over_budget")
+        if not wanted:
+            return None
+        canvas = {r.spec.id: _named(r.spec, r.stats) if r.stats else None for r in wanted}
+        name = target_name(self.escalate_to)
+        with tm.span(f"escalate {name}", {**tm.genai_attributes("chat", "escalation", name),
+                                          tm.ESCALATED_QUESTIONS: ",".join(canvas)}) as span:
+            try:
+                result = await asyncio.wait_for(
+                    escalate(self.escalate_to, state_text, state, [r.spec for r in wanted], canvas),
+                    self.escalation_timeout)
+            except TimeoutError as exc:
+                raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s") from exc
+            tm.set_usage(span, result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
+        for key in ("input_tokens", "output_tokens"):
+            usage[key] += result.usage.get(key, 0)
+        return result
+
+    def _report(self, r: _Read, escalated: Escalated | None) -> ReadReport:
+        spec, st = r.spec, r.stats
+        canvas = _named(spec, st) if st else None
+        base: dict[str, Any] = dict(
+            question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
+            reads=len(r.runs), error=r.error, crossed=[c for c in r.crossed if c != "over_budget"],
+            over_budget="over_budget" in r.crossed,
+        )
+        if st is not None:
+            base.update(entropy=st.entropy, normalized_entropy=st.normalized_entropy, margin=st.margin,
+                        label_mass=st.label_mass, confidence=st.confidence, agreement=st.agreement,
+                        stderr=st.stderr)
+        if escalated is not None and spec.id in escalated.answers:
+            answer = escalated.answers[spec.id]
+            probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in spec.options}
+            return ReadReport(answer=answer, probabilities=probs, path="escalated", confident=False,
+                              escalation_model=escalated.model, **base)
+        if st is None or (base["over_budget"] and self.budget and self.budget.when_spent == "fallback"):
+            if spec.id not in self.fallback:
+                raise BudgetExhausted(f"question {spec.id!r} has no fallback option") if st is not None else \
+                    EscalationError(f"engine failed for {spec.id!r} and there is no fallback: {r.error}")
+            answer = self.fallback[spec.id]
+            return ReadReport(answer=answer, probabilities={o: float(o == answer) for o in spec.options},
+                              path="fallback", confident=False, **base)
+        path = "reread" if len(r.runs) > 1 else "canvas"
+        return ReadReport(answer=spec.options[st.top], probabilities=canvas, path=path,
+                          confident=not r.crossed, **base)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def render_state(state: Any) -> str:
+    """The user message: a string as is, messages as a transcript, anything else as JSON.
+
+    Special-token text (`<turn|>`, `<|im_end|>`, `<pad>`, ...) is defused with a
+    zero-width space so a state cannot close the turn or forge template tokens.
+    """
+    if isinstance(state, str):
+        text = state
+    elif isinstance(state, BaseMessage):
+        text = f"{state.type}: {state.text}"
+    elif isinstance(state, Sequence) and state and all(isinstance(m, BaseMessage) for m in state):
+        text = "\n".join(f"{m.type}: {m.text}" for m in state)
+    else:
+        text = json.dumps(state, ensure_ascii=False, default=_jsonable, sort_keys=False)
+    return _SPECIAL_TEXT.sub(lambda m: m.group(0) + "\u200b" if m.group(0) == "<" else "\u200b>", text)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, BaseMessage):
+        return {"role": value.type, "content": value.text}
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    raise TypeError(f"state holds a {type(value).__name__}, which is not JSON")
+
+
+def _messages(chunk: Chunk, state_text: str) -> tuple[Mapping[str, str], ...]:
+    return ({"role": "system", "content": chunk.system}, {"role": "user", "content": state_text})
+
+
+def _default_seed(state_text: str, the_plan: Plan) -> int:
+    blob = state_text + "\x00" + "\x00".join(c.system for c in the_plan.chunks)
+    return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
+
+
+def _canvas(chunk: Chunk, messages: tuple[Mapping[str, str], ...], info: EngineInfo, seed: int,
+            constrained: bool) -> CanvasRead:
+    """Template + pad to the chunk width, with a random non-label id at every slot."""
+    rng = random.Random(seed)
+    canvas = list(chunk.template) + [info.pad_id] * (chunk.width - len(chunk.template))
+    for slot in chunk.slots:
+        avoid = set(slot.label_ids) | {info.pad_id}
+        noise = rng.randrange(info.vocab_size)
+        while noise in avoid:
+            noise = rng.randrange(info.vocab_size)
+        canvas[slot.position] = noise
+    return CanvasRead(messages=messages, canvas=tuple(canvas), slots=tuple(s.position for s in chunk.slots),
+                      label_ids=chunk.label_ids, constrained=constrained)
+
+
+async def _check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk],
+                        messages: Sequence[tuple[Mapping[str, str], ...]]) -> None:
+    """Refuse before any read when prompt + canvas exceed the model's context.
+
+    A token covers at least one UTF-8 byte, so a byte count bounds the prompt cheaply;
+    only prompts near the limit are tokenized exactly.
+    """
+    for chunk, msgs in zip(chunks, messages, strict=True):
+        budget = info.max_model_len - chunk.width
+        if info.chat_overhead + sum(len(m["content"].encode()) for m in msgs) <= budget:
+            continue
+        n = await engine.count_prompt(msgs)
+        if n > budget:
+            raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width} exceed the model's "
+                               f"{info.max_model_len}-token context",
+                               hint="shorten the state or ask fewer questions per node")
+
+
+def _named(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:
+    return dict(zip(spec.options, st.probs, strict=True))
+
+
+def _answer(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
+    """The langchain-core answer for one report."""
+    probs = report.probabilities
+    if spec.kind == "noul":
+        return NoulAnswer(type="noul", noul=min(1.0, max(0.0, probs.get("yes", 0.0))))
+    confidence = min(1.0, max(0.0, probs.get(report.answer, 0.0)))
+    if spec.kind == "choice":
+        return ChoiceAnswer(type="choice", choice=report.answer, probabilities=dict(probs), confidence=confidence)
+    by_level = {int(k): v for k, v in probs.items()}
+    return ScoreAnswer(type="score", score=sum(i * p for i, p in by_level.items()),
+                       legend=dict(enumerate(spec.question.criteria)), probabilities=by_level,
+                       confidence=confidence)

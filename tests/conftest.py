@@ -1,0 +1,109 @@
+"""Shared fixtures: the real vLLM CPU server, network isolation, engines.
+
+The integration suite starts its own vLLM server (scripts/vllm_cpu.sh) unless
+CANVASROUTE_VLLM_URL points at a running one. When the server cannot be provisioned the
+vLLM tests skip with the reason, and fail under CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def unavailable(reason: str) -> None:
+    """Skip locally, fail in CI: integration checks must not silently vanish there."""
+    if CI:
+        pytest.fail(f"{reason} (CI=true: integration tests must run)")
+    pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    return False
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory: pytest.TempPathFactory):
+    """Base URL of a real vLLM server serving the tiny DiffusionGemma."""
+    if url := os.environ.get("CANVASROUTE_VLLM_URL"):
+        if not _wait_ready(url, None, 10):
+            unavailable(f"CANVASROUTE_VLLM_URL={url} does not answer")
+        yield url
+        return
+    script = ROOT / "scripts" / "vllm_cpu.sh"
+    prov = subprocess.run(["bash", str(script), "provision"], capture_output=True, text=True)
+    if prov.returncode != 0:
+        unavailable(f"could not provision the vLLM CPU server: {prov.stderr[-2000:]}")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    started = subprocess.run(["bash", str(script), "start", str(port), str(log)],
+                             capture_output=True, text=True, check=True)
+    pid = int(started.stdout.strip().splitlines()[-1])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not _wait_ready(url, None, 240):
+            unavailable(f"vLLM server did not start; log tail:\n{log.read_text()[-3000:]}")
+        yield url
+    finally:
+        _kill(pid)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, 15)
+        for _ in range(50):
+            os.kill(pid, 0)
+            time.sleep(0.2)
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def tiny_dgemma_dir() -> Path:
+    """The tiny DiffusionGemma checkpoint the vLLM server serves."""
+    cache = Path(os.environ.get("CANVASROUTE_CACHE", Path.home() / ".cache" / "canvasroute"))
+    path = Path(os.environ.get("CANVASROUTE_TINY_DGEMMA", cache / "tiny-dgemma"))
+    if not (path / "model.safetensors").exists():
+        unavailable(f"tiny DiffusionGemma checkpoint missing at {path} (run scripts/vllm_cpu.sh provision)")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any connection to a non-loopback address fails the test (no real network)."""
+    real_connect = socket.socket.connect
+
+    def connect(self: socket.socket, address):  # type: ignore[no-untyped-def]
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            host = address[0]
+            if not (host.startswith("127.") or host in ("::1", "localhost")):
+                raise ConnectionRefusedError(f"tests may only reach loopback, not {host}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
