@@ -102,7 +102,8 @@ class CanvasDecisionModel(BaseDecisionModel):
     fallback: dict[str, str] = Field(default_factory=dict)
     """Fallback option per question id (for `on_engine_error="fallback"` and budgets)."""
     constrained: bool = False
-    """Ask the engine to normalize over the labels (label mass is then always 1)."""
+    """Ask the engine to normalize each row over the request's label ids (the union over all
+    slots of a canvas): label mass is then 1 for a lone question, a share for several."""
     escalation_timeout: float = 60.0
     """Seconds one escalation call may take."""
 

@@ -1,0 +1,168 @@
+"""The core read against the REAL vLLM server: one decision set, one canvas read."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+from langchain_core.decisions import Choice, ChoiceAnswer, Noul, NoulAnswer, Score, ScoreAnswer
+
+from engine import EngineRequestError, EngineUnavailable, InputTooLong, VLLMServerEngine
+from router import CanvasDecisionModel, CanvasResponse, GatePolicy
+
+pytestmark = pytest.mark.vllm
+
+QUESTIONS = {
+    "urgent": Noul(instructions="Does the customer need an answer today?",
+                   criteria={"true": "service is down or money is lost", "false": "it can wait"}),
+    "team": Choice(instructions="Which team owns this ticket?",
+                   criteria={"billing": "charges, refunds, invoices", "technical": "bugs, errors, outages",
+                             "sales": "pricing, plans", "legal": "contracts, privacy", "other": None}),
+    "severity": Score(instructions="How severe is the problem?",
+                      criteria=["cosmetic", "annoying", "blocking one user", "blocking everyone"]),
+}
+TICKET = "I was charged twice for my subscription this month and support has not replied."
+
+
+class Recording(httpx.AsyncBaseTransport):
+    """Forwards to the real network transport and keeps every request it sends."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.requests: list[httpx.Request] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        return await self.inner.handle_async_request(request)
+
+    def reads(self) -> list[dict]:
+        return [json.loads(r.content) for r in self.requests
+                if r.url.path in ("/v1/chat/completions", "/v1/completions") and
+                "diffusion_seed_canvas" in json.loads(r.content).get("vllm_xargs", {}) and
+                len(json.loads(r.content)["vllm_xargs"]["diffusion_seed_canvas"]) > 1]
+
+
+@pytest.fixture
+def recorded(vllm_url):
+    transport = Recording()
+    return VLLMServerEngine(vllm_url, transport=transport), transport
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_one_invoke_is_one_read_on_the_served_canvas(vllm_url, endpoint):
+    transport = Recording()
+    engine = VLLMServerEngine(vllm_url, transport=transport, endpoint=endpoint)
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
+    info = await engine.info()
+    before = engine.requests_sent
+
+    resp = await model.ainvoke({"state": TICKET, "questions": QUESTIONS})
+
+    assert isinstance(resp, CanvasResponse)
+    assert engine.requests_sent - before == 1
+    bodies = transport.reads()
+    assert len(bodies) == 1
+    body = bodies[0]
+    canvas = body["vllm_xargs"]["diffusion_seed_canvas"]
+    assert len(canvas) == info.canvas_width == body["max_tokens"]
+    assert body["vllm_xargs"]["diffusion_max_steps"] == 1 and body["vllm_xargs"]["diffusion_read_only"] == 1
+    assert body["return_tokens_as_token_ids"] is True
+    # every non-slot position holds the template, padded; slots hold non-label noise
+    plan = next(iter(model._plans.values()))
+    (chunk,) = plan.chunks
+    slots = {s.position: s for s in chunk.slots}
+    template = list(chunk.template) + [info.pad_id] * (len(canvas) - len(chunk.template))
+    for pos, token in enumerate(canvas):
+        if pos in slots:
+            assert token not in slots[pos].label_ids
+        else:
+            assert token == template[pos], pos
+    assert body["logprob_token_ids"] == sorted({i for s in chunk.slots for i in s.label_ids})
+    # answers are langchain-core types whose probabilities sum to 1
+    assert isinstance(resp.answers["urgent"], NoulAnswer)
+    assert isinstance(resp.answers["team"], ChoiceAnswer)
+    assert isinstance(resp.answers["severity"], ScoreAnswer)
+    assert set(resp.answers["team"].probabilities) == set(QUESTIONS["team"].criteria)
+    assert math.isclose(sum(resp.answers["team"].probabilities.values()), 1.0, abs_tol=1e-9)
+    assert math.isclose(sum(resp.answers["severity"].probabilities.values()), 1.0, abs_tol=1e-9)
+    assert resp.answers["severity"].legend == dict(enumerate(QUESTIONS["severity"].criteria))
+    for qid, report in resp.reads.items():
+        assert report.path == "canvas" and report.reads == 1
+        k = len(report.labels)
+        assert 0 <= report.entropy <= math.log(k) + 1e-9
+        assert math.isclose(report.normalized_entropy, report.entropy / math.log(k))
+        assert 0 < report.label_mass <= 1 and 0 <= report.margin <= 1
+        assert math.isclose(report.confidence, max(report.canvas_probabilities.values()))
+    assert resp.usage["output_tokens"] == info.canvas_width and resp.usage["input_tokens"] > 0
+    await engine.aclose()
+
+
+async def test_identical_requests_read_identically_and_seed_moves_noise(recorded):
+    engine, transport = recorded
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
+    a = await model.ainvoke({"state": TICKET, "questions": QUESTIONS})
+    b = await model.ainvoke({"state": TICKET, "questions": QUESTIONS})
+    c = await model.ainvoke({"state": TICKET, "questions": QUESTIONS, "seed": 12345})
+    bodies = transport.reads()
+    assert bodies[0]["vllm_xargs"] == bodies[1]["vllm_xargs"]
+    assert bodies[2]["vllm_xargs"]["diffusion_seed_canvas"] != bodies[0]["vllm_xargs"]["diffusion_seed_canvas"]
+    assert a.reads == {k: v.model_copy(update={"latency_s": a.reads[k].latency_s}) for k, v in b.reads.items()}
+    assert c.reads["team"].canvas_probabilities != a.reads["team"].canvas_probabilities
+
+
+def test_sync_invoke_and_batch(vllm_url):
+    engine = VLLMServerEngine(vllm_url)
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
+    one = model.invoke({"state": TICKET, "questions": {"urgent": QUESTIONS["urgent"]}})
+    many = model.batch([{"state": f"ticket {i}", "questions": QUESTIONS} for i in range(3)])
+    assert 0.0 <= one.answers["urgent"].noul <= 1.0
+    assert [len(r.answers) for r in many] == [3, 3, 3]
+    assert model.model == "tiny-dgemma" or model.model  # the served model name replaces the default
+
+
+async def test_slot_resolution_falls_back_on_the_real_tokenizer(vllm_url):
+    """The tiny BPE splits ' yes' in two: the Noul must move to another alphabet."""
+    engine = VLLMServerEngine(vllm_url)
+    assert len(await engine.tokenize(" yes")) > 1  # the premise of this test
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
+    resp = await model.ainvoke({"state": TICKET, "questions": {"urgent": QUESTIONS["urgent"]}})
+    assert resp.reads["urgent"].labels != ["yes", "no"]
+    assert set(resp.reads["urgent"].canvas_probabilities) == {"yes", "no"}
+
+
+async def test_constrained_reads_normalize_over_the_requests_label_ids(vllm_url):
+    """vLLM normalizes a constrained row over ALL of the request's label ids (the union over
+    slots): one question's labels then hold all the mass; with several, a slot's own
+    labels hold only part of it."""
+    model = CanvasDecisionModel(engine=VLLMServerEngine(vllm_url), policy=GatePolicy(rereads=0),
+                                constrained=True)
+    one = await model.ainvoke({"state": TICKET, "questions": {"team": QUESTIONS["team"]}})
+    assert one.reads["team"].label_mass == pytest.approx(1.0, abs=1e-5)
+    many = await model.ainvoke({"state": TICKET, "questions": QUESTIONS})
+    assert all(0 < r.label_mass < 1 for r in many.reads.values())
+
+
+async def test_too_long_state_is_refused_before_any_read(vllm_url):
+    engine = VLLMServerEngine(vllm_url)
+    model = CanvasDecisionModel(engine=engine)
+    await engine.info()
+    before = engine.requests_sent
+    with pytest.raises(InputTooLong, match="context"):
+        await model.ainvoke({"state": "word " * 3000, "questions": QUESTIONS})
+    assert engine.requests_sent == before
+
+
+async def test_server_400_is_a_value_error_with_the_servers_message(vllm_url):
+    engine = VLLMServerEngine(vllm_url, model="no-such-model")
+    with pytest.raises(EngineRequestError, match="no-such-model") as info:
+        await engine.info()
+    assert isinstance(info.value, ValueError) and not info.value.retryable
+
+
+async def test_unreachable_server_is_a_retryable_connection_error():
+    engine = VLLMServerEngine("http://127.0.0.1:9", max_retries=2, backoff=0.01)
+    with pytest.raises(EngineUnavailable) as info:
+        await engine.info()
+    assert isinstance(info.value, ConnectionError) and info.value.retryable
