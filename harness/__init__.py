@@ -1,0 +1,54 @@
+"""LangGraph and observability: decisions as graph nodes and edges, the CLI.
+
+- `decision_node`: a node that answers its questions in one canvas read and returns
+  `Command(goto=..., update={"decisions": ...})` (the primary shape).
+- `route_on`: a path function for `add_conditional_edges` (for graphs that already
+  route with edges).
+- `ReviewPolicy`: send unsure, unescalated answers to a human via `interrupt()`.
+- `merge_decisions`: the state reducer for the decisions key.
+
+Names are imported on first use, so `canvasroute --help` does not load LangGraph.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._context import decision_seed
+    from ._edge import DecisionEdge, route_on
+    from ._node import DecisionNode, decision_node
+    from ._records import DECISION_EVENT, merge_decisions
+    from ._review import REVIEW_EVENT, ReviewPolicy
+
+__all__ = [
+    "DECISION_EVENT",
+    "REVIEW_EVENT",
+    "DecisionEdge",
+    "DecisionNode",
+    "ReviewPolicy",
+    "decision_node",
+    "decision_seed",
+    "merge_decisions",
+    "route_on",
+]
+
+_LAZY = {
+    "DECISION_EVENT": "._records",
+    "REVIEW_EVENT": "._review",
+    "DecisionEdge": "._edge",
+    "DecisionNode": "._node",
+    "ReviewPolicy": "._review",
+    "decision_node": "._node",
+    "decision_seed": "._context",
+    "merge_decisions": "._records",
+    "route_on": "._edge",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from importlib import import_module
+
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'harness' has no attribute {name!r}")

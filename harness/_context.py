@@ -1,0 +1,147 @@
+"""Where a decision runs in a graph: node, thread, namespace, run context, and its seed.
+
+Read once per node run from the `RunnableConfig` and LangGraph's `Runtime`, so the node
+and the edge adapter derive seeds, telemetry attributes and run-scoped overrides the
+same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.runtime import get_runtime
+
+from router import CanvasDecisionModel, GatePolicy, render_state
+from router._telemetry import GRAPH_NODE, GRAPH_THREAD
+
+Inputs = str | Callable[[Any], Any] | None
+"""What a decision reads: None (the graph state, minus the output key), a state key,
+or a function of the state."""
+
+_GATE_FIELDS = frozenset(f.name for f in fields(GatePolicy))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphCall:
+    """One decision's place in a graph run and the settings that apply to it."""
+
+    node: str
+    """The graph node the decision runs in (the source node, for an edge)."""
+    namespace: str
+    """`checkpoint_ns` with task ids removed (`outer|inner`): stable across replays."""
+    thread_id: str | None
+    """The LangGraph thread, for per-thread escalation budgets and span attributes."""
+    task_id: str | None
+    """The task id (identical when an interrupted task re-runs on resume)."""
+    model: CanvasDecisionModel
+    """The decision model for this run (`Runtime.context.decision_model` wins)."""
+    policy: GatePolicy | None
+    """The gate for this run from `Runtime.context.gate`; None keeps the model's."""
+
+    @property
+    def attributes(self) -> dict[str, str]:
+        """Span attributes naming the graph node and thread."""
+        attrs = {GRAPH_NODE: self.node}
+        if self.thread_id is not None:
+            attrs[GRAPH_THREAD] = self.thread_id
+        return attrs
+
+
+def graph_call(config: RunnableConfig, model: CanvasDecisionModel, default_name: str) -> GraphCall:
+    """Read node, thread and namespace from `config`, and overrides from `Runtime.context`."""
+    configurable = config.get("configurable") or {}
+    metadata = config.get("metadata") or {}
+    runtime = _runtime()
+    info = getattr(runtime, "execution_info", None)
+    node = str(metadata.get("langgraph_node") or default_name)
+    ns = info.checkpoint_ns if info is not None else configurable.get("checkpoint_ns", "")
+    thread = info.thread_id if info is not None and info.thread_id is not None else configurable.get("thread_id")
+    context = getattr(runtime, "context", None)
+    chosen = _from_context(context, "decision_model")
+    if chosen is not None and not isinstance(chosen, CanvasDecisionModel):
+        raise TypeError(f"Runtime.context decision_model must be a CanvasDecisionModel, not {type(chosen).__name__}")
+    chosen = chosen or model
+    return GraphCall(
+        node=node,
+        namespace=strip_task_ids(ns) or node,
+        thread_id=None if thread is None else str(thread),
+        task_id=info.task_id if info is not None else None,
+        model=chosen,
+        policy=_gate(_from_context(context, "gate"), chosen.policy),
+    )
+
+
+def child_config(config: RunnableConfig) -> RunnableConfig:
+    """The model call's config: a child run of the node, tagged off the messages stream."""
+    return {**config, "tags": [*(config.get("tags") or []), "nostream"]}
+
+
+def strip_task_ids(checkpoint_ns: str) -> str:
+    """`outer:<task id>|inner:<task id>` -> `outer|inner` (task ids change on replay)."""
+    return "|".join(part.split(":", 1)[0] for part in checkpoint_ns.split("|") if part)
+
+
+def decision_seed(namespace: str, site: str, questions: Mapping[str, Any], state: Any) -> int:
+    """The noise seed of one decision: a hash of where it runs, what it asks, and what it reads.
+
+    The same node asking the same questions about the same state reads the same noise,
+    so re-running a thread, replaying it from a checkpoint, resuming it after an
+    interrupt, or starting a fresh thread with the same input takes the same branch on
+    the same engine. The thread id is deliberately left out: it would make identical
+    inputs in different threads read differently.
+    """
+    asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
+    blob = json.dumps([namespace, site, asked, render_state(state)], sort_keys=True, default=str)
+    return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
+
+
+def select_inputs(state: Any, inputs: Inputs, exclude: str | None = None) -> Any:
+    """The decision state: a key of the graph state, a function of it, or all of it."""
+    if callable(inputs):
+        return inputs(state)
+    if isinstance(inputs, str):
+        if isinstance(state, Mapping):
+            if inputs not in state:
+                raise KeyError(f"the graph state has no key {inputs!r} to decide on")
+            return state[inputs]
+        return getattr(state, inputs)
+    if hasattr(state, "model_dump"):
+        state = state.model_dump()
+    if isinstance(state, Mapping):
+        return {k: v for k, v in state.items() if k != exclude}
+    return state
+
+
+def _runtime() -> Any:
+    try:
+        return get_runtime()
+    except (RuntimeError, KeyError):  # called outside a graph run
+        return None
+
+
+def _from_context(context: Any, key: str) -> Any:
+    if context is None:
+        return None
+    if isinstance(context, Mapping):
+        return context.get(key)
+    return getattr(context, key, None)
+
+
+def _gate(value: Any, base: GatePolicy) -> GatePolicy | None:
+    if value is None or isinstance(value, GatePolicy):
+        return value
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - _GATE_FIELDS)
+        if unknown:
+            raise ValueError(f"Runtime.context gate has unknown GatePolicy fields {unknown}")
+        value = dict(value)
+        if isinstance(value.get("per_question"), Mapping):
+            value["per_question"] = {qid: q if isinstance(q, GatePolicy) else GatePolicy(**q)
+                                     for qid, q in value["per_question"].items()}
+        return base.with_overrides(**value)
+    raise TypeError(f"Runtime.context gate must be a GatePolicy or a dict of its fields, not {type(value).__name__}")

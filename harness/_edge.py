@@ -1,0 +1,107 @@
+"""`route_on`: a conditional-edge adapter for graphs that already route with edges."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import ensure_config
+
+from router import CanvasDecisionModel, CanvasResponse
+from router._schema import parse_questions
+
+from ._context import Inputs, child_config, decision_seed, graph_call, select_inputs
+from ._records import emit, entries
+
+
+class DecisionEdge(Runnable[Any, str]):
+    """A conditional-edge path function that returns the chosen option of one question.
+
+    Build it with `route_on(...)`.
+    """
+
+    def __init__(self, model: CanvasDecisionModel, question: Any, path_map: Mapping[Any, str], *,
+                 inputs: Inputs, question_id: str) -> None:
+        if not isinstance(model, CanvasDecisionModel):
+            raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
+        if not isinstance(path_map, Mapping) or not path_map:
+            raise TypeError("route_on needs an explicit path_map {option: node}, so the graph draws its real edges")
+        if any(not isinstance(k, str) for k in path_map):
+            raise ValueError("path_map keys are option names as strings (Score levels too: '0', '1', ...)")
+        spec = parse_questions({question_id: question})[question_id]
+        missing, unknown = sorted(set(spec.options) - set(path_map)), sorted(set(path_map) - set(spec.options))
+        if missing or unknown:
+            raise ValueError(f"path_map must map every option of {question_id!r} to a node; "
+                             f"missing {missing}, not options {unknown}")
+        self.model = model
+        self.question = question
+        self.question_id = question_id
+        self.path_map = dict(path_map)
+        self.inputs = inputs
+        self.name = f"route_on_{question_id}"
+
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> str:
+        """Decide synchronously and return the chosen option."""
+        return self._call_with_config(self._decide, input, ensure_config(config))
+
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> str:
+        """Decide asynchronously and return the chosen option."""
+        return await self._acall_with_config(self._adecide, input, ensure_config(config))
+
+    # LangGraph runs a branch's path without setting the config context (it does for nodes);
+    # `_call_with_config` sets it, so the runtime, stream writer and tracing work here too.
+
+    def _decide(self, state: Any, config: RunnableConfig) -> str:
+        call, request = self._prepare(state, config)
+        return self._finish(call, request, call.model.invoke(request, child_config(config)))
+
+    async def _adecide(self, state: Any, config: RunnableConfig) -> str:
+        call, request = self._prepare(state, config)
+        return self._finish(call, request, await call.model.ainvoke(request, child_config(config)))
+
+    def _prepare(self, state: Any, config: RunnableConfig) -> tuple[Any, dict[str, Any]]:
+        call = graph_call(config, self.model, self.name)
+        questions = {self.question_id: self.question}
+        decision_state = select_inputs(state, self.inputs)
+        seed = decision_seed(call.namespace, self.name, questions, decision_state)
+        return call, {"state": decision_state, "questions": questions, "seed": seed, "thread_id": call.thread_id,
+                      "policy": call.policy, "attributes": call.attributes}
+
+    def _finish(self, call: Any, request: dict[str, Any], response: CanvasResponse) -> str:
+        decided = entries(response, {})
+        option = decided[self.question_id]["answer"]
+        emit(call.node, self.path_map[option], decided, request["seed"])
+        return option
+
+
+def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, str], *,
+             inputs: Inputs = None, question_id: str = "route") -> DecisionEdge:
+    """A path function for `add_conditional_edges` that routes on one canvas-read question.
+
+    The adapter for graphs that already branch with conditional edges. Prefer
+    `decision_node`: a conditional edge runs inside its source node's task, so it cannot
+    write the decision into state, and it has no cache, retry or timeout policy of its
+    own (a transient engine fault fails the source node's task).
+
+    Args:
+        model: The decision model (`Runtime.context` overrides apply as for nodes).
+        question: One `Noul`, `Choice` or `Score`.
+        path_map: `{option: node}` for every option (explicit, so the drawing shows only
+            these targets). Noul options are `yes`/`no`, Score levels `"0"`, `"1"`...
+        inputs: What the model reads: None (the whole state), a state key, or a function.
+        question_id: The question's id in spans and decision events.
+
+    Returns:
+        A `DecisionEdge` returning the chosen option; pass the same `path_map` to LangGraph.
+
+    Example:
+        ```python
+        paths = {"yes": "answer", "no": "rewrite"}
+        builder.add_conditional_edges("retrieve", route_on(model, Noul(instructions="Relevant?"), paths), paths)
+        ```
+    """
+    return DecisionEdge(model, question, path_map, inputs=inputs, question_id=question_id)
+
+
+__all__ = ["DecisionEdge", "route_on"]

@@ -1,0 +1,269 @@
+"""`decision_node`: a LangGraph node that answers its questions with one canvas read.
+
+The node is a `Runnable` with a native async path (`ainvoke`, so parallel branches read
+concurrently and `TimeoutPolicy` applies) and a sync path (`invoke`, so `graph.invoke`
+works). It returns `Command(goto=..., update={output_key: ...})`, so the decision is
+written into state, checkpointed, cached and retried with the node.
+
+How the drawing learns the targets: LangGraph's `add_node` reads a node's
+`Command[Literal[...]]` return annotation from its `__call__`. Each `DecisionNode` gets
+its own bound `__call__` annotated with exactly its destinations, so
+`builder.add_node("triage", decision_node(...))` draws only the real edges. Pass
+`add_node(..., destinations={node: label})` as well to label the edges.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any, Literal
+
+from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import ensure_config
+from langgraph.types import Command
+
+from router import CanvasDecisionModel, CanvasResponse
+from router._schema import QuestionSpec, parse_questions
+
+from ._context import GraphCall, Inputs, child_config, decision_seed, graph_call, select_inputs
+from ._records import emit, entries
+from ._review import ReviewPolicy, review
+
+Questions = Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]
+"""Static `{question_id: Noul | Choice | Score}`, or a function of the graph state."""
+Route = tuple[str, Mapping[Any, str]] | Callable[[dict[str, dict[str, Any]]], str] | None
+"""`(question_id, {option: node})`, a function of the decisions returning a node, or None."""
+
+_PENDING_MAX = 1024
+
+
+class DecisionNode(Runnable[Any, Command]):
+    """A graph node that asks its questions in one canvas read and routes on the answers.
+
+    Build it with `decision_node(...)`; see there for the arguments.
+    """
+
+    def __init__(self, model: CanvasDecisionModel, questions: Questions, *, inputs: Inputs, route: Route,
+                 output_key: str, name: str | None, review: ReviewPolicy | None,
+                 destinations: Sequence[str] | None) -> None:
+        if not isinstance(model, CanvasDecisionModel):
+            raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
+        if not (callable(questions) or isinstance(questions, Mapping)):
+            raise TypeError("questions must be a mapping of id to question, or a function of the state")
+        if not (inputs is None or isinstance(inputs, str) or callable(inputs)):
+            raise TypeError("inputs must be None, a state key, or a function of the state")
+        if review is not None and not isinstance(review, ReviewPolicy):
+            raise TypeError(f"review must be a ReviewPolicy, not {type(review).__name__}")
+        if not output_key:
+            raise ValueError("output_key must be a non-empty state key")
+        self.model = model
+        self.questions = questions
+        self.inputs = inputs
+        self.output_key = output_key
+        self.review = review
+        self.route_question, self.route_map, self.route_fn = _parse_route(route)
+        self.destinations = _destinations(self.route_map, self.route_fn, destinations)
+        """The nodes this node can go to (what the graph drawing shows)."""
+        self.name = name or (f"decide_{self.route_question}" if self.route_question else "decide")
+        if isinstance(questions, Mapping):
+            self._check(parse_questions(questions))
+        self._pending: OrderedDict[tuple[Any, ...], CanvasResponse] = OrderedDict()
+        self._lock = threading.Lock()
+        if self.destinations:
+            self.__call__ = MethodType(_annotated_call(self.destinations), self)
+
+    def __repr__(self) -> str:
+        route = self.route_question or ("callable" if self.route_fn else None)
+        return f"DecisionNode(name={self.name!r}, route={route!r}, destinations={self.destinations!r})"
+
+    def __call__(self, state: Any, config: RunnableConfig | None = None) -> Command:
+        """Run the node synchronously (what `invoke` does)."""
+        return self.invoke(state, config)
+
+    # -- Runnable -----------------------------------------------------------------------
+
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command:
+        """Decide synchronously (`graph.invoke`): one read for all questions, then route."""
+        config = ensure_config(config)
+        job = self._prepare(input, config)
+        response = job.cached or job.call.model.invoke(job.request, child_config(config))
+        return self._finish(job, response)
+
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command:
+        """Decide asynchronously (`graph.ainvoke`): one read for all questions, then route."""
+        config = ensure_config(config)
+        job = self._prepare(input, config)
+        response = job.cached or await job.call.model.ainvoke(job.request, child_config(config))
+        return self._finish(job, response)
+
+    # -- the decision -------------------------------------------------------------------
+
+    def _prepare(self, state: Any, config: RunnableConfig) -> _Job:
+        call = graph_call(config, self.model, self.name)
+        questions = dict(self.questions(state) if callable(self.questions) else self.questions)
+        specs = parse_questions(questions)
+        if callable(self.questions):
+            self._check(specs)
+        decision_state = select_inputs(state, self.inputs, self.output_key)
+        seed = decision_seed(call.namespace, "node", questions, decision_state)
+        key = (call.thread_id, call.task_id, seed) if call.thread_id and call.task_id else None
+        with self._lock:
+            cached = self._pending.get(key) if key else None
+        request = {"state": decision_state, "questions": questions, "seed": seed, "thread_id": call.thread_id,
+                   "policy": call.policy, "attributes": call.attributes}
+        return _Job(call, specs, questions, decision_state, seed, key, request, cached)
+
+    def _finish(self, job: _Job, response: CanvasResponse) -> Command:
+        human: dict[str, str] = {}
+        if self.review is not None:
+            if job.key is not None:
+                self._remember(job.key, response)  # a resume reuses this read instead of reading again
+            options = {qid: spec.options for qid, spec in job.specs.items()}
+            human = review(self.review, job.call.node, response, options, job.questions, job.state)
+            if job.key is not None:
+                with self._lock:
+                    self._pending.pop(job.key, None)
+        decided = entries(response, human)
+        goto = self._goto(decided)
+        emit(job.call.node, goto, decided, job.seed)
+        update = {self.output_key: decided}
+        return Command(update=update) if goto is None else Command(goto=goto, update=update)
+
+    def _goto(self, decided: dict[str, dict[str, Any]]) -> str | None:
+        if self.route_fn is not None:
+            goto = self.route_fn(decided)
+            if goto not in self.destinations:
+                raise ValueError(f"{self.name}: route returned {goto!r}, which is not one of the declared "
+                                 f"destinations {list(self.destinations)}")
+            return goto
+        if self.route_map is not None:
+            return self.route_map[decided[self.route_question]["answer"]]
+        return None
+
+    def _check(self, specs: Mapping[str, QuestionSpec]) -> None:
+        """The routing question exists and every one of its options has a node."""
+        if self.route_map is None:
+            return
+        qid = self.route_question
+        if qid not in specs:
+            raise ValueError(f"route question {qid!r} is not among the questions {list(specs)}")
+        options = set(specs[qid].options)
+        missing, unknown = sorted(options - set(self.route_map)), sorted(set(self.route_map) - options)
+        if missing or unknown:
+            raise ValueError(f"route for {qid!r} must map every option to a node; "
+                             f"missing {missing}, not options {unknown}")
+
+    def _remember(self, key: tuple[Any, ...], response: CanvasResponse) -> None:
+        with self._lock:
+            self._pending[key] = response
+            while len(self._pending) > _PENDING_MAX:
+                self._pending.popitem(last=False)
+
+
+@dataclass(slots=True)
+class _Job:
+    """One node run between preparing the request and building the `Command`."""
+
+    call: GraphCall
+    specs: Mapping[str, QuestionSpec]
+    questions: dict[str, Any]
+    state: Any
+    seed: int
+    key: tuple[Any, ...] | None
+    """Identifies the task across an interrupt and its resume (None without a checkpointer)."""
+    request: dict[str, Any]
+    cached: CanvasResponse | None
+
+
+def decision_node(
+    model: CanvasDecisionModel,
+    questions: Questions,
+    *,
+    inputs: Inputs = None,
+    route: Route = None,
+    output_key: str = "decisions",
+    name: str | None = None,
+    review: ReviewPolicy | None = None,
+    destinations: Sequence[str] | None = None,
+) -> DecisionNode:
+    """A node that answers all its questions with ONE `CanvasDecisionModel` call and routes.
+
+    Args:
+        model: The decision model. `Runtime.context.decision_model` replaces it for a run,
+            and `Runtime.context.gate` (a `GatePolicy` or a dict of its fields) its gate.
+        questions: `{question_id: Noul | Choice | Score}`, or a function of the state
+            returning one (e.g. one question per retrieved document).
+        inputs: What the model reads: None (the graph state minus `output_key`), a state
+            key, or a function of the state.
+        route: `(question_id, {option: node})` to go where the answer points (every option
+            must map to a node; Noul options are `yes`/`no`, Score levels `"0"`, `"1"`...),
+            a function of the decisions returning a node (then `destinations` is required),
+            or None to only write the decisions and follow the graph's edges.
+        output_key: State key the decisions are written to, `{question_id: {answer, path,
+            result, read}}`. Give it the `merge_decisions` reducer when several decision
+            nodes write it.
+        name: Node name when added without one (default `decide_<route question>`).
+        review: Send unsure, unescalated answers to a human via `interrupt()`.
+        destinations: The nodes a route function may return (drawn as the node's edges).
+
+    Returns:
+        A `DecisionNode`: add it with `builder.add_node("triage", node)`.
+
+    The noise seed comes from the node's checkpoint namespace, the questions and the
+    decision state (see `decision_seed`), so replaying a thread takes the same branch.
+    Transient engine faults raise `ConnectionError` subclasses, so a `RetryPolicy` on the
+    node retries them; interrupts (`GraphBubbleUp`) always propagate.
+
+    Example:
+        ```python
+        triage = decision_node(model, {
+            "team": Choice(instructions="Which team?", criteria={"billing": None, "tech": None}),
+            "urgent": Noul(instructions="Is it urgent?"),
+        }, inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
+        builder.add_node("triage", triage, retry_policy=RetryPolicy())
+        ```
+    """
+    return DecisionNode(model, questions, inputs=inputs, route=route, output_key=output_key, name=name,
+                        review=review, destinations=destinations)
+
+
+def _parse_route(route: Route) -> tuple[str | None, dict[str, str] | None, Callable[..., str] | None]:
+    if route is None:
+        return None, None, None
+    if callable(route):
+        return None, None, route
+    if (isinstance(route, tuple) and len(route) == 2 and isinstance(route[0], str)
+            and isinstance(route[1], Mapping) and route[1]):
+        paths = {str(option): target for option, target in route[1].items()}
+        bad = [t for t in paths.values() if not isinstance(t, str) or not t]
+        if bad:
+            raise ValueError(f"route targets must be node names, got {bad}")
+        return route[0], paths, None
+    raise TypeError("route must be (question_id, {option: node}), a function of the decisions, or None")
+
+
+def _destinations(route_map: dict[str, str] | None, route_fn: Callable[..., str] | None,
+                  declared: Sequence[str] | None) -> tuple[str, ...]:
+    if route_fn is not None:
+        if not declared or isinstance(declared, str):
+            raise ValueError("a route function needs destinations=(node, ...) naming every node it may return")
+        return tuple(dict.fromkeys(declared))
+    if declared is not None:
+        raise ValueError("destinations= is only for route functions; a route mapping declares its own")
+    return tuple(dict.fromkeys(route_map.values())) if route_map else ()
+
+
+def _annotated_call(destinations: tuple[str, ...]) -> Callable[..., Command]:
+    """A `__call__` whose return annotation is `Command[Literal[destinations]]` (read by `add_node`)."""
+
+    def __call__(self: DecisionNode, state: Any, config: RunnableConfig | None = None) -> Command:
+        return self.invoke(state, config)
+
+    __call__.__annotations__ = {"return": Command[Literal[destinations]]}  # type: ignore[valid-type]
+    return __call__
+
+
+__all__ = ["DecisionNode", "decision_node"]

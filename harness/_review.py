@@ -1,0 +1,108 @@
+"""The human review lane: uncertain answers that were not escalated go to a person.
+
+The node calls LangGraph's `interrupt()` with the pending answers; the graph pauses
+(a checkpointer is required) and resumes with `Command(resume=<option>)`, or
+`Command(resume={question_id: option})` when several questions are under review.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from langgraph.types import interrupt
+
+from engine import DecisionError
+from router import CanvasResponse, ReadReport
+
+REVIEW_EVENT = "canvasroute.review"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReviewPolicy:
+    """When a decision node asks a human instead of acting on an unsure answer.
+
+    An answer goes to review when the gate did not pass it (`confident` is False) and it
+    was not escalated: uncertain with no escalation target, over the escalation budget,
+    or a fallback label after an engine fault.
+
+    Example:
+        ```python
+        decision_node(model, questions, route=("team", teams), review=ReviewPolicy())
+        graph.invoke(ticket, config)                      # pauses: result["__interrupt__"]
+        graph.invoke(Command(resume="billing"), config)   # the human's option, path "human"
+        ```
+    """
+
+    questions: Collection[str] | None = None
+    """Question ids a human may review (None: every question of the node)."""
+
+    include_state: bool = True
+    """Put the decision state into the interrupt payload, so the reviewer sees what was asked."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.questions, str):
+            raise TypeError("ReviewPolicy.questions is a collection of question ids, not one string")
+        if self.questions is not None:
+            object.__setattr__(self, "questions", frozenset(self.questions))
+
+    def needs_review(self, report: ReadReport) -> bool:
+        """Whether one answer goes to a human."""
+        eligible = self.questions is None or report.question_id in self.questions
+        return eligible and not report.confident and report.path != "escalated"
+
+
+def review(policy: ReviewPolicy, node: str, response: CanvasResponse, options: Mapping[str, tuple[str, ...]],
+           questions: Mapping[str, Any], state: Any) -> dict[str, str]:
+    """Interrupt for the answers under review; returns the human's option per question.
+
+    Raises LangGraph's `GraphInterrupt` on the first run (never catch it); on resume,
+    returns the validated resume value.
+    """
+    pending = [qid for qid, r in response.reads.items() if policy.needs_review(r)]
+    if not pending:
+        return {}
+    payload: dict[str, Any] = {
+        "type": REVIEW_EVENT,
+        "node": node,
+        "questions": {qid: _item(response.reads[qid], options[qid], questions[qid]) for qid in pending},
+    }
+    if policy.include_state:
+        payload["state"] = state
+    return _validate(interrupt(payload), pending, options)
+
+
+def _item(report: ReadReport, options: tuple[str, ...], question: Any) -> dict[str, Any]:
+    return {
+        "instructions": getattr(question, "instructions", None),
+        "options": list(options),
+        "answer": report.answer,
+        "probabilities": dict(report.probabilities),
+        "path": report.path,
+        "normalized_entropy": report.normalized_entropy,
+        "crossed": list(report.crossed),
+        "over_budget": report.over_budget,
+        "error": report.error,
+    }
+
+
+def _validate(value: Any, pending: list[str], options: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        if len(pending) != 1:
+            raise DecisionError(f"{len(pending)} questions are under review ({pending}); "
+                                "resume with {question_id: option}")
+        value = {pending[0]: value}
+    if not isinstance(value, Mapping):
+        raise DecisionError(f"resume a review with an option or {{question_id: option}}, not {type(value).__name__}")
+    missing = [qid for qid in pending if qid not in value]
+    extra = [qid for qid in value if qid not in pending]
+    if missing or extra:
+        raise DecisionError(f"the review needs exactly the questions {pending}; missing {missing}, unexpected {extra}")
+    chosen = {}
+    for qid, option in value.items():
+        option = str(option)
+        if option not in options[qid]:
+            raise DecisionError(f"{option!r} is not an option of {qid!r}; options: {list(options[qid])}")
+        chosen[qid] = option
+    return chosen
