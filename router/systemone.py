@@ -1,0 +1,279 @@
+"""`SystemOneDecisionModel`: a client for any `/v1/systemone` server.
+
+Speaks the Jev wire (TypeSafe's hosted Jev, OpenJev, vLLM's structured-decision
+gateway, `canvasroute serve`): one `POST /v1/systemone` per decision set, answers parsed
+into langchain-core's `NoulAnswer` / `ChoiceAnswer` / `ScoreAnswer` / `BoxAnswer`.
+Usable on its own, as a fast path, or as `CanvasDecisionModel(escalate_to=...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+from langchain_core.decisions import BaseDecisionModel, ClassifierResponse, Question
+from langchain_core.messages import BaseMessage
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, TypeAdapter, ValidationError
+
+from engine import (
+    DecisionError,
+    EngineOverloaded,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeout,
+    EngineUnavailable,
+    UnsupportedQuestion,
+    run_sync,
+)
+
+from . import _telemetry as tm
+
+__all__ = ["SystemOneDecisionModel"]
+
+_OVERLOAD_STATUS = {429, 503, 529}
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504, 529}
+"""Transient statuses. 501 (the server cannot do this at all) is not among them."""
+_MAX_RETRY_AFTER = 30.0
+_QUESTION = TypeAdapter(Question)
+
+
+class SystemOneDecisionModel(BaseDecisionModel):
+    """Answers Noul, Choice, Score (and Box, where the server can) over `/v1/systemone`.
+
+    Async httpx with a sync path; retries with exponential backoff and jitter on
+    connection errors, timeouts, 408, 429, 5xx and 529 (honouring `Retry-After`), and
+    typed errors: transient faults raise `EngineUnavailable` (`EngineOverloaded` for
+    429/503/529, `EngineTimeout`), refusals raise `EngineRequestError` carrying the
+    server's status and message, unreadable answers raise `EngineResponseError`.
+
+    Example:
+        ```python
+        jev = SystemOneDecisionModel("http://127.0.0.1:8000", model="tiny-dgemma")
+        resp = await jev.ainvoke({"state": "Refund me!", "questions": {
+            "refund": Noul(instructions="Does the customer ask for a refund?")}})
+        resp.nouls["refund"].noul
+        # or as the escalation target of a canvas model:
+        CanvasDecisionModel(engine=..., escalate_to=SystemOneDecisionModel(url, model="jev-latest"))
+        ```
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    base_url: str
+    """Server root, without `/v1/systemone`."""
+    model: str
+    """Model name sent with every request (and reported as the answering model)."""
+    api_key: SecretStr | None = None
+    """Sent as `Authorization: Bearer <key>` when set."""
+    timeout: float = Field(default=30.0, gt=0)
+    """Seconds one HTTP attempt may take."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries after the first attempt on transient faults."""
+    backoff: float = Field(default=0.2, ge=0)
+    """First backoff delay in seconds, doubled per retry (with jitter)."""
+    max_connections: int = Field(default=64, ge=1)
+    """Pooled connections per event loop."""
+    transport: Any = None
+    """An `httpx.AsyncBaseTransport` (e.g. `httpx.MockTransport` in tests)."""
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Extra top-level request fields (e.g. `{"seed": 7}` for canvasroute servers)."""
+
+    _clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = PrivateAttr(default_factory=dict)
+
+    def __init__(self, base_url: str | None = None, /, **kwargs: Any) -> None:
+        if base_url is not None:
+            kwargs["base_url"] = base_url
+        super().__init__(**kwargs)
+
+    def model_post_init(self, context: Any) -> None:
+        self.base_url = self.base_url.rstrip("/")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {self.base_url!r}")
+
+    def __repr__(self) -> str:
+        return f"SystemOneDecisionModel({self.base_url!r}, model={self.model!r})"
+
+    @property
+    def _provider(self) -> str:
+        return "systemone"
+
+    # -- BaseDecisionModel --------------------------------------------------------------
+
+    def _classify(self, state: Any, questions: dict[str, Any]) -> ClassifierResponse:
+        return run_sync(self.adecide(state, questions))
+
+    async def _aclassify(self, state: Any, questions: dict[str, Any]) -> ClassifierResponse:
+        return await self.adecide(state, questions)
+
+    async def adecide(self, state: Any, questions: Mapping[str, Any]) -> ClassifierResponse:
+        """Send one decision set and return the typed answers."""
+        wire_questions = _wire_questions(questions)
+        body = {**self.extra_body, "model": self.model, "state": _wire_state(state), "questions": wire_questions}
+        attrs = {**tm.genai_attributes("systemone", self._provider, self.model),
+                 tm.DECISION_SET: ",".join(wire_questions), tm.QUESTIONS: len(wire_questions)}
+        # No token counts on this span: an enclosing `escalate` span already records them.
+        with tm.span(f"systemone {self.model}", attrs, SpanKind.CLIENT):
+            data, request_id = await self._post(body)
+            resp = _parse(data, wire_questions, request_id, self.model)
+        return resp
+
+    async def aclose(self) -> None:
+        """Close the pooled HTTP clients."""
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            try:
+                await client.aclose()
+            except RuntimeError:  # bound to a loop that is already closed
+                pass
+
+    # -- transport ------------------------------------------------------------------
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if loop not in self._clients:
+            for dead in [lp for lp in self._clients if lp.is_closed()]:
+                del self._clients[dead]
+            headers = {"authorization": f"Bearer {self.api_key.get_secret_value()}"} if self.api_key else {}
+            limits = httpx.Limits(max_connections=self.max_connections,
+                                  max_keepalive_connections=self.max_connections)
+            self._clients[loop] = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
+                                                    timeout=self.timeout, transport=self.transport)
+        return self._clients[loop]
+
+    async def _post(self, body: Mapping[str, Any]) -> tuple[Any, str | None]:
+        client = self._client()
+        headers: dict[str, str] = {}
+        propagate.inject(headers)  # traceparent: the server's span joins this trace
+        url = f"{self.base_url}/v1/systemone"
+        last: Exception | None = None
+        delay = 0.0
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                backoff = self.backoff * 2 ** (attempt - 1) * (0.5 + random.random())
+                await asyncio.sleep(max(delay, backoff))
+            delay = 0.0
+            try:
+                resp = await client.post("/v1/systemone", json=body, headers=headers)
+            except httpx.TimeoutException as exc:
+                last = EngineTimeout(f"POST {url} timed out ({type(exc).__name__})",
+                                     hint="raise timeout= or check the server's load")
+                continue
+            except httpx.TransportError as exc:
+                last = EngineUnavailable(f"POST {url} failed: {exc!r}", hint="is the server running at this URL?")
+                continue
+            if resp.status_code in _RETRY_STATUS:
+                kind = EngineOverloaded if resp.status_code in _OVERLOAD_STATUS else EngineUnavailable
+                last = kind(f"POST {url} -> HTTP {resp.status_code}: {_message(resp)}")
+                delay = _retry_after(resp)
+                continue
+            if resp.status_code >= 400:
+                hint = "check api_key" if resp.status_code in (401, 403) else f"POST {url} was refused"
+                raise EngineRequestError(_message(resp), status=resp.status_code, hint=hint)
+            try:
+                data = resp.json()
+            except ValueError as exc:
+                raise EngineResponseError(f"{url} answered non-JSON: {resp.text[:200]!r}") from exc
+            request_id = resp.headers.get("x-request-id")
+            return data, request_id
+        assert last is not None
+        raise last
+
+
+# -- wire helpers ----------------------------------------------------------------------
+
+
+def _wire_questions(questions: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Validate questions locally (typed errors before any request) and dump them."""
+    if not isinstance(questions, Mapping) or not questions:
+        raise DecisionError("questions must be a non-empty mapping of id to question")
+    out: dict[str, dict[str, Any]] = {}
+    for qid, raw in questions.items():
+        if not isinstance(qid, str) or not qid:
+            raise UnsupportedQuestion(f"question ids must be non-empty strings, got {qid!r}")
+        try:
+            q = _QUESTION.validate_python(raw)
+        except ValidationError as exc:
+            raise UnsupportedQuestion(f"question {qid!r} is not a Noul, Choice, Score or Box: {exc}") from exc
+        dumped = q.model_dump(mode="json")
+        if dumped.get("criteria") is None:
+            dumped.pop("criteria", None)
+        out[qid] = dumped
+    return out
+
+
+def _wire_state(state: Any) -> Any:
+    """Text as is, messages as a transcript, anything else as JSON."""
+    if isinstance(state, str):
+        return state
+    if isinstance(state, BaseMessage):
+        return f"{state.type}: {state.text}"
+    if isinstance(state, Sequence) and state and all(isinstance(m, BaseMessage) for m in state):
+        return "\n".join(f"{m.type}: {m.text}" for m in state)
+    try:
+        return json.loads(json.dumps(state, default=_jsonable))
+    except (TypeError, ValueError) as exc:
+        raise DecisionError(f"the state is not JSON: {exc}") from exc
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, BaseMessage):
+        return {"role": value.type, "content": value.text}
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: str | None,
+           model: str) -> ClassifierResponse:
+    """A `ClassifierResponse` with one answer of the asked type per question."""
+    if not isinstance(data, dict) or not isinstance(data.get("answers"), dict):
+        raise EngineResponseError(f"the server answered without an 'answers' object: {str(data)[:200]!r}")
+    answers = data["answers"]
+    missing = [qid for qid in questions if qid not in answers]
+    if missing:
+        raise EngineResponseError(f"the server returned no answer for {missing}")
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
+    try:
+        resp = ClassifierResponse.model_validate({
+            "model": data.get("model") or model,
+            "answers": {qid: answers[qid] for qid in questions},
+            "usage": {k: int(usage.get(k) or 0) for k in ("input_tokens", "output_tokens")} if usage else None,
+            "request_id": request_id or (data.get("id") if isinstance(data.get("id"), str) else None),
+        })
+    except (ValidationError, TypeError, ValueError) as exc:
+        raise EngineResponseError(f"the server's answers do not match the wire: {exc}") from exc
+    for qid, q in questions.items():
+        got = resp.answers[qid].type
+        if got != q["type"]:
+            raise EngineResponseError(f"question {qid!r} is a {q['type']}, the server answered a {got}")
+    return resp
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500] or f"HTTP {resp.status_code}"
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        for value in (err, body.get("message"), body.get("detail")):
+            if isinstance(value, str):
+                return value
+    return json.dumps(body)[:500]
+
+
+def _retry_after(resp: httpx.Response) -> float:
+    """Seconds the server asked us to wait (capped), 0 when it did not say."""
+    raw = resp.headers.get("retry-after")
+    try:
+        return min(_MAX_RETRY_AFTER, max(0.0, float(raw))) if raw else 0.0
+    except ValueError:
+        return 0.0

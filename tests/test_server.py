@@ -1,0 +1,571 @@
+"""The decision server: the Jev wire at /v1/systemone, errors, load shedding, tracing, `canvasroute serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from langchain_core.decisions import Choice, Noul, Score
+from langchain_core.language_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from engine import EngineOverloaded, EngineUnavailable, FunctionEngine, VLLMServerEngine
+from harness import serve
+from harness.server import create_app, run_in_thread
+from router import CanvasDecisionModel, GatePolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test-key"
+LABELS = ("yes", "no", "A", "B", "C", "1", "2", "3")
+QUESTIONS = {
+    "urgent": {"type": "noul", "instructions": "Is this urgent?", "criteria": {"true": "today", "false": "later"}},
+    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "money", "tech": None,
+                                                                           "sales": "plans"}},
+    "sev": {"type": "score", "instructions": "How severe?", "criteria": ["low", "medium", "high"]},
+}
+BODY = {"state": "I was charged twice, refund me.", "questions": QUESTIONS}
+
+
+def confident(engine: FunctionEngine):
+    """Rows that put almost all mass on each slot's first label (yes / billing / level 0)."""
+    return lambda read: [{engine.token_id(t): -0.01 for t in ("yes", "A", "1")}] * len(read.slots)
+
+
+def uniform(engine: FunctionEngine):
+    return lambda read: [{engine.token_id(t): -2.0 for t in LABELS}] * len(read.slots)
+
+
+def function_model(rows=confident, **kwargs) -> CanvasDecisionModel:
+    """A model on a FunctionEngine whose rows come from `rows(engine)`."""
+    engine = FunctionEngine(lambda read: fn(read))
+    fn = rows(engine)
+    return CanvasDecisionModel(engine=engine, **kwargs)
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://canvasroute.test")
+
+
+_EXPORTER = InMemorySpanExporter()
+_INSTALLED: set[int] = set()
+
+
+@pytest.fixture
+def spans():
+    """Finished spans of this test, from the global SDK tracer provider."""
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+    provider = trace.get_tracer_provider()
+    if id(provider) not in _INSTALLED:
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        _INSTALLED.add(id(provider))
+    _EXPORTER.clear()
+    return _EXPORTER
+
+
+# -- the wire, against the real vLLM server -----------------------------------------------
+
+
+@pytest.mark.vllm
+def test_typesafe_sdk_gets_typed_answers_from_our_server_on_real_vllm(vllm_url):
+    from typesafe_sdk import (Choice as TSChoice, Noul as TSNoul, RetryPolicy, Score as TSScore,
+                              TypeSafeAuthenticationError, TypeSafeBadRequestError, TypeSafeClient)
+    from typesafe_sdk import Box as TSBox
+
+    model = CanvasDecisionModel(engine=VLLMServerEngine(vllm_url), policy=GatePolicy(rereads=1))
+    app = create_app(model, api_key=KEY, aliases=("jev-latest",))
+    questions = {
+        "urgent": TSNoul(instructions="Is this urgent?", criteria={"true": "money is lost", "false": "it can wait"}),
+        "team": TSChoice(instructions="Which team?", criteria={"billing": "charges", "tech": None, "sales": "plans"}),
+        "sev": TSScore(instructions="How severe?", criteria=["low", "medium", "high"]),
+    }
+    state = "I was charged twice for my subscription and nobody answers."
+    with run_in_thread(app) as url:
+        # the SDK's defaults: model "jev-latest" (an alias here), zstd only when installed
+        with TypeSafeClient(api_key=KEY, base_url=url, retry=RetryPolicy(max_retries=0), timeout=60) as jev:
+            result = jev.system_one(state=state, questions=questions)
+            listed = jev.models.list()
+            with pytest.raises(TypeSafeBadRequestError, match="Box questions have no canvas form"):
+                jev.system_one(state=state, questions={"where": TSBox(instructions="the logo")})
+        with TypeSafeClient(api_key="wrong", base_url=url, retry=RetryPolicy(max_retries=0)) as bad:
+            with pytest.raises(TypeSafeAuthenticationError):
+                bad.system_one(state=state, questions=questions)
+
+    assert result.model == "tiny-dgemma"
+    assert 0.0 <= result.nouls["urgent"].noul <= 1.0
+    team = result.choices["team"]
+    assert team.choice in {"billing", "tech", "sales"} and set(team.probabilities) == {"billing", "tech", "sales"}
+    assert sum(team.probabilities.values()) == pytest.approx(1.0)
+    assert team.confidence == max(team.probabilities.values())
+    sev = result.scores["sev"]
+    assert sev.legend == {0: "low", 1: "medium", 2: "high"} and set(sev.probabilities) == {0, 1, 2}
+    assert sev.score == pytest.approx(sum(i * p for i, p in sev.probabilities.items()))
+    assert result.usage.input_tokens > 0 and result.usage.output_tokens > 0
+    assert {m.name for m in listed.models} == {"tiny-dgemma", "jev-latest"}
+    # the wire carries exactly what the model decides in-process (reads are seeded and deterministic)
+    direct = model.invoke({"state": state, "questions": {
+        "urgent": Noul(**questions["urgent"].model_dump()), "team": Choice(**questions["team"].model_dump()),
+        "sev": Score(**questions["sev"].model_dump())}})
+    assert result.nouls["urgent"].noul == pytest.approx(direct.answers["urgent"].noul, abs=1e-9)
+    assert team.probabilities == pytest.approx(direct.answers["team"].probabilities, abs=1e-9)
+    assert sev.score == pytest.approx(direct.answers["sev"].score, abs=1e-9)
+    extension = result.raw_http_response.json()["answers"]["team"]["canvasroute"]
+    assert extension["path"] == direct.reads["team"].path and extension["reads"] == direct.reads["team"].reads
+    assert extension["normalized_entropy"] == pytest.approx(direct.reads["team"].normalized_entropy)
+
+
+JEV_ANSWER_KEYS = {"noul": {"type", "noul"}, "choice": {"type", "choice", "probabilities", "confidence"},
+                   "score": {"type", "score", "legend", "probabilities", "confidence"}}
+
+
+async def _gateway(url: str, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as http:
+        return await http.post(f"{url}/v1/systemone", json=body)
+
+
+def _gateway_urls() -> list[str]:
+    extra = os.environ.get("CANVASROUTE_VLLM_GATEWAY_URL")
+    return ["fixture", *([extra] if extra else [])]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("which", _gateway_urls())
+async def test_answer_shapes_match_vllms_own_gateway(vllm_url, which):
+    """Same request to vLLM's /v1/systemone and to ours (backed by the same vLLM server).
+
+    vLLM enables its gateway only when `yes`, `no`, `A`-`Z` and `0`-`9` are each one token
+    after its template; the fixture's tiny tokenizer splits `yes`, so there it answers 501
+    and we check that refusal instead. CANVASROUTE_VLLM_GATEWAY_URL adds a server whose
+    tokenizer keeps them whole, where the live shapes are compared.
+    """
+    url = vllm_url if which == "fixture" else which
+    name = (await VLLMServerEngine(url).info()).model
+    body = {**BODY, "model": name}
+    theirs = await _gateway(url, body)
+    if theirs.status_code == 501:
+        assert theirs.json()["error"]["message"] == "The model does not support the structured decision API"
+        return
+    assert theirs.status_code == 200, theirs.text
+    async with client(create_app(CanvasDecisionModel(engine=VLLMServerEngine(url)))) as http:
+        ours = await http.post("/v1/systemone", json=body)
+    assert ours.status_code == 200, ours.text
+    t, o = theirs.json(), ours.json()
+    assert set(t) - {"diagnostics"} <= set(o)  # id, object, created, model, answers, usage
+    assert o["object"] == t["object"] and o["model"] == t["model"] and set(o["usage"]) == set(t["usage"])
+    for qid, answer in t["answers"].items():
+        mine = o["answers"][qid]
+        assert set(mine) - {"canvasroute"} == set(answer), qid  # vLLM's keys, no more, no fewer
+        assert JEV_ANSWER_KEYS[answer["type"]] <= set(mine)
+        assert mine["type"] == answer["type"]
+        for key in ("probabilities", "legend"):
+            if key in answer:
+                assert set(mine[key]) == set(answer[key]), (qid, key)
+        if "legend" in answer:
+            assert mine["legend"] == answer["legend"]
+
+
+# -- shapes, extension and errors (FunctionEngine) ----------------------------------------
+
+
+async def test_answers_carry_the_jev_fields_and_the_canvasroute_extension():
+    async with client(create_app(function_model())) as http:
+        r = await http.post("/v1/systemone", json=BODY)
+    assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"]
+    data = r.json()
+    assert data["object"] == "structured_decision" and data["model"] == "function"
+    assert set(data["usage"]) == {"input_tokens", "output_tokens"}
+    urgent, team, sev = (data["answers"][q] for q in ("urgent", "team", "sev"))
+    assert urgent["type"] == "noul" and urgent["noul"] > 0.99
+    assert urgent["probabilities"] == {"yes": urgent["noul"], "no": pytest.approx(1 - urgent["noul"])}
+    assert team["choice"] == "billing" and team["confidence"] == team["probabilities"]["billing"]
+    assert sev["legend"] == {"0": "low", "1": "medium", "2": "high"} and set(sev["probabilities"]) == {"0", "1", "2"}
+    assert sev["score"] == pytest.approx(sum(int(k) * p for k, p in sev["probabilities"].items()))
+    ext = team["canvasroute"]
+    assert ext["path"] == "canvas" and ext["confident"] is True and ext["reads"] == 1
+    assert ext["labels"] == ["A", "B", "C"] and 0 <= ext["normalized_entropy"] < 0.1
+
+
+async def test_health_and_models():
+    async with client(create_app(function_model(), aliases=("jev-latest",))) as http:
+        health = (await http.get("/health")).json()
+        models = (await http.get("/v1/models")).json()
+        missing = await http.get("/v2/nothing")
+    assert health["status"] == "ok" and health["model"] == "function" and health["in_flight"] == 0
+    assert [m["id"] for m in models["data"]] == ["function", "jev-latest"]
+    assert models["object"] == "list" and {m["name"] for m in models["models"]} == {"function", "jev-latest"}
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
+
+
+async def test_health_reports_an_unreachable_engine():
+    model = CanvasDecisionModel(engine=VLLMServerEngine("http://127.0.0.1:9", max_retries=0))
+    async with client(create_app(model)) as http:
+        r = await http.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "unavailable"
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {KEY}"},
+                                     {"authorization": KEY}])
+async def test_a_configured_key_is_required(headers):
+    async with client(create_app(function_model(), api_key=KEY)) as http:
+        r = await http.post("/v1/systemone", json=BODY, headers=headers)
+        models = await http.get("/v1/models", headers=headers)
+        ok = await http.post("/v1/systemone", json=BODY, headers={"authorization": f"Bearer {KEY}"})
+        health = await http.get("/health")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert models.status_code == 401
+    assert ok.status_code == 200 and health.status_code == 200
+
+
+def _q(**fields):
+    return {"state": "x", "questions": {"q": fields}}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (json.dumps({"questions": QUESTIONS}).encode(), "state"),
+    (json.dumps({"state": "x"}).encode(), "questions"),
+    (json.dumps({"state": "x", "questions": {}}).encode(), "questions"),
+    (json.dumps({"state": "x", "questions": [QUESTIONS["urgent"]]}).encode(), "questions"),
+    (json.dumps({"state": "x", "questions": {"q": "is it urgent?"}}).encode(), "questions.q"),
+    (json.dumps(_q(instructions="x")).encode(), "questions.q.type"),
+    (json.dumps(_q(type="maybe", instructions="x")).encode(), "questions.q.type"),
+    (json.dumps(_q(type="noul", instructions=5)).encode(), "questions.q.instructions"),
+    (json.dumps(_q(type="noul", instructions="x", weight=2)).encode(), "questions.q"),
+    (json.dumps(_q(type="noul", instructions="x", criteria={"maybe": "?"})).encode(), "questions.q.criteria"),
+    (json.dumps(_q(type="choice", instructions="x", criteria=["a", "b"])).encode(), "questions.q.criteria"),
+    (json.dumps(_q(type="score", instructions="x", criteria={"low": 0})).encode(), "questions.q.criteria"),
+    (json.dumps({**BODY, "seed": "seven"}).encode(), "seed"),
+    (json.dumps({**BODY, "model": 7}).encode(), "model"),
+])
+async def test_malformed_fields_are_422(body, param):
+    model = function_model()
+    async with client(create_app(model)) as http:
+        r = await http.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == 422 and error["message"]
+    assert error.get("param") == param
+    assert model.engine.reads == []
+
+
+@pytest.mark.parametrize(("question", "kind"), [
+    ({"type": "box", "instructions": "the logo"}, "unsupported_question"),
+    ({"type": "choice", "instructions": "Which?", "criteria": {}}, "invalid_question"),
+    ({"type": "score", "instructions": "How much?", "criteria": ["only one level"]}, "invalid_question"),
+    ({"type": "choice", "instructions": "Which?", "criteria": {"Billing": None, "billing ": None}}, "label_error"),
+])
+async def test_unaskable_questions_are_400(question, kind):
+    model = function_model()
+    async with client(create_app(model)) as http:
+        r = await http.post("/v1/systemone", json={"state": "x", "questions": {"urgent": QUESTIONS["urgent"],
+                                                                             "q": question}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == kind
+    assert model.engine.reads == []
+
+
+async def test_too_long_state_media_and_unknown_model():
+    engine = FunctionEngine(lambda read: fn(read), max_model_len=200)
+    fn = confident(engine)
+    async with client(create_app(CanvasDecisionModel(engine=engine))) as http:
+        long = await http.post("/v1/systemone", json={**BODY, "state": "word " * 400})
+        media = await http.post("/v1/systemone", json={**BODY, "images": ["data:image/png;base64,AAAA"]})
+        unknown = await http.post("/v1/systemone", json={**BODY, "model": "jev-latest"})
+    assert long.status_code == 400 and long.json()["error"]["type"] == "input_too_long"
+    assert media.status_code == 400 and media.json()["error"]["param"] == "images"
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "model_not_found"
+    assert engine.reads == []
+
+
+async def test_body_limits_and_encodings():
+    model = function_model()
+    async with client(create_app(model, max_body_bytes=4096)) as http:
+        zipped = await http.post("/v1/systemone", content=gzip.compress(json.dumps(BODY).encode()),
+                                 headers={"content-type": "application/json", "content-encoding": "gzip"})
+        bomb = await http.post("/v1/systemone", content=gzip.compress(b" " * 100_000),
+                               headers={"content-encoding": "gzip"})
+        big = await http.post("/v1/systemone", json={**BODY, "state": "x" * 5000})
+        brotli = await http.post("/v1/systemone", content=b"...", headers={"content-encoding": "br"})
+    assert zipped.status_code == 200 and zipped.json()["answers"]["team"]["choice"] == "billing"
+    assert bomb.status_code == 413 and big.status_code == 413
+    assert brotli.status_code == 415 and brotli.json()["error"]["type"] == "unsupported_media_type"
+
+
+# -- engine faults, escalation, timeouts --------------------------------------------------
+
+
+def _failing(exc: Exception):
+    def rows(engine):
+        def fail(read):
+            raise exc
+        return fail
+    return rows
+
+
+@pytest.mark.parametrize(("exc", "status", "kind"), [
+    (EngineUnavailable("vLLM is down"), 503, "engine_unavailable"),
+    (EngineOverloaded("vLLM said 529"), 529, "engine_overloaded"),
+])
+async def test_engine_faults_without_escalation_are_503_or_529(exc, status, kind, spans):
+    async with client(create_app(function_model(_failing(exc)))) as http:
+        r = await http.post("/v1/systemone", json=BODY)
+    assert r.status_code == status and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == kind and str(exc) in r.json()["error"]["message"]
+    (server,) = [s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER]
+    assert server.status.status_code == StatusCode.ERROR and server.attributes["error.type"] == kind
+
+
+async def test_engine_faults_escalate_when_the_policy_says_so():
+    fake = GenericFakeChatModel(messages=iter([AIMessage('{"urgent": "no", "team": "tech", "sev": "2"}')]))
+    model = function_model(_failing(EngineUnavailable("vLLM is down")), escalate_to=fake)
+    async with client(create_app(model)) as http:
+        r = await http.post("/v1/systemone", json=BODY)
+    assert r.status_code == 200, r.text
+    answers = r.json()["answers"]
+    assert answers["team"]["choice"] == "tech" and answers["urgent"]["noul"] == 0.0 and answers["sev"]["score"] == 2
+    assert {a["canvasroute"]["path"] for a in answers.values()} == {"escalated"}
+    assert "vLLM is down" in answers["team"]["canvasroute"]["error"]
+
+
+async def test_timeouts_running_are_504_and_waiting_are_529():
+    """The first request holds the only slot past the second's deadline (its engine
+    takes a while to abort), so the second times out waiting."""
+    async def slow_to_abort(read):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(1.0)
+            raise
+
+    app = create_app(function_model(lambda engine: slow_to_abort), max_in_flight=1, max_queue=4,
+                     request_timeout=0.3)
+    async with client(app) as http:
+        first = asyncio.ensure_future(http.post("/v1/systemone", json=BODY))
+        while app.state.gate.running == 0:
+            await asyncio.sleep(0.01)
+        second = await http.post("/v1/systemone", json=BODY)
+        first = await first
+    assert (first.status_code, first.json()["error"]["type"]) == (504, "timeout")
+    assert (second.status_code, second.json()["error"]["type"]) == (529, "overloaded")
+    assert app.state.gate.admitted == 0 and app.state.gate.running == 0
+
+
+async def test_over_the_rate_is_429():
+    async with client(create_app(function_model(), rate_limit=0.01, rate_burst=2)) as http:
+        codes = [(await http.post("/v1/systemone", json=BODY)).status_code for _ in range(3)]
+        last = await http.post("/v1/systemone", json=BODY)
+    assert codes == [200, 200, 429]
+    assert last.json()["error"]["type"] == "rate_limit_exceeded" and int(last.headers["retry-after"]) >= 1
+
+
+# -- load shedding -------------------------------------------------------------------------
+
+
+async def test_overload_sheds_529_and_answers_every_accepted_request():
+    """40 clients at once, 4 running + 8 queued: exactly 12 accepted (all answered), 28 shed."""
+    release = asyncio.Event()
+    running = peak = 0
+
+    def rows(engine):
+        async def held(read):
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            try:
+                await release.wait()
+            finally:
+                running -= 1
+            return [{engine.token_id(t): -0.01 for t in ("yes", "A", "1")}] * len(read.slots)
+        return held
+
+    app = create_app(function_model(rows), max_in_flight=4, max_queue=8)
+    gate = app.state.gate
+    async with client(app) as http:
+        tasks = [asyncio.ensure_future(http.post("/v1/systemone", json=BODY)) for _ in range(40)]
+        for _ in range(500):  # the shed ones come back while the accepted ones are held
+            if sum(t.done() for t in tasks) == 28 and running == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert sum(t.done() for t in tasks) == 28 and gate.admitted == 12 and gate.running == running == 4
+        release.set()
+        results = await asyncio.gather(*tasks)
+    codes = [r.status_code for r in results]
+    assert codes.count(200) == 12 and codes.count(529) == 28 and len(codes) == 40
+    for r in results:
+        if r.status_code == 200:
+            assert set(r.json()["answers"]) == set(QUESTIONS)
+        else:
+            assert r.json()["error"]["type"] == "overloaded" and r.headers["retry-after"] == "1"
+    assert peak == 4 and gate.peak_running == 4 and gate.peak_admitted == 12
+    assert gate.admitted == 0 and gate.rejected == 28
+
+
+async def test_a_burst_stays_within_its_bounds():
+    """300 clients at once against slots held by a short sleep: counts stay bounded."""
+    running = peak = 0
+
+    def rows(engine):
+        async def napping(read):
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            await asyncio.sleep(0.005)
+            running -= 1
+            return [{engine.token_id(t): -0.01 for t in ("yes", "A", "1")}] * len(read.slots)
+        return napping
+
+    app = create_app(function_model(rows), max_in_flight=4, max_queue=16)
+    async with client(app) as http:
+        results = await asyncio.gather(*(http.post("/v1/systemone", json=BODY) for _ in range(300)))
+    codes = [r.status_code for r in results]
+    assert codes.count(200) + codes.count(529) == 300
+    assert codes.count(200) >= 20  # at least the first max_in_flight + max_queue
+    gate = app.state.gate
+    assert peak <= 4 and gate.peak_running <= 4 and gate.peak_admitted <= 20
+    assert gate.rejected == codes.count(529) and gate.admitted == 0
+
+
+# -- tracing -------------------------------------------------------------------------------
+
+
+async def test_a_server_span_continues_the_callers_trace_and_holds_the_decision(spans):
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
+    async with client(create_app(function_model())) as http:
+        ok = await http.post("/v1/systemone", json=BODY, headers=headers)
+        bad = await http.post("/v1/systemone", json={"state": "x", "questions": {"q": {"type": "box"}}})
+    assert ok.status_code == 200 and bad.status_code == 400
+    finished = spans.get_finished_spans()
+    server_ok, server_bad = [s for s in finished if s.kind == SpanKind.SERVER]
+    assert server_ok.name == "POST /v1/systemone"
+    assert format(server_ok.context.trace_id, "032x") == trace_id
+    assert format(server_ok.parent.span_id, "016x") == parent_id
+    assert server_ok.attributes["http.response.status_code"] == 200
+    assert server_ok.attributes["canvasroute.questions"] == 3
+    (decide,) = [s for s in finished if s.name.startswith("decide ")]
+    assert decide.parent.span_id == server_ok.context.span_id
+    assert server_bad.attributes["http.response.status_code"] == 400
+    assert server_bad.attributes["error.type"] == "unsupported_question"
+    assert server_bad.status.status_code != StatusCode.ERROR  # a client error is not a server fault
+
+
+# -- canvasroute serve ---------------------------------------------------------------------
+
+
+def _args(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    serve.configure(parser)
+    return parser.parse_args(argv)
+
+
+def test_serve_flags_build_the_model_and_app(tmp_path):
+    from langchain_openai import ChatOpenAI
+
+    args = _args(["--engine-url", "http://127.0.0.1:9,http://127.0.0.1:10", "--max-normalized-entropy", "0.3",
+                  "--rereads", "1", "--escalate-url", "http://127.0.0.1:11/v1", "--escalate-model", "big-model",
+                  "--api-key", KEY, "--max-in-flight", "3", "--max-queue", "5", "--model-alias", "jev-latest"])
+    app = serve.build_app(args)
+    model = app.state.model
+    assert model.policy.max_normalized_entropy == 0.3 and model.policy.rereads == 1
+    assert isinstance(model.escalate_to, ChatOpenAI) and model.escalate_to.model_name == "big-model"
+    assert str(model.escalate_to.openai_api_base) == "http://127.0.0.1:11/v1"
+    assert "http://127.0.0.1:9, http://127.0.0.1:10" in repr(model.engine)
+    assert app.state.gate.max_in_flight == 3 and app.state.gate.max_queue == 5
+
+
+def test_serve_loads_a_policy_file_and_flags_override_it(tmp_path):
+    from router import save_policy
+
+    path = save_policy(tmp_path / "policy.json", GatePolicy(
+        max_normalized_entropy=0.2, min_margin=0.1, rereads=2,
+        per_question={"team": GatePolicy(max_normalized_entropy=0.7, temperature=1.5)}))
+    policy = serve.build_model(_args(["--engine-url", "http://127.0.0.1:9", "--policy", str(path),
+                                      "--rereads", "0"])).policy
+    assert (policy.max_normalized_entropy, policy.min_margin, policy.rereads) == (0.2, 0.1, 0)
+    assert policy.for_question("team").temperature == 1.5
+    assert serve.run(_args(["--engine-url", "http://127.0.0.1:9", "--policy", str(tmp_path / "none.json")])) == 2
+
+
+def test_serve_reads_canvasroute_environment_variables(monkeypatch):
+    monkeypatch.setenv("CANVASROUTE_ENGINE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("CANVASROUTE_API_KEY", KEY)
+    monkeypatch.setenv("CANVASROUTE_REREADS", "2")
+    monkeypatch.setenv("CANVASROUTE_MAX_QUEUE", "7")
+    args = _args([])
+    assert (args.engine_url, args.api_key, args.rereads, args.max_queue) == ("http://127.0.0.1:9", KEY, 2, 7)
+    assert _args(["--rereads", "0"]).rereads == 0  # a flag wins over its variable
+
+
+def test_serve_embedded_engine_says_it_is_near_chance(monkeypatch, caplog):
+    import engine
+
+    stand_in = FunctionEngine(lambda read: [], model="SmolLM2-135M-Instruct")
+    monkeypatch.setattr(engine, "embedded_engine", lambda: stand_in)  # the real one loads weights (tested elsewhere)
+    with caplog.at_level("WARNING", logger="canvasroute.serve"):
+        model = serve.build_model(_args(["--engine", "embedded"]))
+    assert model.engine is stand_in
+    assert "near chance" in caplog.text
+
+
+def test_serve_refuses_an_incomplete_configuration(capsys, monkeypatch):
+    for name in ("CANVASROUTE_ENGINE_URL", "CANVASROUTE_ENGINE"):
+        monkeypatch.delenv(name, raising=False)
+    assert serve.run(_args([])) == 2
+    assert "no engine" in capsys.readouterr().err
+    assert serve.run(_args(["--engine-url", "http://127.0.0.1:9", "--escalate-model", "big"])) == 2
+    assert "--escalate-url" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.vllm
+def test_canvasroute_serve_answers_over_http(vllm_url):
+    port = _free_port()
+    env = {**os.environ, "CANVASROUTE_API_KEY": KEY, "CANVASROUTE_REREADS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--engine-url", vllm_url,
+                             "--port", str(port), "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/systemone", json=BODY, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+        denied = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny-dgemma"
+    assert {a["canvasroute"]["reads"] for a in r.json()["answers"].values()} == {1}  # CANVASROUTE_REREADS=0
+    assert denied.status_code == 401
+    assert proc.returncode == 0, out

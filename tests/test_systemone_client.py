@@ -1,0 +1,318 @@
+"""`SystemOneDecisionModel`: the Jev client, against our server, vLLM's gateway and faults."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+from langchain_core.decisions import Box, Choice, ClassifierResponse, Noul, Score
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from engine import (
+    DecisionError,
+    EngineOverloaded,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeout,
+    EngineUnavailable,
+    FunctionEngine,
+    UnsupportedQuestion,
+    VLLMServerEngine,
+)
+from harness.server import create_app, run_in_thread
+from router import CanvasDecisionModel, GatePolicy, SystemOneDecisionModel
+
+KEY = "sk-client-test"
+QUESTIONS = {
+    "urgent": Noul(instructions="Is this urgent?", criteria={"true": "money is lost", "false": "it can wait"}),
+    "team": Choice(instructions="Which team?", criteria={"billing": "charges", "tech": None, "sales": "plans"}),
+    "sev": Score(instructions="How severe?", criteria=["low", "medium", "high"]),
+}
+STATE = "I was charged twice and nobody answers."
+ANSWER = {
+    "model": "jev-test",
+    "answers": {
+        "urgent": {"type": "noul", "noul": 0.8},
+        "team": {"type": "choice", "choice": "tech", "probabilities": {"billing": 0.1, "tech": 0.7, "sales": 0.2},
+                 "confidence": 0.7},
+        "sev": {"type": "score", "score": 1.2, "legend": {"0": "low", "1": "medium", "2": "high"},
+                "probabilities": {"0": 0.2, "1": 0.4, "2": 0.4}, "confidence": 0.4},
+    },
+    "usage": {"input_tokens": 30, "output_tokens": 3},
+}
+
+
+def rows_for(engine: FunctionEngine, labels: tuple[str, ...], logprob: float):
+    return lambda read: [{engine.token_id(t): logprob for t in labels}] * len(read.slots)
+
+
+def confident_model() -> CanvasDecisionModel:
+    """Answers yes / billing / level 0 with near certainty."""
+    engine = FunctionEngine(lambda read: fn(read), model="upstream")
+    fn = rows_for(engine, ("yes", "A", "1"), -0.01)
+    return CanvasDecisionModel(engine=engine)
+
+
+class Script:
+    """A MockTransport handler answering from a list (the last answer repeats)."""
+
+    def __init__(self, *answers: httpx.Response | Exception) -> None:
+        self.answers = list(answers)
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def client(self, **kwargs) -> SystemOneDecisionModel:
+        kwargs.setdefault("max_retries", 3)
+        return SystemOneDecisionModel("http://jev.test", model="jev-test", backoff=0,
+                                      transport=httpx.MockTransport(self), **kwargs)
+
+
+def error(status: int, message: str, **headers: str) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"type": "x", "message": message}}, headers=headers)
+
+
+_EXPORTER = InMemorySpanExporter()
+_INSTALLED: set[int] = set()
+
+
+@pytest.fixture
+def spans():
+    """Finished spans of this test, from the global SDK tracer provider."""
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+    provider = trace.get_tracer_provider()
+    if id(provider) not in _INSTALLED:
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        _INSTALLED.add(id(provider))
+    _EXPORTER.clear()
+    return _EXPORTER
+
+
+# -- real servers ----------------------------------------------------------------------------
+
+
+async def test_against_our_server_matches_the_model_it_serves(spans):
+    model = confident_model()
+    with run_in_thread(create_app(model, api_key=KEY)) as url:
+        jev = SystemOneDecisionModel(url, model="upstream", api_key=KEY)
+        resp = await jev.ainvoke({"state": STATE, "questions": QUESTIONS})
+        sync = jev.invoke({"state": STATE, "questions": QUESTIONS})  # the sync path
+        keyless = SystemOneDecisionModel(url, model="upstream", max_retries=0)
+        with pytest.raises(EngineRequestError) as denied:
+            await keyless.ainvoke({"state": STATE, "questions": QUESTIONS})
+        await jev.aclose()
+    direct = await model.ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert isinstance(resp, ClassifierResponse) and resp.model == "upstream"
+    assert resp.answers == direct.answers == sync.answers
+    assert resp.choices["team"].choice == "billing" and resp.nouls["urgent"].noul > 0.99
+    assert resp.request_id.startswith("decision-") and resp.request_id != sync.request_id
+    assert denied.value.status == 401 and "API key" in denied.value.message
+    # the server's span joins the client's trace
+    finished = spans.get_finished_spans()
+    client_span = next(s for s in finished if s.name == "systemone upstream")
+    server_span = next(s for s in finished if s.kind == SpanKind.SERVER and
+                       s.context.trace_id == client_span.context.trace_id)
+    assert client_span.kind == SpanKind.CLIENT and server_span.parent.span_id == client_span.context.span_id
+
+
+@pytest.mark.vllm
+async def test_against_our_server_on_real_vllm(vllm_url):
+    model = CanvasDecisionModel(engine=VLLMServerEngine(vllm_url), policy=GatePolicy(rereads=0))
+    with run_in_thread(create_app(model)) as url:
+        resp = await SystemOneDecisionModel(url, model="tiny-dgemma").ainvoke({"state": STATE, "questions": QUESTIONS})
+    direct = await model.ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert resp.model == "tiny-dgemma"
+    assert resp.choices["team"].probabilities == pytest.approx(direct.choices["team"].probabilities, abs=1e-9)
+    assert resp.scores["sev"].legend == {0: "low", 1: "medium", 2: "high"}
+    assert resp.usage["input_tokens"] > 0
+
+
+class Counting(httpx.AsyncBaseTransport):
+    """The real network transport, counting what it sends."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.sent = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent += 1
+        return await self.inner.handle_async_request(request)
+
+
+def _gateways() -> list[str]:
+    extra = os.environ.get("CANVASROUTE_VLLM_GATEWAY_URL")
+    return ["fixture", *([extra] if extra else [])]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("which", _gateways())
+async def test_against_vllms_own_gateway(vllm_url, which):
+    """vLLM's /v1/systemone. On the fixture's tiny tokenizer vLLM disables it (501: `yes`
+    is not one token), which must surface as a typed refusal, sent once; a server whose
+    tokenizer keeps the labels whole (CANVASROUTE_VLLM_GATEWAY_URL) must answer."""
+    url = vllm_url if which == "fixture" else which
+    name = (await VLLMServerEngine(url).info()).model
+    transport = Counting()
+    jev = SystemOneDecisionModel(url, model=name, transport=transport, backoff=0)
+    try:
+        resp = await jev.ainvoke({"state": STATE, "questions": QUESTIONS})
+    except EngineRequestError as exc:
+        assert exc.status == 501 and exc.message == "The model does not support the structured decision API"
+        assert transport.sent == 1  # 501 is permanent: no retries
+        return
+    assert transport.sent == 1 and resp.model == name
+    assert resp.choices["team"].choice in {"billing", "tech", "sales"}
+    assert sum(resp.choices["team"].probabilities.values()) == pytest.approx(1.0)
+    assert resp.scores["sev"].legend == {0: "low", 1: "medium", 2: "high"}
+    assert 0 <= resp.nouls["urgent"].noul <= 1
+
+
+async def test_as_the_escalation_target_of_a_canvas_model():
+    """Uncertain canvas reads escalate over HTTP to another decision server."""
+    with run_in_thread(create_app(confident_model(), api_key=KEY)) as url:
+        upstream = SystemOneDecisionModel(url, model="upstream", api_key=KEY)
+        engine = FunctionEngine(lambda read: fn(read), model="fast")
+        fn = rows_for(engine, ("yes", "no", "A", "B", "C", "1", "2", "3"), -2.0)  # uniform: uncertain
+        model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.5, rereads=1),
+                                    escalate_to=upstream)
+        resp = await model.ainvoke({"state": STATE, "questions": QUESTIONS})
+    for qid in QUESTIONS:
+        report = resp.reads[qid]
+        assert report.path == "escalated" and report.escalation_model == "upstream" and report.reads == 2
+        assert report.canvas_probabilities is not None  # the canvas distribution is kept for review
+    assert resp.choices["team"].choice == "billing" and resp.nouls["urgent"].noul > 0.99
+    assert resp.reads["sev"].answer == "0"
+    assert resp.usage["input_tokens"] >= 0 and resp.canvas_reads == 2
+
+
+async def test_a_server_can_front_any_decision_model():
+    """A canvasroute server proxying another /v1/systemone server: plain Jev answers."""
+    with run_in_thread(create_app(confident_model(), api_key=KEY)) as upstream_url:
+        proxy = create_app(SystemOneDecisionModel(upstream_url, model="upstream", api_key=KEY))
+        with run_in_thread(proxy) as url:
+            async with httpx.AsyncClient(timeout=30) as http:
+                r = await http.post(f"{url}/v1/systemone", json={"state": STATE, "questions": {
+                    qid: q.model_dump(mode="json") for qid, q in QUESTIONS.items()}})
+                models = (await http.get(f"{url}/v1/models")).json()
+    assert r.status_code == 200, r.text
+    answers = r.json()["answers"]
+    assert answers["team"]["choice"] == "billing" and "canvasroute" not in answers["team"]
+    assert r.json()["model"] == "upstream" and models["data"][0]["id"] == "upstream"
+
+
+# -- retries and typed errors (MockTransport) ---------------------------------------------
+
+
+async def test_retries_529_and_5xx_then_answers():
+    script = Script(error(529, "queue full"), error(503, "warming up"), error(500, "oops"),
+                    httpx.Response(200, json=ANSWER, headers={"x-request-id": "req-1"}))
+    resp = await script.client().ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert len(script.requests) == 4
+    assert resp.model == "jev-test" and resp.request_id == "req-1"
+    assert resp.choices["team"].choice == "tech" and resp.scores["sev"].probabilities == {0: 0.2, 1: 0.4, 2: 0.4}
+    assert resp.usage["total_tokens"] == 33
+    body = json.loads(script.requests[0].content)
+    assert body["model"] == "jev-test" and body["state"] == STATE
+    assert body["questions"]["team"] == {"type": "choice", "instructions": "Which team?",
+                                         "criteria": {"billing": "charges", "tech": None, "sales": "plans"}}
+    assert "authorization" not in script.requests[0].headers
+
+
+@pytest.mark.parametrize(("status", "kind"), [(529, EngineOverloaded), (429, EngineOverloaded),
+                                              (503, EngineOverloaded), (502, EngineUnavailable)])
+async def test_persistent_transient_statuses_raise_typed_errors_after_retries(status, kind):
+    script = Script(error(status, "still busy"))
+    with pytest.raises(kind, match="still busy") as info:
+        await script.client(max_retries=2).ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert len(script.requests) == 3 and info.value.retryable
+    assert not isinstance(info.value, EngineRequestError)
+
+
+async def test_retry_after_is_honoured(monkeypatch):
+    slept: list[float] = []
+
+    async def fake_sleep(delay: float) -> None:
+        slept.append(delay)
+
+    monkeypatch.setattr("router.systemone.asyncio.sleep", fake_sleep)
+    script = Script(error(529, "later", **{"retry-after": "2"}), httpx.Response(200, json=ANSWER))
+    await script.client().ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert slept == [2.0]
+
+
+@pytest.mark.parametrize(("status", "message"), [
+    (400, "question 'q': Box questions have no canvas form"),
+    (401, "missing or invalid API key"),
+    (404, "model 'jev-test' is not served here"),
+    (422, "questions.team.criteria: must be an object"),
+    (501, "The model does not support the structured decision API"),
+])
+async def test_refusals_raise_at_once_with_the_servers_message(status, message):
+    script = Script(error(status, message))
+    with pytest.raises(EngineRequestError) as info:
+        await script.client().ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert len(script.requests) == 1
+    assert info.value.status == status and info.value.message == message
+    assert isinstance(info.value, ValueError) and not info.value.retryable
+
+
+async def test_connection_faults_retry_then_raise_typed():
+    refused = Script(httpx.ConnectError("connection refused"))
+    with pytest.raises(EngineUnavailable, match="connection refused"):
+        await refused.client(max_retries=1).ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert len(refused.requests) == 2
+    slow = Script(httpx.ReadTimeout("read timed out"), httpx.Response(200, json=ANSWER))
+    resp = await slow.client().ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert resp.nouls["urgent"].noul == 0.8 and len(slow.requests) == 2
+    stuck = Script(httpx.ReadTimeout("read timed out"))
+    with pytest.raises(EngineTimeout):
+        await stuck.client(max_retries=0).ainvoke({"state": STATE, "questions": QUESTIONS})
+
+
+@pytest.mark.parametrize("body", [
+    b"not json",
+    json.dumps({"model": "jev-test"}).encode(),
+    json.dumps({**ANSWER, "answers": {"urgent": ANSWER["answers"]["urgent"]}}).encode(),  # answers missing
+    json.dumps({**ANSWER, "answers": {**ANSWER["answers"], "team": ANSWER["answers"]["urgent"]}}).encode(),
+    json.dumps({**ANSWER, "answers": {**ANSWER["answers"], "urgent": {"type": "noul", "noul": 1.5}}}).encode(),
+])
+async def test_unreadable_answers_raise_response_errors(body):
+    script = Script(httpx.Response(200, content=body))
+    with pytest.raises(EngineResponseError):
+        await script.client().ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert len(script.requests) == 1
+
+
+async def test_questions_are_checked_before_sending_and_the_key_is_sent():
+    script = Script(httpx.Response(200, json={"model": "jev-test", "answers": {
+        "logo": {"type": "box", "box": {"top": 0.1, "bottom": 0.5, "left": 0.2, "right": 0.6}}}}))
+    jev = script.client(api_key=KEY)
+    with pytest.raises(UnsupportedQuestion):
+        await jev.ainvoke({"state": STATE, "questions": {"q": {"type": "choice", "instructions": "x"}}})
+    with pytest.raises(DecisionError):
+        await jev.ainvoke({"state": STATE, "questions": {}})
+    assert script.requests == []
+    resp = await jev.ainvoke({"state": {"ticket": STATE, "tags": ["billing"]},
+                              "questions": {"logo": Box(instructions="the logo")}})  # the server decides
+    assert resp.boxes["logo"].box.right == 0.6 and resp.usage is None
+    sent = script.requests[0]
+    assert sent.headers["authorization"] == f"Bearer {KEY}"
+    assert json.loads(sent.content)["state"] == {"ticket": STATE, "tags": ["billing"]}
+    assert "api_key" not in repr(jev) and KEY not in repr(jev)
+
+
+def test_a_base_url_must_be_http():
+    with pytest.raises(ValueError, match="http"):
+        SystemOneDecisionModel("127.0.0.1:8000", model="x")
