@@ -29,6 +29,7 @@ from ._sync import run_sync
 from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult
 
 if TYPE_CHECKING:
+    from ._embedded import EmbeddedModelMissing, embedded_engine
     from ._transformers import TransformersEngine
     from ._vllm import VLLMEngine
 
@@ -36,6 +37,7 @@ __all__ = [
     "CanvasRead",
     "CanvasRouteError",
     "DecisionError",
+    "EmbeddedModelMissing",
     "Engine",
     "EngineInfo",
     "EngineOverloaded",
@@ -52,10 +54,16 @@ __all__ = [
     "UnsupportedQuestion",
     "VLLMEngine",
     "VLLMServerEngine",
+    "embedded_engine",
     "run_sync",
 ]
 
-_LAZY = {"TransformersEngine": "._transformers", "VLLMEngine": "._vllm"}
+_LAZY = {
+    "EmbeddedModelMissing": "._embedded",
+    "TransformersEngine": "._transformers",
+    "VLLMEngine": "._vllm",
+    "embedded_engine": "._embedded",
+}
 
 
 def __getattr__(name: str) -> Any:

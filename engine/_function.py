@@ -59,7 +59,8 @@ class FunctionEngine:
         return [self.token_id(p) for p in _PIECES.findall(text)]
 
     async def count_prompt(self, messages: Sequence[Message]) -> int:
-        return sum(3 + len(await self.tokenize(m["content"])) for m in messages) + 2
+        counts = [3 + len(await self.tokenize(m["content"])) for m in messages]
+        return sum(counts) + 2
 
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
         self.calls += 1

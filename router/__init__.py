@@ -4,22 +4,44 @@
 the model only through the `engine` protocol.
 """
 
+from ._calibration import (
+    Calibration,
+    CalibrationError,
+    Labelled,
+    QuestionCalibration,
+    calibrate,
+    expected_calibration_error,
+    fit_temperature,
+    load_policy,
+    save_policy,
+)
 from ._distribution import SlotStats, aggregate, slot_stats
 from ._escalation import EscalationError
 from ._model import BudgetExhausted, CanvasDecisionModel, render_state
 from ._policy import EscalationBudget, GatePolicy
 from ._types import CanvasResponse, ReadReport
+from .systemone import SystemOneDecisionModel
 
 __all__ = [
     "BudgetExhausted",
+    "Calibration",
+    "CalibrationError",
     "CanvasDecisionModel",
     "CanvasResponse",
     "EscalationBudget",
     "EscalationError",
     "GatePolicy",
+    "Labelled",
+    "QuestionCalibration",
     "ReadReport",
     "SlotStats",
+    "SystemOneDecisionModel",
     "aggregate",
+    "calibrate",
+    "expected_calibration_error",
+    "fit_temperature",
+    "load_policy",
     "render_state",
+    "save_policy",
     "slot_stats",
 ]

@@ -4,7 +4,8 @@ For a slot with K labels and a row of log-probabilities `lp`:
 
 - a label id missing from the row gets `floor = min(row) - 5` (it ranked below
   everything the engine returned);
-- `p = softmax(lp[labels])`, the distribution over labels only;
+- `p = softmax(lp[labels] / T)`, the distribution over labels only, at temperature `T`
+  (1 = as read; `canvasroute calibrate` fits one per question);
 - `label_mass = sum(exp(lp[labels]))`, how much of the model's mass fell on labels;
 - `entropy = -sum(p ln p)` in nats; `normalized_entropy = entropy / ln K` (0 when K = 1);
 - `margin = p(top) - p(second)`;
@@ -54,16 +55,18 @@ class SlotStats:
         return ranked[0] - ranked[1] if len(ranked) > 1 else 1.0
 
 
-def slot_stats(row: Mapping[int, float], label_ids: Sequence[int]) -> SlotStats:
-    """Label-normalized probabilities from one row of log-probabilities."""
+def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: float = 1.0) -> SlotStats:
+    """Label-normalized probabilities from one row of log-probabilities, at `temperature`."""
+    if not temperature > 0.0 or math.isinf(temperature):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     floor = min(row.values()) - 5.0
     lps = [row.get(i, floor) for i in label_ids]
+    mass = sum(math.exp(lp) for lp in lps)  # before the all--inf case below: that mass is 0
     top = max(lps)
     if top == -math.inf:
         lps, top = [0.0] * len(lps), 0.0
-    weights = [math.exp(lp - top) for lp in lps]
+    weights = [math.exp((lp - top) / temperature) for lp in lps]
     total = sum(weights)
-    mass = sum(math.exp(lp) for lp in lps)
     return SlotStats(tuple(w / total for w in weights), min(1.0, mass))
 
 

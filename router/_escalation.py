@@ -2,9 +2,10 @@
 
 Targets: a chat model (`BaseChatModel`), any `Runnable` that takes messages (e.g. a
 structured-output chain), or another `BaseDecisionModel`. Chat models and runnables get
-the question, the options, the state and the canvas probabilities, and must reply with a
-JSON object `{question id: option}` restricted to the allowed options. Malformed output
-gets one retry, then `EscalationError`.
+the question, the options, the state and the canvas probabilities (after a one-shot
+example of the reply format), and must reply with a JSON object `{question id: option}`
+restricted to the allowed options. A failed call or malformed output gets one retry,
+then `EscalationError`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 
 from engine import CanvasRouteError
 
-from ._schema import QuestionSpec, _text
-
-_JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
+from ._schema import QuestionSpec, _text, parse_questions
 
 
 class EscalationError(CanvasRouteError):
@@ -49,6 +48,8 @@ def target_name(target: Any) -> str:
         value = getattr(target, attr, None)
         if isinstance(value, str) and value:
             return value
+    if callable(getattr(target, "get_name", None)):  # a Runnable: its name (default: its class)
+        return str(target.get_name())
     return type(target).__name__
 
 
@@ -56,52 +57,73 @@ async def escalate(target: Any, state_text: str, state: Any, specs: Sequence[Que
                    canvas: Mapping[str, Mapping[str, float] | None]) -> Escalated:
     """Answer `specs` with `target`, one call for all of them."""
     name = target_name(target)
+    config = {"tags": ["nostream"]}
     if isinstance(target, BaseDecisionModel):
-        try:
-            resp = await target.ainvoke({"state": state, "questions": {s.id: s.question for s in specs}},
-                                        config={"tags": ["nostream"]})
-        except CanvasRouteError:
-            raise
-        except Exception as exc:
-            raise EscalationError(f"escalation to {name} failed: {exc!r}") from exc
-        return _from_decision(name, resp, specs)
-    messages: list[BaseMessage] = [SystemMessage(_instructions(specs)),
+        request = {"state": state, "questions": {s.id: s.question for s in specs}}
+        cause: Exception | None = None
+        for _ in range(2):
+            try:
+                return _from_decision(name, await target.ainvoke(request, config=config), specs)
+            except Exception as exc:  # the target's fault, typed or not: one retry
+                cause = exc
+        raise EscalationError(f"escalation to {name} failed twice: {cause!r}",
+                              hint="check the escalation model") from cause
+    messages: list[BaseMessage] = [SystemMessage(_instructions(specs)), *_EXAMPLE,
                                    HumanMessage(_request(state_text, specs, canvas))]
-    error = ""
-    for attempt in range(2):
+    usage = {"input_tokens": 0, "output_tokens": 0}
+    error, cause = "", None
+    for _ in range(2):
         try:
-            reply = await target.ainvoke(messages, config={"tags": ["nostream"]})
+            reply = await target.ainvoke(messages, config=config)
         except Exception as exc:
-            error = f"escalation to {name} failed: {exc!r}"
+            error, cause = f"escalation to {name} failed: {exc!r}", exc
             continue
+        for key, value in _usage(reply).items():
+            usage[key] += value
         try:
-            return _from_reply(name, reply, specs)
+            result = _from_reply(name, reply, specs)
         except ValueError as exc:
-            error = f"escalation to {name} answered outside the allowed options: {exc}"
+            error, cause = f"escalation to {name} answered outside the allowed options: {exc}", exc
             messages = [*messages, reply if isinstance(reply, BaseMessage) else AIMessage(str(reply)),
                         HumanMessage(f"That reply was invalid ({exc}). Reply with the JSON object only.")]
-    raise EscalationError(error, hint="check the escalation model, or its output format")
+            continue
+        result.usage = usage  # both attempts count
+        return result
+    raise EscalationError(error, hint="check the escalation model, or its output format") from cause
 
 
 def _instructions(specs: Sequence[QuestionSpec]) -> str:
-    ids = ", ".join(f'"{s.id}"' for s in specs)
-    return ("You answer classification questions about the input. For each question choose exactly one "
+    return ("You answer classification questions about an input. For each question choose exactly one "
             "of its allowed options. A fast model's probabilities are given as a hint; they may be wrong. "
-            f"Reply with only a JSON object with the keys {ids}, each mapped to one allowed option.")
+            "Reply with only a JSON object that maps each question id to one allowed option.")
 
 
 def _request(state_text: str, specs: Sequence[QuestionSpec],
              canvas: Mapping[str, Mapping[str, float] | None]) -> str:
-    parts = [f"Input:\n{state_text}"]
+    """The user turn: the input, then one line per question (options, canvas hint).
+
+    One compact line per question keeps small models on track across several questions.
+    """
+    lines = []
     for spec in specs:
-        lines = [f'Question "{spec.id}": {_text(spec.question.instructions)}', "Allowed options:"]
-        descs = _descriptions(spec)
-        lines += [f'- "{opt}"' + (f": {d}" if d else "") for opt, d in zip(spec.options, descs, strict=True)]
-        hint = canvas.get(spec.id)
-        if hint:
-            lines.append("Fast model's probabilities: " + json.dumps({k: round(v, 3) for k, v in hint.items()}))
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts)
+        options = ", ".join(f'"{o}"' + (f" ({d})" if d else "")
+                            for o, d in zip(spec.options, _descriptions(spec), strict=True))
+        line = f'Question "{spec.id}": {_text(spec.question.instructions)} Options: {options}.'
+        if hint := canvas.get(spec.id):
+            line += " Fast model's probabilities: " + json.dumps({k: round(v, 3) for k, v in hint.items()})
+        lines.append(line)
+    keys = ", ".join(f'"{s.id}"' for s in specs)
+    return f"Input:\n{state_text}\n\n" + "\n".join(lines) + f"\n\nJSON with the keys {keys}:"
+
+
+def _example() -> tuple[HumanMessage, AIMessage]:
+    """A one-shot example of the reply format (small models need it; large ones don't mind)."""
+    specs = parse_questions({"weather": {"type": "choice", "instructions": "What is the weather like?",
+                                         "criteria": {"sunny": None, "rainy": None}},
+                             "cold": {"type": "noul", "instructions": "Is it cold?"}})
+    hint = {"weather": {"sunny": 0.6, "rainy": 0.4}, "cold": {"yes": 0.3, "no": 0.7}}
+    return (HumanMessage(_request("It is a bright, sunny day in July.", list(specs.values()), hint)),
+            AIMessage('{"weather": "sunny", "cold": "no"}'))
 
 
 def _descriptions(spec: QuestionSpec) -> list[str]:
@@ -115,15 +137,20 @@ def _descriptions(spec: QuestionSpec) -> list[str]:
     return [_text(d) for d in q.criteria]
 
 
+def _usage(reply: Any) -> dict[str, int]:
+    """Token usage a chat reply reports (empty when it reports none)."""
+    if isinstance(reply, AIMessage) and reply.usage_metadata:
+        return {"input_tokens": int(reply.usage_metadata.get("input_tokens", 0)),
+                "output_tokens": int(reply.usage_metadata.get("output_tokens", 0))}
+    return {}
+
+
 def _from_reply(name: str, reply: Any, specs: Sequence[QuestionSpec]) -> Escalated:
     """Validate a chat/runnable reply and read a distribution from logprobs if present."""
-    usage: dict[str, int] = {}
+    usage = _usage(reply)
     logprobs = None
     if isinstance(reply, BaseMessage):
         text = reply.text if isinstance(reply.text, str) else reply.text()
-        if isinstance(reply, AIMessage) and reply.usage_metadata:
-            usage = {"input_tokens": reply.usage_metadata.get("input_tokens", 0),
-                     "output_tokens": reply.usage_metadata.get("output_tokens", 0)}
         logprobs = (reply.response_metadata or {}).get("logprobs")
         data: Any = _parse_json(text)
     elif isinstance(reply, Mapping):
@@ -134,41 +161,60 @@ def _from_reply(name: str, reply: Any, specs: Sequence[QuestionSpec]) -> Escalat
         text = str(reply)
         data = _parse_json(text)
     answers: dict[str, str] = {}
+    by_description: dict[str, bool] = {}  # answered by an option's description, not its name
     for spec in specs:
         value = data.get(spec.id) if isinstance(data, Mapping) else None
         option = _match(spec, value)
         if option is None:
             raise ValueError(f"{spec.id!r}: {value!r} is not one of {list(spec.options)}")
         answers[spec.id] = option
-    probs = {s.id: _logprob_distribution(logprobs, text, s) if logprobs else None for s in specs}
+        by_description[spec.id] = isinstance(value, str) and value.strip().casefold() != option.casefold()
+    probs = {s.id: _logprob_distribution(logprobs, text, s, by_description[s.id]) if logprobs else None
+             for s in specs}
+    for qid, dist in probs.items():  # a distribution that disagrees with the answer was mis-mapped
+        if dist and max(dist, key=dist.__getitem__) != answers[qid]:
+            probs[qid] = None
     return Escalated(name, answers, probs, usage)
 
 
 def _parse_json(text: str) -> Any:
-    m = _JSON_OBJECT.search(text or "")
-    if m is None:
-        raise ValueError(f"no JSON object in {text[:120]!r}")
-    try:
-        return json.loads(m.group(0))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON ({exc.msg})") from exc
+    """The first JSON object in `text` (prose or code fences around it are ignored)."""
+    decoder = json.JSONDecoder()
+    start, error = (text or "").find("{"), "no JSON object"
+    while start != -1:
+        try:
+            value, _ = decoder.raw_decode(text, start)
+        except json.JSONDecodeError as exc:
+            error = f"invalid JSON ({exc.msg})"
+        else:
+            if isinstance(value, dict):
+                return value
+        start = text.find("{", start + 1)
+    raise ValueError(f"{error} in {(text or '')[:120]!r}")
 
 
 def _match(spec: QuestionSpec, value: Any) -> str | None:
+    """The option a reply value names: its name, or (if unambiguous) its description."""
     if isinstance(value, bool) and spec.kind == "noul":
         return "yes" if value else "no"
-    if isinstance(value, int) and spec.kind == "score":
+    if isinstance(value, int) and not isinstance(value, bool) and spec.kind == "score":
         value = str(value)
     if not isinstance(value, str):
         return None
+    key = value.strip().casefold()
     folded = {o.casefold(): o for o in spec.options}
-    return folded.get(value.strip().casefold())
+    if key in folded:
+        return folded[key]
+    described = [o for o, d in zip(spec.options, _descriptions(spec), strict=True) if d and d.casefold() == key]
+    return described[0] if len(described) == 1 else None
 
 
-def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec) -> dict[str, float] | None:
+def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec,
+                          by_description: bool = False) -> dict[str, float] | None:
     """Distribution over options from OpenAI-shaped logprobs at the answer's first token.
 
-    Approximate: each option takes the best alternative whose text is a prefix of it;
+    Approximate: each option takes the best alternative whose text is a prefix of its
+    name (of its description, when the reply named the answer by its description);
     options sharing a first token share that mass. None when the token is not found.
     """
     content = logprobs.get("content") if isinstance(logprobs, Mapping) else logprobs
@@ -184,8 +230,9 @@ def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec) -> dict[
             alts = {a["token"].strip().strip('"'): a["logprob"] for a in entry.get("top_logprobs") or []}
             alts.setdefault(token.strip().strip('"'), entry.get("logprob", 0.0))
             scores = {}
-            for option in spec.options:
-                hits = [lp for tok, lp in alts.items() if tok and option.casefold().startswith(tok.casefold())]
+            for option, desc in zip(spec.options, _descriptions(spec), strict=True):
+                name = (desc if by_description else option).casefold()
+                hits = [lp for tok, lp in alts.items() if tok and name and name.startswith(tok.casefold())]
                 scores[option] = max(hits) if hits else None
             known = [v for v in scores.values() if v is not None]
             if not known:
@@ -199,6 +246,7 @@ def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec) -> dict[
 
 
 def _from_decision(name: str, resp: Any, specs: Sequence[QuestionSpec]) -> Escalated:
+    name = getattr(resp, "model", None) or name  # the model that answered, as it reports itself
     answers: dict[str, str] = {}
     probs: dict[str, dict[str, float] | None] = {}
     for spec in specs:
@@ -217,6 +265,9 @@ def _from_decision(name: str, resp: Any, specs: Sequence[QuestionSpec]) -> Escal
             raise EscalationError(f"escalation to {name} returned no usable answer for {spec.id!r}: {ans!r}")
     usage = dict(resp.usage) if getattr(resp, "usage", None) else {}
     return Escalated(name, answers, probs, {k: int(usage.get(k, 0)) for k in ("input_tokens", "output_tokens")})
+
+
+_EXAMPLE = _example()
 
 
 def is_target(target: Any) -> bool:

@@ -61,6 +61,8 @@ class _Read:
     stats: SlotStats | None = None
     crossed: tuple[str, ...] = ()
     error: str | None = None
+    fault: CanvasRouteError | None = None
+    """The engine fault behind `error`, re-raised when no escalation or fallback covers it."""
 
 
 class CanvasDecisionModel(BaseDecisionModel):
@@ -72,8 +74,9 @@ class CanvasDecisionModel(BaseDecisionModel):
     Engine faults fail expensive: escalate (default), raise, or a declared fallback label.
 
     Request keys beyond `state` and `questions`: `seed` (int, the noise seed; default a
-    hash of state and questions, so identical requests read identically) and `thread_id`
-    (for per-thread escalation budgets).
+    hash of state and questions, so identical requests read identically), `thread_id`
+    (for per-thread escalation budgets), `policy` (a `GatePolicy` for this request) and
+    `attributes` (extra span attributes, e.g. the graph node).
 
     Example:
         ```python
@@ -152,7 +155,8 @@ class CanvasDecisionModel(BaseDecisionModel):
         if not isinstance(request, Mapping) or "state" not in request or "questions" not in request:
             raise DecisionError("a decision request is {'state': ..., 'questions': {...}}")
         return await self.decide(request["state"], request["questions"], seed=request.get("seed"),
-                                 thread_id=request.get("thread_id"), policy=request.get("policy"))
+                                 thread_id=request.get("thread_id"), policy=request.get("policy"),
+                                 attributes=request.get("attributes"))
 
     # -- the decision ------------------------------------------------------------------
 
@@ -166,31 +170,51 @@ class CanvasDecisionModel(BaseDecisionModel):
         for qid, option in self.fallback.items():
             if qid in specs and option not in specs[qid].options:
                 raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
-        info = await self.engine.info()
-        self.model = info.model
+        fault: CanvasRouteError | None = None
+        try:
+            info: EngineInfo | None = await self.engine.info()
+        except CanvasRouteError as exc:  # engine down before anything could be read
+            if not self._absorbs(exc):
+                raise
+            info, fault = None, exc
+        if info is not None:
+            self.model = info.model
+        model_name = self.model
         state_text = render_state(state)
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
         if tm.record_content():
             attrs[tm.STATE_CONTENT] = state_text
-        with tm.span(f"decide {info.model}", attrs) as span:
-            the_plan = await self._plan(specs)
-            messages = [_messages(c, state_text) for c in the_plan.chunks]
-            await _check_length(self.engine, info, the_plan.chunks, messages)
-            if seed is None:
-                seed = _default_seed(state_text, the_plan)
+        with tm.span(f"decide {model_name}", attrs) as span:
             usage = {"input_tokens": 0, "output_tokens": 0}
-            reads = {s.question_id: _Read(specs[s.question_id], c, s.labels, [])
-                     for c, chunk in enumerate(the_plan.chunks) for s in chunk.slots}
-            canvas_reads = await self._first_reads(info, the_plan, messages, seed, reads, usage, policy)
-            canvas_reads += await self._rereads(info, the_plan, messages, seed, reads, usage, policy)
+            if info is not None:
+                try:
+                    the_plan = await self._plan(specs)
+                    messages = [_messages(c, state_text) for c in the_plan.chunks]
+                    await _check_length(self.engine, info, the_plan.chunks, messages)
+                except CanvasRouteError as exc:
+                    if not self._absorbs(exc):
+                        raise
+                    fault = exc
+            if fault is None:
+                assert info is not None
+                if seed is None:
+                    seed = _default_seed(state_text, the_plan)
+                reads = {s.question_id: _Read(specs[s.question_id], c, s.labels, [])
+                         for c, chunk in enumerate(the_plan.chunks) for s in chunk.slots}
+                canvas_reads = await self._first_reads(info, the_plan, messages, seed, reads, usage, policy)
+                canvas_reads += await self._rereads(info, the_plan, messages, seed, reads, usage, policy)
+            else:  # every question goes down the escalation/fallback path, none is answered from nothing
+                reads = {qid: _Read(spec, -1, (), [], error=f"{type(fault).__name__}: {fault}", fault=fault)
+                         for qid, spec in specs.items()}
+                canvas_reads = 0
             escalated = await self._escalate(state, state_text, reads, usage, thread_id)
             reports = [self._report(r, escalated) for r in reads.values()]
             latency = time.perf_counter() - start
             reports = [r.model_copy(update={"latency_s": latency}) for r in reports]
             span.set_attribute(tm.CANVAS_READS, canvas_reads)
-            tm.record_reports(span, reports, latency, info.model)
+            tm.record_reports(span, reports, latency, model_name, policy, attrs)
         return CanvasResponse(
-            model=info.model,
+            model=model_name,
             answers={r.question_id: _answer(specs[r.question_id], r) for r in reports},
             reads={r.question_id: r for r in reports},
             usage=usage,
@@ -209,19 +233,17 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     async def _read(self, info: EngineInfo, the_plan: Plan, jobs: Sequence[tuple[int, int]],
                     messages: Sequence[tuple[Mapping[str, str], ...]], seed: int, kind: str,
-                    usage: dict[str, int]) -> list[list[SlotStats]]:
+                    usage: dict[str, int], policy: GatePolicy) -> list[list[SlotStats]]:
         """One engine call reading (chunk, k) pairs; returns stats per job, in slot order."""
         batch = [_canvas(the_plan.chunks[c], messages[c], info, seed + REREAD_STRIDE * k, self.constrained)
                  for c, k in jobs]
-        attrs = {**tm.genai_attributes("canvas_read", info.provider, info.model),
-                 tm.READ_BATCH: len(batch), tm.READ_KIND: kind}
-        with tm.span(f"canvas_read {info.model}", attrs) as span:
+        with tm.engine_call(info, batch, kind) as call:
             results = await self.engine.read(batch)
             if len(results) != len(batch):
                 raise EngineResponseError(f"the engine returned {len(results)} results for {len(batch)} canvases")
             tokens_in = sum(r.prompt_tokens for r in results)
             tokens_out = sum(r.completion_tokens for r in results)
-            tm.set_usage(span, tokens_in, tokens_out)
+            call.usage(tokens_in, tokens_out, results)
         usage["input_tokens"] += tokens_in
         usage["output_tokens"] += tokens_out
         out = []
@@ -229,57 +251,74 @@ class CanvasDecisionModel(BaseDecisionModel):
             slots = the_plan.chunks[c].slots
             if len(result.rows) != len(slots):
                 raise EngineResponseError(f"the engine returned {len(result.rows)} slot rows for {len(slots)} slots")
-            out.append([slot_stats(row, s.label_ids) for row, s in zip(result.rows, slots, strict=True)])
+            out.append([slot_stats(row, s.label_ids, policy.for_question(s.question_id).temperature)
+                        for row, s in zip(result.rows, slots, strict=True)])
         return out
 
     async def _first_reads(self, info: EngineInfo, the_plan: Plan, messages: Any, seed: int,
                            reads: dict[str, _Read], usage: dict[str, int], policy: GatePolicy) -> int:
         jobs = [(c, 0) for c in range(len(the_plan.chunks))]
         try:
-            stats = await self._read(info, the_plan, jobs, messages, seed, "first", usage)
+            stats = await self._read(info, the_plan, jobs, messages, seed, "first", usage, policy)
         except CanvasRouteError as exc:
-            if self.on_engine_error == "raise" or not (self.escalate_to or self.on_engine_error == "fallback"):
+            if not self._absorbs(exc):
                 raise
             for r in reads.values():
-                r.error = f"{type(exc).__name__}: {exc}"
+                r.error, r.fault = f"{type(exc).__name__}: {exc}", exc
             return len(jobs)
         self._collect(the_plan, jobs, stats, reads, policy)
         return len(jobs)
 
     async def _rereads(self, info: EngineInfo, the_plan: Plan, messages: Any, seed: int,
                        reads: dict[str, _Read], usage: dict[str, int], policy: GatePolicy) -> int:
-        """Re-read (all questions of) chunks holding an uncertain question, k times each."""
-        chunks = sorted({r.chunk for r in reads.values()
-                         if r.error is None and r.crossed and policy.for_question(r.spec.id).rereads})
-        if not chunks:
+        """Re-read the chunks holding an uncertain question: k times each, k the largest
+        `rereads` among their uncertain questions. Each uncertain question keeps its own
+        first `rereads` re-reads; questions the gate passed keep their first read."""
+        uncertain = {r.spec.id: policy.for_question(r.spec.id).rereads for r in reads.values()
+                     if r.error is None and r.crossed and policy.for_question(r.spec.id).rereads}
+        if not uncertain:
             return 0
-        k = max(policy.for_question(r.spec.id).rereads for r in reads.values() if r.chunk in chunks)
-        jobs = [(c, n) for c in chunks for n in range(1, k + 1)]
+        chunks = sorted({reads[qid].chunk for qid in uncertain})
+        jobs = [(c, n) for c in chunks for n in range(1, max(uncertain.values()) + 1)]
         try:
-            stats = await self._read(info, the_plan, jobs, messages, seed, "reread", usage)
+            stats = await self._read(info, the_plan, jobs, messages, seed, "reread", usage, policy)
         except CanvasRouteError as exc:
-            if self.on_engine_error == "raise" or not (self.escalate_to or self.on_engine_error == "fallback"):
+            if not self._absorbs(exc):
                 raise
-            for r in reads.values():
-                if r.chunk in chunks and r.crossed:
-                    r.error = f"{type(exc).__name__}: {exc}"
+            for qid in uncertain:
+                reads[qid].error, reads[qid].fault = f"{type(exc).__name__}: {exc}", exc
             return len(jobs)
-        self._collect(the_plan, jobs, stats, reads, policy)
+        self._collect(the_plan, jobs, stats, reads, policy, uncertain)
         return len(jobs)
 
     def _collect(self, the_plan: Plan, jobs: Sequence[tuple[int, int]], stats: Sequence[Sequence[SlotStats]],
-                 reads: dict[str, _Read], policy: GatePolicy) -> None:
-        for (c, _), chunk_stats in zip(jobs, stats, strict=True):
+                 reads: dict[str, _Read], policy: GatePolicy, only: Mapping[str, int] | None = None) -> None:
+        """Add each job's slot stats to its question and gate again on the aggregate.
+
+        `only` (re-reads): question id -> re-reads it asked for; other questions are left alone.
+        """
+        for (c, n), chunk_stats in zip(jobs, stats, strict=True):
             for slot, st in zip(the_plan.chunks[c].slots, chunk_stats, strict=True):
-                reads[slot.question_id].runs.append(st)
+                if only is None or n <= only.get(slot.question_id, 0):
+                    reads[slot.question_id].runs.append(st)
         for r in reads.values():
-            if r.runs and r.error is None:
+            if r.runs and r.error is None and (only is None or r.spec.id in only):
                 r.stats = aggregate(r.runs)
                 r.crossed = tuple(policy.for_question(r.spec.id).crossed(r.stats))
 
+    def _absorbs(self, exc: CanvasRouteError) -> bool:
+        """Whether an engine fault goes to escalation or the fallback label instead of raising.
+
+        Misuse (`DecisionError`) always raises; so does a fault with nowhere expensive to go.
+        """
+        if isinstance(exc, DecisionError) or self.on_engine_error == "raise":
+            return False
+        return self.escalate_to is not None or self.on_engine_error == "fallback"
+
     async def _escalate(self, state: Any, state_text: str, reads: dict[str, _Read],
                         usage: dict[str, int], thread_id: str | None) -> Escalated | None:
-        wanted = [r for r in reads.values() if r.error is not None or r.crossed]
+        # engine faults first: under a partial budget they are the ones that cannot keep a canvas answer
+        wanted = sorted((r for r in reads.values() if r.error is not None or r.crossed), key=lambda r: r.error is None)
         if self.on_engine_error == "fallback":
             wanted = [r for r in wanted if r.error is None]  # faults take the fallback label
         if not wanted or self.escalate_to is None:
@@ -301,15 +340,14 @@ class CanvasDecisionModel(BaseDecisionModel):
             return None
         canvas = {r.spec.id: _named(r.spec, r.stats) if r.stats else None for r in wanted}
         name = target_name(self.escalate_to)
-        with tm.span(f"escalate {name}", {**tm.genai_attributes("chat", "escalation", name),
-                                          tm.ESCALATED_QUESTIONS: ",".join(canvas)}) as span:
+        with tm.escalation_call(self.escalate_to, name, list(canvas)) as call:
             try:
                 result = await asyncio.wait_for(
                     escalate(self.escalate_to, state_text, state, [r.spec for r in wanted], canvas),
                     self.escalation_timeout)
             except TimeoutError as exc:
                 raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s") from exc
-            tm.set_usage(span, result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
+            call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
         for key in ("input_tokens", "output_tokens"):
             usage[key] += result.usage.get(key, 0)
         return result
@@ -331,10 +369,14 @@ class CanvasDecisionModel(BaseDecisionModel):
             probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in spec.options}
             return ReadReport(answer=answer, probabilities=probs, path="escalated", confident=False,
                               escalation_model=escalated.model, **base)
-        if st is None or (base["over_budget"] and self.budget and self.budget.when_spent == "fallback"):
+        over_budget = base["over_budget"] and self.budget is not None and self.budget.when_spent == "fallback"
+        if st is None or over_budget or (r.fault is not None and self.on_engine_error == "fallback"):
             if spec.id not in self.fallback:
-                raise BudgetExhausted(f"question {spec.id!r} has no fallback option") if st is not None else \
-                    EscalationError(f"engine failed for {spec.id!r} and there is no fallback: {r.error}")
+                if over_budget:
+                    raise BudgetExhausted(f"question {spec.id!r} could not escalate (budget spent) and has no "
+                                          "fallback option", hint="add it to fallback=") from r.fault
+                assert r.fault is not None
+                raise r.fault  # an engine fault never becomes a cheap answer
             answer = self.fallback[spec.id]
             return ReadReport(answer=answer, probabilities={o: float(o == answer) for o in spec.options},
                               path="fallback", confident=False, **base)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -44,6 +45,10 @@ class GatePolicy:
     """Share of the model's probability on the labels at all (off-template answers) below
     which a question is uncertain. Unmeasurable (always 1) on constrained reads."""
 
+    temperature: float = 1.0
+    """Divides the canvas log-probabilities before the softmax over labels (> 1 softens
+    overconfident reads); fitted per question by `canvasroute calibrate`."""
+
     rereads: int = 3
     """Extra reads with fresh noise for uncertain questions (0 turns re-reading off)."""
 
@@ -57,8 +62,13 @@ class GatePolicy:
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1], got {value}")
+        if not 0.0 < self.temperature < math.inf:
+            raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
         if self.max_entropy is not None and self.max_entropy < 0:
             raise ValueError(f"max_entropy must be >= 0, got {self.max_entropy}")
+        for qid, override in self.per_question.items():
+            if not isinstance(override, GatePolicy):
+                raise TypeError(f"per_question[{qid!r}] must be a GatePolicy, got {type(override).__name__}")
 
     def for_question(self, question_id: str) -> GatePolicy:
         """The policy that applies to one question."""

@@ -1,0 +1,399 @@
+"""`TransformersEngine`: structured reads in-process with torch.
+
+Two model kinds, chosen from the model:
+
+- DiffusionGemma (`DiffusionGemmaForBlockDiffusion`): the encoder prefills the prompt into a
+  KV cache, one bidirectional decoder pass over the seed canvas gives a row per position.
+- Causal LMs (e.g. SmolLM2): a next-token readout. Prompt + canvas run as one causal
+  sequence; the row for canvas position `s` is the next-token distribution after
+  position `s - 1`, so one forward pass reads every slot.
+
+Either way the prompt's KV cache is kept in a small LRU keyed by prompt ids, so a re-read
+of the same prompt with new noise runs only the canvas pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DiffusionGemmaForBlockDiffusion,
+    DynamicCache,
+)
+
+from ._batching import MicroBatcher
+from ._errors import EngineRequestError
+from ._types import CanvasRead, EngineInfo, Message, ReadResult
+
+KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+"""A prompt's cache: per layer (keys, values), each `[1, kv_heads, n, head_dim]`."""
+
+_MAX_MODEL_LEN_CAP = 32768
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    prompt: tuple[int, ...]
+    read: CanvasRead
+
+
+class _DiffusionGemma:
+    """Encoder prefill of the prompt, then one bidirectional decoder pass over the canvas.
+
+    The attention masks are built here, as vLLM applies them: in sliding-window layers
+    every query sees the keys less than `sliding_window` positions away, prompt and
+    canvas alike. (transformers 5.24's own forward instead shows the canvas the last
+    `sliding_window - 1` prompt tokens; the two differ, by up to 0.5 nats on the tiny
+    checkpoint, once prompt + canvas exceed the window.)
+    """
+
+    def __init__(self, model: DiffusionGemmaForBlockDiffusion, canvas_width: int | None) -> None:
+        text = model.config.text_config
+        self.model = model
+        self.window = int(text.sliding_window or 0)
+        self.vocab = int(text.vocab_size)
+        self.max_positions = int(text.max_position_embeddings)
+        self.canvas_width = min(canvas_width or model.config.canvas_length, model.config.canvas_length)
+        self.cache_kw = _cache_kwarg(model)
+
+    def prefix(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        return prompt
+
+    def canvas_inputs(self, prompt: tuple[int, ...], canvas: tuple[int, ...]) -> tuple[int, ...]:
+        return canvas
+
+    def encode(self, ids: torch.Tensor, lengths: torch.Tensor) -> DynamicCache:
+        n = ids.shape[1]
+        steps = torch.arange(n, device=ids.device)
+        valid = steps[None] >= (n - lengths)[:, None]
+        causal = steps[None, :] <= steps[:, None]
+        cache = DynamicCache()
+        self.model.get_encoder()(
+            input_ids=ids, attention_mask=self._masks(valid, steps, steps, causal),
+            position_ids=(steps[None] - (n - lengths)[:, None]).clamp(min=0), **{self.cache_kw: cache},
+        )
+        return cache
+
+    def logits(self, cache: DynamicCache, lengths: torch.Tensor, canvas: torch.Tensor,
+               widths: torch.Tensor) -> torch.Tensor:
+        p, c = cache.get_seq_length(), canvas.shape[1]
+        steps = torch.arange(p + c, device=canvas.device)
+        valid = torch.cat([steps[None, :p] >= (p - lengths)[:, None],
+                           steps[None, :c] < widths[:, None]], dim=1)
+        masks = self._masks(valid, steps[p:], steps, None)
+        positions = lengths[:, None] + steps[None, :c]
+        return self.model(decoder_input_ids=canvas, decoder_attention_mask=masks, decoder_position_ids=positions,
+                          **{self.cache_kw: cache}).logits
+
+    def _masks(self, valid: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               causal: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Additive `[batch, 1, queries, keys]` masks per layer type. Every query may see
+        itself, so padded rows stay finite."""
+        allowed = valid[:, None, :] & (causal if causal is not None else True)
+        allowed = allowed | (q[:, None] == k[None, :])
+        near = (q[:, None] - k[None, :]).abs() < self.window if self.window else True
+        dtype = self.model.dtype
+
+        def additive(ok: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device)
+            return mask.masked_fill(~ok, torch.finfo(dtype).min)[:, None]
+
+        return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & near)}
+
+
+class _CausalLM:
+    """Next-token readout: the prompt minus its last token is the cached prefix; the
+    canvas pass feeds `[last prompt token, canvas[:-1]]`, so output `s` is the
+    distribution over canvas position `s`.
+
+    The canvas runs as given, noise included, so an earlier slot's noise conditions the
+    rows of later slots: the causal mirror of DiffusionGemma, where every slot sees the
+    noise at every other slot, and re-reads with new noise average it out. Putting the
+    template's label-0 id at earlier slots instead was measured on SmolLM2-135M (5 tickets,
+    3 questions, 8 noise draws): noise moves later slots' label distributions by a mean
+    total variation of 0.02 (max 0.09) from the label-0 fill and never changes their
+    argmax, while a label at an earlier slot is copied (P(yes) at q3 is 1.0 after
+    "q2: yes" but 0.76-0.99 after "q2: no"), a first-option bias the noise avoids.
+    """
+
+    def __init__(self, model: Any, canvas_width: int | None) -> None:
+        if "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+            raise ValueError("causal LMs with sliding-window layers are not supported by TransformersEngine")
+        self.model = model
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or _MAX_MODEL_LEN_CAP)
+        self.canvas_width = canvas_width or 64
+        self.cache_kw = _cache_kwarg(model)
+
+    def prefix(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        return prompt[:-1]
+
+    def canvas_inputs(self, prompt: tuple[int, ...], canvas: tuple[int, ...]) -> tuple[int, ...]:
+        return (prompt[-1], *canvas[:-1])
+
+    def encode(self, ids: torch.Tensor, lengths: torch.Tensor) -> DynamicCache:
+        n = ids.shape[1]
+        steps = torch.arange(n, device=ids.device)
+        cache = DynamicCache()
+        self.model.base_model(
+            input_ids=ids, attention_mask=(steps[None] >= (n - lengths)[:, None]).long(),
+            position_ids=(steps[None] - (n - lengths)[:, None]).clamp(min=0),
+            use_cache=True, **{self.cache_kw: cache},
+        )
+        return cache
+
+    def logits(self, cache: DynamicCache, lengths: torch.Tensor, inputs: torch.Tensor,
+               widths: torch.Tensor) -> torch.Tensor:
+        """`widths` goes unused: the causal mask already hides a canvas's right padding."""
+        p, c = cache.get_seq_length(), inputs.shape[1]
+        steps = torch.arange(p, device=inputs.device)
+        mask = torch.cat([steps[None] >= (p - lengths)[:, None], inputs.new_ones(inputs.shape, dtype=torch.bool)], 1)
+        positions = lengths[:, None] + torch.arange(c, device=inputs.device)[None]
+        return self.model(input_ids=inputs, attention_mask=mask.long(), position_ids=positions,
+                          use_cache=True, **{self.cache_kw: cache}).logits
+
+
+class TransformersEngine:
+    """Reads canvases in-process with a transformers model (DiffusionGemma or causal LM).
+
+    Concurrent `read` calls within `batch_window_s` share one forward pass of at most
+    `max_batch` canvases, run on one worker thread so the event loop stays free. Prompts
+    are left-padded with an attention mask, so a batched read equals an unbatched one.
+
+    Example:
+        ```python
+        engine = TransformersEngine.from_pretrained("/models/tiny-dgemma")
+        info = await engine.info()
+        [result] = await engine.read([CanvasRead(messages=..., canvas=..., slots=(3,), label_ids=(...))])
+        ```
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        name: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+        canvas_width: int | None = None,
+        max_model_len: int | None = None,
+        max_batch: int = 16,
+        batch_window_s: float = 0.002,
+        max_queue: int = 1024,
+        prompt_cache_size: int = 64,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        canvas_prefix: str | None = None,
+        end_of_turn: str | None = None,
+    ) -> None:
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+        model.eval()
+        diffusion = isinstance(model, DiffusionGemmaForBlockDiffusion)
+        self._kind: _DiffusionGemma | _CausalLM = (
+            _DiffusionGemma(model, canvas_width) if diffusion else _CausalLM(model, canvas_width))
+        self._tokenizer = tokenizer
+        self._device = torch.device(device)
+        self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._template_kwargs = dict(chat_template_kwargs if chat_template_kwargs is not None
+                                     else {"enable_thinking": False})
+        self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._kv: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self._kv_size = prompt_cache_size
+        self._closed = False
+        self.prompt_cache_hits = 0
+        """Prompts whose KV cache came from the LRU instead of a prefill."""
+        self._batcher: MicroBatcher[_Job, tuple[tuple[dict[int, float], ...], dict[str, object]]] = MicroBatcher(
+            self._forward, max_batch=max_batch, window_s=batch_window_s, max_queue=max_queue,
+            name="canvasroute-transformers")
+
+        limits = [self._kind.max_positions, max_model_len or _MAX_MODEL_LEN_CAP]
+        if (tok_max := getattr(tokenizer, "model_max_length", None)) and tok_max < 10**7:
+            limits.append(int(tok_max))
+        overhead = len(self._prompt_ids([{"role": "system", "content": ""}, {"role": "user", "content": ""}]))
+        defaults = {} if diffusion else {"canvas_prefix": "", "end_of_turn": tokenizer.eos_token or ""}
+        overrides = {k: v for k, v in (("canvas_prefix", canvas_prefix), ("end_of_turn", end_of_turn)) if v is not None}
+        self._info = EngineInfo(
+            model=name or Path(str(model.config.name_or_path or type(model).__name__)).name,
+            provider="transformers", canvas_width=self._kind.canvas_width, max_model_len=min(limits),
+            vocab_size=min(len(tokenizer), self._kind.vocab), pad_id=self._pad, chat_overhead=overhead,
+            **(defaults | overrides),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path_or_dir: str | Path, *, dtype: torch.dtype | str = torch.float32,
+                        **kwargs: Any) -> TransformersEngine:
+        """Load a local checkpoint (DiffusionGemma or causal LM) and its tokenizer.
+
+        `dtype` defaults to float32, which reproduces a `--dtype float32` vLLM server;
+        other keyword arguments go to the constructor.
+        """
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        path = str(path_or_dir)
+        config = AutoConfig.from_pretrained(path)
+        loader = DiffusionGemmaForBlockDiffusion if config.model_type == "diffusion_gemma" else AutoModelForCausalLM
+        model = loader.from_pretrained(path, dtype=dtype)
+        kwargs.setdefault("name", Path(path).name)
+        return cls(model, AutoTokenizer.from_pretrained(path), **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"TransformersEngine({self._info.model!r}, kind={type(self._kind).__name__.strip('_')!r}, "
+                f"device={str(self._device)!r})")
+
+    @property
+    def model(self) -> Any:
+        """The transformers model."""
+        return self._kind.model
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer whose chat template builds the prompts."""
+        return self._tokenizer
+
+    @property
+    def forward_passes(self) -> int:
+        """Forward passes run so far (one per micro-batch)."""
+        return self._batcher.batches
+
+    # -- protocol -------------------------------------------------------------------
+
+    async def info(self) -> EngineInfo:
+        return self._info
+
+    async def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=False).input_ids)
+
+    async def count_prompt(self, messages: Sequence[Message]) -> int:
+        return len(self._prompt_ids(messages))
+
+    async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
+        if self._closed:
+            raise EngineRequestError("the engine is closed", hint="create a new engine")
+        jobs = [self._job(read) for read in batch]
+        start = time.perf_counter()
+        done = await self._batcher.submit(jobs)
+        latency = time.perf_counter() - start
+        return [ReadResult(rows=rows, prompt_tokens=len(job.prompt), completion_tokens=len(job.read.canvas),
+                           latency_s=latency, attrs=attrs) for job, (rows, attrs) in zip(jobs, done, strict=True)]
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await self._batcher.aclose()
+        self._kv.clear()
+
+    # -- requests -------------------------------------------------------------------
+
+    def _prompt_ids(self, messages: Sequence[Message]) -> tuple[int, ...]:
+        key = json.dumps([dict(m) for m in messages], sort_keys=True)
+        if key not in self._prompts:
+            ids = self._tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False, **self._template_kwargs)
+            self._prompts[key] = tuple(int(t) for t in ids)
+            while len(self._prompts) > 1024:
+                self._prompts.popitem(last=False)
+        self._prompts.move_to_end(key)
+        return self._prompts[key]
+
+    def _job(self, read: CanvasRead) -> _Job:
+        """Check a read before it is queued, so a bad one never fails a whole batch."""
+        width, vocab = len(read.canvas), self._kind.vocab
+        if not 0 < width <= self._info.canvas_width:
+            raise EngineRequestError(f"canvas of {width} ids; this engine reads at most {self._info.canvas_width}")
+        for what, ids in (("canvas", read.canvas), ("label", read.label_ids)):
+            if any(not 0 <= t < vocab for t in ids):
+                raise EngineRequestError(f"{what} ids must be in [0, {vocab})")
+        if any(not 0 <= s < width for s in read.slots):
+            raise EngineRequestError(f"slots must lie inside the canvas [0, {width})")
+        if read.constrained and not read.label_ids:
+            raise EngineRequestError("a constrained read needs label_ids: they are the allowed set")
+        prompt = self._prompt_ids(read.messages)
+        if len(prompt) < 2:
+            raise EngineRequestError("the chat prompt must hold at least 2 tokens")
+        if len(prompt) + width > self._info.max_model_len:
+            raise EngineRequestError(f"prompt of {len(prompt)} tokens + canvas of {width} exceed the "
+                                     f"{self._info.max_model_len}-token context")
+        return _Job(prompt, read)
+
+    # -- model work (worker thread) -------------------------------------------------
+
+    def _forward(self, jobs: list[_Job]) -> list[tuple[tuple[dict[int, float], ...], dict[str, object]]]:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            kvs, hits = self._prefix_kv([self._kind.prefix(j.prompt) for j in jobs])
+            cache, lengths = self._stack(kvs)
+            inputs = [self._kind.canvas_inputs(j.prompt, j.read.canvas) for j in jobs]
+            width = max(len(x) for x in inputs)
+            canvas = torch.tensor([list(x) + [self._pad] * (width - len(x)) for x in inputs], device=self._device)
+            widths = torch.tensor([len(x) for x in inputs], device=self._device)
+            logits = self._kind.logits(cache, lengths, canvas, widths)
+            out = [_rows(logits[b, list(j.read.slots)], j.read) for b, j in enumerate(jobs)]
+        attrs = {"batch_size": len(jobs), "forward_s": time.perf_counter() - start}
+        return [(rows, {**attrs, "prompt_cache_hit": hit}) for rows, hit in zip(out, hits, strict=True)]
+
+    def _prefix_kv(self, prefixes: list[tuple[int, ...]]) -> tuple[list[KV], list[bool]]:
+        """Each prefix's KV cache: from the LRU, else from one batched prefill of the missing ones."""
+        found: dict[tuple[int, ...], KV] = {}
+        for p in dict.fromkeys(prefixes):
+            if p in self._kv:
+                self._kv.move_to_end(p)
+                found[p] = self._kv[p]
+        hits = [p in found for p in prefixes]
+        self.prompt_cache_hits += sum(hits)
+        missing = [p for p in dict.fromkeys(prefixes) if p not in found]
+        if missing:
+            n = max(len(p) for p in missing)
+            ids = torch.tensor([[self._pad] * (n - len(p)) + list(p) for p in missing], device=self._device)
+            lengths = torch.tensor([len(p) for p in missing], device=self._device)
+            cache = self._kind.encode(ids, lengths)
+            for b, p in enumerate(missing):
+                found[p] = tuple((layer.keys[b:b + 1, :, n - len(p):].clone(),
+                                  layer.values[b:b + 1, :, n - len(p):].clone()) for layer in cache.layers)
+                if self._kv_size > 0:
+                    self._kv[p] = found[p]
+            while len(self._kv) > self._kv_size:
+                self._kv.popitem(last=False)
+        return [found[p] for p in prefixes], hits
+
+    def _stack(self, kvs: list[KV]) -> tuple[DynamicCache, torch.Tensor]:
+        """Left-pad per-prompt caches to one batched cache; also return the true lengths."""
+        lengths = [kv[0][0].shape[2] for kv in kvs]
+        n = max(lengths)
+        layers = [
+            tuple(torch.cat([F.pad(kv[i][part], (0, 0, n - kv[i][part].shape[2], 0)) for kv in kvs])
+                  for part in (0, 1))
+            for i in range(len(kvs[0]))
+        ]
+        return DynamicCache(ddp_cache_data=layers), torch.tensor(lengths, device=self._device)
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); use what this version takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _rows(logits: torch.Tensor, read: CanvasRead) -> tuple[dict[int, float], ...]:
+    """Slot rows: the label ids' logprobs plus the argmax (renormalized over the labels
+    alone when the read is constrained, as vLLM's `diffusion_constrained` does)."""
+    logp = logits.float().log_softmax(-1)
+    labels = list(read.label_ids)
+    if read.constrained:
+        logp = logp[:, labels].log_softmax(-1)
+        return tuple(dict(zip(labels, row, strict=True)) for row in logp.tolist())
+    best_lp, best = logp.max(-1)
+    picked = logp[:, labels].tolist() if labels else [[] for _ in range(len(read.slots))]
+    return tuple({**dict(zip(labels, row, strict=True)), b: lp}
+                 for row, b, lp in zip(picked, best.tolist(), best_lp.tolist(), strict=True))

@@ -1,0 +1,277 @@
+"""Trace files and the dashboard: the JSONL exporter, the OTLP JSON reader, the page's
+figures, and a page rendered from a real vLLM trace, opened in headless Chromium."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+from contextlib import contextmanager
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from conftest import unavailable
+from langchain_core.decisions import Choice, Noul
+from langchain_core.language_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
+
+from engine import FunctionEngine, VLLMServerEngine, run_sync
+from harness.cli import main
+from harness.dashboard import build_report, near_chance, percentile, render
+from harness.traces import JsonlSpanExporter, SpanRecord, TraceFileError, read_spans, span_record
+from router import CanvasDecisionModel, GatePolicy
+from router import _telemetry as tm
+
+BIGBENCH = Path("/work/shared/data/bigbench")
+
+
+@contextmanager
+def traced(path: Path):
+    """A fresh global TracerProvider exporting to JSONL and to memory (restored afterwards)."""
+    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    trace.set_tracer_provider(provider)
+    try:
+        yield memory
+    finally:
+        provider.shutdown()
+        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+
+
+# -- trace files --------------------------------------------------------------------------------
+
+
+async def test_jsonl_exporter_round_trips_sdk_spans(tmp_path):
+    def rows(read):
+        return [{engine.token_id("A"): -0.7, engine.token_id("B"): -0.75}]
+
+    engine = FunctionEngine(rows, model="fn")
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.5, rereads=1),
+                                escalate_to=GenericFakeChatModel(messages=iter([AIMessage('{"side": "right"}')])))
+    path = tmp_path / "spans.jsonl"
+    with traced(path) as memory:
+        await model.decide("x", {"side": Choice(instructions="Side?", criteria={"left": None, "right": None})},
+                           attributes={tm.GRAPH_NODE: "pick"})
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and all(json.loads(line)["trace_id"] for line in lines)
+    expected = sorted((span_record(s) for s in memory.get_finished_spans()), key=lambda s: s.span_id)
+    got = sorted(read_spans(path), key=lambda s: s.span_id)
+    assert got == expected
+    decide = next(s for s in got if s.name == "decide fn")
+    assert decide.attributes["canvasroute.decision.side.options"] == ["left", "right"]
+    assert {s.parent_id for s in got if s is not decide} == {decide.span_id}
+    exporter = JsonlSpanExporter(tmp_path / "closed.jsonl")
+    exporter.shutdown()
+    assert exporter.export(memory.get_finished_spans()).name == "FAILURE"
+
+
+def _otlp_span(name, span_id, parent, start, end, attrs, code=0, kind=1):
+    def value(v):
+        if isinstance(v, bool):
+            return {"boolValue": v}
+        if isinstance(v, int):
+            return {"intValue": str(v)}
+        if isinstance(v, float):
+            return {"doubleValue": v}
+        if isinstance(v, list):
+            return {"arrayValue": {"values": [value(x) for x in v]}}
+        return {"stringValue": v}
+
+    span = {"traceId": "5b8efff798038103d269b633813fc60c", "spanId": span_id, "name": name, "kind": kind,
+            "startTimeUnixNano": str(start), "endTimeUnixNano": str(end),
+            "attributes": [{"key": k, "value": value(v)} for k, v in attrs.items()], "status": {"code": code}}
+    if parent:
+        span["parentSpanId"] = parent
+    return span
+
+
+def _decide_attrs(node, questions):
+    attrs = {tm.DECISION_SET: ",".join(questions), tm.QUESTIONS: len(questions), tm.GRAPH_NODE: node}
+    for qid, figures in questions.items():
+        attrs.update({f"canvasroute.decision.{qid}.{k}": v for k, v in figures.items()})
+    return attrs
+
+
+def test_reads_otlp_json_from_the_collector_file_exporter(tmp_path):
+    t0 = 1_700_000_000_000_000_000
+    decide = _otlp_span("decide big-dgemma", "eee19b7ec3c1b174", None, t0, t0 + 250_000_000, _decide_attrs(
+        "triage", {"team.v2": {"path": "escalated", "answer": "billing", "canvas_answer": "billing",
+                               "normalized_entropy": 0.81, "confidence": 0.4, "reads": 4, "kind": "choice",
+                               "options": ["billing", "tech"], "canvas_probabilities": [0.6, 0.4]}}))
+    read = _otlp_span("canvas_read big-dgemma", "aaa19b7ec3c1b174", "eee19b7ec3c1b174", t0 + 1000,
+                      t0 + 100_000_000, {tm.GEN_AI_OPERATION: "canvas_read", tm.GEN_AI_PROVIDER: "vllm",
+                                         tm.GEN_AI_MODEL: "big-dgemma", tm.READ_KIND: "first"}, code=2, kind=3)
+    doc = {"resourceSpans": [{"resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "bot"}}]},
+                              "scopeSpans": [{"scope": {"name": "canvasroute"}, "spans": [decide, read]}]}]}
+    lines = tmp_path / "otlp.jsonl"
+    lines.write_text(json.dumps(doc) + "\n")
+    pretty = tmp_path / "otlp.json"
+    pretty.write_text(json.dumps(doc, indent=2))
+    for path in (lines, pretty):
+        spans = read_spans(path)
+        assert [s.name for s in spans] == ["decide big-dgemma", "canvas_read big-dgemma"]
+        d, r = spans
+        assert d.attributes["canvasroute.decision.team.v2.reads"] == 4
+        assert d.attributes["canvasroute.decision.team.v2.canvas_probabilities"] == [0.6, 0.4]
+        assert r.parent_id == d.span_id and r.status == "ERROR" and r.kind == "CLIENT"
+        assert d.resource["service.name"] == "bot" and d.duration_s == 0.25
+    report = build_report(read_spans(lines, pretty))
+    (node,) = report.nodes.values()
+    assert node.name == "triage" and [x.question for x in node.decisions] == ["team.v2", "team.v2"]
+    assert node.agreement == (2, 2) and report.models == {"big-dgemma": "vllm"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"hello": 1}\n')
+    with pytest.raises(TraceFileError, match="not a span"):
+        read_spans(bad)
+    with pytest.raises(TraceFileError, match="no trace file"):
+        read_spans(tmp_path / "missing.jsonl")
+
+
+def _record(span_id, node, start_s, dur_s, questions, node_attr=True):
+    attrs = _decide_attrs(node, questions)
+    if not node_attr:
+        del attrs[tm.GRAPH_NODE]
+    return SpanRecord(name="decide real-model", trace_id=f"{span_id:032x}", span_id=f"{span_id:016x}", parent_id=None,
+                      start_time_ns=int(start_s * 1e9), end_time_ns=int((start_s + dur_s) * 1e9), attributes=attrs)
+
+
+def test_report_figures_and_page_from_known_spans():
+    def q(path, answer, canvas, h):
+        return {"path": path, "answer": answer, "canvas_answer": canvas, "normalized_entropy": h, "kind": "noul",
+                "confidence": 1 - h / 2, "reads": 1}
+
+    spans = [
+        _record(1, "triage", 0, 0.1, {"urgent": q("canvas", "yes", "yes", 0.1)}),
+        _record(2, "triage", 1, 0.2, {"urgent": q("escalated", "no", "yes", 0.9)}),
+        _record(3, "triage", 2, 0.3, {"urgent": q("escalated", "no", "no", 0.8)}),
+        _record(4, "triage", 3, 0.4, {"urgent": q("reread", "yes", "yes", 0.5)}),
+        _record(5, "spam", 4, 1.0, {"spam": q("escalated", "yes", "no", 0.95)}, node_attr=False),
+    ]
+    report = build_report(spans, ["known.jsonl"])
+    triage, spam = report.nodes["triage"], report.nodes["spam"]  # no graph node: grouped by decision set
+    assert triage.escalation_rate == 0.5 and triage.agreement == (1, 2)
+    assert spam.agreement == (0, 1) and spam.escalation_rate == 1.0
+    assert triage.set_latencies == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    page = render(report, top=3)
+    assert 'id="model-banner" class="banner"' in page and "real-model" in page  # not flagged near chance
+    assert "near chance" in page  # the note is always on the page
+    assert re.search(r'id="kpi-escalation".*?<div class="v">60%</div>', page)
+    assert re.search(r'id="kpi-agreement".*?<div class="v">33%</div>', page)
+    assert page.count("<tr><td class=\"time\">") == 3  # top 3 uncertain
+    first = re.search(r'<table id="uncertain">.*?<tbody><tr>(.*?)</tr>', page, re.S).group(1)
+    assert "spam" in first and "0.950" in first
+    assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_percentiles_and_near_chance_names():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    assert percentile(list(range(101)), 95) == 95
+    assert near_chance("tiny-dgemma", "vllm") and near_chance("SmolLM2-135M-Instruct", "transformers")
+    assert near_chance("anything", "function")
+    assert near_chance("google/diffusiongemma-26B-A4B-it", "vllm") is None
+
+
+def test_dashboard_cli_refuses_traces_without_decisions(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["dashboard", str(empty), "-o", str(tmp_path / "r.html")]) == 2
+    assert "no spans" in capsys.readouterr().err
+
+
+# -- a real trace, a real browser -----------------------------------------------------------------
+
+
+class _Dom(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements: list[tuple[str, dict[str, str]]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.elements.append((tag, {k: v or "" for k, v in attrs}))
+
+    def find(self, tag=None, cls=None, ident=None):
+        return [a for t, a in self.elements if (tag is None or t == tag) and (ident is None or a.get("id") == ident)
+                and (cls is None or cls in a.get("class", "").split())]
+
+
+def _chromium() -> str:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        unavailable("chromium is not installed (apt-get install -y chromium): cannot open the dashboard")
+    return exe
+
+
+def _browse(exe: str, *args: str) -> subprocess.CompletedProcess:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--disable-dev-shm-usage"]
+    return subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
+    exe = _chromium()
+    intents = json.loads((BIGBENCH / "intent_recognition" / "task.json").read_text())["examples"]
+    facts = json.loads((BIGBENCH / "strategyqa" / "task.json").read_text())["examples"]
+    triage = {"intent": Choice(instructions="Which intent?", criteria=dict.fromkeys(intents[0]["target_scores"])),
+              "urgent": Noul(instructions="Is it urgent?")}
+    check = {"answer": Noul(instructions="Is the answer yes?")}
+    reply = AIMessage('{"intent": "play_music", "urgent": "no", "answer": "yes"}',
+                      usage_metadata={"input_tokens": 80, "output_tokens": 12, "total_tokens": 92})
+    engine = VLLMServerEngine(vllm_url)
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.993, rereads=2),
+                                escalate_to=GenericFakeChatModel(messages=itertools.repeat(reply)))
+    spans_file = tmp_path / "spans.jsonl"
+    with traced(spans_file):
+        for i in range(10):
+            run_sync(model.decide(intents[i * 37]["input"], triage, attributes={tm.GRAPH_NODE: "triage"}))
+            run_sync(model.decide(facts[i]["input"], check, attributes={tm.GRAPH_NODE: "fact_check"}))
+    html_file = tmp_path / "report.html"
+    assert main(["dashboard", str(spans_file), "-o", str(html_file), "--top", "12"]) == 0
+    report = build_report(read_spans(spans_file))
+    assert report.models == {"tiny-dgemma": "vllm"} and set(report.nodes) == {"triage", "fact_check"}
+
+    shot = tmp_path / "report.png"
+    done = _browse(exe, f"--screenshot={shot}", "--window-size=1280,2200", html_file.as_uri())
+    assert done.returncode == 0, done.stderr[-2000:]
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1280, 2200)
+    assert len(png) > 50_000  # a rendered page, not a blank one
+    if artefacts := os.environ.get("CANVASROUTE_ARTEFACTS"):
+        shutil.copy(shot, Path(artefacts) / "dashboard.png")
+
+    dumped = _browse(exe, "--dump-dom", html_file.as_uri())
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    dom_text = dumped.stdout
+    dom = _Dom()
+    dom.feed(dom_text)
+    (banner,) = dom.find(ident="model-banner")
+    assert banner["data-near-chance"] == "true"
+    banner_text = re.search(r'id="model-banner".*?</div>', dom_text, re.S).group(0)
+    assert "tiny-dgemma" in banner_text and "near chance" in banner_text
+    assert sorted(a["data-node"] for a in dom.find("section", cls="node")) == ["fact_check", "triage"]
+    sections = re.split(r'<section class="node"', dom_text)[1:]
+    for section in sections:
+        assert section.count('class="chart entropy-histogram"') == 1
+        assert section.count('class="chart path-shares"') == 1
+        assert re.search(r'<rect class="seg (canvas|reread|escalated|fallback)"', section)
+    assert len(dom.find("svg", cls="latency-bars")) == 1
+    assert len(dom.find("table", ident="latency")) == 1
+    uncertain = re.search(r'<table id="uncertain">.*?</table>', dom_text, re.S).group(0)
+    assert uncertain.count("<tr>") - 1 == 12
+    escalated = sum(d.path == "escalated" for d in report.decisions)
+    rate = f"{escalated / len(report.decisions):.0%}"
+    assert re.search(rf'id="kpi-escalation".*?<div class="v">{rate}</div>', dom_text, re.S)
+    assert not dom.find("script")

@@ -1,0 +1,380 @@
+"""Escalation: targets, faults, retries, logprob distributions, and a REAL AR model.
+
+Faults use `GenericFakeChatModel` (langchain-core's own fake chat model). The last
+section escalates through `langchain_openai.ChatOpenAI` to a real OpenAI-compatible HTTP
+server (tests/ar_server.py) running SmolLM2-135M-Instruct on this CPU: a model far too
+small to be good at the questions, used for plumbing only (no accuracy is claimed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.decisions import Choice, Noul, Score
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage
+from langchain_core.runnables import RunnableLambda
+from pydantic import BaseModel
+
+from engine import CanvasRouteError, EngineUnavailable, FunctionEngine
+from router import CanvasDecisionModel, EscalationError, GatePolicy
+
+from conftest import unavailable
+
+STATE = "I was charged twice for my subscription, please refund me now!"
+TEAM = Choice(instructions="Which team should handle this ticket?",
+              criteria={"billing": "payments, refunds, invoices", "tech": "bugs, errors, outages"})
+URGENT = Noul(instructions="Is the customer asking for urgent help?")
+SEVERITY = Score(instructions="How severe is the problem?", criteria=["minor", "major", "critical"])
+ALL = {"team": TEAM, "urgent": URGENT, "severity": SEVERITY}
+OPTIONS = {"team": ("billing", "tech"), "urgent": ("yes", "no"), "severity": ("0", "1", "2")}
+
+
+def uncertain_engine() -> FunctionEngine:
+    """Every slot: the first two labels at 0.5 / 0.5 (normalized entropy >= 0.63: uncertain)."""
+
+    def rows(read):
+        return [{engine.token_id(x): math.log(0.5) for x in ("A", "B", "yes", "no", "1", "2")}] * len(read.slots)
+
+    engine = FunctionEngine(rows, model="canvas-fn")
+    return engine
+
+
+def canvas_model(target: Any, **kwargs: Any) -> CanvasDecisionModel:
+    return CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0), escalate_to=target, **kwargs)
+
+
+class Prompts(BaseCallbackHandler):
+    """Records the messages of every chat-model call (GenericFakeChatModel keeps none)."""
+
+    def __init__(self) -> None:
+        self.calls: list[list] = []
+
+    def on_chat_model_start(self, serialized, messages, **kwargs):  # noqa: ANN001
+        self.calls.append(messages[0])
+
+
+class Replies(Iterator):
+    """GenericFakeChatModel's reply source: messages, or exceptions to raise, in order."""
+
+    def __init__(self, *items: Any) -> None:
+        self.items = list(items)
+
+    def __next__(self) -> Any:
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def fake(*items: Any) -> tuple[GenericFakeChatModel, Prompts]:
+    prompts = Prompts()
+    return GenericFakeChatModel(messages=Replies(*items), callbacks=[prompts]), prompts
+
+
+def reply(answer: dict, usage: tuple[int, int] = (100, 10), **kwargs: Any) -> AIMessage:
+    i, o = usage
+    return AIMessage(json.dumps(answer), usage_metadata={"input_tokens": i, "output_tokens": o,
+                                                         "total_tokens": i + o}, **kwargs)
+
+
+def bounded(coro, seconds: float = 30):
+    return asyncio.wait_for(coro, seconds)
+
+
+# -- faults and retries (GenericFakeChatModel) ------------------------------------------------------
+
+
+async def test_an_exception_twice_is_an_escalation_error():
+    chat, prompts = fake(ConnectionError("AR down"), ConnectionError("AR still down"))
+    with pytest.raises(EscalationError) as info:
+        await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))
+    assert len(prompts.calls) == 2
+    assert isinstance(info.value, CanvasRouteError) and info.value.retryable
+    assert isinstance(info.value.__cause__, ConnectionError) and "still down" in str(info.value)
+
+
+async def test_an_exception_once_then_success_on_retry():
+    chat, prompts = fake(TimeoutError("slow"), reply({"team": "tech"}))
+    resp = await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))
+    assert len(prompts.calls) == 2 and prompts.calls[0] == prompts.calls[1]  # same prompt again
+    assert resp.reads["team"].path == "escalated" and resp.answers["team"].choice == "tech"
+
+
+async def test_malformed_twice_is_an_escalation_error():
+    chat, prompts = fake(AIMessage("I think it is billing."), AIMessage('{"team": "marketing"}'))
+    with pytest.raises(EscalationError, match="outside the allowed options") as info:
+        await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))
+    assert "'marketing' is not one of ['billing', 'tech']" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert len(prompts.calls) == 2
+
+
+async def test_malformed_once_then_success_on_retry_and_usage_counts_both():
+    bad = AIMessage("Sure! The team is billing.", usage_metadata={"input_tokens": 300, "output_tokens": 8,
+                                                                  "total_tokens": 308})
+    chat, prompts = fake(bad, reply({"team": "billing"}, usage=(340, 6)))
+    model = canvas_model(chat)
+    resp = await bounded(model.decide(STATE, {"team": TEAM}))
+    r = resp.reads["team"]
+    assert (r.path, r.answer, r.escalation_model) == ("escalated", "billing", "GenericFakeChatModel")
+    assert r.probabilities == {"billing": 1.0, "tech": 0.0}  # no logprobs: one-hot
+    # the retry shows the model its invalid reply and asks again
+    first, second = prompts.calls
+    assert second[:len(first)] == first
+    assert second[len(first)].content == bad.content
+    assert "That reply was invalid (no JSON object" in second[-1].content
+    canvas_out = sum(len(read.canvas) for read in model.engine.reads)  # FunctionEngine: the canvas width
+    assert resp.canvas_reads == 1 and canvas_out > 0
+    assert resp.usage["input_tokens"] == 300 + 340
+    assert resp.usage["output_tokens"] == canvas_out + 8 + 6
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('```json\n{"team": "Tech"}\n```', {"team": "tech"}),
+    ('Here you go: {"team": "billing", "note": {"x": 1}} Hope that helps {}', {"team": "billing"}),
+    ('{"urgent": true, "severity": 2}', {"urgent": "yes", "severity": "2"}),
+    ('{"urgent": "No", "severity": "critical"}', {"urgent": "no", "severity": "2"}),  # a level by its legend
+])
+async def test_replies_are_read_leniently_but_only_into_allowed_options(text, expected):
+    chat, _ = fake(AIMessage(text))
+    resp = await bounded(canvas_model(chat).decide(STATE, {k: ALL[k] for k in expected}))
+    assert {q: r.answer for q, r in resp.reads.items()} == expected
+    assert {r.path for r in resp.reads.values()} == {"escalated"}
+
+
+async def test_a_missing_question_in_the_reply_is_malformed():
+    chat, prompts = fake(AIMessage('{"team": "tech"}'), AIMessage('{"team": "tech"}'))
+    with pytest.raises(EscalationError, match="'urgent': None"):
+        await bounded(canvas_model(chat).decide(STATE, {"team": TEAM, "urgent": URGENT}))
+    assert len(prompts.calls) == 2
+
+
+async def test_a_slow_target_times_out_as_an_escalation_error():
+    async def slow(messages):
+        await asyncio.sleep(30)
+
+    model = canvas_model(RunnableLambda(slow), escalation_timeout=0.05)
+    with pytest.raises(EscalationError, match="timed out"):
+        await bounded(model.decide(STATE, {"team": TEAM}), 5)
+
+
+# -- the prompt -------------------------------------------------------------------------------
+
+
+async def test_the_prompt_carries_state_questions_options_and_canvas_probabilities():
+    chat, prompts = fake(reply({"team": "tech", "urgent": "no"}))
+    await bounded(canvas_model(chat).decide(STATE, {"team": TEAM, "urgent": URGENT}))
+    (call,) = prompts.calls
+    system, example_in, example_out, request = call
+    assert "JSON object" in system.content
+    assert json.loads(example_out.content) == {"weather": "sunny", "cold": "no"}
+    text = request.content
+    assert text.startswith(f"Input:\n{STATE}\n")
+    assert ('Question "team": Which team should handle this ticket? Options: "billing" (payments, refunds, '
+            'invoices), "tech" (bugs, errors, outages).') in text
+    assert 'Question "urgent": Is the customer asking for urgent help? Options: "yes", "no".' in text
+    assert 'Fast model\'s probabilities: {"billing": 0.5, "tech": 0.5}' in text
+    assert text.endswith('JSON with the keys "team", "urgent":')
+
+
+# -- distributions from logprobs ----------------------------------------------------------------
+
+
+def _logprobs(tokens: list[tuple[str, float, dict[str, float]]]) -> dict:
+    """OpenAI-shaped logprobs: (token, logprob, {alternative: logprob}) per generated token."""
+    return {"content": [{"token": t, "logprob": lp,
+                         "top_logprobs": [{"token": a, "logprob": v} for a, v in alts.items()]}
+                        for t, lp, alts in tokens]}
+
+
+async def test_logprobs_become_a_distribution_over_options():
+    # '{"team": "tech"}' tokenized; at the answer's first token the model weighed tech/bill/other
+    lp = _logprobs([('{"', -0.01, {}), ("team", -0.01, {}), ('":', -0.01, {}), (' "', -0.01, {}),
+                    ("tech", -0.2, {"tech": -0.2, "bill": -1.8, "sales": -3.0}), ('"}', -0.01, {})])
+    chat, _ = fake(AIMessage('{"team": "tech"}', response_metadata={"logprobs": lp}))
+    r = (await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))).reads["team"]
+    z = math.exp(-0.2) + math.exp(-1.8)
+    assert r.probabilities == pytest.approx({"tech": math.exp(-0.2) / z, "billing": math.exp(-1.8) / z})
+    assert r.canvas_probabilities == pytest.approx({"billing": 0.5, "tech": 0.5})
+
+
+async def test_an_option_missing_from_the_alternatives_gets_the_floor():
+    lp = _logprobs([('{"severity": ', -0.01, {}), ('"', -0.01, {}),
+                    ("crit", -0.1, {"crit": -0.1, "major": -2.5, "x": -4.0}), ('ical"}', -0.01, {})])
+    chat, _ = fake(AIMessage('{"severity": "critical"}', response_metadata={"logprobs": lp}))
+    r = (await bounded(canvas_model(chat).decide(STATE, {"severity": SEVERITY}))).reads["severity"]
+    w = {"0": math.exp(-2.5 - 5.0), "1": math.exp(-2.5), "2": math.exp(-0.1)}  # "minor": floor = min - 5
+    z = sum(w.values())
+    assert r.answer == "2" and r.probabilities == pytest.approx({k: v / z for k, v in w.items()})
+
+
+async def test_an_answer_by_name_is_weighed_against_names_not_descriptions():
+    # seen from SmolLM2: at the answer, "b" (-1.07) and "tech" (-1.26); tech's description
+    # "bugs, errors, outages" also starts with "b", which must not count for tech here
+    lp = _logprobs([('{"team": "', -0.01, {}), ("b", -1.07, {"b": -1.07, "tech": -1.26, "paying": -4.4}),
+                    ('illing"}', -0.01, {})])
+    chat, _ = fake(AIMessage('{"team": "billing"}', response_metadata={"logprobs": lp}))
+    r = (await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))).reads["team"]
+    z = math.exp(-1.07) + math.exp(-1.26)
+    assert r.probabilities == pytest.approx({"billing": math.exp(-1.07) / z, "tech": math.exp(-1.26) / z})
+
+
+async def test_a_distribution_that_contradicts_the_answer_is_dropped():
+    lp = _logprobs([('{"team": "', -0.01, {}), ("tech", -0.9, {"tech": -0.9, "billing": -0.1})])
+    chat, _ = fake(AIMessage('{"team": "tech"}', response_metadata={"logprobs": lp}))
+    r = (await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))).reads["team"]
+    assert r.answer == "tech" and r.probabilities == {"billing": 0.0, "tech": 1.0}
+
+
+# -- other targets: Runnables and decision models -------------------------------------------------
+
+
+class Route(BaseModel):
+    team: str
+
+
+@pytest.mark.parametrize("value", [{"team": "billing"}, Route(team="billing")])
+async def test_a_structured_output_runnable_is_a_target(value):
+    seen = []
+    target = RunnableLambda(lambda messages: seen.append(messages) or value, name="structured")
+    r = (await bounded(canvas_model(target).decide(STATE, {"team": TEAM}))).reads["team"]
+    assert (r.path, r.answer, r.escalation_model) == ("escalated", "billing", "structured")
+    assert len(seen) == 1
+
+
+async def test_a_decision_model_is_a_target():
+    def confident(read):
+        return [{big_engine.token_id("B"): -0.01, big_engine.token_id("no"): -0.02}] * len(read.slots)
+
+    big_engine = FunctionEngine(confident, model="big-canvas")
+    big = CanvasDecisionModel(engine=big_engine, policy=GatePolicy(rereads=0))
+    resp = await bounded(canvas_model(big).decide(STATE, {"team": TEAM, "urgent": URGENT}))
+    assert {q: (r.path, r.answer, r.escalation_model) for q, r in resp.reads.items()} == {
+        "team": ("escalated", "tech", "big-canvas"), "urgent": ("escalated", "no", "big-canvas")}
+    assert resp.reads["team"].probabilities["tech"] > 0.99  # the target's own distribution
+    assert big_engine.calls == 1  # both questions in one call
+
+
+async def test_a_failing_decision_model_target_is_retried_once_then_escalation_error():
+    def down(read):
+        raise EngineUnavailable("big model down")
+
+    big_engine = FunctionEngine(down, model="big-canvas")
+    big = CanvasDecisionModel(engine=big_engine, on_engine_error="raise")
+    with pytest.raises(EscalationError, match="failed twice") as info:
+        await bounded(canvas_model(big).decide(STATE, {"team": TEAM}))
+    assert isinstance(info.value.__cause__, EngineUnavailable) and big_engine.calls == 2
+
+
+def test_escalate_to_must_be_a_target():
+    with pytest.raises(ValueError, match="escalate_to"):
+        CanvasDecisionModel(engine=uncertain_engine(), escalate_to=42)
+
+
+# -- a REAL AR model over a REAL OpenAI-compatible HTTP server -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ar_server():
+    """tests/ar_server.py serving SmolLM2-135M-Instruct (greedy) on a loopback port."""
+    from engine import EmbeddedModelMissing
+
+    from ar_server import ARServer, create_app, load_smollm2
+
+    try:
+        model, tokenizer = load_smollm2()
+    except EmbeddedModelMissing as exc:
+        unavailable(str(exc))
+    with ARServer(create_app(model, tokenizer, max_new_tokens=40)) as server:
+        yield server
+
+
+def smollm2(server, **kwargs: Any):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(base_url=server.url + "/v1", model="smollm2", api_key="x", logprobs=True, top_logprobs=5,
+                      max_retries=0, timeout=120, **kwargs)
+
+
+def _requests_since(server, n: int) -> list[dict]:
+    return list(server.requests[n:])
+
+
+@pytest.mark.smollm
+@pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
+async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
+    before = len(ar_server.requests)
+    model = canvas_model(smollm2(ar_server))
+    resp = await bounded(model.decide(STATE, {"team": TEAM}), 300)
+    r = resp.reads["team"]
+    assert r.path == "escalated" and r.escalation_model == "smollm2" and not r.confident
+    assert r.answer in OPTIONS["team"] and resp.answers["team"].choice == r.answer
+    assert r.canvas_probabilities == pytest.approx({"billing": 0.5, "tech": 0.5})
+    (sent,) = _requests_since(ar_server, before)  # one HTTP call, no retry needed
+    assert sent["logprobs"] is True and sent["top_logprobs"] == 5
+    assert STATE in sent["messages"][-1]["content"] and '"billing" (payments' in sent["messages"][-1]["content"]
+    # the distribution came from the server's logprobs, not a one-hot stand-in
+    assert set(r.probabilities) == set(OPTIONS["team"]) and math.isclose(sum(r.probabilities.values()), 1.0)
+    assert max(r.probabilities, key=r.probabilities.get) == r.answer
+    assert 0.0 < min(r.probabilities.values())
+    assert resp.usage["input_tokens"] > 200  # the escalation prompt's tokens, as the server counted them
+
+
+@pytest.mark.smollm
+@pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
+async def test_real_ar_two_questions_in_one_call(ar_server):
+    before = len(ar_server.requests)
+    resp = await bounded(canvas_model(smollm2(ar_server)).decide(STATE, {"team": TEAM, "urgent": URGENT}), 300)
+    sent = _requests_since(ar_server, before)
+    assert len(sent) in (1, 2)  # one escalation (a malformed first reply gets its one retry)
+    for body in sent:
+        assert 'Question "team"' in body["messages"][3]["content"]
+        assert 'Question "urgent"' in body["messages"][3]["content"]
+    for qid in ("team", "urgent"):
+        r = resp.reads[qid]
+        assert r.path == "escalated" and r.answer in OPTIONS[qid] and r.escalation_model == "smollm2"
+    assert resp.answers["urgent"].noul in (resp.reads["urgent"].probabilities["yes"],)
+
+
+@pytest.mark.smollm
+@pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
+async def test_real_ar_malformed_output_is_retried_once_then_typed(ar_server):
+    """Three questions at once are beyond SmolLM2-135M more often than not: whatever it
+    does, the outcome is either valid options or EscalationError after exactly one retry
+    that showed the model its invalid reply."""
+    before = len(ar_server.requests)
+    try:
+        resp = await bounded(canvas_model(smollm2(ar_server)).decide(STATE, ALL), 300)
+    except EscalationError as exc:
+        sent = _requests_since(ar_server, before)
+        assert len(sent) == 2 and "outside the allowed options" in str(exc)
+        first, second = sent[0]["messages"], sent[1]["messages"]
+        assert second[:len(first)] == first and second[len(first)]["role"] == "assistant"
+        assert re.match(r"That reply was invalid \(.+\)\. Reply with the JSON object only\.", second[-1]["content"])
+    else:
+        assert len(_requests_since(ar_server, before)) in (1, 2)
+        for qid, r in resp.reads.items():
+            assert r.path == "escalated" and r.answer in OPTIONS[qid]
+
+
+@pytest.mark.smollm
+@pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
+async def test_real_ar_server_speaks_the_openai_shape(ar_server):
+    """The server itself: what ChatOpenAI parses, with consistent logprobs and usage."""
+    chat = smollm2(ar_server, max_tokens=8)
+    msg = await bounded(chat.ainvoke("Reply with the word yes."), 300)
+    lp = msg.response_metadata["logprobs"]["content"]
+    assert "".join(e["token"] for e in lp) == msg.content and 1 <= len(lp) <= 8
+    for e in lp:
+        assert e["logprob"] <= 0.0 and len(e["top_logprobs"]) == 5
+        assert e["top_logprobs"][0]["logprob"] == pytest.approx(e["logprob"])  # greedy: the chosen is the top
+    assert msg.usage_metadata["output_tokens"] == len(lp)
+    assert msg.response_metadata["finish_reason"] in ("stop", "length")
