@@ -65,6 +65,7 @@ async def escalate(target: Any, state_text: str, state: Any, specs: Sequence[Que
             try:
                 return _from_decision(name, await target.ainvoke(request, config=config), specs)
             except Exception as exc:  # the target's fault, typed or not: one retry
+                _reraise_control_flow(exc)
                 cause = exc
         raise EscalationError(f"escalation to {name} failed twice: {cause!r}",
                               hint="check the escalation model") from cause
@@ -76,6 +77,7 @@ async def escalate(target: Any, state_text: str, state: Any, specs: Sequence[Que
         try:
             reply = await target.ainvoke(messages, config=config)
         except Exception as exc:
+            _reraise_control_flow(exc)
             error, cause = f"escalation to {name} failed: {exc!r}", exc
             continue
         for key, value in _usage(reply).items():
@@ -90,6 +92,13 @@ async def escalate(target: Any, state_text: str, state: Any, specs: Sequence[Que
         result.usage = usage  # both attempts count
         return result
     raise EscalationError(error, hint="check the escalation model, or its output format") from cause
+
+
+def _reraise_control_flow(exc: Exception) -> None:
+    """Let a graph's control flow through (LangGraph's `GraphBubbleUp`: an `interrupt()`
+    inside an escalation target, e.g. a human reviewer), without importing LangGraph."""
+    if any(cls.__name__ == "GraphBubbleUp" for cls in type(exc).__mro__):
+        raise exc
 
 
 def _instructions(specs: Sequence[QuestionSpec]) -> str:

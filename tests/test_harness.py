@@ -381,6 +381,35 @@ def test_interrupts_raised_inside_the_node_are_never_swallowed():
     assert graph.invoke(Command(resume=True), thread("bubble"))["lane"] == "tech"
 
 
+@pytest.mark.parametrize("mode", ["invoke", "ainvoke"])
+async def test_an_interrupt_inside_the_escalation_target_pauses_the_graph(mode):
+    """A human as the escalation target: its `interrupt()` must reach LangGraph, not
+    become an EscalationError."""
+    from langchain_core.runnables import RunnableLambda
+
+    asked = []
+
+    def human(messages):
+        asked.append(messages[-1].content)
+        return {"team": interrupt({"ask": "which team?"})}
+
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=0),
+                                escalate_to=RunnableLambda(human, name="human"))
+    graph = triage_graph(decision_node(model, {"team": TEAM}, inputs="ticket", route=("team", TEAMS)),
+                         checkpointer=InMemorySaver())
+    run = graph.invoke if mode == "invoke" else None
+
+    async def call(arg, cfg):
+        return run(arg, cfg) if run else await graph.ainvoke(arg, cfg)
+
+    paused = await call({"ticket": "Hmm"}, thread(f"human-{mode}"))
+    assert paused["__interrupt__"][0].value == {"ask": "which team?"} and "lane" not in paused
+    done = await call(Command(resume="tech"), thread(f"human-{mode}"))
+    assert done["lane"] == "tech" and done["decisions"]["team"]["path"] == "escalated"
+    assert done["decisions"]["team"]["read"]["escalation_model"] == "human"
+    assert "Hmm" in asked[0]
+
+
 # -- faults and retries -------------------------------------------------------------------
 
 
