@@ -1,4 +1,4 @@
-"""`canvasroute demo | bench | calibrate | dashboard | serve`.
+"""The canvasroute command line: demo, bench, calibrate, dashboard, serve.
 
 Each command lives in its own module exposing `configure(parser)` and `run(args) -> int`;
 it is imported only when invoked, so `canvasroute --help` stays instant.
