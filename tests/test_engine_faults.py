@@ -273,9 +273,11 @@ async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, h
     target = Target() if has_target else None
     transport = ReadsFail(fault)
     retries = 1 if fault == "500" else 0  # a timeout costs the full 2 s per try
-    engine = VLLMServerEngine(vllm_url, transport=transport, timeout=2.0, max_retries=retries, backoff=0.001)
+    info = await VLLMServerEngine(vllm_url).info()  # discovery (one real read) with the default timeout
+    engine = VLLMServerEngine(vllm_url, transport=transport, timeout=2.0, max_retries=retries, backoff=0.001,
+                              canvas_width=info.canvas_width, vocab_size=info.vocab_size)
     model = make_model(engine, mode, target)
-    await engine.info()  # discovery against the real server works
+    assert (await engine.info()).model == info.model  # the rest of discovery against the real server works
     counts = await decide_all(model)
     assert counts == Counter({expected(mode, has_target, error): N})
     assert transport.failed_reads == (1 + retries) * N  # every decision read (and retried) before it gave up

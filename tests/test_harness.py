@@ -534,7 +534,8 @@ def spans():
         provider = trace.get_tracer_provider()
     exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
+    yield exporter
+    exporter.shutdown()  # the provider stays global: stop collecting for later tests
 
 
 def test_decision_spans_carry_the_graph_node_and_thread(spans):

@@ -1,0 +1,424 @@
+"""An instant loopback server that speaks vLLM's structured-read wire.
+
+For tests and `canvasroute bench`: it answers `GET /v1/models`, `POST /tokenize` and
+structured reads on `POST /v1/chat/completions` and `POST /v1/completions` the way
+vLLM 0.32 does (see docs/wire-format.md), with no model behind it, so what is measured
+against it is the client. Raw asyncio streams, HTTP/1.1 keep-alive, one response body
+cached per (endpoint, width, label ids).
+
+Rows: the read's label ids (`logprob_token_ids`, sorted) get falling logprobs
+(`-0.1, -3.1, -6.1, ...`), so every slot confidently picks its lowest label id
+(`answer="ranked"`), or all get `-5.0` (`answer="uniform"`: every slot is uncertain).
+Its tokenizer makes each word, space and punctuation mark one token (ids from a hash,
+so they are the same in every process), and knows Gemma 4's special tokens.
+
+Faults for tests: `server.inject(Fault(status=429), times=2)` makes the next two reads
+answer 429; see `Fault`. `GET /_loopback/stats` returns request counts by path.
+
+In-process (tests):
+    ```python
+    async with LoopbackVLLM() as server:
+        engine = VLLMServerEngine(server.url)
+    ```
+In its own process (the bench, kill tests): `with spawn() as proc: proc.url; proc.kill()`,
+or `python -m harness._loopback_vllm --port 8000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import threading
+import zlib
+from collections import Counter, deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["SPECIAL_IDS", "Fault", "LoopbackProcess", "LoopbackVLLM", "read_response", "spawn", "token_id",
+           "tokenize"]
+
+SPECIAL_IDS: Mapping[str, int] = {
+    "<pad>": 0, "<eos>": 1, "<bos>": 2, "<|channel>": 100, "<channel|>": 101, "<|turn>": 105, "<turn|>": 106,
+}
+"""Special-token text and its id (Gemma 4's ids for turn and channel markers)."""
+_FIRST_ID = 256
+_PIECES = re.compile(r"<\|?[a-z_]+\|?>|\w+|\s|[^\w\s]")
+_READS = ("/v1/chat/completions", "/v1/completions")
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
+            500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+def token_id(piece: str, vocab_size: int = 262144) -> int:
+    """The id of one piece: a special id, else a stable hash into `[256, vocab_size)`."""
+    if piece in SPECIAL_IDS:
+        return SPECIAL_IDS[piece]
+    return _FIRST_ID + zlib.crc32(piece.encode()) % (vocab_size - _FIRST_ID)
+
+
+def tokenize(text: str, vocab_size: int = 262144) -> list[int]:
+    """Ids of `text` under the loopback tokenizer (words, spaces, punctuation, specials)."""
+    return [token_id(p, vocab_size) for p in _PIECES.findall(text)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """What the server does instead of a normal answer to a read (applied in this order)."""
+
+    delay: float = 0.0
+    """Seconds to wait before answering (a slow server; with a short client timeout, a timeout)."""
+    drop: bool = False
+    """Close the connection without answering (a crash mid-request)."""
+    status: int | None = None
+    """Answer with this HTTP status and vLLM's error body."""
+    body: bytes | None = None
+    """Answer 200 with these raw bytes (malformed JSON, wrong shapes)."""
+    rows_delta: int = 0
+    """Return this many rows more (or fewer, negative) than the canvas width."""
+    logprob: float | None = None
+    """Put this value (NaN, inf, a positive number) at every label of every row."""
+
+
+class LoopbackVLLM:
+    """The server; `await start()` (or `async with`) binds 127.0.0.1 and sets `url`.
+
+    Args:
+        model: served model name.
+        canvas_width: the served canvas (`max_tokens` is capped here).
+        vocab_size: noise ids must be below this (vLLM's 400 otherwise).
+        max_model_len: reported at `/v1/models`.
+        answer: `ranked` (confident rows) or `uniform` (every slot uncertain).
+    """
+
+    def __init__(self, *, model: str = "loopback", canvas_width: int = 64, vocab_size: int = 262144,
+                 max_model_len: int = 4096, answer: Literal["ranked", "uniform"] = "ranked") -> None:
+        if answer not in ("ranked", "uniform"):
+            raise ValueError(f"answer must be 'ranked' or 'uniform', not {answer!r}")
+        self.model = model
+        self.canvas_width = canvas_width
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.answer = answer
+        self.url = ""
+        self.requests: Counter[str] = Counter()
+        """Requests by path (reads, `/tokenize`, `/v1/models`, unknown paths)."""
+        self.headers: list[dict[str, str]] = []
+        """Headers of the last 100 requests (lower-case names)."""
+        self.reads = 0
+        """Structured reads received (a seed canvas of 2+ ids; discovery probes excluded)."""
+        self.bodies: deque[dict[str, Any]] = deque(maxlen=100)
+        """JSON bodies of the last 100 reads."""
+        self._faults: deque[list[Any]] = deque()
+        self._cache: dict[tuple[Any, ...], bytes] = {}
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __repr__(self) -> str:
+        return f"LoopbackVLLM({self.url or 'not started'!r}, model={self.model!r}, answer={self.answer!r})"
+
+    async def __aenter__(self) -> LoopbackVLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def inject(self, fault: Fault, times: int | None = 1) -> None:
+        """Apply `fault` to the next `times` reads (None: to every read until `clear()`).
+
+        Faults queue up in order; discovery probes and `/tokenize` are never faulted.
+        """
+        self._faults.append([fault, times])
+
+    def clear(self) -> None:
+        """Drop every pending fault."""
+        self._faults.clear()
+
+    async def start(self, port: int = 0) -> str:
+        """Listen on 127.0.0.1 (`port=0`: a free port) and return the base URL."""
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", port, backlog=1024)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self.url
+
+    async def close(self) -> None:
+        """Stop listening and abort every open connection (like a killed server)."""
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._writers):
+                writer.transport.abort()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._server.wait_closed()
+            self._server = None
+
+    # -- HTTP ---------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self._writers.add(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        name, value = line.split(":", 1)
+                        headers[name.strip().lower()] = value.strip()
+                body = await reader.readexactly(int(headers.get("content-length") or 0))
+                path = target.split("?", 1)[0]
+                self.requests[path] += 1
+                self.headers.append(headers)
+                del self.headers[:-100]
+                reply = await self._route(method, path, body)
+                if reply is None:  # Fault(drop=True)
+                    writer.transport.abort()
+                    return
+                status, payload = reply
+                writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                             % (status, _REASONS.get(status, "Error").encode(), len(payload)) + payload)
+                await writer.drain()
+                if headers.get("connection", "").lower() == "close":
+                    break
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
+            pass
+        except asyncio.CancelledError:
+            writer.transport.abort()
+        finally:
+            self._tasks.discard(task)
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _route(self, method: str, path: str, raw: bytes) -> tuple[int, bytes] | None:
+        if method == "GET" and path == "/v1/models":
+            return 200, json.dumps({"object": "list", "data": [
+                {"id": self.model, "object": "model", "owned_by": "vllm", "root": self.model,
+                 "max_model_len": self.max_model_len}]}).encode()
+        if method == "GET" and path == "/_loopback/stats":
+            return 200, json.dumps({"requests": dict(self.requests), "reads": self.reads}).encode()
+        if method != "POST" or path not in ("/tokenize", *_READS):
+            return _error(404, f"no route {method} {path}", "NotFoundError")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return _error(400, "request body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "request body is not a JSON object")
+        if body.get("model") not in (None, self.model):
+            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        if path == "/tokenize":
+            return self._tokenize(body)
+        seed = (body.get("vllm_xargs") or {}).get("diffusion_seed_canvas")
+        if not (isinstance(seed, list) and len(seed) > 1):  # discovery probes: never faulted
+            return self._read(path, body, None)
+        self.reads += 1
+        self.bodies.append(body)
+        fault = self._next_fault()
+        if fault is not None:
+            if fault.delay:
+                await asyncio.sleep(fault.delay)
+            if fault.drop:
+                return None
+            if fault.status is not None:
+                return _error(fault.status, f"injected HTTP {fault.status}")
+            if fault.body is not None:
+                return 200, fault.body
+        return self._read(path, body, fault)
+
+    def _next_fault(self) -> Fault | None:
+        if not self._faults:
+            return None
+        entry = self._faults[0]
+        if entry[1] is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                self._faults.popleft()
+        return entry[0]
+
+    # -- endpoints ----------------------------------------------------------------------
+
+    def _tokenize(self, body: Mapping[str, Any]) -> tuple[int, bytes]:
+        if "messages" in body:
+            text = "<bos>" + "".join(f"<|turn>{m.get('role', '')}\n{m.get('content', '')}<turn|>\n"
+                                     for m in body["messages"])
+            if body.get("add_generation_prompt"):
+                text += "<|turn>model\n"
+        else:
+            text = str(body.get("prompt", ""))
+        ids = tokenize(text, self.vocab_size)
+        return 200, json.dumps({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                                "token_strs": None}).encode()
+
+    def _read(self, path: str, body: Mapping[str, Any], fault: Fault | None) -> tuple[int, bytes]:
+        try:
+            return self._answer(path, body, fault)
+        except (TypeError, ValueError) as exc:  # ill-typed fields: vLLM's validation answers 400 too
+            return _error(400, f"invalid read request: {exc}")
+
+    def _answer(self, path: str, body: Mapping[str, Any], fault: Fault | None) -> tuple[int, bytes]:
+        x = body.get("vllm_xargs") or {}
+        width = min(int(body.get("max_tokens") or self.canvas_width), self.canvas_width)
+        if "diffusion_canvas_length" in x:
+            width = int(x["diffusion_canvas_length"])
+            if not 0 < width <= self.canvas_width:
+                return _error(400, "diffusion_canvas_length must be a positive integer no larger than "
+                                   "the served canvas.")
+        seed = x.get("diffusion_seed_canvas")
+        if seed is not None:
+            if any(not 0 <= int(i) < self.vocab_size for i in seed):
+                return _error(400, f"diffusion_seed_canvas ids must be in [0, {self.vocab_size}).")
+            if len(seed) != width:
+                return _error(400, f"diffusion_seed_canvas must hold exactly {width} ids, got {len(seed)}.")
+        labels = tuple(sorted(set(body.get("logprob_token_ids") or ())))
+        if len(labels) > 128:
+            return _error(400, f"logprob_token_ids holds {len(labels)} ids; at most 128.")
+        chat = path == "/v1/chat/completions"
+        if fault is not None and (fault.rows_delta or fault.logprob is not None):
+            return 200, read_response(chat, self.model, width + fault.rows_delta, labels, self.answer, fault.logprob)
+        key = (chat, width, labels)
+        if key not in self._cache:
+            if len(self._cache) > 1024:
+                self._cache.clear()
+            self._cache[key] = read_response(chat, self.model, width, labels, self.answer, None)
+        return 200, self._cache[key]
+
+
+def _error(status: int, message: str, kind: str = "BadRequestError") -> tuple[int, bytes]:
+    return status, json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                         "code": status}}).encode()
+
+
+def read_response(chat: bool, model: str, width: int, labels: Sequence[int], answer: str = "ranked",
+                  forced: float | None = None) -> bytes:
+    """A read response body: one row per canvas position, the label ids in every row.
+
+    Args:
+        chat: the chat endpoint's shape (else the completions endpoint's).
+        model: model name in the body.
+        width: rows to return (the canvas width).
+        labels: the request's `logprob_token_ids`, sorted.
+        answer: `ranked` (logprobs -0.1, -3.1, ... in id order) or `uniform` (all -5.0).
+        forced: put this value at every label instead (NaN, inf: invalid rows).
+    """
+    if forced is not None:
+        lps = [forced] * len(labels)
+    elif answer == "uniform":
+        lps = [-5.0] * len(labels)
+    else:
+        lps = [-0.1 - 3.0 * i for i in range(len(labels))]
+    top_id, top_lp = (labels[0], lps[0]) if labels else (_FIRST_ID, -0.1)
+    usage = {"prompt_tokens": 32, "completion_tokens": max(width, 0), "total_tokens": 32 + max(width, 0)}
+    if chat:
+        tops = [{"token": f"token_id:{i}", "logprob": lp, "bytes": list(b"token_id:%d" % i)}
+                for i, lp in zip(labels, lps, strict=True)]
+        entry = {"token": f"token_id:{top_id}", "logprob": top_lp, "bytes": list(b"<unk>"), "top_logprobs": tops}
+        choice = {"index": 0, "message": {"role": "assistant", "content": ""},
+                  "logprobs": {"content": [entry] * max(width, 0)}, "finish_reason": "length"}
+        obj = "chat.completion"
+    else:
+        row = {f"token_id:{i}": lp for i, lp in zip(labels, lps, strict=True)} or {f"token_id:{top_id}": top_lp}
+        n = max(width, 0)
+        choice = {"index": 0, "text": "", "finish_reason": "length", "logprobs": {
+            "tokens": [f"token_id:{top_id}"] * n, "token_logprobs": [top_lp] * n,
+            "top_logprobs": [row] * n, "text_offset": list(range(n))}}
+        obj = "text_completion"
+    return json.dumps({"id": "loopback", "object": obj, "created": 0, "model": model, "choices": [choice],
+                       "usage": usage}, allow_nan=True).encode()
+
+
+# -- its own process --------------------------------------------------------------------
+
+
+class LoopbackProcess:
+    """A loopback server in a child process; it exits when killed or when its parent dies."""
+
+    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    def __repr__(self) -> str:
+        return f"LoopbackProcess({self.url!r}, pid={self.proc.pid})"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (no graceful close of open connections)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        """Close stdin (the server exits by itself), else kill."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@contextlib.contextmanager
+def spawn(*, port: int = 0, canvas_width: int = 64, answer: str = "ranked",
+          model: str = "loopback") -> Iterator[LoopbackProcess]:
+    """Run a loopback server in a child process for the duration of the block."""
+    cmd = [sys.executable, "-m", "harness._loopback_vllm", "--port", str(port), "--canvas-width",
+           str(canvas_width), "--answer", answer, "--model", model]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        if not line.startswith("http://"):
+            raise RuntimeError(f"the loopback server did not start (exit {proc.poll()})")
+        handle = LoopbackProcess(proc, line)
+        yield handle
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness._loopback_vllm", description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--canvas-width", type=int, default=64)
+    parser.add_argument("--answer", choices=["ranked", "uniform"], default="ranked")
+    parser.add_argument("--model", default="loopback")
+    args = parser.parse_args(argv)
+
+    async def serve() -> None:
+        server = LoopbackVLLM(model=args.model, canvas_width=args.canvas_width, answer=args.answer)
+        print(await server.start(args.port), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def watch_stdin() -> None:  # parent gone or stdin closed: exit
+            sys.stdin.read()
+            loop.call_soon_threadsafe(stop.set)
+
+        threading.Thread(target=watch_stdin, daemon=True).start()
+        await stop.wait()
+        await server.close()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

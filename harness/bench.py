@@ -1,0 +1,107 @@
+"""`canvasroute bench`: overhead, throughput, packing and canvas-vs-AR latency.
+
+Every figure is a ratio or a distribution measured side by side in one run:
+
+1. `overhead`     router + harness time per decision over an instant engine (p50/p99 us),
+                  with a cProfile breakdown.
+2. `throughput`   `VLLMServerEngine` reads/s and client CPU per read vs concurrency against
+                  an instant loopback server in its own process.
+3. `packing`      questions per canvas read for typical nodes, and the canvas widths.
+4. `canvas_vs_ar` one canvas read vs AR JSON generation on SmolLM2-135M (CPU).
+5. `vllm`         reads/s and p50/p95 against a real vLLM CPU server (`--vllm-url`).
+
+`--quick` runs each with fewer iterations (well under a minute); the full run takes a
+few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
+for what each does and does not say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from ._bench_common import Section, loop_ns, machine
+
+__all__ = ["SECTIONS", "configure", "run"]
+
+SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (well under a minute)")
+    parser.add_argument("--vllm-url", default=os.environ.get("CANVASROUTE_VLLM_URL"),
+                        help="a running vLLM DiffusionGemma server (default $CANVASROUTE_VLLM_URL); "
+                             "without one, its rows are skipped")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
+
+
+def run(args: argparse.Namespace) -> int:
+    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(SECTIONS))
+    if unknown:
+        print(f"canvasroute bench: unknown section(s) {unknown}; choose from {list(SECTIONS)}", file=sys.stderr)
+        return 2
+    runners: dict[str, Callable[[], Section]] = {
+        "overhead": lambda: _overhead(args.quick),
+        "throughput": lambda: _throughput(args.quick),
+        "packing": lambda: _packing(args.vllm_url),
+        "canvas_vs_ar": lambda: _ar(args.quick),
+        "vllm": lambda: _vllm(args.vllm_url, args.quick),
+    }
+    start = time.perf_counter()
+    info = machine()
+    results: dict[str, Section] = {}
+    for name in SECTIONS:
+        if name not in wanted:
+            continue
+        t, speed = time.perf_counter(), loop_ns()
+        section = runners[name]()
+        section.extra["seconds"] = round(time.perf_counter() - t, 1)
+        section.extra["loop_ns"] = speed
+        section.notes.append(f"Python speed reference before this section: {speed} ns per loop iteration")
+        results[name] = section
+        if not args.json:
+            print(section.table() + "\n", flush=True)
+    total = time.perf_counter() - start
+    info["loop_ns_at_end"] = loop_ns()
+    if args.json:
+        print(json.dumps({"machine": info, "quick": args.quick, "seconds": round(total, 1),
+                          "sections": {k: v.as_json() for k, v in results.items()}}, indent=2, default=str))
+    else:
+        print(f"machine: {info['cpus']} CPUs ({info['processor']}), Python {info['python']}, "
+              f"load average {info['loadavg_1m_at_start']} at start; Python speed reference "
+              f"{info['loop_ns']} -> {info['loop_ns_at_end']} ns per loop iteration (start -> end); "
+              f"{total:.0f} s in all" + (" (--quick)" if args.quick else ""))
+    return 0
+
+
+# each section imports its heavy dependencies only when it runs
+def _overhead(quick: bool) -> Section:
+    from ._bench_overhead import run_overhead
+    return run_overhead(quick)
+
+
+def _throughput(quick: bool) -> Section:
+    from ._bench_client import run_throughput
+    return run_throughput(quick)
+
+
+def _packing(url: str | None) -> Section:
+    from ._bench_packing import run_packing
+    return run_packing(url)
+
+
+def _ar(quick: bool) -> Section:
+    from ._bench_ar import run_canvas_vs_ar
+    return run_canvas_vs_ar(quick)
+
+
+def _vllm(url: str | None, quick: bool) -> Section:
+    from ._bench_client import run_real_server
+    return run_real_server(url, quick)
