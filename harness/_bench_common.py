@@ -16,6 +16,7 @@ from typing import Any
 from langchain_core.decisions import Choice, Noul, Score
 
 from engine import CanvasRead, EngineInfo, FunctionEngine, Message, ReadResult
+from harness._stats import percentile
 
 __all__ = ["NODES", "TICKETS", "Recorder", "Section", "instant_engine", "loop_ns", "machine", "percentile",
            "profile_summary", "summary"]
@@ -83,16 +84,6 @@ def _fmt(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return ",".join(_fmt(v) for v in value)
     return str(value)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def summary(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:

@@ -29,6 +29,7 @@ from typing import Any
 from router import _telemetry as tm
 
 from .traces import SpanRecord, TraceFileError, decision_figures, read_spans
+from harness._stats import percentile
 
 __all__ = ["Decision", "NodeStats", "Report", "build_report", "configure", "near_chance", "percentile",
            "render", "run"]
@@ -174,16 +175,6 @@ def _float_or_none(v: Any) -> float | None:
 
 def _str_or_none(v: Any) -> str | None:
     return str(v) if v is not None else None
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between closest ranks (NaN when empty)."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def near_chance(model: str, provider: str = "") -> str | None:

@@ -33,6 +33,7 @@ from engine import (
 )
 
 from . import _telemetry as tm
+from ._model import _jsonable
 
 __all__ = ["SystemOneDecisionModel"]
 
@@ -219,14 +220,6 @@ def _wire_state(state: Any) -> Any:
         return json.loads(json.dumps(state, default=_jsonable))
     except (TypeError, ValueError) as exc:
         raise DecisionError(f"the state is not JSON: {exc}") from exc
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, BaseMessage):
-        return {"role": value.type, "content": value.text}
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: str | None,
