@@ -24,7 +24,8 @@ case "${1:-}" in
     ;;
   start)
     port=${2:?port}; log=${3:?log file}
-    bash "$tools/start_server.sh" "$venv" "$model" "$port" "$log"
+    # a stable served name, whatever the cache path: requests and tests say model="tiny-dgemma"
+    bash "$tools/start_server.sh" "$venv" "$model" "$port" "$log" --served-model-name tiny-dgemma
     ;;
   *) echo "usage: $0 provision | start PORT LOG" >&2; exit 2 ;;
 esac
