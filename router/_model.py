@@ -15,9 +15,12 @@ from typing import Any, Literal
 
 from langchain_core.decisions import (
     BaseDecisionModel,
+    Choice,
     ChoiceAnswer,
     ClassifierRequest,
+    Noul,
     NoulAnswer,
+    Score,
     ScoreAnswer,
 )
 from langchain_core.messages import BaseMessage
@@ -111,6 +114,7 @@ class CanvasDecisionModel(BaseDecisionModel):
     """Seconds one escalation call may take."""
 
     _plans: OrderedDict[str, Plan] = PrivateAttr(default_factory=OrderedDict)
+    _parsed: OrderedDict[str, dict[str, QuestionSpec]] = PrivateAttr(default_factory=OrderedDict)
     _meter: BudgetMeter | None = PrivateAttr(default=None)
 
     @field_validator("escalate_to")
@@ -166,7 +170,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         """Answer every question about `state`: read, gate, re-read, escalate."""
         start = time.perf_counter()
         policy = policy or self.policy
-        specs = parse_questions(questions)
+        key, specs = self._specs(questions)
         for qid, option in self.fallback.items():
             if qid in specs and option not in specs[qid].options:
                 raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
@@ -188,7 +192,7 @@ class CanvasDecisionModel(BaseDecisionModel):
             usage = {"input_tokens": 0, "output_tokens": 0}
             if info is not None:
                 try:
-                    the_plan = await self._plan(specs)
+                    the_plan = await self._plan(key, specs)
                     messages = [_messages(c, state_text) for c in the_plan.chunks]
                     await _check_length(self.engine, info, the_plan.chunks, messages)
                 except CanvasRouteError as exc:
@@ -222,12 +226,19 @@ class CanvasDecisionModel(BaseDecisionModel):
             latency_s=latency,
         )
 
-    async def _plan(self, specs: Mapping[str, QuestionSpec]) -> Plan:
-        key = json.dumps({qid: s.question.model_dump(mode="json") for qid, s in specs.items()}, sort_keys=True)
+    def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
+        """Parsed questions and their cache key; a question set seen before is not re-parsed."""
+        key = _questions_key(questions)
+        if key is None or key not in self._parsed:
+            specs = parse_questions(questions)
+            key = key or json.dumps({qid: s.question.model_dump(mode="json") for qid, s in specs.items()})
+            _remember(self._parsed, key, specs)
+        self._parsed.move_to_end(key)
+        return key, self._parsed[key]
+
+    async def _plan(self, key: str, specs: Mapping[str, QuestionSpec]) -> Plan:
         if key not in self._plans:
-            self._plans[key] = await plan(self.engine, specs)
-            while len(self._plans) > 256:
-                self._plans.popitem(last=False)
+            _remember(self._plans, key, await plan(self.engine, specs))
         self._plans.move_to_end(key)
         return self._plans[key]
 
@@ -403,6 +414,25 @@ def render_state(state: Any) -> str:
     else:
         text = json.dumps(state, ensure_ascii=False, default=_jsonable, sort_keys=False)
     return _SPECIAL_TEXT.sub(lambda m: m.group(0) + "\u200b" if m.group(0) == "<" else "\u200b>", text)
+
+
+def _questions_key(questions: Any) -> str | None:
+    """A cheap exact key for a question set (pydantic's JSON of each question), or None
+    when the input is not a mapping of question models (it is parsed first, then keyed)."""
+    if not isinstance(questions, Mapping) or not questions:
+        return None
+    parts = []
+    for qid, q in questions.items():
+        if not isinstance(q, (Noul, Choice, Score)) or not isinstance(qid, str):
+            return None
+        parts.append(f"{json.dumps(qid)}:{q.model_dump_json()}")
+    return "{" + ",".join(parts) + "}"
+
+
+def _remember(cache: OrderedDict[str, Any], key: str, value: Any, size: int = 256) -> None:
+    cache[key] = value
+    while len(cache) > size:
+        cache.popitem(last=False)
 
 
 def _jsonable(value: Any) -> Any:

@@ -270,10 +270,11 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
     node = (attributes or {}).get(GRAPH_NODE)
     base = {GEN_AI_MODEL: model, **({GRAPH_NODE: node} if node is not None else {})}
     inst = _instruments()
+    recording = s.is_recording()  # without an SDK, skip building attributes nobody keeps
     for r in reports:
         prefix = f"{DECISION_PREFIX}.{r.question_id}"
         canvas = r.canvas_probabilities
-        values = {
+        values = {} if not recording else {
             "answer": r.answer, "path": r.path, "escalated": r.path == "escalated", "kind": r.kind,
             "reads": r.reads, "entropy": r.entropy, "normalized_entropy": r.normalized_entropy,
             "confidence": r.confidence, "margin": r.margin, "label_mass": r.label_mass, "agreement": r.agreement,
