@@ -111,6 +111,9 @@ class VLLMServerEngine:
         self._api_key = api_key
         self.endpoint = endpoint
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
+        self._deadline = timeout + connect_timeout
+        """Whole-attempt bound: httpx's timeouts are per operation (a trickling reply or a
+        custom transport could outlast them)."""
         self._max_concurrency = max_concurrency
         self._max_retries = max_retries
         self._backoff = backoff
@@ -356,8 +359,9 @@ class VLLMServerEngine:
             if count:
                 self.requests_sent += 1
             try:
-                resp = await client.request(method, replica.url + path, json=body, headers=headers)
-            except httpx.TimeoutException as exc:
+                async with asyncio.timeout(self._deadline):
+                    resp = await client.request(method, replica.url + path, json=body, headers=headers)
+            except (httpx.TimeoutException, TimeoutError) as exc:
                 last = EngineTimeout(f"{method} {replica.url}{path} timed out ({type(exc).__name__})",
                                      hint="raise timeout= or check the server's load")
                 replica.down_until = time.monotonic() + self._cooldown

@@ -273,6 +273,22 @@ async def test_timeouts_are_retried_then_raise_engine_timeout():
     assert info.value.retryable and calls["/tokenize"] == 3
 
 
+async def test_an_answer_that_never_comes_is_bounded_by_the_attempt_deadline():
+    """httpx's timeouts are per operation; a transport that never answers must still end."""
+    calls = Counter()
+
+    async def never(request: httpx.Request) -> httpx.Response:
+        calls[request.url.path] += 1
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    engine = engine_for(never, max_retries=1, timeout=0.05, connect_timeout=0.05, vocab_size=VOCAB,
+                        canvas_width=WIDTH, model=MODEL)
+    with pytest.raises(EngineTimeout):
+        await asyncio.wait_for(engine.tokenize("hello"), 5)
+    assert calls["/tokenize"] == 2
+
+
 async def test_a_refused_replica_cools_down_and_reads_move_on():
     fake = FakeVLLM()
     seen = Counter()
