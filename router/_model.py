@@ -23,6 +23,7 @@ from langchain_core.decisions import (
     Score,
     ScoreAnswer,
 )
+from langchain_core.decisions.base import _record_usage
 from langchain_core.messages import BaseMessage
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
@@ -149,11 +150,13 @@ class CanvasDecisionModel(BaseDecisionModel):
     async def _aclassify(self, state: Any, questions: dict[str, Any]) -> CanvasResponse:
         return await self.decide(state, questions)
 
+    # The request-level hooks are overridden (not `_classify`) so request keys beyond state and
+    # questions (seed, thread_id, policy, attributes) reach `decide`; usage still goes to LangSmith.
     def _classify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
-        return run_sync(self._adecide_request(request))
+        return _record_usage(run_sync(self._adecide_request(request)))
 
     async def _aclassify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
-        return await self._adecide_request(request)
+        return _record_usage(await self._adecide_request(request))
 
     async def _adecide_request(self, request: Mapping[str, Any]) -> CanvasResponse:
         if not isinstance(request, Mapping) or "state" not in request or "questions" not in request:
