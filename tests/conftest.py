@@ -15,6 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 ROOT = Path(__file__).resolve().parents[1]
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -107,3 +111,35 @@ def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_connect(self, address)
 
     monkeypatch.setattr(socket.socket, "connect", connect)
+
+
+class _WhileOn(SimpleSpanProcessor):
+    """Exports only while a test holds the `spans` fixture (processors cannot be removed)."""
+
+    on = False
+
+    def on_end(self, span) -> None:  # type: ignore[no-untyped-def]
+        if self.on:
+            super().on_end(span)
+
+
+_SPANS = InMemorySpanExporter()
+_PROCESSOR = _WhileOn(_SPANS)
+_SPANS_ON: set[int] = set()
+
+
+@pytest.fixture
+def spans():
+    """Finished spans of this test, from the global SDK tracer provider (installed once:
+    OTel allows setting the global provider only once per process)."""
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+    provider = trace.get_tracer_provider()
+    if id(provider) not in _SPANS_ON:
+        provider.add_span_processor(_PROCESSOR)
+        _SPANS_ON.add(id(provider))
+    _SPANS.clear()
+    _PROCESSOR.on = True
+    yield _SPANS
+    _PROCESSOR.on = False
+    _SPANS.clear()

@@ -20,10 +20,6 @@ from langchain_core.messages import AIMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, RetryPolicy, interrupt
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from typing_extensions import TypedDict
 
 from engine import DecisionError, EngineRequestError, EngineUnavailable, FunctionEngine
@@ -523,19 +519,6 @@ def test_each_decision_set_is_one_event_on_the_custom_stream():
     assert event["answers"] == {"team": "tech", "urgent": "yes", "severity": "2"}
     assert event["paths"] == {"team": "canvas", "urgent": "canvas", "severity": "canvas"}
     assert set(event["entropies"]) == set(QUESTIONS) and all(0 <= h < 0.1 for h in event["entropies"].values())
-
-
-@pytest.fixture(scope="module")
-def spans():
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-        provider = trace.get_tracer_provider()
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield exporter
-    exporter.shutdown()  # the provider stays global: stop collecting for later tests
 
 
 def test_decision_spans_carry_the_graph_node_and_thread(spans):

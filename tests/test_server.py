@@ -18,10 +18,6 @@ import pytest
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from engine import EngineOverloaded, EngineUnavailable, FunctionEngine, VLLMServerEngine
@@ -59,23 +55,6 @@ def function_model(rows=confident, **kwargs) -> CanvasDecisionModel:
 
 def client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://canvasroute.test")
-
-
-_EXPORTER = InMemorySpanExporter()
-_INSTALLED: set[int] = set()
-
-
-@pytest.fixture
-def spans():
-    """Finished spans of this test, from the global SDK tracer provider."""
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-    provider = trace.get_tracer_provider()
-    if id(provider) not in _INSTALLED:
-        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        _INSTALLED.add(id(provider))
-    _EXPORTER.clear()
-    return _EXPORTER
 
 
 # -- the wire, against the real vLLM server -----------------------------------------------

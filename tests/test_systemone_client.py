@@ -8,10 +8,6 @@ import os
 import httpx
 import pytest
 from langchain_core.decisions import Box, Choice, ClassifierResponse, Noul, Score
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from engine import (
@@ -81,23 +77,6 @@ class Script:
 
 def error(status: int, message: str, **headers: str) -> httpx.Response:
     return httpx.Response(status, json={"error": {"type": "x", "message": message}}, headers=headers)
-
-
-_EXPORTER = InMemorySpanExporter()
-_INSTALLED: set[int] = set()
-
-
-@pytest.fixture
-def spans():
-    """Finished spans of this test, from the global SDK tracer provider."""
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-    provider = trace.get_tracer_provider()
-    if id(provider) not in _INSTALLED:
-        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        _INSTALLED.add(id(provider))
-    _EXPORTER.clear()
-    return _EXPORTER
 
 
 # -- real servers ----------------------------------------------------------------------------
