@@ -13,6 +13,7 @@ import asyncio
 import cProfile
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 from engine import CanvasRead, VLLMServerEngine
 from router import CanvasDecisionModel, GatePolicy
@@ -154,28 +155,28 @@ async def _measure(engine: VLLMServerEngine, read: CanvasRead, c: int, n: int,
                    tally: _Tally | None = None) -> dict[str, float]:
     """n reads, c in flight at a time, added to `tally`: rate, latency percentiles, CPU per read."""
     tally = tally or _Tally()
-    left = n
 
-    async def worker() -> None:
-        nonlocal left
-        while left > 0:
-            left -= 1
-            t = time.perf_counter()
-            [result] = await engine.read([read])
-            tally.latencies.append(time.perf_counter() - t)
-            if len(result.rows) != len(read.slots):
-                raise RuntimeError("short read")
+    async def one(_: int) -> None:
+        [result] = await engine.read([read])
+        if len(result.rows) != len(read.slots):
+            raise RuntimeError("short read")
 
-    cpu, wall = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(c)))
-    tally.wall += time.perf_counter() - wall
-    tally.cpu += time.process_time() - cpu
+    await _drive(one, c, n, tally)
     return tally.stats()
 
 
 async def _decide(model: CanvasDecisionModel, c: int, n: int, tally: _Tally, offset: int) -> None:
     """n whole decisions, c in flight at a time, each about a new state, added to `tally`."""
     questions = NODES[TRIAGE]
+
+    async def one(i: int) -> None:
+        await model.decide(f"{TICKETS[i % len(TICKETS)]} (#{offset + i})", questions)
+
+    await _drive(one, c, n, tally)
+
+
+async def _drive(one: Callable[[int], Awaitable[None]], c: int, n: int, tally: _Tally) -> None:
+    """Run `one(i)` for i = n-1 .. 0 with c workers; latencies, wall and CPU go to `tally`."""
     left = n
 
     async def worker() -> None:
@@ -183,7 +184,7 @@ async def _decide(model: CanvasDecisionModel, c: int, n: int, tally: _Tally, off
         while left > 0:
             left -= 1
             t = time.perf_counter()
-            await model.decide(f"{TICKETS[left % len(TICKETS)]} (#{offset + left})", questions)
+            await one(left)
             tally.latencies.append(time.perf_counter() - t)
 
     cpu, wall = time.process_time(), time.perf_counter()

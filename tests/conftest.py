@@ -11,6 +11,8 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -18,7 +20,9 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
 
 ROOT = Path(__file__).resolve().parents[1]
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -143,3 +147,33 @@ def spans():
     yield _SPANS
     _PROCESSOR.on = False
     _SPANS.clear()
+
+
+@contextmanager
+def fresh_tracer_provider(*exporters: SpanExporter) -> Iterator[TracerProvider]:
+    """A fresh global SDK tracer provider exporting to `exporters` for this block; the
+    previous one is put back afterwards (as opentelemetry-test-utils does)."""
+    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
+    provider = TracerProvider()
+    for exporter in exporters:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    try:
+        yield provider
+    finally:
+        provider.shutdown()
+        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+
+
+def assert_snapshot(name: str, text: str) -> None:
+    """`text` equals tests/snapshots/NAME (CANVASROUTE_UPDATE_SNAPSHOTS=1 rewrites it)."""
+    path = SNAPSHOTS / name
+    if os.environ.get("CANVASROUTE_UPDATE_SNAPSHOTS") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"missing snapshot {path} (CANVASROUTE_UPDATE_SNAPSHOTS=1 writes it)"
+    assert text == path.read_text()

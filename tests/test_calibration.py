@@ -15,11 +15,8 @@ import pytest
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.util._once import Once
 
+from conftest import fresh_tracer_provider
 from engine import FunctionEngine, VLLMServerEngine, run_sync
 from harness import calibrate as cal_cli
 from harness.cli import main
@@ -269,16 +266,8 @@ async def test_collect_reads_noul_rows_from_vllm(vllm_url):
 @contextmanager
 def _traced(path: Path):
     """A fresh global TracerProvider exporting to JSONL (restored afterwards)."""
-    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
-    trace.set_tracer_provider(provider)
-    try:
+    with fresh_tracer_provider(JsonlSpanExporter(path)):
         yield
-    finally:
-        provider.shutdown()
-        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
 
 
 async def test_calibrate_from_traces_uses_escalated_answers_as_labels(tmp_path, capsys):

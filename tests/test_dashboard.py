@@ -15,15 +15,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import unavailable
+from conftest import fresh_tracer_provider, unavailable
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 
 from engine import FunctionEngine, VLLMServerEngine, run_sync
 from harness.cli import main
@@ -38,18 +34,9 @@ BIGBENCH = Path("/work/shared/data/bigbench")
 @contextmanager
 def traced(path: Path):
     """A fresh global TracerProvider exporting to JSONL and to memory (restored afterwards)."""
-    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
     memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    trace.set_tracer_provider(provider)
-    try:
+    with fresh_tracer_provider(JsonlSpanExporter(path), memory):
         yield memory
-    finally:
-        provider.shutdown()
-        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
 
 
 # -- trace files --------------------------------------------------------------------------------

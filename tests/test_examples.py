@@ -6,26 +6,15 @@ read per node, routes that follow the answers, replay-stable branches), never ac
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
 from langgraph.checkpoint.memory import InMemorySaver
 
+from conftest import assert_snapshot
 from engine import FunctionEngine, VLLMServerEngine
 from examples import rag_relevance, tool_routing, triage
 from router import CanvasDecisionModel, GatePolicy
 
-SNAPSHOTS = Path(__file__).parent / "snapshots"
-
-
-def assert_snapshot(name: str, text: str) -> None:
-    path = SNAPSHOTS / name
-    if os.environ.get("CANVASROUTE_UPDATE_SNAPSHOTS") == "1":
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"missing snapshot {path} (CANVASROUTE_UPDATE_SNAPSHOTS=1 writes it)"
-    assert text == path.read_text()
 
 
 def offline_model() -> CanvasDecisionModel:

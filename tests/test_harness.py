@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
@@ -22,6 +20,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, RetryPolicy, interrupt
 from typing_extensions import TypedDict
 
+from conftest import assert_snapshot
 from engine import DecisionError, EngineRequestError, EngineUnavailable, FunctionEngine
 from harness import (
     DECISION_EVENT,
@@ -36,7 +35,6 @@ from harness._context import strip_task_ids
 from router import CanvasDecisionModel, EscalationBudget, GatePolicy
 from router._telemetry import GRAPH_NODE, GRAPH_THREAD
 
-SNAPSHOTS = Path(__file__).parent / "snapshots"
 TEAM = Choice(instructions="Which team should handle the ticket?", criteria={"billing": "payments", "tech": "bugs"})
 URGENT = Noul(instructions="Is the ticket urgent?")
 SEVERITY = Score(instructions="How severe is it?", criteria=["low", "medium", "high"])
@@ -91,15 +89,6 @@ def triage_graph(node: Any, *, lanes=("billing", "tech"), checkpointer=None, con
         builder.add_node(name, lane(name))
         builder.add_edge(name, END)
     return builder.compile(checkpointer=checkpointer)
-
-
-def assert_snapshot(name: str, text: str) -> None:
-    path = SNAPSHOTS / name
-    if os.environ.get("CANVASROUTE_UPDATE_SNAPSHOTS") == "1":
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"missing snapshot {path} (CANVASROUTE_UPDATE_SNAPSHOTS=1 writes it)"
-    assert text == path.read_text()
 
 
 def thread(tid: str) -> dict[str, Any]:

@@ -19,10 +19,8 @@ from contextlib import contextmanager
 
 import httpx
 from langchain_core.decisions import Choice, Noul, Score
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.util._once import Once
 
+from conftest import fresh_tracer_provider
 from engine import VLLMServerEngine
 from harness._loopback_vllm import LoopbackVLLM, spawn
 from router import CanvasDecisionModel, GatePolicy
@@ -46,15 +44,8 @@ def recording_sdk_without_export() -> Iterator[None]:
     """A fresh global SDK tracer provider with no processor: every span is recorded with
     all its attributes, then dropped, so memory measures the library, not an exporter
     (an in-memory exporter another test left installed would keep all 20,000 spans)."""
-    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
-    provider = TracerProvider()
-    trace.set_tracer_provider(provider)
-    try:
+    with fresh_tracer_provider():
         yield
-    finally:
-        provider.shutdown()
-        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
 
 
 def rss_mb() -> float:

@@ -24,15 +24,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, _free_port, _wait_ready, unavailable
+from conftest import ROOT, _free_port, _wait_ready, fresh_tracer_provider, unavailable
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 
 from engine import (
     CanvasRouteError,
@@ -368,16 +364,9 @@ SECRET = "sk-canvasroute-SECRET-4711"
 @contextmanager
 def span_exporter() -> Iterator[InMemorySpanExporter]:
     """A fresh global SDK tracer provider for this block (restores the previous one)."""
-    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
-    exporter, provider = InMemorySpanExporter(), TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    try:
+    exporter = InMemorySpanExporter()
+    with fresh_tracer_provider(exporter):
         yield exporter
-    finally:
-        provider.shutdown()
-        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
 
 
 def _errors_text(exc: BaseException) -> str:
