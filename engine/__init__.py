@@ -7,33 +7,42 @@ one small protocol, `Engine`:
 - `VLLMEngine`: vLLM in-process (extra `[vllm]`).
 - `TransformersEngine`: in-process torch, DiffusionGemma or a causal LM (extra `[local]`).
 - `FunctionEngine`: a test double driven by a function.
+
+Every error the library raises lives in `engine.errors`, re-exported here.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import (
+from ._function import FunctionEngine
+from ._server import VLLMServerEngine
+from ._sync import run_sync
+from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult
+from .errors import (
+    BudgetExhausted,
+    CalibrationError,
     CanvasRouteError,
     DecisionError,
+    EmbeddedModelMissing,
     EngineOverloaded,
     EngineRequestError,
     EngineResponseError,
     EngineTimeout,
     EngineUnavailable,
+    EscalationError,
     InputTooLong,
     LabelError,
+    TraceFileError,
     UnsupportedQuestion,
 )
-from ._function import FunctionEngine
-from ._server import VLLMServerEngine
-from ._sync import run_sync
-from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult
 
 if TYPE_CHECKING:
-    from ._embedded import EmbeddedModelMissing, embedded_engine
+    from ._embedded import embedded_engine
     from ._transformers import TransformersEngine
     from ._vllm import VLLMEngine
 
 __all__ = [
+    "BudgetExhausted",
+    "CalibrationError",
     "CanvasRead",
     "CanvasRouteError",
     "DecisionError",
@@ -45,11 +54,13 @@ __all__ = [
     "EngineResponseError",
     "EngineTimeout",
     "EngineUnavailable",
+    "EscalationError",
     "FunctionEngine",
     "InputTooLong",
     "LabelError",
     "Message",
     "ReadResult",
+    "TraceFileError",
     "TransformersEngine",
     "UnsupportedQuestion",
     "VLLMEngine",
@@ -59,7 +70,6 @@ __all__ = [
 ]
 
 _LAZY = {
-    "EmbeddedModelMissing": "._embedded",
     "TransformersEngine": "._transformers",
     "VLLMEngine": "._vllm",
     "embedded_engine": "._embedded",

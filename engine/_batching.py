@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
-from ._errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
+from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
 
 T = TypeVar("T")
 R = TypeVar("R")

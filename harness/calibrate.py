@@ -37,13 +37,13 @@ from typing import Any, TextIO
 
 from langchain_core.decisions import Choice, Noul
 
-from engine import CanvasRouteError, Engine, VLLMServerEngine
-from router import CalibrationError, CanvasDecisionModel, GatePolicy, Labelled, calibrate, save_policy
+from engine import CalibrationError, CanvasRouteError, Engine, TraceFileError, VLLMServerEngine
+from router import CanvasDecisionModel, GatePolicy, Labelled, calibrate, save_policy
 from router import _calibration as cm
 from router._schema import QuestionSpec, parse_questions
 
 from .dashboard import near_chance
-from .traces import SpanRecord, TraceFileError, decision_figures, read_spans
+from .traces import SpanRecord, decision_figures, read_spans
 
 __all__ = ["Row", "collect", "configure", "labelled_from_spans", "load_rows", "plot_escalation",
            "plot_reliability", "run"]

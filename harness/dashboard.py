@@ -28,7 +28,9 @@ from typing import Any
 
 from router import _telemetry as tm
 
-from .traces import SpanRecord, TraceFileError, decision_figures, read_spans
+from engine import TraceFileError
+
+from .traces import SpanRecord, decision_figures, read_spans
 from harness._stats import percentile
 
 __all__ = ["Decision", "NodeStats", "Report", "build_report", "configure", "near_chance", "percentile",

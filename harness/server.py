@@ -62,7 +62,7 @@ from engine import (
     LabelError,
     UnsupportedQuestion,
 )
-from router import BudgetExhausted, EscalationError
+from engine import BudgetExhausted, EscalationError
 from router import _telemetry as tm
 
 __all__ = ["create_app", "run_in_thread"]

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from engine.errors import TraceFileError
 from router import _telemetry as tm
 
 try:  # the SDK is an optional extra; reading trace files does not need it
@@ -43,14 +44,10 @@ except ImportError:  # pragma: no cover - exercised only without the SDK
     SpanExporter = object  # type: ignore[assignment,misc]
     SpanExportResult = None  # type: ignore[assignment,misc]
 
-__all__ = ["JsonlSpanExporter", "SpanRecord", "TraceFileError", "decision_figures", "read_spans", "span_record"]
+__all__ = ["JsonlSpanExporter", "SpanRecord", "decision_figures", "read_spans", "span_record"]
 
 _KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
-
-
-class TraceFileError(ValueError):
-    """A trace file that cannot be read (missing, or neither span JSONL nor OTLP JSON)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

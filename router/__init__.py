@@ -6,7 +6,6 @@ the model only through the `engine` protocol.
 
 from ._calibration import (
     Calibration,
-    CalibrationError,
     Labelled,
     QuestionCalibration,
     calibrate,
@@ -16,20 +15,16 @@ from ._calibration import (
     save_policy,
 )
 from ._distribution import SlotStats, aggregate, slot_stats
-from ._escalation import EscalationError
-from ._model import BudgetExhausted, CanvasDecisionModel, render_state
+from ._model import CanvasDecisionModel, render_state
 from ._policy import EscalationBudget, GatePolicy
 from ._types import CanvasResponse, ReadReport
 from .systemone import SystemOneDecisionModel
 
 __all__ = [
-    "BudgetExhausted",
     "Calibration",
-    "CalibrationError",
     "CanvasDecisionModel",
     "CanvasResponse",
     "EscalationBudget",
-    "EscalationError",
     "GatePolicy",
     "Labelled",
     "QuestionCalibration",

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from engine import CanvasRouteError
+from engine.errors import CalibrationError
 
 from ._policy import GatePolicy
 
@@ -37,10 +37,6 @@ MIN_ROWS = 4
 """Fewer labelled rows than this for a question: no fit (T = 1, base threshold)."""
 TEMPERATURE_BOUNDS = (0.05, 20.0)
 POLICY_FORMAT = "canvasroute.policy/1"
-
-
-class CalibrationError(CanvasRouteError, ValueError):
-    """Calibration input that cannot be used (no rows, a gold label that is no option, ...)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

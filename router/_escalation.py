@@ -21,15 +21,9 @@ from langchain_core.decisions import BaseDecisionModel, ChoiceAnswer, NoulAnswer
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 
-from engine import CanvasRouteError
+from engine.errors import CanvasRouteError, EscalationError
 
 from ._schema import QuestionSpec, _text, parse_questions
-
-
-class EscalationError(CanvasRouteError):
-    """The escalation target failed, timed out, or answered outside the allowed options."""
-
-    retryable = True
 
 
 @dataclass(slots=True)
@@ -68,7 +62,7 @@ async def escalate(target: Any, state_text: str, state: Any, specs: Sequence[Que
                 _reraise_control_flow(exc)
                 cause = exc
         raise EscalationError(f"escalation to {name} failed twice: {cause!r}",
-                              hint="check the escalation model") from cause
+                              hint="check the escalation model", retryable=_transient(cause)) from cause
     messages: list[BaseMessage] = [SystemMessage(_instructions(specs)), *_EXAMPLE,
                                    HumanMessage(_request(state_text, specs, canvas))]
     usage = {"input_tokens": 0, "output_tokens": 0}
@@ -91,7 +85,20 @@ async def escalate(target: Any, state_text: str, state: Any, specs: Sequence[Que
             continue
         result.usage = usage  # both attempts count
         return result
-    raise EscalationError(error, hint="check the escalation model, or its output format") from cause
+    raise EscalationError(error, hint="check the escalation model, or its output format",
+                          retryable=_transient(cause)) from cause
+
+
+def _transient(exc: BaseException | None) -> bool:
+    """A target failure that may pass by itself: unreachable, timed out, or shedding load."""
+    if isinstance(exc, CanvasRouteError):
+        return exc.retryable
+    return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ in _TRANSIENT_NAMES
+
+
+_TRANSIENT_NAMES = {"APIConnectionError", "APITimeoutError", "RateLimitError", "InternalServerError",
+                    "ConnectError", "ReadTimeout", "ConnectTimeout", "RemoteProtocolError"}
+"""Transient errors of the OpenAI and httpx clients, named so neither has to be imported."""
 
 
 def _reraise_control_flow(exc: Exception) -> None:

@@ -28,30 +28,29 @@ from langchain_core.messages import BaseMessage
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from engine import (
+    BudgetExhausted,
     CanvasRead,
     CanvasRouteError,
     DecisionError,
     Engine,
     EngineInfo,
     EngineResponseError,
+    EscalationError,
     InputTooLong,
     run_sync,
 )
 
 from . import _telemetry as tm
 from ._distribution import SlotStats, aggregate, slot_stats
-from ._escalation import Escalated, EscalationError, escalate, is_target, target_name
-from ._policy import BudgetMeter, EscalationBudget, GatePolicy
+from ._escalation import Escalated, escalate, is_target, target_name
+from ._budget import BudgetMeter
+from ._policy import EscalationBudget, GatePolicy
 from ._schema import Chunk, Plan, QuestionSpec, parse_questions, plan
 from ._types import CanvasResponse, ReadReport
 
 REREAD_STRIDE = 7919
 """Read k of a canvas uses noise seed `seed + 7919 k` (vLLM's gateway convention)."""
 _SPECIAL_TEXT = re.compile(r"<(?=\|)|(?<=\|)>|<(?=/?(?:pad|eos|bos|unk|mask|s)>)")
-
-
-class BudgetExhausted(CanvasRouteError):
-    """Escalation was needed, the budget is spent, and the budget says raise."""
 
 
 @dataclass(slots=True)
@@ -360,7 +359,8 @@ class CanvasDecisionModel(BaseDecisionModel):
                     escalate(self.escalate_to, state_text, state, [r.spec for r in wanted], canvas),
                     self.escalation_timeout)
             except TimeoutError as exc:
-                raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s") from exc
+                raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s",
+                                      retryable=True) from exc
             call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
         for key in ("input_tokens", "output_tokens"):
             usage[key] += result.usage.get(key, 0)

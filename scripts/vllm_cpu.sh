@@ -19,7 +19,13 @@ case "${1:-}" in
     fi
     # httpx + opentelemetry-api let `import engine` work inside the vLLM venv (VLLMEngine tests)
     "$venv/bin/python" -c "import httpx, opentelemetry" 2>/dev/null || "$venv/bin/pip" install -q httpx opentelemetry-api
-    [ -f "$model/model.safetensors" ] || "$venv/bin/python" "$tools/build_tiny_dgemma.py" "$model"
+    # rebuild a checkpoint whose chat template is older than the tools' (tiny_template_version.txt)
+    want=$(sed -n 's/^TEMPLATE_VERSION = \([0-9]*\).*/\1/p' "$tools/build_tiny_dgemma.py")
+    have=$(cat "$model/tiny_template_version.txt" 2>/dev/null || echo none)
+    if [ ! -f "$model/model.safetensors" ] || [ "$have" != "$want" ]; then
+      rm -rf "$model"
+      "$venv/bin/python" "$tools/build_tiny_dgemma.py" "$model"
+    fi
     echo "vLLM CPU venv: $venv; tiny DiffusionGemma: $model"
     ;;
   start)

@@ -17,12 +17,11 @@ from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 
 from conftest import fresh_tracer_provider
-from engine import FunctionEngine, VLLMServerEngine, run_sync
+from engine import CalibrationError, FunctionEngine, VLLMServerEngine, run_sync
 from harness import calibrate as cal_cli
 from harness.cli import main
 from harness.traces import JsonlSpanExporter, read_spans
 from router import (
-    CalibrationError,
     CanvasDecisionModel,
     GatePolicy,
     Labelled,

@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from engine import FunctionEngine, VLLMServerEngine, run_sync
 from harness.cli import main
 from harness.dashboard import build_report, near_chance, percentile, render
-from harness.traces import JsonlSpanExporter, SpanRecord, TraceFileError, read_spans, span_record
+from engine import TraceFileError
+from harness.traces import JsonlSpanExporter, SpanRecord, read_spans, span_record
 from router import CanvasDecisionModel, GatePolicy
 from router import _telemetry as tm
 

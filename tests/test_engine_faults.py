@@ -26,7 +26,8 @@ from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 
 from engine import CanvasRouteError, EngineTimeout, EngineUnavailable, VLLMServerEngine
-from router import BudgetExhausted, CanvasDecisionModel, CanvasResponse, EscalationBudget, EscalationError
+from engine import BudgetExhausted, EscalationError
+from router import CanvasDecisionModel, CanvasResponse, EscalationBudget
 
 N = 8
 QUESTIONS = {

@@ -24,7 +24,8 @@ from langchain_core.runnables import RunnableLambda
 from pydantic import BaseModel
 
 from engine import CanvasRouteError, EngineUnavailable, FunctionEngine
-from router import CanvasDecisionModel, EscalationError, GatePolicy
+from engine import EscalationError
+from router import CanvasDecisionModel, GatePolicy
 
 from conftest import unavailable
 

@@ -19,9 +19,8 @@ from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 
-from engine import DecisionError, EngineUnavailable, FunctionEngine, ReadResult
+from engine import BudgetExhausted, DecisionError, EngineUnavailable, FunctionEngine, ReadResult
 from router import (
-    BudgetExhausted,
     CanvasDecisionModel,
     EscalationBudget,
     GatePolicy,
@@ -408,7 +407,7 @@ class Clock:
 
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
-    import router._policy as policy_module
+    import router._budget as policy_module
 
     c = Clock()
     monkeypatch.setattr(policy_module.time, "monotonic", c)
