@@ -17,7 +17,7 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import get_runtime
 
 from router import CanvasDecisionModel, GatePolicy, render_state
-from router._telemetry import GRAPH_NODE, GRAPH_THREAD
+from router.telemetry import GRAPH_NODE, GRAPH_THREAD
 
 Inputs = str | Callable[[Any], Any] | None
 """What a decision reads: None (the graph state, minus the output key), a state key,

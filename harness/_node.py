@@ -26,7 +26,7 @@ from langchain_core.runnables.config import ensure_config
 from langgraph.types import Command
 
 from router import CanvasDecisionModel, CanvasResponse
-from router._schema import QuestionSpec, parse_questions
+from router import QuestionSpec, parse_questions
 
 from ._context import GraphCall, Inputs, child_config, decision_seed, graph_call, select_inputs
 from ._records import emit, entries

@@ -39,8 +39,8 @@ from langchain_core.decisions import Choice, Noul
 
 from engine import CalibrationError, CanvasRouteError, Engine, TraceFileError, VLLMServerEngine
 from router import CanvasDecisionModel, GatePolicy, Labelled, calibrate, save_policy
-from router import _calibration as cm
-from router._schema import QuestionSpec, parse_questions
+from router import calibration as cm
+from router import QuestionSpec, parse_questions
 
 from .dashboard import near_chance
 from .traces import SpanRecord, decision_figures, read_spans

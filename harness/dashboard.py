@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router import _telemetry as tm
+from router import telemetry as tm
 
 from engine import TraceFileError
 

@@ -63,7 +63,7 @@ from engine import (
     UnsupportedQuestion,
 )
 from engine import BudgetExhausted, EscalationError
-from router import _telemetry as tm
+from router import telemetry as tm
 
 __all__ = ["create_app", "run_in_thread"]
 

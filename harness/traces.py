@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.errors import TraceFileError
-from router import _telemetry as tm
+from router import telemetry as tm
 
 try:  # the SDK is an optional extra; reading trace files does not need it
     from opentelemetry.sdk.trace import ReadableSpan

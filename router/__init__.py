@@ -1,10 +1,11 @@
 """Decisions: questions about a state become canvas reads, gated and escalated.
 
 `router` knows questions and policies, not LangGraph (that is `harness`), and reaches
-the model only through the `engine` protocol.
+the model only through the `engine` protocol. Public modules beside this surface:
+`router.telemetry` (span and attribute names) and `router.calibration` (the math).
 """
 
-from ._calibration import (
+from .calibration import (
     Calibration,
     Labelled,
     QuestionCalibration,
@@ -17,6 +18,7 @@ from ._calibration import (
 from ._distribution import SlotStats, aggregate, slot_stats
 from ._model import CanvasDecisionModel, render_state
 from ._policy import EscalationBudget, GatePolicy
+from ._schema import QuestionSpec, parse_questions
 from ._types import CanvasResponse, ReadReport
 from .systemone import SystemOneDecisionModel
 
@@ -28,6 +30,7 @@ __all__ = [
     "GatePolicy",
     "Labelled",
     "QuestionCalibration",
+    "QuestionSpec",
     "ReadReport",
     "SlotStats",
     "SystemOneDecisionModel",
@@ -36,6 +39,7 @@ __all__ = [
     "expected_calibration_error",
     "fit_temperature",
     "load_policy",
+    "parse_questions",
     "render_state",
     "save_policy",
     "slot_stats",

@@ -40,7 +40,7 @@ from engine import (
     run_sync,
 )
 
-from . import _telemetry as tm
+from . import telemetry as tm
 from ._distribution import SlotStats, aggregate, slot_stats
 from ._escalation import Escalated, escalate, is_target, target_name
 from ._budget import BudgetMeter

@@ -32,7 +32,7 @@ from engine import (
     run_sync,
 )
 
-from . import _telemetry as tm
+from . import telemetry as tm
 from ._model import _jsonable
 
 __all__ = ["SystemOneDecisionModel"]

@@ -32,7 +32,7 @@ from router import (
     save_policy,
     slot_stats,
 )
-from router import _calibration as cm
+from router import calibration as cm
 
 BIGBENCH = Path("/work/shared/data/bigbench")
 PNG = b"\x89PNG\r\n\x1a\n"

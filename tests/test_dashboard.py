@@ -27,7 +27,7 @@ from harness.dashboard import build_report, near_chance, percentile, render
 from engine import TraceFileError
 from harness.traces import JsonlSpanExporter, SpanRecord, read_spans, span_record
 from router import CanvasDecisionModel, GatePolicy
-from router import _telemetry as tm
+from router import telemetry as tm
 
 BIGBENCH = Path("/work/shared/data/bigbench")
 

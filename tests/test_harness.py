@@ -33,7 +33,7 @@ from harness import (
 )
 from harness._context import strip_task_ids
 from router import CanvasDecisionModel, EscalationBudget, GatePolicy
-from router._telemetry import GRAPH_NODE, GRAPH_THREAD
+from router.telemetry import GRAPH_NODE, GRAPH_THREAD
 
 TEAM = Choice(instructions="Which team should handle the ticket?", criteria={"billing": "payments", "tech": "bugs"})
 URGENT = Noul(instructions="Is the ticket urgent?")

@@ -30,7 +30,7 @@ from opentelemetry.util._once import Once
 
 from engine import EngineUnavailable, FunctionEngine, VLLMServerEngine
 from router import CanvasDecisionModel, GatePolicy
-from router import _telemetry as tm
+from router import telemetry as tm
 
 QUESTIONS = {
     "team": Choice(instructions="Which team should handle this?",
