@@ -11,10 +11,10 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "demo": ("harness.demo", "run the support-triage example graph (offline, embedded model by default)"),
-    "bench": ("harness.bench", "measure overhead, throughput, packing and canvas-vs-AR latency"),
-    "calibrate": ("harness.calibrate", "fit temperatures and thresholds from labelled decisions"),
-    "dashboard": ("harness.dashboard", "render exported decision spans as one HTML page"),
+    "demo": ("harness.demo.command", "run the support-triage example graph (offline, embedded model by default)"),
+    "bench": ("harness.bench.command", "measure overhead, throughput, packing and canvas-vs-AR latency"),
+    "calibrate": ("harness.calibration.command", "fit temperatures and thresholds from labelled decisions"),
+    "dashboard": ("harness.observability.dashboard", "render exported decision spans as one HTML page"),
     "serve": ("harness.serve", "serve gated decisions over HTTP (/v1/systemone)"),
 }
 

@@ -1,7 +1,7 @@
 """`canvasroute demo`: the support-triage agent end to end, traced.
 
-Runs `examples.triage` on the embedded SmolLM2 engine (offline) or on a DiffusionGemma
-server (`--engine-url`), prints every decision, a summary, and writes the spans to a
+Runs the triage graph (`harness.demo.triage`) on the embedded SmolLM2 engine (offline)
+or on a DiffusionGemma server (`--engine-url`), prints every decision, a summary, and writes the spans to a
 JSONL trace file that `canvasroute dashboard` renders.
 """
 
@@ -31,8 +31,9 @@ def run(args: argparse.Namespace) -> int:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    from examples import make_model, triage
-    from harness.traces import JsonlSpanExporter
+    from ..observability.traces import JsonlSpanExporter
+    from . import triage
+    from .model import make_model
 
     trace_path = Path(args.trace)
     trace_path.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from ._bench_common import Section, loop_ns, machine
+from .common import Section, loop_ns, machine
 
 __all__ = ["SECTIONS", "configure", "run"]
 
@@ -83,25 +83,25 @@ def run(args: argparse.Namespace) -> int:
 
 # each section imports its heavy dependencies only when it runs
 def _overhead(quick: bool) -> Section:
-    from ._bench_overhead import run_overhead
+    from .overhead import run_overhead
     return run_overhead(quick)
 
 
 def _throughput(quick: bool) -> Section:
-    from ._bench_client import run_throughput
+    from .client import run_throughput
     return run_throughput(quick)
 
 
 def _packing(url: str | None) -> Section:
-    from ._bench_packing import run_packing
+    from .packing import run_packing
     return run_packing(url)
 
 
 def _ar(quick: bool) -> Section:
-    from ._bench_ar import run_canvas_vs_ar
+    from .canvas_vs_ar import run_canvas_vs_ar
     return run_canvas_vs_ar(quick)
 
 
 def _vllm(url: str | None, quick: bool) -> Section:
-    from ._bench_client import run_real_server
+    from .client import run_real_server
     return run_real_server(url, quick)
