@@ -317,7 +317,7 @@ def test_an_unsure_answer_interrupts_and_the_resume_takes_the_humans_option():
 async def test_review_of_several_questions_resumes_with_a_mapping():
     model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=0))
     node = decision_node(model, QUESTIONS, inputs="ticket", route=("team", TEAMS),
-                         review=ReviewPolicy(questions=["team", "urgent"], include_state=False))
+                         review=ReviewPolicy(questions=frozenset({"team", "urgent"}), include_state=False))
     graph = triage_graph(node, checkpointer=InMemorySaver())
 
     paused = await graph.ainvoke({"ticket": "hm"}, thread("several"))
@@ -335,6 +335,24 @@ async def test_review_of_several_questions_resumes_with_a_mapping():
     assert done["lane"] == "tech"
     assert {q: (d["answer"], d["path"]) for q, d in done["decisions"].items()} == {
         "team": ("tech", "human"), "urgent": ("no", "human"), "severity": ("0", "canvas")}
+
+
+def test_review_policy_is_a_frozen_keyword_only_slotted_hashable_value():
+    from dataclasses import FrozenInstanceError
+
+    policy = ReviewPolicy(questions=frozenset({"team"}), include_state=False)
+    assert policy == ReviewPolicy(questions=frozenset({"team"}), include_state=False)
+    assert len({policy, ReviewPolicy(questions=frozenset({"team"}), include_state=False), ReviewPolicy()}) == 2
+    assert not hasattr(policy, "__dict__")  # slotted
+    with pytest.raises(FrozenInstanceError):
+        policy.include_state = True  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ReviewPolicy(frozenset({"team"}))  # type: ignore[misc]  # keyword-only
+    for bad in (["team"], {"team"}, "team", frozenset({1})):
+        with pytest.raises(TypeError, match="frozenset of question ids"):
+            ReviewPolicy(questions=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="include_state is a bool"):
+        ReviewPolicy(include_state="yes")  # type: ignore[arg-type]
 
 
 def test_confident_and_escalated_answers_do_not_go_to_review():
