@@ -5,11 +5,13 @@ concurrently and `TimeoutPolicy` applies) and a sync path (`invoke`, so `graph.i
 works). It returns `Command(goto=..., update={output_key: ...})`, so the decision is
 written into state, checkpointed, cached and retried with the node.
 
-How the drawing learns the targets: LangGraph's `add_node` reads a node's
-`Command[Literal[...]]` return annotation from its `__call__`. Each `DecisionNode` gets
-its own bound `__call__` annotated with exactly its destinations, so
-`builder.add_node("triage", decision_node(...))` draws only the real edges. Pass
-`add_node(..., destinations={node: label})` as well to label the edges.
+How the drawing learns the targets: LangGraph's public ways are a node's
+`Command[Literal[...]]` return annotation (read from `__call__` by `add_node`) and
+`add_node(..., destinations=...)`. A node cannot reach `add_node`'s arguments, so each
+`DecisionNode` gets its own bound `__call__` annotated with exactly its destinations, and
+`builder.add_node("triage", decision_node(...))` draws only the real edges. Passing
+`destinations=node.destinations` draws the same; pass `destinations={node: label}` to
+label the edges.
 """
 
 from __future__ import annotations

@@ -190,6 +190,24 @@ def test_drawing_shows_only_the_declared_targets():
     assert_snapshot("decision_node.mmd", drawing)
 
 
+def test_the_nodes_annotation_declares_its_destinations_like_add_node_destinations():
+    """Pins the one non-obvious mechanism: a per-node `Command[Literal[...]]` annotation on
+    `__call__`, read by `add_node`, draws exactly what LangGraph's `destinations=` draws."""
+    from typing import Literal, get_type_hints
+
+    model = CanvasDecisionModel(engine=fixed_engine(SURE_TECH))
+    node = decision_node(model, QUESTIONS, inputs="ticket", route=("team", TEAMS))
+    other = decision_node(model, QUESTIONS, inputs="ticket", route=("urgent", {"yes": "tech", "no": END}))
+    assert get_type_hints(node.__call__)["return"] == Command[Literal["billing", "tech"]]
+    assert get_type_hints(other.__call__)["return"] == Command[Literal["tech", END]]  # per node, not per class
+    implicit = triage_graph(node).get_graph().draw_mermaid()
+    explicit = triage_graph(node, destinations=node.destinations).get_graph().draw_mermaid()
+    assert implicit == explicit
+    assert_snapshot("decision_node_lanes.mmd", implicit)
+    labelled = triage_graph(node, destinations={"billing": "team=billing", "tech": "team=tech"})
+    assert "team=tech" in labelled.get_graph().draw_mermaid()
+
+
 def test_drawing_of_a_route_function_shows_its_destinations():
     model = CanvasDecisionModel(engine=fixed_engine(SURE_TECH))
 
