@@ -7,6 +7,7 @@ the real vLLM server in test_examples.py.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -160,8 +161,7 @@ async def test_sync_invoke_and_async_ainvoke_take_the_same_branch():
     asynchronous = await graph.ainvoke({"ticket": "Where is my invoice?"})
     assert engine.calls == 2 and engine.reads[0].canvas == engine.reads[1].canvas  # same seed, same noise
     assert sync["lane"] == asynchronous["lane"]
-    assert sync["decisions"]["team"]["read"] == {**asynchronous["decisions"]["team"]["read"],
-                                                 "latency_s": sync["decisions"]["team"]["read"]["latency_s"]}
+    assert sync["decisions"]["team"]["read"] == asynchronous["decisions"]["team"]["read"]
 
 
 async def test_async_nodes_accept_a_timeout_policy():
@@ -305,6 +305,93 @@ def test_replaying_a_checkpoint_and_a_fresh_thread_take_the_same_branch():
         fresh = graph.invoke({"ticket": ticket}, thread(f"fresh-{i}"))
         assert fresh["lane"] == lanes[ticket]
         assert engine.reads[-1].canvas == engine.reads[-2].canvas
+
+
+class ChainState(TypedDict, total=False):
+    ticket: str
+    triage: dict
+    decisions: dict
+    lane: str
+
+
+def content_engine() -> FunctionEngine:
+    """A confident answer picked by a hash of the canvas AND the prompt: any change to what
+    a node reads or to its seed can flip the branch."""
+
+    def rows(read):
+        digest = hashlib.sha256(json.dumps([read.canvas, read.messages], sort_keys=True).encode()).digest()
+        first = digest[0] % 2 == 0
+        row = {engine.token_id("A"): -0.01 if first else -6.0, engine.token_id("B"): -6.0 if first else -0.01,
+               engine.token_id("yes"): -0.01 if first else -6.0, engine.token_id("no"): -6.0 if first else -0.01}
+        return [row] * len(read.slots)
+
+    engine = FunctionEngine(rows)
+    return engine
+
+
+def chain_graph(model: CanvasDecisionModel):
+    """triage (team) -> priority (urgent, reads the whole state) -> page | queue."""
+    builder = StateGraph(ChainState)
+    builder.add_node("triage", decision_node(model, {"team": TEAM}, inputs="ticket", output_key="triage"))
+    builder.add_node("priority", decision_node(model, {"urgent": URGENT}, route=("urgent", {"yes": "page",
+                                                                                          "no": "queue"})))
+    builder.add_node("page", lambda state: {"lane": "page"})
+    builder.add_node("queue", lambda state: {"lane": "queue"})
+    builder.add_edge(START, "triage")
+    builder.add_edge("triage", "priority")
+    builder.add_edge("page", END)
+    builder.add_edge("queue", END)
+    return builder.compile(checkpointer=InMemorySaver())
+
+
+def test_downstream_decisions_replay_identically_from_every_checkpoint_and_in_fresh_threads():
+    engine = content_engine()
+    graph = chain_graph(CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0)))
+
+    def run(arg, config):
+        start = len(engine.reads)
+        out = graph.invoke(arg, config)
+        return out, [(r.canvas, r.messages) for r in engine.reads[start:]]
+
+    ticket = "The export button crashes the app."
+    first, reads = run({"ticket": ticket}, thread("chain-0"))
+    assert len(reads) == 2  # triage, then priority
+    record = first["triage"]["team"]
+    assert "latency_s" in record["timing"] and "latency_s" not in record["read"]  # timings stay out of reads
+    # the second node reads the first one's answer, not its record
+    assert json.loads(reads[1][1][1]["content"]) == {"ticket": ticket, "triage": {"team": record["answer"]}}
+
+    def same_as_first(out):
+        assert out["lane"] == first["lane"]
+        for key in ("triage", "decisions"):
+            assert {q: (d["answer"], d["read"]) for q, d in out[key].items()} == \
+                   {q: (d["answer"], d["read"]) for q, d in first[key].items()}
+
+    for n in (1, 2):  # fresh threads: the same reads, byte for byte
+        out, again = run({"ticket": ticket}, thread(f"chain-{n}"))
+        assert again == reads
+        same_as_first(out)
+
+    replayed_from = set()
+    for snapshot in graph.get_state_history(thread("chain-0")):
+        if snapshot.next not in (("triage",), ("priority",)):
+            continue
+        out, again = run(None, snapshot.config)
+        assert again == reads[-len(again):] and len(again) == (2 if snapshot.next == ("triage",) else 1)
+        same_as_first(out)
+        replayed_from.add(snapshot.next)
+    assert replayed_from == {("triage",), ("priority",)}
+
+
+def test_earlier_decisions_reach_later_inputs_as_answers_only():
+    from harness._records import answers_only
+
+    record = {"answer": "tech", "path": "canvas", "result": {}, "read": {"entropy": 0.1}, "timing": {"latency_s": 1.0}}
+    old_record = {k: v for k, v in record.items() if k != "timing"}  # checkpoints written before `timing`
+    state = {"ticket": "x", "triage": {"team": record}, "history": [{"team": old_record}], "n": 3}
+    assert answers_only(state) == {"ticket": "x", "triage": {"team": "tech"}, "history": [{"team": "tech"}], "n": 3}
+    plain = {"ticket": "x", "meta": {"answer": "42"}, "items": (1, 2)}
+    assert answers_only(plain) is plain  # nothing to reduce: the same object
 
 
 # -- human review lane --------------------------------------------------------------------
