@@ -216,8 +216,8 @@ def decision_node(
 
     The noise seed comes from the node's checkpoint namespace, the questions and the
     decision state (see `decision_seed`), so replaying a thread takes the same branch.
-    Transient engine faults raise `ConnectionError` subclasses, so a `RetryPolicy` on the
-    node retries them; interrupts (`GraphBubbleUp`) always propagate.
+    Engine and escalation errors carry `retryable`; `RetryPolicy(retry_on=retry_on)` retries
+    exactly the transient ones. Interrupts (`GraphBubbleUp`) always propagate.
 
     Example:
         ```python
@@ -225,7 +225,7 @@ def decision_node(
             "team": Choice(instructions="Which team?", criteria={"billing": None, "tech": None}),
             "urgent": Noul(instructions="Is it urgent?"),
         }, inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
-        builder.add_node("triage", triage, retry_policy=RetryPolicy())
+        builder.add_node("triage", triage, retry_policy=RetryPolicy(retry_on=retry_on))
         ```
     """
     return DecisionNode(model, questions, inputs=inputs, route=route, output_key=output_key, name=name,

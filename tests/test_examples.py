@@ -13,6 +13,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from conftest import assert_snapshot
 from engine import FunctionEngine, VLLMServerEngine
 from examples import rag_relevance, tool_routing, triage
+from harness import retry_on
 from router import CanvasDecisionModel, GatePolicy
 
 
@@ -30,6 +31,16 @@ def offline_model() -> CanvasDecisionModel:
 ])
 def test_example_drawings_show_only_declared_targets(name, build):
     assert_snapshot(name, build(offline_model()).get_graph().draw_mermaid())
+
+
+@pytest.mark.parametrize("build, node", [
+    (triage.build_graph, "triage"),
+    (rag_relevance.build_graph, "grade"),
+    (tool_routing.build_graph, "pick_tool"),
+])
+def test_example_decision_nodes_retry_only_transient_faults(build, node):
+    policy = build(offline_model()).builder.nodes[node].retry_policy
+    assert policy.retry_on is retry_on
 
 
 # -- against the real vLLM server -------------------------------------------------------

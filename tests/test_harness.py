@@ -22,7 +22,15 @@ from langgraph.types import Command, RetryPolicy, interrupt
 from typing_extensions import TypedDict
 
 from conftest import assert_snapshot
-from engine import DecisionError, EngineRequestError, EngineUnavailable, FunctionEngine
+from engine import (
+    BudgetExhausted,
+    DecisionError,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeout,
+    EngineUnavailable,
+    FunctionEngine,
+)
 from harness import (
     DECISION_EVENT,
     REVIEW_EVENT,
@@ -30,6 +38,7 @@ from harness import (
     decision_node,
     decision_seed,
     merge_decisions,
+    retry_on,
     route_on,
 )
 from harness._context import strip_task_ids
@@ -557,6 +566,46 @@ def test_retry_policy_does_not_retry_a_refused_request():
     with pytest.raises(EngineRequestError):
         graph.invoke({"ticket": "x"})
     assert engine.calls == 1
+
+
+FAST = {"initial_interval": 0.01, "jitter": False}
+
+
+@pytest.mark.parametrize("error, ours, langgraphs", [
+    (EngineUnavailable("vLLM is restarting"), 2, 2),
+    (EngineTimeout("read timed out after 30 s"), 2, 2),  # a TimeoutError too: LangGraph's OSError rule
+    (EngineResponseError("slot row lacks label ids"), 1, 2),  # not transient: LangGraph's default retries it
+    (EngineRequestError("canvas too wide", status=400), 1, 1),
+])
+def test_retry_on_retries_only_transient_faults(error, ours, langgraphs):
+    for retry_policy, calls in ((RetryPolicy(retry_on=retry_on, **FAST), ours), (RetryPolicy(**FAST), langgraphs)):
+        engine = flaky_engine(error)
+        graph = triage_graph(decision_node(CanvasDecisionModel(engine=engine), {"team": TEAM}, route=("team", TEAMS)),
+                             retry_policy=retry_policy)
+        if calls == 2:
+            assert graph.invoke({"ticket": "x"})["lane"] == "tech"
+        else:
+            with pytest.raises(type(error)):
+                graph.invoke({"ticket": "x"})
+        assert engine.calls == calls
+
+
+def test_retry_on_does_not_retry_a_spent_escalation_budget():
+    escalations = iter([AIMessage('{"team": "tech"}')] * 3)
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=0),
+                                escalate_to=GenericFakeChatModel(messages=escalations),
+                                budget=EscalationBudget(max_per_thread=1, when_spent="raise"))
+    for retry_policy, runs in ((RetryPolicy(retry_on=retry_on, **FAST), 1), (RetryPolicy(**FAST), 3)):
+        node_runs = []
+        node = decision_node(model, {"team": TEAM}, inputs=lambda state: node_runs.append(1) or state["ticket"],
+                             route=("team", TEAMS))
+        graph = triage_graph(node, checkpointer=InMemorySaver(), retry_policy=retry_policy)
+        tid = f"budget-{runs}"
+        assert graph.invoke({"ticket": "hm"}, thread(tid))["decisions"]["team"]["path"] == "escalated"
+        node_runs.clear()
+        with pytest.raises(BudgetExhausted):
+            graph.invoke({"ticket": "hm"}, thread(tid))
+        assert len(node_runs) == runs  # LangGraph's default would retry it to max_attempts
 
 
 # -- concurrency --------------------------------------------------------------------------

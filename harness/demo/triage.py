@@ -21,7 +21,7 @@ from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import RetryPolicy
 from typing_extensions import TypedDict
 
-from harness import decision_node, merge_decisions
+from harness import decision_node, merge_decisions, retry_on
 from router import CanvasDecisionModel
 
 from .model import EMBEDDED_NOTE, make_model
@@ -65,7 +65,7 @@ def build_graph(model: CanvasDecisionModel, *, on_call: bool = True,
     else:
         triage = decision_node(model, QUESTIONS, inputs="ticket", route=("team", {t: t for t in TEAMS}))
     builder = StateGraph(TicketState)
-    builder.add_node("triage", triage, retry_policy=RetryPolicy(max_attempts=3))
+    builder.add_node("triage", triage, retry_policy=RetryPolicy(max_attempts=3, retry_on=retry_on))
     builder.add_edge(START, "triage")
     for lane in [*TEAMS, "on_call"] if on_call else TEAMS:
         builder.add_node(lane, _handler(lane))
