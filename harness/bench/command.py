@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from .._console import progress
 from .common import Section, loop_ns, machine
 
 __all__ = ["SECTIONS", "configure", "run"]
@@ -57,17 +58,18 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     info = machine()
     results: dict[str, Section] = {}
-    for name in SECTIONS:
-        if name not in wanted:
-            continue
-        t, speed = time.perf_counter(), loop_ns()
-        section = runners[name]()
-        section.extra["seconds"] = round(time.perf_counter() - t, 1)
-        section.extra["loop_ns"] = speed
-        section.notes.append(f"Python speed reference before this section: {speed} ns per loop iteration")
-        results[name] = section
-        if not args.json:
-            print(section.table() + "\n", flush=True)
+    chosen = [name for name in SECTIONS if name in wanted]
+    with progress(len(chosen), "canvasroute bench", unit="sections") as advance:
+        for name in chosen:
+            t, speed = time.perf_counter(), loop_ns()
+            section = runners[name]()
+            section.extra["seconds"] = round(time.perf_counter() - t, 1)
+            section.extra["loop_ns"] = speed
+            section.notes.append(f"Python speed reference before this section: {speed} ns per loop iteration")
+            results[name] = section
+            if not args.json:
+                section.show()
+            advance(1)
     total = time.perf_counter() - start
     info["loop_ns_at_end"] = loop_ns()
     if args.json:

@@ -34,10 +34,11 @@ from engine import CalibrationError, CanvasRouteError, Engine, TraceFileError, V
 from router import GatePolicy, Labelled, calibrate, save_policy
 from router import calibration as cm
 
+from .._console import plain_table, print_table, progress
 from ..observability.report import near_chance
 from ..observability.traces import read_spans
 from .plots import plot_escalation, plot_reliability
-from .reading import Progress, collect, labelled_from_spans
+from .reading import collect, labelled_from_spans
 from .rows import load_rows
 
 __all__ = ["configure", "run"]
@@ -83,8 +84,8 @@ async def _read(args: argparse.Namespace) -> tuple[list[Labelled], str, str]:
     engine = _engine(args)
     try:
         info = await engine.info()
-        samples = await collect(engine, rows, concurrency=args.concurrency,
-                                progress=Progress(len(rows), f"calibrate {info.model}"))
+        with progress(len(rows), f"calibrate {info.model}") as advance:
+            samples = await collect(engine, rows, concurrency=args.concurrency, progress=advance)
     finally:
         await engine.aclose()
     return samples, info.model, info.provider
@@ -132,14 +133,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_summary(cal: cm.Calibration, model: str, chance: str | None, out: Path, plots: Sequence[str]) -> None:
-    print(f"model {model}" + (f"  ** {chance}: these figures are not the product's **" if chance else ""))
-    print(f"{'question':<16}{'rows':>6}{'T':>8}{'kept':>6}{'acc':>7}{'ECE before':>12}{'ECE after':>11}"
-          f"{'threshold':>11}{'escalate':>10}")
+    columns = ["question", "rows", "T", "kept", "acc", "ECE before", "ECE after", "threshold", "escalate"]
+    rows = []
     for q, c in cal.questions.items():
         t = c.temperature
         thr = cal.policy.for_question(q).max_normalized_entropy
-        rate = f"{c.check_escalation_rate:.0%}" if c.check_escalation_rate is not None else "-"
-        print(f"{q:<16}{c.rows:>6}{(t.fitted if t else 1.0):>8.3f}{('yes' if t and t.accepted else 'no'):>6}"
-              f"{c.accuracy:>7.1%}{c.ece_before:>12.3f}{c.ece_after:>11.3f}"
-              f"{(f'{thr:.3f}' if thr is not None else '-'):>11}{rate:>10}")
+        rows.append([q, str(c.rows), f"{t.fitted if t else 1.0:.3f}", "yes" if t and t.accepted else "no",
+                     f"{c.accuracy:.1%}", f"{c.ece_before:.3f}", f"{c.ece_after:.3f}",
+                     f"{thr:.3f}" if thr is not None else "-",
+                     f"{c.check_escalation_rate:.0%}" if c.check_escalation_rate is not None else "-"])
+    title = f"model {model}" + (f"  ** {chance}: these figures are not the product's **" if chance else "")
+    print_table(title, columns, rows, plain="\n".join([title, *plain_table(columns, rows, indent="")]))
     print(f"wrote {out}" + "".join(f", {out.parent / p}" for p in plots))

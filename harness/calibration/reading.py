@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import sys
-import time
-from collections.abc import Mapping, Sequence
-from typing import TextIO
+from collections.abc import Callable, Mapping, Sequence
 
 from engine import Engine
 from router import CanvasDecisionModel, GatePolicy, Labelled
@@ -16,40 +13,19 @@ from router import QuestionSpec
 from ..observability.traces import SpanRecord, decision_figures
 from .rows import Row, check_rows, gold_index
 
-__all__ = ["GATE_OFF", "Progress", "collect", "labelled_from_spans"]
+__all__ = ["GATE_OFF", "collect", "labelled_from_spans"]
 
 
 GATE_OFF = GatePolicy(max_normalized_entropy=None, rereads=0)
 """Read every question once and trust it: calibration needs the raw canvas distributions."""
 
 
-
-class Progress:
-    """A progress bar on stderr (redrawn on a terminal, a line per 10 % otherwise)."""
-
-    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
-        self.total, self.label, self.done = total, label, 0
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.start = time.perf_counter()
-        self._shown = -1
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        tenth = self.done * 10 // max(1, self.total)
-        if self.tty or tenth != self._shown or self.done == self.total:
-            self._shown = tenth
-            filled = self.done * 30 // max(1, self.total)
-            rate = self.done / max(1e-9, time.perf_counter() - self.start)
-            start, end = ("\r" if self.tty else ""), ("" if self.tty and self.done < self.total else "\n")
-            self.stream.write(f"{start}{self.label} [{'#' * filled}{'.' * (30 - filled)}] "
-                              f"{self.done}/{self.total} {rate:.1f} rows/s{end}")
-            self.stream.flush()
-
-
 async def collect(engine: Engine, rows: Sequence[Row], *, concurrency: int = 4,
-                  progress: Progress | None = None) -> list[Labelled]:
-    """Read every row once with the gate off; one `Labelled` per question with a gold option."""
+                  progress: Callable[[int], None] | None = None) -> list[Labelled]:
+    """Read every row once with the gate off; one `Labelled` per question with a gold option.
+
+    `progress(1)` is called after each row (e.g. the `advance` of `harness._console.progress`).
+    """
     model = CanvasDecisionModel(engine=engine, policy=GATE_OFF)
     slots = asyncio.Semaphore(max(1, concurrency))
     specs = check_rows(rows)
@@ -58,7 +34,7 @@ async def collect(engine: Engine, rows: Sequence[Row], *, concurrency: int = 4,
         async with slots:
             resp = await model.decide(row.state, row.questions)
         if progress is not None:
-            progress.update()
+            progress(1)
         out = []
         for qid, value in row.gold.items():
             canvas = resp.reads[qid].canvas_probabilities or {}

@@ -11,7 +11,7 @@ to `on_call`; the rest to their team. Run it: `canvasroute demo`, or
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 from langchain_core.decisions import Choice, Noul, Score
@@ -81,12 +81,18 @@ def _handler(lane: str) -> Any:
     return handle
 
 
-def run_samples(model: CanvasDecisionModel, tickets: Sequence[str] = SAMPLE_TICKETS) -> list[dict[str, Any]]:
-    """Triage each ticket; per ticket the lane taken and, per question, answer, path and entropy."""
+def run_samples(model: CanvasDecisionModel, tickets: Sequence[str] = SAMPLE_TICKETS, *,
+                progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """Triage each ticket; per ticket the lane taken and, per question, answer, path and entropy.
+
+    `progress(1)` is called after each ticket.
+    """
     graph = build_graph(model)
     results = []
     for ticket in tickets:
         out = graph.invoke({"ticket": ticket})
+        if progress is not None:
+            progress(1)
         results.append({
             "ticket": ticket,
             "handled_by": out["handled_by"],
