@@ -43,6 +43,20 @@ def test_example_decision_nodes_retry_only_transient_faults(build, node):
     assert policy.retry_on is retry_on
 
 
+def test_the_wheel_ships_the_demo_graph_but_not_the_example_scripts():
+    import tomllib
+    from pathlib import Path
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(find_packages(str(root), include=config["include"]))
+    assert "examples" not in shipped and "tests" not in shipped
+    assert {"canvasroute", "engine", "router", "harness", "harness.demo", "harness.bench", "harness.calibration",
+            "harness.observability"} <= shipped
+
+
 # -- against the real vLLM server -------------------------------------------------------
 
 
