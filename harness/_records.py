@@ -45,22 +45,23 @@ def entries(response: CanvasResponse, human: Mapping[str, str]) -> dict[str, dic
 
 
 def answers_only(value: Any) -> Any:
-    """`value` with every mapping of decision records replaced by `{question_id: answer}`.
+    """`value` with every mapping of decision records replaced by `{question_id: answer}`
+    (and a record on its own by its answer).
 
     What a decision reads of earlier decisions: their answers, never their timings or read
     figures, so a later node's seed and prompt are the same in every run and replay.
     Mappings and lists are searched; anything else is returned as is.
     """
     if isinstance(value, Mapping):
-        if value and all(_is_record(v) for v in value.values()):
-            return {qid: record["answer"] for qid, record in value.items()}
+        if _is_record(value):
+            return value["answer"]
         cleaned = {k: answers_only(v) for k, v in value.items()}
         return value if all(cleaned[k] is v for k, v in value.items()) else cleaned
     if isinstance(value, list | tuple):
         cleaned_items = [answers_only(v) for v in value]
         if all(a is b for a, b in zip(cleaned_items, value, strict=True)):
             return value
-        return type(value)(cleaned_items) if isinstance(value, tuple) else cleaned_items
+        return tuple(cleaned_items) if isinstance(value, tuple) else cleaned_items
     return value
 
 

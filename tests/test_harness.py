@@ -397,8 +397,9 @@ def test_earlier_decisions_reach_later_inputs_as_answers_only():
 
     record = {"answer": "tech", "path": "canvas", "result": {}, "read": {"entropy": 0.1}, "timing": {"latency_s": 1.0}}
     old_record = {k: v for k, v in record.items() if k != "timing"}  # checkpoints written before `timing`
-    state = {"ticket": "x", "triage": {"team": record}, "history": [{"team": old_record}], "n": 3}
-    assert answers_only(state) == {"ticket": "x", "triage": {"team": "tech"}, "history": [{"team": "tech"}], "n": 3}
+    state = {"ticket": "x", "triage": {"team": record}, "history": [{"team": old_record}], "last": record, "n": 3}
+    assert answers_only(state) == {"ticket": "x", "triage": {"team": "tech"}, "history": [{"team": "tech"}],
+                                   "last": "tech", "n": 3}
     plain = {"ticket": "x", "meta": {"answer": "42"}, "items": (1, 2)}
     assert answers_only(plain) is plain  # nothing to reduce: the same object
 
