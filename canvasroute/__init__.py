@@ -8,6 +8,8 @@ from canvasroute import CanvasDecisionModel, GatePolicy, VLLMServerEngine, decis
 ```
 
 Names are imported on first use: `import canvasroute` loads neither LangGraph nor torch.
+Import from here: the layer packages' generic top-level names (`engine`, `router`,
+`harness`) would clash with another distribution installing the same names.
 """
 
 from importlib import import_module

@@ -1,36 +1,16 @@
-"""Runnable examples: LangGraph graphs whose branches are canvas-read decisions.
+"""Runnable example scripts: LangGraph graphs whose branches are canvas-read decisions.
 
-- `examples.triage`: support-ticket triage (team, urgency and severity in one read).
+- `examples.triage`: support-ticket triage (the graph `canvasroute demo` runs, from
+  `harness.demo.triage`).
 - `examples.rag_relevance`: grade every retrieved document in one read.
 - `examples.tool_routing`: pick a tool for the user's message.
 
-Each module has `build_graph(model)` and `main(engine_url=None)`. Without a URL the
-examples run on the embedded CPU model (SmolLM2-135M, near-chance decisions: it shows
-the plumbing, not accuracy); with one they read from a vLLM DiffusionGemma server.
+Run one from the repository root: `python -m examples.triage [vLLM URL]`. Each module has
+`build_graph(model)` and `main(engine_url=None)`. Without a URL they run on the embedded
+CPU model (SmolLM2-135M, near-chance decisions: it shows the plumbing, not accuracy).
+These scripts live in the repository only; they are not part of the installed package.
 """
 
-from __future__ import annotations
-
-from typing import Any
-
-from router import CanvasDecisionModel
+from harness.demo.model import EMBEDDED_NOTE, make_model
 
 __all__ = ["EMBEDDED_NOTE", "make_model"]
-
-EMBEDDED_NOTE = "embedded SmolLM2-135M: near-chance decisions; this shows the plumbing, not accuracy"
-
-
-def make_model(engine_url: str | None = None, **kwargs: Any) -> CanvasDecisionModel:
-    """A `CanvasDecisionModel` on a vLLM server at `engine_url`, or on the embedded engine.
-
-    Keyword arguments go to `CanvasDecisionModel` (e.g. `policy=`, `escalate_to=`).
-    """
-    if engine_url:
-        from engine import VLLMServerEngine
-
-        engine: Any = VLLMServerEngine(engine_url)
-    else:
-        from engine import embedded_engine
-
-        engine = embedded_engine()
-    return CanvasDecisionModel(engine=engine, **kwargs)

@@ -17,9 +17,10 @@ from typing import Annotated, Any
 from langchain_core.decisions import Noul
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
+from langgraph.types import RetryPolicy
 from typing_extensions import TypedDict
 
-from harness import decision_node, merge_decisions
+from harness import decision_node, merge_decisions, retry_on
 from router import CanvasDecisionModel
 
 from . import EMBEDDED_NOTE, make_model
@@ -77,7 +78,7 @@ def build_graph(model: CanvasDecisionModel) -> CompiledStateGraph:
                           destinations=["generate", "no_answer"])
     builder = StateGraph(RAGState)
     builder.add_node(retrieve)
-    builder.add_node("grade", grade)
+    builder.add_node("grade", grade, retry_policy=RetryPolicy(retry_on=retry_on))
     builder.add_node(generate)
     builder.add_node(no_answer)
     builder.add_edge(START, "retrieve")

@@ -20,8 +20,9 @@ from langchain_core.decisions import Choice
 from langchain_core.messages import AIMessage, HumanMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.graph.state import CompiledStateGraph
+from langgraph.types import RetryPolicy
 
-from harness import decision_node, merge_decisions
+from harness import decision_node, merge_decisions, retry_on
 from router import CanvasDecisionModel
 
 from . import EMBEDDED_NOTE, make_model
@@ -86,7 +87,7 @@ def build_graph(model: CanvasDecisionModel) -> CompiledStateGraph:
         model, {"tool": Choice(instructions="Which tool answers the user's last message?", criteria=TOOLS)},
         inputs=last_message, route=("tool", {tool: tool for tool in TOOLS}))
     builder = StateGraph(ToolState)
-    builder.add_node("pick_tool", pick_tool)
+    builder.add_node("pick_tool", pick_tool, retry_policy=RetryPolicy(retry_on=retry_on))
     builder.add_edge(START, "pick_tool")
     for tool in (calculator, clock, search, respond):
         builder.add_node(tool)

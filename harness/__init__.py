@@ -1,4 +1,4 @@
-"""LangGraph and observability: decisions as graph nodes and edges, the CLI.
+"""LangGraph integration: decisions as graph nodes and edges.
 
 - `decision_node`: a node that answers its questions in one canvas read and returns
   `Command(goto=..., update={"decisions": ...})` (the primary shape).
@@ -7,6 +7,9 @@
 - `ReviewPolicy`: send unsure, unescalated answers to a human via `interrupt()`.
 - `merge_decisions`: the state reducer for the decisions key.
 - `retry_on`: the `RetryPolicy` predicate that retries transient faults only.
+
+What stands apart lives in subpackages behind the CLI (`harness.cli`): `observability`
+(trace files, dashboard), `calibration`, `bench`, `demo`, `server`.
 
 Names are imported on first use, so `canvasroute --help` does not load LangGraph.
 """

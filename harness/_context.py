@@ -19,6 +19,8 @@ from langgraph.runtime import get_runtime
 from router import CanvasDecisionModel, GatePolicy, render_state
 from router.telemetry import GRAPH_NODE, GRAPH_THREAD
 
+from ._records import answers_only
+
 Inputs = str | Callable[[Any], Any] | None
 """What a decision reads: None (the graph state, minus the output key), a state key,
 or a function of the state."""
@@ -101,7 +103,15 @@ def decision_seed(namespace: str, site: str, questions: Mapping[str, Any], state
 
 
 def select_inputs(state: Any, inputs: Inputs, exclude: str | None = None) -> Any:
-    """The decision state: a key of the graph state, a function of it, or all of it."""
+    """The decision state: a key of the graph state, a function of it, or all of it.
+
+    Earlier decisions in it are reduced to their answers (`answers_only`), so nothing
+    time- or run-dependent reaches this decision's seed or prompt.
+    """
+    return answers_only(_select(state, inputs, exclude))
+
+
+def _select(state: Any, inputs: Inputs, exclude: str | None) -> Any:
     if callable(inputs):
         return inputs(state)
     if isinstance(inputs, str):

@@ -5,11 +5,13 @@ concurrently and `TimeoutPolicy` applies) and a sync path (`invoke`, so `graph.i
 works). It returns `Command(goto=..., update={output_key: ...})`, so the decision is
 written into state, checkpointed, cached and retried with the node.
 
-How the drawing learns the targets: LangGraph's `add_node` reads a node's
-`Command[Literal[...]]` return annotation from its `__call__`. Each `DecisionNode` gets
-its own bound `__call__` annotated with exactly its destinations, so
-`builder.add_node("triage", decision_node(...))` draws only the real edges. Pass
-`add_node(..., destinations={node: label})` as well to label the edges.
+How the drawing learns the targets: LangGraph's public ways are a node's
+`Command[Literal[...]]` return annotation (read from `__call__` by `add_node`) and
+`add_node(..., destinations=...)`. A node cannot reach `add_node`'s arguments, so each
+`DecisionNode` gets its own bound `__call__` annotated with exactly its destinations, and
+`builder.add_node("triage", decision_node(...))` draws only the real edges. Passing
+`destinations=node.destinations` draws the same; pass `destinations={node: label}` to
+label the edges.
 """
 
 from __future__ import annotations
@@ -214,8 +216,8 @@ def decision_node(
 
     The noise seed comes from the node's checkpoint namespace, the questions and the
     decision state (see `decision_seed`), so replaying a thread takes the same branch.
-    Transient engine faults raise `ConnectionError` subclasses, so a `RetryPolicy` on the
-    node retries them; interrupts (`GraphBubbleUp`) always propagate.
+    Engine and escalation errors carry `retryable`; `RetryPolicy(retry_on=retry_on)` retries
+    exactly the transient ones. Interrupts (`GraphBubbleUp`) always propagate.
 
     Example:
         ```python
@@ -223,7 +225,7 @@ def decision_node(
             "team": Choice(instructions="Which team?", criteria={"billing": None, "tech": None}),
             "urgent": Noul(instructions="Is it urgent?"),
         }, inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
-        builder.add_node("triage", triage, retry_policy=RetryPolicy())
+        builder.add_node("triage", triage, retry_policy=RetryPolicy(retry_on=retry_on))
         ```
     """
     return DecisionNode(model, questions, inputs=inputs, route=route, output_key=output_key, name=name,

@@ -1,4 +1,10 @@
-"""What a decision leaves behind: plain-dict state entries and a custom-stream event."""
+"""What a decision leaves behind: plain-dict state entries and a custom-stream event.
+
+A record is `{answer, path, result, read, timing}`. Everything but `timing` follows from
+the node's inputs and seed, so replays reproduce it; `timing` (wall clock) does not, and no
+other decision ever reads it: `answers_only` turns records in a later decision's inputs
+into their answers.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +18,55 @@ from router import CanvasResponse
 DECISION_EVENT = "canvasroute.decision"
 
 
+RECORD_KEYS = frozenset({"answer", "path", "result", "read", "timing"})
+"""The keys of one decision record in graph state."""
+_STABLE_KEYS = RECORD_KEYS - {"timing"}
+
+
 def entries(response: CanvasResponse, human: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """One JSON-able entry per question, for graph state and checkpoints.
 
     `answer` and `path` are what the graph acted on (`path` is `human` when a reviewer
-    chose); `result` (the langchain-core answer) and `read` (the `ReadReport`) describe
-    the model's own answer.
+    chose); `result` (the langchain-core answer) and `read` (the `ReadReport` without its
+    latency) describe the model's own answer; `timing` holds the wall-clock `latency_s`,
+    the one part a replay does not reproduce.
     """
     out = {}
     for qid, report in response.reads.items():
+        read = report.model_dump(mode="json", exclude={"latency_s"})
         out[qid] = {
             "answer": human.get(qid, report.answer),
             "path": "human" if qid in human else report.path,
             "result": response.answers[qid].model_dump(mode="json"),
-            "read": report.model_dump(mode="json"),
+            "read": read,
+            "timing": {"latency_s": report.latency_s},
         }
     return out
+
+
+def answers_only(value: Any) -> Any:
+    """`value` with every mapping of decision records replaced by `{question_id: answer}`
+    (and a record on its own by its answer).
+
+    What a decision reads of earlier decisions: their answers, never their timings or read
+    figures, so a later node's seed and prompt are the same in every run and replay.
+    Mappings and lists are searched; anything else is returned as is.
+    """
+    if isinstance(value, Mapping):
+        if _is_record(value):
+            return value["answer"]
+        cleaned = {k: answers_only(v) for k, v in value.items()}
+        return value if all(cleaned[k] is v for k, v in value.items()) else cleaned
+    if isinstance(value, list | tuple):
+        cleaned_items = [answers_only(v) for v in value]
+        if all(a is b for a, b in zip(cleaned_items, value, strict=True)):
+            return value
+        return tuple(cleaned_items) if isinstance(value, tuple) else cleaned_items
+    return value
+
+
+def _is_record(value: Any) -> bool:
+    return isinstance(value, Mapping) and _STABLE_KEYS <= value.keys() <= RECORD_KEYS
 
 
 def merge_decisions(left: Mapping[str, Any] | None, right: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -1,11 +1,13 @@
 """`retry_on`: the LangGraph retry predicate for decision nodes.
 
-LangGraph's default (`RetryPolicy().retry_on`) retries `ConnectionError` and any
-exception it does not list, and skips `ValueError`, `OSError` and a few others. For
-canvasroute errors that default is wrong both ways (a malformed engine answer or a spent
-budget would be retried), so `retry_on` decides every canvasroute error by its
-`retryable` flag (set per class in `engine.errors`) and leaves other exceptions to
-LangGraph's default.
+LangGraph's default (`RetryPolicy().retry_on`) retries `ConnectionError`, 5xx
+`httpx.HTTPStatusError`/`requests.HTTPError`, and any exception it does not list; it
+skips `ValueError`, `TypeError`, `ArithmeticError`, `ImportError`, `LookupError`,
+`NameError`, `SyntaxError`, `RuntimeError`, `ReferenceError`, `StopIteration`,
+`StopAsyncIteration` and `OSError`. For canvasroute errors that is wrong both ways (a
+malformed engine answer, a spent budget or a garbled escalation would be retried), so
+`retry_on` decides every canvasroute error by its `retryable` flag (set per class in
+`engine.errors`) and leaves other exceptions to LangGraph's default.
 """
 
 from __future__ import annotations

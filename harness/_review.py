@@ -7,7 +7,7 @@ The node calls LangGraph's `interrupt()` with the pending answers; the graph pau
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +19,14 @@ from router import CanvasResponse, ReadReport
 REVIEW_EVENT = "canvasroute.review"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ReviewPolicy:
     """When a decision node asks a human instead of acting on an unsure answer.
 
     An answer goes to review when the gate did not pass it (`confident` is False) and it
     was not escalated: uncertain with no escalation target, over the escalation budget,
-    or a fallback label after an engine fault.
+    or a fallback label after an engine fault. Frozen and hashable, like LangGraph's own
+    policies.
 
     Example:
         ```python
@@ -35,17 +36,19 @@ class ReviewPolicy:
         ```
     """
 
-    questions: Collection[str] | None = None
-    """Question ids a human may review (None: every question of the node)."""
+    questions: frozenset[str] | None = None
+    """Question ids a human may review, e.g. `frozenset({"team"})` (None: every question of the node)."""
 
     include_state: bool = True
     """Put the decision state into the interrupt payload, so the reviewer sees what was asked."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.questions, str):
-            raise TypeError("ReviewPolicy.questions is a collection of question ids, not one string")
-        if self.questions is not None:
-            object.__setattr__(self, "questions", frozenset(self.questions))
+        if self.questions is not None and not (
+                isinstance(self.questions, frozenset) and all(isinstance(q, str) for q in self.questions)):
+            raise TypeError("ReviewPolicy.questions is a frozenset of question ids, e.g. frozenset({'team'}), "
+                            f"not {type(self.questions).__name__}")
+        if not isinstance(self.include_state, bool):
+            raise TypeError(f"ReviewPolicy.include_state is a bool, not {type(self.include_state).__name__}")
 
     def needs_review(self, report: ReadReport) -> bool:
         """Whether one answer goes to a human."""

@@ -11,16 +11,16 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "demo": ("harness.demo", "run the support-triage example graph (offline, embedded model by default)"),
-    "bench": ("harness.bench", "measure overhead, throughput, packing and canvas-vs-AR latency"),
-    "calibrate": ("harness.calibrate", "fit temperatures and thresholds from labelled decisions"),
-    "dashboard": ("harness.dashboard", "render exported decision spans as one HTML page"),
+    "demo": ("harness.demo.command", "run the support-triage example graph (offline, embedded model by default)"),
+    "bench": ("harness.bench.command", "measure overhead, throughput, packing and canvas-vs-AR latency"),
+    "calibrate": ("harness.calibration.command", "fit temperatures and thresholds from labelled decisions"),
+    "dashboard": ("harness.observability.dashboard", "render exported decision spans as one HTML page"),
     "serve": ("harness.serve", "serve gated decisions over HTTP (/v1/systemone)"),
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The argument parser, with the options of the command `argv` names (only that one is imported)."""
     parser = argparse.ArgumentParser(prog="canvasroute", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
@@ -28,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=summary, description=summary)
         if name == chosen:
             import_module(module).configure(p)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return int(import_module(COMMANDS[args.command][0]).run(args) or 0)
 
 

@@ -18,9 +18,9 @@ from langchain_core.messages import AIMessage
 
 from conftest import fresh_tracer_provider
 from engine import CalibrationError, FunctionEngine, VLLMServerEngine, run_sync
-from harness import calibrate as cal_cli
+from harness import calibration as cal_cli
 from harness.cli import main
-from harness.traces import JsonlSpanExporter, read_spans
+from harness.observability.traces import JsonlSpanExporter, read_spans
 from router import (
     CanvasDecisionModel,
     GatePolicy,

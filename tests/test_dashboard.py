@@ -23,9 +23,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from engine import FunctionEngine, VLLMServerEngine, run_sync
 from harness.cli import main
-from harness.dashboard import build_report, near_chance, percentile, render
+from harness.observability.dashboard import build_report, near_chance, percentile, render
 from engine import TraceFileError
-from harness.traces import JsonlSpanExporter, SpanRecord, read_spans, span_record
+from harness.observability.traces import JsonlSpanExporter, SpanRecord, read_spans, span_record
 from router import CanvasDecisionModel, GatePolicy
 from router import telemetry as tm
 

@@ -13,6 +13,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from conftest import assert_snapshot
 from engine import FunctionEngine, VLLMServerEngine
 from examples import rag_relevance, tool_routing, triage
+from harness import retry_on
 from router import CanvasDecisionModel, GatePolicy
 
 
@@ -30,6 +31,30 @@ def offline_model() -> CanvasDecisionModel:
 ])
 def test_example_drawings_show_only_declared_targets(name, build):
     assert_snapshot(name, build(offline_model()).get_graph().draw_mermaid())
+
+
+@pytest.mark.parametrize("build, node", [
+    (triage.build_graph, "triage"),
+    (rag_relevance.build_graph, "grade"),
+    (tool_routing.build_graph, "pick_tool"),
+])
+def test_example_decision_nodes_retry_only_transient_faults(build, node):
+    policy = build(offline_model()).builder.nodes[node].retry_policy
+    assert policy.retry_on is retry_on
+
+
+def test_the_wheel_ships_the_demo_graph_but_not_the_example_scripts():
+    import tomllib
+    from pathlib import Path
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(find_packages(str(root), include=config["include"]))
+    assert "examples" not in shipped and "tests" not in shipped
+    assert {"canvasroute", "engine", "router", "harness", "harness.demo", "harness.bench", "harness.calibration",
+            "harness.observability"} <= shipped
 
 
 # -- against the real vLLM server -------------------------------------------------------

@@ -7,6 +7,7 @@ the real vLLM server in test_examples.py.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -21,7 +22,15 @@ from langgraph.types import Command, RetryPolicy, interrupt
 from typing_extensions import TypedDict
 
 from conftest import assert_snapshot
-from engine import DecisionError, EngineRequestError, EngineUnavailable, FunctionEngine
+from engine import (
+    BudgetExhausted,
+    DecisionError,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeout,
+    EngineUnavailable,
+    FunctionEngine,
+)
 from harness import (
     DECISION_EVENT,
     REVIEW_EVENT,
@@ -29,6 +38,7 @@ from harness import (
     decision_node,
     decision_seed,
     merge_decisions,
+    retry_on,
     route_on,
 )
 from harness._context import strip_task_ids
@@ -160,8 +170,7 @@ async def test_sync_invoke_and_async_ainvoke_take_the_same_branch():
     asynchronous = await graph.ainvoke({"ticket": "Where is my invoice?"})
     assert engine.calls == 2 and engine.reads[0].canvas == engine.reads[1].canvas  # same seed, same noise
     assert sync["lane"] == asynchronous["lane"]
-    assert sync["decisions"]["team"]["read"] == {**asynchronous["decisions"]["team"]["read"],
-                                                 "latency_s": sync["decisions"]["team"]["read"]["latency_s"]}
+    assert sync["decisions"]["team"]["read"] == asynchronous["decisions"]["team"]["read"]
 
 
 async def test_async_nodes_accept_a_timeout_policy():
@@ -188,6 +197,24 @@ def test_drawing_shows_only_the_declared_targets():
     assert "triage -.-> billing;" in drawing and "triage -.-> tech;" in drawing
     assert "triage -.-> archive" not in drawing and "triage -.-> __end__" not in drawing
     assert_snapshot("decision_node.mmd", drawing)
+
+
+def test_the_nodes_annotation_declares_its_destinations_like_add_node_destinations():
+    """Pins the one non-obvious mechanism: a per-node `Command[Literal[...]]` annotation on
+    `__call__`, read by `add_node`, draws exactly what LangGraph's `destinations=` draws."""
+    from typing import Literal, get_type_hints
+
+    model = CanvasDecisionModel(engine=fixed_engine(SURE_TECH))
+    node = decision_node(model, QUESTIONS, inputs="ticket", route=("team", TEAMS))
+    other = decision_node(model, QUESTIONS, inputs="ticket", route=("urgent", {"yes": "tech", "no": END}))
+    assert get_type_hints(node.__call__)["return"] == Command[Literal["billing", "tech"]]
+    assert get_type_hints(other.__call__)["return"] == Command[Literal["tech", END]]  # per node, not per class
+    implicit = triage_graph(node).get_graph().draw_mermaid()
+    explicit = triage_graph(node, destinations=node.destinations).get_graph().draw_mermaid()
+    assert implicit == explicit
+    assert_snapshot("decision_node_lanes.mmd", implicit)
+    labelled = triage_graph(node, destinations={"billing": "team=billing", "tech": "team=tech"})
+    assert "team=tech" in labelled.get_graph().draw_mermaid()
 
 
 def test_drawing_of_a_route_function_shows_its_destinations():
@@ -289,6 +316,94 @@ def test_replaying_a_checkpoint_and_a_fresh_thread_take_the_same_branch():
         assert engine.reads[-1].canvas == engine.reads[-2].canvas
 
 
+class ChainState(TypedDict, total=False):
+    ticket: str
+    triage: dict
+    decisions: dict
+    lane: str
+
+
+def content_engine() -> FunctionEngine:
+    """A confident answer picked by a hash of the canvas AND the prompt: any change to what
+    a node reads or to its seed can flip the branch."""
+
+    def rows(read):
+        digest = hashlib.sha256(json.dumps([read.canvas, read.messages], sort_keys=True).encode()).digest()
+        first = digest[0] % 2 == 0
+        row = {engine.token_id("A"): -0.01 if first else -6.0, engine.token_id("B"): -6.0 if first else -0.01,
+               engine.token_id("yes"): -0.01 if first else -6.0, engine.token_id("no"): -6.0 if first else -0.01}
+        return [row] * len(read.slots)
+
+    engine = FunctionEngine(rows)
+    return engine
+
+
+def chain_graph(model: CanvasDecisionModel):
+    """triage (team) -> priority (urgent, reads the whole state) -> page | queue."""
+    builder = StateGraph(ChainState)
+    builder.add_node("triage", decision_node(model, {"team": TEAM}, inputs="ticket", output_key="triage"))
+    builder.add_node("priority", decision_node(model, {"urgent": URGENT}, route=("urgent", {"yes": "page",
+                                                                                          "no": "queue"})))
+    builder.add_node("page", lambda state: {"lane": "page"})
+    builder.add_node("queue", lambda state: {"lane": "queue"})
+    builder.add_edge(START, "triage")
+    builder.add_edge("triage", "priority")
+    builder.add_edge("page", END)
+    builder.add_edge("queue", END)
+    return builder.compile(checkpointer=InMemorySaver())
+
+
+def test_downstream_decisions_replay_identically_from_every_checkpoint_and_in_fresh_threads():
+    engine = content_engine()
+    graph = chain_graph(CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0)))
+
+    def run(arg, config):
+        start = len(engine.reads)
+        out = graph.invoke(arg, config)
+        return out, [(r.canvas, r.messages) for r in engine.reads[start:]]
+
+    ticket = "The export button crashes the app."
+    first, reads = run({"ticket": ticket}, thread("chain-0"))
+    assert len(reads) == 2  # triage, then priority
+    record = first["triage"]["team"]
+    assert "latency_s" in record["timing"] and "latency_s" not in record["read"]  # timings stay out of reads
+    # the second node reads the first one's answer, not its record
+    assert json.loads(reads[1][1][1]["content"]) == {"ticket": ticket, "triage": {"team": record["answer"]}}
+
+    def same_as_first(out):
+        assert out["lane"] == first["lane"]
+        for key in ("triage", "decisions"):
+            assert {q: (d["answer"], d["read"]) for q, d in out[key].items()} == \
+                   {q: (d["answer"], d["read"]) for q, d in first[key].items()}
+
+    for n in (1, 2):  # fresh threads: the same reads, byte for byte
+        out, again = run({"ticket": ticket}, thread(f"chain-{n}"))
+        assert again == reads
+        same_as_first(out)
+
+    replayed_from = set()
+    for snapshot in graph.get_state_history(thread("chain-0")):
+        if snapshot.next not in (("triage",), ("priority",)):
+            continue
+        out, again = run(None, snapshot.config)
+        assert again == reads[-len(again):] and len(again) == (2 if snapshot.next == ("triage",) else 1)
+        same_as_first(out)
+        replayed_from.add(snapshot.next)
+    assert replayed_from == {("triage",), ("priority",)}
+
+
+def test_earlier_decisions_reach_later_inputs_as_answers_only():
+    from harness._records import answers_only
+
+    record = {"answer": "tech", "path": "canvas", "result": {}, "read": {"entropy": 0.1}, "timing": {"latency_s": 1.0}}
+    old_record = {k: v for k, v in record.items() if k != "timing"}  # checkpoints written before `timing`
+    state = {"ticket": "x", "triage": {"team": record}, "history": [{"team": old_record}], "last": record, "n": 3}
+    assert answers_only(state) == {"ticket": "x", "triage": {"team": "tech"}, "history": [{"team": "tech"}],
+                                   "last": "tech", "n": 3}
+    plain = {"ticket": "x", "meta": {"answer": "42"}, "items": (1, 2)}
+    assert answers_only(plain) is plain  # nothing to reduce: the same object
+
+
 # -- human review lane --------------------------------------------------------------------
 
 
@@ -317,7 +432,7 @@ def test_an_unsure_answer_interrupts_and_the_resume_takes_the_humans_option():
 async def test_review_of_several_questions_resumes_with_a_mapping():
     model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=0))
     node = decision_node(model, QUESTIONS, inputs="ticket", route=("team", TEAMS),
-                         review=ReviewPolicy(questions=["team", "urgent"], include_state=False))
+                         review=ReviewPolicy(questions=frozenset({"team", "urgent"}), include_state=False))
     graph = triage_graph(node, checkpointer=InMemorySaver())
 
     paused = await graph.ainvoke({"ticket": "hm"}, thread("several"))
@@ -335,6 +450,24 @@ async def test_review_of_several_questions_resumes_with_a_mapping():
     assert done["lane"] == "tech"
     assert {q: (d["answer"], d["path"]) for q, d in done["decisions"].items()} == {
         "team": ("tech", "human"), "urgent": ("no", "human"), "severity": ("0", "canvas")}
+
+
+def test_review_policy_is_a_frozen_keyword_only_slotted_hashable_value():
+    from dataclasses import FrozenInstanceError
+
+    policy = ReviewPolicy(questions=frozenset({"team"}), include_state=False)
+    assert policy == ReviewPolicy(questions=frozenset({"team"}), include_state=False)
+    assert len({policy, ReviewPolicy(questions=frozenset({"team"}), include_state=False), ReviewPolicy()}) == 2
+    assert not hasattr(policy, "__dict__")  # slotted
+    with pytest.raises(FrozenInstanceError):
+        policy.include_state = True  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ReviewPolicy(frozenset({"team"}))  # type: ignore[misc]  # keyword-only
+    for bad in (["team"], {"team"}, "team", frozenset({1})):
+        with pytest.raises(TypeError, match="frozenset of question ids"):
+            ReviewPolicy(questions=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="include_state is a bool"):
+        ReviewPolicy(include_state="yes")  # type: ignore[arg-type]
 
 
 def test_confident_and_escalated_answers_do_not_go_to_review():
@@ -434,6 +567,46 @@ def test_retry_policy_does_not_retry_a_refused_request():
     with pytest.raises(EngineRequestError):
         graph.invoke({"ticket": "x"})
     assert engine.calls == 1
+
+
+FAST = {"initial_interval": 0.01, "jitter": False}
+
+
+@pytest.mark.parametrize("error, ours, langgraphs", [
+    (EngineUnavailable("vLLM is restarting"), 2, 2),
+    (EngineTimeout("read timed out after 30 s"), 2, 2),  # a TimeoutError too: LangGraph's OSError rule
+    (EngineResponseError("slot row lacks label ids"), 1, 2),  # not transient: LangGraph's default retries it
+    (EngineRequestError("canvas too wide", status=400), 1, 1),
+])
+def test_retry_on_retries_only_transient_faults(error, ours, langgraphs):
+    for retry_policy, calls in ((RetryPolicy(retry_on=retry_on, **FAST), ours), (RetryPolicy(**FAST), langgraphs)):
+        engine = flaky_engine(error)
+        graph = triage_graph(decision_node(CanvasDecisionModel(engine=engine), {"team": TEAM}, route=("team", TEAMS)),
+                             retry_policy=retry_policy)
+        if calls == 2:
+            assert graph.invoke({"ticket": "x"})["lane"] == "tech"
+        else:
+            with pytest.raises(type(error)):
+                graph.invoke({"ticket": "x"})
+        assert engine.calls == calls
+
+
+def test_retry_on_does_not_retry_a_spent_escalation_budget():
+    escalations = iter([AIMessage('{"team": "tech"}')] * 3)
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=0),
+                                escalate_to=GenericFakeChatModel(messages=escalations),
+                                budget=EscalationBudget(max_per_thread=1, when_spent="raise"))
+    for retry_policy, runs in ((RetryPolicy(retry_on=retry_on, **FAST), 1), (RetryPolicy(**FAST), 3)):
+        node_runs = []
+        node = decision_node(model, {"team": TEAM}, inputs=lambda state: node_runs.append(1) or state["ticket"],
+                             route=("team", TEAMS))
+        graph = triage_graph(node, checkpointer=InMemorySaver(), retry_policy=retry_policy)
+        tid = f"budget-{runs}"
+        assert graph.invoke({"ticket": "hm"}, thread(tid))["decisions"]["team"]["path"] == "escalated"
+        node_runs.clear()
+        with pytest.raises(BudgetExhausted):
+            graph.invoke({"ticket": "hm"}, thread(tid))
+        assert len(node_runs) == runs  # LangGraph's default would retry it to max_attempts
 
 
 # -- concurrency --------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 from engine import CanvasRouteError, VLLMServerEngine
 from router import CanvasDecisionModel, GatePolicy
 
-from ._bench_common import NODES, TICKETS, Recorder, Section, instant_engine
+from .common import NODES, TICKETS, Recorder, Section, instant_engine
 
 __all__ = ["run_packing"]
 

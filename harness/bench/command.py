@@ -24,7 +24,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from ._bench_common import Section, loop_ns, machine
+from .._console import progress
+from .common import Section, loop_ns, machine
 
 __all__ = ["SECTIONS", "configure", "run"]
 
@@ -57,17 +58,18 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     info = machine()
     results: dict[str, Section] = {}
-    for name in SECTIONS:
-        if name not in wanted:
-            continue
-        t, speed = time.perf_counter(), loop_ns()
-        section = runners[name]()
-        section.extra["seconds"] = round(time.perf_counter() - t, 1)
-        section.extra["loop_ns"] = speed
-        section.notes.append(f"Python speed reference before this section: {speed} ns per loop iteration")
-        results[name] = section
-        if not args.json:
-            print(section.table() + "\n", flush=True)
+    chosen = [name for name in SECTIONS if name in wanted]
+    with progress(len(chosen), "canvasroute bench", unit="sections") as advance:
+        for name in chosen:
+            t, speed = time.perf_counter(), loop_ns()
+            section = runners[name]()
+            section.extra["seconds"] = round(time.perf_counter() - t, 1)
+            section.extra["loop_ns"] = speed
+            section.notes.append(f"Python speed reference before this section: {speed} ns per loop iteration")
+            results[name] = section
+            if not args.json:
+                section.show()
+            advance(1)
     total = time.perf_counter() - start
     info["loop_ns_at_end"] = loop_ns()
     if args.json:
@@ -83,25 +85,25 @@ def run(args: argparse.Namespace) -> int:
 
 # each section imports its heavy dependencies only when it runs
 def _overhead(quick: bool) -> Section:
-    from ._bench_overhead import run_overhead
+    from .overhead import run_overhead
     return run_overhead(quick)
 
 
 def _throughput(quick: bool) -> Section:
-    from ._bench_client import run_throughput
+    from .client import run_throughput
     return run_throughput(quick)
 
 
 def _packing(url: str | None) -> Section:
-    from ._bench_packing import run_packing
+    from .packing import run_packing
     return run_packing(url)
 
 
 def _ar(quick: bool) -> Section:
-    from ._bench_ar import run_canvas_vs_ar
+    from .canvas_vs_ar import run_canvas_vs_ar
     return run_canvas_vs_ar(quick)
 
 
 def _vllm(url: str | None, quick: bool) -> Section:
-    from ._bench_client import run_real_server
+    from .client import run_real_server
     return run_real_server(url, quick)

@@ -18,8 +18,8 @@ from typing import Any
 from engine import CanvasRead, VLLMServerEngine
 from router import CanvasDecisionModel, GatePolicy
 
-from ._bench_common import NODES, TICKETS, TRIAGE, Recorder, Section, profile_summary, summary
-from ._loopback_vllm import read_response, spawn
+from .common import NODES, TICKETS, TRIAGE, Recorder, Section, profile_summary, summary
+from harness._loopback_vllm import read_response, spawn
 
 __all__ = ["run_real_server", "run_throughput"]
 

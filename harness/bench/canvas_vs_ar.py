@@ -19,7 +19,7 @@ from typing import Any
 
 from router import CanvasDecisionModel, GatePolicy
 
-from ._bench_common import NODES, TICKETS, TRIAGE, Recorder, Section
+from .common import NODES, TICKETS, TRIAGE, Recorder, Section
 
 __all__ = ["run_canvas_vs_ar"]
 

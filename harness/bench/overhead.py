@@ -19,7 +19,7 @@ from typing import Any
 
 from router import CanvasDecisionModel, GatePolicy
 
-from ._bench_common import NODES, TICKETS, TRIAGE, Section, instant_engine, profile_summary, summary
+from .common import NODES, TICKETS, TRIAGE, Section, instant_engine, profile_summary, summary
 
 __all__ = ["run_overhead"]
 

@@ -16,7 +16,8 @@ from typing import Any
 from langchain_core.decisions import Choice, Noul, Score
 
 from engine import CanvasRead, EngineInfo, FunctionEngine, Message, ReadResult
-from harness._stats import percentile
+from harness._console import plain_table, print_table
+from harness.observability.stats import percentile
 
 __all__ = ["NODES", "TICKETS", "Recorder", "Section", "instant_engine", "loop_ns", "machine", "percentile",
            "profile_summary", "summary"]
@@ -68,12 +69,18 @@ class Section:
         if self.skipped:
             lines.append(f"   skipped: {self.skipped}")
         if self.rows:
-            cells = [[_fmt(r.get(c)) for c in self.columns] for r in self.rows]
-            widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(self.columns)]
-            lines.append("   " + "  ".join(c.ljust(w) for c, w in zip(self.columns, widths, strict=True)))
-            lines += ["   " + "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+            lines += plain_table(self.columns, self.cells())
         lines += [f"   - {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def cells(self) -> list[list[str]]:
+        """The rows as formatted text, one cell per column."""
+        return [[_fmt(r.get(c)) for c in self.columns] for r in self.rows]
+
+    def show(self) -> None:
+        """Print the section: a rich table on a terminal, `table()` otherwise."""
+        notes = [f"skipped: {self.skipped}"] if self.skipped else []
+        print_table(self.title, self.columns, self.cells(), notes=[*notes, *self.notes], plain=self.table() + "\n")
 
 
 def _fmt(value: Any) -> str:

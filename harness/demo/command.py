@@ -1,7 +1,7 @@
 """`canvasroute demo`: the support-triage agent end to end, traced.
 
-Runs `examples.triage` on the embedded SmolLM2 engine (offline) or on a DiffusionGemma
-server (`--engine-url`), prints every decision, a summary, and writes the spans to a
+Runs the triage graph (`harness.demo.triage`) on the embedded SmolLM2 engine (offline)
+or on a DiffusionGemma server (`--engine-url`), prints every decision, a summary, and writes the spans to a
 JSONL trace file that `canvasroute dashboard` renders.
 """
 
@@ -31,8 +31,10 @@ def run(args: argparse.Namespace) -> int:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    from examples import make_model, triage
-    from harness.traces import JsonlSpanExporter
+    from .._console import print_table, progress
+    from ..observability.traces import JsonlSpanExporter
+    from . import triage
+    from .model import make_model
 
     trace_path = Path(args.trace)
     trace_path.unlink(missing_ok=True)
@@ -47,18 +49,25 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model = make_model(args.engine_url)
     loaded = time.perf_counter() - start
-    results = triage.run_samples(model, args.ticket or triage.SAMPLE_TICKETS)
+    tickets = args.ticket or triage.SAMPLE_TICKETS
+    with progress(len(tickets), "triage", unit="tickets") as advance:
+        results = triage.run_samples(model, tickets, progress=advance)
     elapsed = time.perf_counter() - start - loaded
     provider.shutdown()
 
     paths: Counter[str] = Counter()
+    columns = ["question", "answer", "path", "H/lnK", "probabilities"]
     for n, result in enumerate(results, 1):
-        print(f"\n[{n}] {result['ticket']}")
+        rows, lines = [], [f"\n[{n}] {result['ticket']}"]
         for qid, d in result["decisions"].items():
             paths[d["path"]] += 1
             probs = "  ".join(f"{k}={v:.2f}" for k, v in d["probabilities"].items())
-            print(f"    {qid:<9} {d['answer']:<10} path={d['path']:<9} H/lnK={_fmt(d['normalized_entropy'])}  {probs}")
-        print(f"    -> routed to {result['handled_by']}")
+            rows.append([qid, d["answer"], d["path"], _fmt(d["normalized_entropy"]), probs])
+            lines.append(f"    {qid:<9} {d['answer']:<10} path={d['path']:<9} "
+                         f"H/lnK={_fmt(d['normalized_entropy'])}  {probs}")
+        lines.append(f"    -> routed to {result['handled_by']}")
+        print_table(f"[{n}] {result['ticket']}", columns, rows, notes=[f"-> routed to {result['handled_by']}"],
+                    plain="\n".join(lines))
     decisions = sum(paths.values())
     print(f"\nsummary: {len(results)} tickets, {decisions} decisions in {len(results)} decision sets; "
           f"paths {dict(paths)}; model load {loaded:.1f}s, decisions {elapsed:.2f}s "
