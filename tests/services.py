@@ -145,3 +145,60 @@ def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield dsn
     finally:
         stop(proc)
+
+
+# -- LangGraph Server (langgraph dev) ---------------------------------------------------------
+
+SLOW_IMPORT_WARNING = "Graph import exceeded the expected startup time"
+
+
+class LangGraphServer:
+    """A running `langgraph dev`: its URL and its log."""
+
+    def __init__(self, url: str, log: Path, startup_s: float) -> None:
+        self.url, self.log, self.startup_s = url, log, startup_s
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def langgraph_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LangGraphServer]:
+    """`langgraph dev` serving langgraph.json on a free port (~10-20 s), in-memory persistence.
+
+    The config is copied into a temporary folder (the server writes its `.langgraph_api`
+    state there, not into the repository); graphs import from this worktree via PYTHONPATH.
+    The engine is the deterministic FunctionEngine (`CANVASROUTE_ENGINE=function`): this
+    test is about the server plumbing, and the embedded model would add ~20 s of loading
+    and near-chance answers that cannot be asserted on.
+    """
+    langgraph = Path(PYTHON).parent / "langgraph"
+    if not langgraph.exists():
+        unavailable("langgraph CLI not installed (pip install 'langgraph-cli[inmem]')")
+    import json
+
+    work = tmp_path_factory.mktemp("langgraph-server")
+    config = json.loads((ROOT / "langgraph.json").read_text())
+    config["dependencies"] = [str(ROOT)]
+    (work / "langgraph.json").write_text(json.dumps(config))
+    port = _free_port()
+    log = work / "server.log"
+    env = child_env(CANVASROUTE_ENGINE="function", LANGSMITH_TRACING="false", LANGCHAIN_TRACING_V2="false",
+                    LANGGRAPH_CLI_NO_ANALYTICS="1", LANGSMITH_API_KEY="", PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(langgraph), "dev", "--config", str(work / "langgraph.json"),
+                                 "--host", "127.0.0.1", "--port", str(port), "--no-browser", "--no-reload"],
+                                cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: httpx.get(f"{url}/ok", timeout=2).status_code == 200, proc, 120, "langgraph dev", log)
+    # graphs are registered after /ok answers; wait until every one is listed
+    wanted = set(config["graphs"])
+    wait_for(lambda: wanted <= {a["graph_id"] for a in httpx.post(f"{url}/assistants/search", json={"limit": 100},
+                                                                  timeout=5).json()}, proc, 60, "graph registration", log)
+    server = LangGraphServer(url, log, time.monotonic() - started)
+    print(f"\n[services] langgraph dev ready in {server.startup_s:.1f}s at {url}")
+    try:
+        yield server
+    finally:
+        stop(proc)
