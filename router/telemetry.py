@@ -176,6 +176,11 @@ def span(name: str, attributes: Mapping[str, Any], kind: SpanKind = SpanKind.INT
     attrs = {OI_SPAN_KIND: OI_CHAIN, **attributes}
     if GRAPH_THREAD in attrs:
         attrs.setdefault(SESSION_ID, attrs[GRAPH_THREAD])
+    if DECISION_SET in attrs and INPUT_VALUE not in attrs:  # a decide span: what it was asked, even if it fails
+        state = attrs.get(STATE_CONTENT)
+        attrs[INPUT_VALUE] = json.dumps({"questions": str(attrs[DECISION_SET]).split(","),
+                                         **({"state": state} if state is not None else {})}, ensure_ascii=False)
+        attrs[INPUT_MIME] = JSON_MIME
     with _tracer().start_as_current_span(name, kind=kind, attributes=attrs,
                                          record_exception=True, set_status_on_exception=True) as s:
         try:
@@ -398,3 +403,22 @@ def mark_error(s: Span, exc: BaseException) -> None:
     """Set an error status and `error.type` on a span that handled `exc`."""
     s.set_attribute(ERROR_TYPE, type(exc).__qualname__)
     s.set_status(Status(StatusCode.ERROR, str(exc)))
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def add_otlp_exporter(provider: Any) -> bool:
+    """Add a batching OTLP/HTTP span exporter to an SDK `TracerProvider` when the standard
+    `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set; the
+    exporter reads `OTEL_EXPORTER_OTLP_HEADERS` etc. itself. Returns whether it did.
+
+    Needs `opentelemetry-sdk` and `opentelemetry-exporter-otlp-proto-http` (extra `[otel]`).
+    """
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        return False
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return True

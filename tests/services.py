@@ -202,3 +202,63 @@ def langgraph_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LangG
         yield server
     finally:
         stop(proc)
+
+
+# -- Arize Phoenix ------------------------------------------------------------------------------
+
+
+class Phoenix:
+    """A running Phoenix: its base URL (UI, REST API and OTLP/HTTP at `/v1/traces`)."""
+
+    def __init__(self, url: str, startup_s: float) -> None:
+        self.url, self.startup_s = url, startup_s
+
+    def spans(self, project: str) -> list[dict]:
+        """Every span Phoenix stored for `project`, through its REST API."""
+        out: list[dict] = []
+        cursor = None
+        while True:
+            params: dict[str, object] = {"limit": 1000, **({"cursor": cursor} if cursor else {})}
+            r = httpx.get(f"{self.url}/v1/projects/{project}/spans", params=params, timeout=10)
+            if r.status_code == 404:
+                return []
+            r.raise_for_status()
+            body = r.json()
+            out += body["data"]
+            cursor = body.get("next_cursor")
+            if not cursor:
+                return out
+
+    def sessions(self, project: str) -> list[dict]:
+        r = httpx.get(f"{self.url}/v1/projects/{project}/sessions", params={"limit": 100}, timeout=10)
+        r.raise_for_status()
+        return r.json()["data"]
+
+
+@pytest.fixture(scope="session")
+def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
+    """`phoenix serve` (arize-phoenix, own venv, SQLite in a temporary PHOENIX_WORKING_DIR) on free
+    loopback ports (~15 s on 2 cores)."""
+    exe = PHOENIX_VENV / "bin" / "phoenix"
+    if not exe.exists():
+        unavailable(f"arize-phoenix not installed at {PHOENIX_VENV} (scripts/bootstrap.sh installs it; "
+                    "or set CANVASROUTE_PHOENIX_VENV)")
+    work = tmp_path_factory.mktemp("phoenix")
+    port, grpc_port = _free_port(), _free_port()
+    log = work / "phoenix.log"
+    env = {k: v for k, v in child_env().items() if not k.startswith(("OTEL_", "PHOENIX_"))}
+    env.pop("PYTHONPATH", None)  # its own venv, nothing of ours
+    env.update(PHOENIX_WORKING_DIR=str(work), PHOENIX_PORT=str(port), PHOENIX_GRPC_PORT=str(grpc_port),
+               PHOENIX_HOST="127.0.0.1", PHOENIX_TELEMETRY_ENABLED="false")
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(exe), "serve"], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: httpx.get(f"{url}/healthz", timeout=2).status_code == 200, proc, 120, "Phoenix", log)
+    server = Phoenix(url, time.monotonic() - started)
+    print(f"\n[services] Phoenix ready in {server.startup_s:.1f}s at {url}")
+    try:
+        yield server
+    finally:
+        stop(proc)
