@@ -145,3 +145,31 @@ def test_errors_and_recorded_content_in_phoenix(monkeypatch: pytest.MonkeyPatch,
     # with CANVASROUTE_RECORD_CONTENT=1 the state is the decision's input, and the prompt the read's
     assert TICKET in json.loads(decide["attributes"]["input.value"])["state"]
     assert TICKET in read["attributes"]["input.value"]
+
+
+@pytest.mark.vllm
+def test_demo_exports_to_phoenix_over_standard_otlp_env(vllm_url: str, phoenix: Phoenix, tmp_path) -> None:
+    """`OTEL_EXPORTER_OTLP_ENDPOINT=... canvasroute demo --engine-url ...` (docs/scale-out.md):
+    the demo's decisions on the real vLLM server arrive in Phoenix as CHAIN/LLM spans."""
+    import subprocess
+
+    from services import PYTHON, child_env
+
+    project = f"demo-{uuid.uuid4().hex[:6]}"
+    env = child_env(OTEL_EXPORTER_OTLP_ENDPOINT=phoenix.url,
+                    OTEL_RESOURCE_ATTRIBUTES=f"openinference.project.name={project}")
+    done = subprocess.run([PYTHON, "-m", "harness.cli", "demo", "--engine-url", vllm_url,
+                           "--trace", str(tmp_path / "demo.jsonl")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"exporting spans over OTLP to {phoenix.url}" in done.stdout
+    deadline = time.monotonic() + 30
+    while not (spans := phoenix.spans(project)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    decides = [s for s in spans if s["name"].startswith("decide ")]
+    reads = [s for s in spans if s["name"].startswith("canvas_read ")]
+    assert len(decides) == 3, "one decision set per sample ticket"
+    assert {s["span_kind"] for s in decides} == {"CHAIN"} and {s["span_kind"] for s in reads} == {"LLM"}
+    assert all(r["attributes"]["llm.provider"] == "vllm" and r["attributes"]["llm.token_count.prompt"] > 0
+               for r in reads)
+    assert all(set(json.loads(d["attributes"]["output.value"])) == {"team", "urgent", "severity"} for d in decides)
