@@ -92,7 +92,7 @@ def test_a_graph_run_reads_well_in_phoenix(monkeypatch: pytest.MonkeyPatch, phoe
     project, thread = f"canvasroute-{uuid.uuid4().hex[:6]}", f"thread-{uuid.uuid4().hex[:6]}"
     trace_id = _run(monkeypatch, phoenix, project, thread)
     # ticket run > 2 x (decide > canvas_read), the second decide also > escalate > chat
-    spans = _spans(phoenix, project, trace_id, 8)
+    spans = _spans(phoenix, project, trace_id, 7)
     by_name = {s["name"]: s for s in spans}
     assert sorted(by_name) == ["canvas_read fn-phoenix", "chat GenericFakeChatModel", "decide fn-phoenix",
                                "escalate GenericFakeChatModel", "ticket run"] and len(spans) == 7, \
