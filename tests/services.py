@@ -5,8 +5,9 @@ temporary folder and stops it afterwards. A service that cannot start skips its 
 locally and fails them under CI=true (`conftest.unavailable`). Import the fixtures into a
 test module with `from services import postgres_dsn` (pytest then finds them there).
 
-Startup costs measured on the 2-core CI box (see each fixture): PostgreSQL ~3 s (initdb
-~2 s with fsync off, start ~1 s); `langgraph dev` ~10-20 s; Phoenix ~15-25 s.
+Startup costs measured on a shared 2-core box: PostgreSQL 1.5-2 s (initdb with fsync off,
+then start); `langgraph dev` 1.6-3 s (graphs import lazily); Phoenix 14 s idle, 24-37 s
+under load.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _as_postgres_user() -> list[str]:
 
 @pytest.fixture(scope="session")
 def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A throwaway PostgreSQL 15 on a free loopback port (~3 s: initdb + start), trust auth.
+    """A throwaway PostgreSQL 15 on a free loopback port (1.5-2 s: initdb + start), trust auth.
 
     fsync is off: the tests kill LangGraph workers, never the database.
     """
@@ -164,7 +165,7 @@ class LangGraphServer:
 
 @pytest.fixture(scope="session")
 def langgraph_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LangGraphServer]:
-    """`langgraph dev` serving langgraph.json on a free port (~10-20 s), in-memory persistence.
+    """`langgraph dev` serving langgraph.json on a free port (1.6-3 s), in-memory persistence.
 
     The config is copied into a temporary folder (the server writes its `.langgraph_api`
     state there, not into the repository); graphs import from this worktree via PYTHONPATH.
@@ -238,7 +239,7 @@ class Phoenix:
 @pytest.fixture(scope="session")
 def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
     """`phoenix serve` (arize-phoenix, own venv, SQLite in a temporary PHOENIX_WORKING_DIR) on free
-    loopback ports (~15 s on 2 cores)."""
+    loopback ports (14 s idle, 24-37 s on a loaded 2-core box)."""
     exe = PHOENIX_VENV / "bin" / "phoenix"
     if not exe.exists():
         unavailable(f"arize-phoenix not installed at {PHOENIX_VENV} (scripts/bootstrap.sh installs it; "
