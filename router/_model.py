@@ -257,6 +257,7 @@ class CanvasDecisionModel(BaseDecisionModel):
             tokens_in = sum(r.prompt_tokens for r in results)
             tokens_out = sum(r.completion_tokens for r in results)
             call.usage(tokens_in, tokens_out, results)
+            call.read_output(the_plan, jobs, results)
         usage["input_tokens"] += tokens_in
         usage["output_tokens"] += tokens_out
         out = []
@@ -362,6 +363,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                 raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s",
                                       retryable=True) from exc
             call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
+            call.output(result.answers)
         for key in ("input_tokens", "output_tokens"):
             usage[key] += result.usage.get(key, 0)
         return result

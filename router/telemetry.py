@@ -3,10 +3,20 @@
 Every attribute name the library writes is defined here. Spans:
 
 ```
-decide <model>                      INTERNAL  one decision set; per-question figures
-├── canvas_read <model>             CLIENT    one engine call (first reads, then re-reads)
-└── escalate <target model>         CLIENT    one escalation call for the uncertain questions
+decide <model>                      INTERNAL CHAIN  one decision set; per-question figures
+├── canvas_read <model>             CLIENT   LLM    one engine call (first reads, then re-reads)
+└── escalate <target model>         INTERNAL CHAIN  the uncertain questions, sent on
+    └── chat <target model>         CLIENT   LLM    the escalation model's call
 ```
+
+Spans nest under the current span, so a graph run traced by the application (a span
+around `graph.invoke`, or an OpenInference/LangSmith instrumentor) holds its decisions.
+Beside the GenAI conventions, every span carries the OpenInference attributes that
+trace viewers (Phoenix, Langfuse, LangSmith's OTel ingest) lay out by:
+`openinference.span.kind` (CHAIN or LLM), `input.value`/`output.value` (JSON: the
+questions and options in, the answers out; state text only under the content switch),
+`session.id` (the LangGraph thread), `llm.model_name`/`llm.provider`/`llm.token_count.*`;
+status OK, or ERROR with `error.type`.
 
 Engine reads and escalations carry the GenAI semantic conventions
 (`gen_ai.operation.name`, `gen_ai.provider.name`, the older `gen_ai.system`,
@@ -27,6 +37,7 @@ so an SDK installed after `import router` is honoured.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -54,8 +65,27 @@ SERVER_PORT = "server.port"
 ERROR_TYPE = "error.type"
 OPERATION_CANVAS_READ = "canvas_read"
 OPERATION_CHAT = "chat"
+OPERATION_ESCALATE = "escalate"
 REMOTE_PROVIDERS = frozenset({"vllm"})
 """Engine providers reached over the network (their read spans are CLIENT spans)."""
+
+# -- OpenInference semantic conventions (what Phoenix and similar viewers lay out by) ---
+OI_SPAN_KIND = "openinference.span.kind"
+OI_CHAIN = "CHAIN"
+OI_LLM = "LLM"
+INPUT_VALUE = "input.value"
+INPUT_MIME = "input.mime_type"
+OUTPUT_VALUE = "output.value"
+OUTPUT_MIME = "output.mime_type"
+JSON_MIME = "application/json"
+SESSION_ID = "session.id"
+"""The LangGraph thread id (viewers group a thread's traces into one session)."""
+LLM_MODEL_NAME = "llm.model_name"
+LLM_PROVIDER = "llm.provider"
+LLM_SYSTEM = "llm.system"
+LLM_PROMPT_TOKENS = "llm.token_count.prompt"
+LLM_COMPLETION_TOKENS = "llm.token_count.completion"
+LLM_TOTAL_TOKENS = "llm.token_count.total"
 
 # -- canvasroute's own namespace -------------------------------------------------------
 DECISION_SET = "canvasroute.decision_set"
@@ -137,14 +167,39 @@ def _instruments() -> _Instruments:
 
 @contextmanager
 def span(name: str, attributes: Mapping[str, Any], kind: SpanKind = SpanKind.INTERNAL) -> Iterator[Span]:
-    """A span that records exceptions, `error.type` and an error status on failure."""
-    with _tracer().start_as_current_span(name, kind=kind, attributes=dict(attributes),
+    """A span under the current one that records exceptions, `error.type` and an ERROR
+    status on failure, and an OK status otherwise (unless the body marked an error).
+
+    Spans are OpenInference CHAIN spans unless `attributes` say otherwise; a
+    `canvasroute.graph.thread_id` is mirrored to `session.id`.
+    """
+    attrs = {OI_SPAN_KIND: OI_CHAIN, **attributes}
+    if GRAPH_THREAD in attrs:
+        attrs.setdefault(SESSION_ID, attrs[GRAPH_THREAD])
+    if DECISION_SET in attrs and INPUT_VALUE not in attrs:  # a decide span: what it was asked, even if it fails
+        state = attrs.get(STATE_CONTENT)
+        attrs[INPUT_VALUE] = json.dumps({"questions": str(attrs[DECISION_SET]).split(","),
+                                         **({"state": state} if state is not None else {})}, ensure_ascii=False)
+        attrs[INPUT_MIME] = JSON_MIME
+    with _tracer().start_as_current_span(name, kind=kind, attributes=attrs,
                                          record_exception=True, set_status_on_exception=True) as s:
         try:
             yield s
         except BaseException as exc:
             s.set_attribute(ERROR_TYPE, type(exc).__qualname__)
             raise
+        status = getattr(s, "status", None)  # SDK spans: keep an ERROR set by mark_error
+        if status is not None and status.status_code is StatusCode.UNSET:
+            s.set_status(Status(StatusCode.OK))
+
+
+def set_io(s: Span, *, input: Any = None, output: Any = None) -> None:
+    """`input.value` / `output.value` as JSON (OpenInference), when given."""
+    for key, mime, value in ((INPUT_VALUE, INPUT_MIME, input), (OUTPUT_VALUE, OUTPUT_MIME, output)):
+        if value is not None and s.is_recording():
+            s.set_attribute(key, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                                                default=str))
+            s.set_attribute(mime, "text/plain" if isinstance(value, str) else JSON_MIME)
 
 
 @dataclass(slots=True)
@@ -153,17 +208,43 @@ class Call:
 
     span: Span
     metric_attributes: dict[str, Any]
+    outer: Span | None = None
+    """The enclosing `escalate` span of an escalation's `chat` call (None for reads)."""
 
     def usage(self, input_tokens: int, output_tokens: int, results: Sequence[Any] = ()) -> None:
         """Record token usage (span attributes and `gen_ai.client.token.usage`) and the server."""
-        self.span.set_attribute(GEN_AI_INPUT_TOKENS, input_tokens)
-        self.span.set_attribute(GEN_AI_OUTPUT_TOKENS, output_tokens)
+        set_usage(self.span, input_tokens, output_tokens)
         server = _server(results)
         self.span.set_attributes(server)
         self.metric_attributes.update(server)
         histogram = _instruments().token_usage
         histogram.record(input_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "input"})
         histogram.record(output_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "output"})
+
+    def read_output(self, plan: Any, jobs: Sequence[tuple[int, int]], results: Sequence[Any]) -> None:
+        """`output.value` of a canvas read: per canvas, each question's distribution over its
+        options (softmax of the slot row over the question's labels, temperature 1)."""
+        if not self.span.is_recording():
+            return
+        out = []
+        for (c, _), result in zip(jobs, results):
+            canvas = {}
+            for slot, row in zip(plan.chunks[c].slots, result.rows):
+                lps = [row.get(i, -math.inf) for i in slot.label_ids]
+                top = max(lps)
+                if top == -math.inf:
+                    continue
+                ps = [math.exp(lp - top) for lp in lps]
+                options = plan.specs[slot.question_id].options
+                canvas[slot.question_id] = {o: round(p / sum(ps), 4) for o, p in zip(options, ps)}
+            out.append(canvas)
+        self.output(out)
+
+    def output(self, value: Any) -> None:
+        """What the call answered, as `output.value` (on `escalate` too for an escalation)."""
+        set_io(self.span, output=value)
+        if self.outer is not None:
+            set_io(self.outer, output=value)
 
 
 @contextmanager
@@ -197,13 +278,16 @@ def model_call(operation: str, provider: str, model: str, attributes: Mapping[st
 
 def set_usage(s: Span, input_tokens: int, output_tokens: int) -> None:
     """Token usage as span attributes only (`Call.usage` also records the metric)."""
-    s.set_attribute(GEN_AI_INPUT_TOKENS, input_tokens)
-    s.set_attribute(GEN_AI_OUTPUT_TOKENS, output_tokens)
+    s.set_attributes({GEN_AI_INPUT_TOKENS: input_tokens, GEN_AI_OUTPUT_TOKENS: output_tokens,
+                      LLM_PROMPT_TOKENS: input_tokens, LLM_COMPLETION_TOKENS: output_tokens,
+                      LLM_TOTAL_TOKENS: input_tokens + output_tokens})
 
 
 def genai_attributes(operation: str, provider: str, model: str) -> dict[str, Any]:
-    """The GenAI attributes of one model call (`gen_ai.system` mirrors the provider)."""
-    return {GEN_AI_OPERATION: operation, GEN_AI_PROVIDER: provider, GEN_AI_SYSTEM: provider, GEN_AI_MODEL: model}
+    """The GenAI attributes of one model call (`gen_ai.system` mirrors the provider), and
+    their OpenInference twins (an LLM span)."""
+    return {GEN_AI_OPERATION: operation, GEN_AI_PROVIDER: provider, GEN_AI_SYSTEM: provider, GEN_AI_MODEL: model,
+            OI_SPAN_KIND: OI_LLM, LLM_MODEL_NAME: model, LLM_PROVIDER: provider, LLM_SYSTEM: provider}
 
 
 def engine_call(info: Any, batch: Sequence[Any], kind: str) -> Any:
@@ -216,15 +300,26 @@ def engine_call(info: Any, batch: Sequence[Any], kind: str) -> Any:
             attrs[GEN_AI_INPUT_MESSAGES] = prompts[0]
         else:
             attrs[PROMPTS_CONTENT] = prompts
+        attrs[INPUT_VALUE] = prompts[0] if len(prompts) == 1 else json.dumps([json.loads(p) for p in prompts])
+    else:  # no prompt text (it holds the state): say what was read
+        attrs[INPUT_VALUE] = json.dumps({"kind": kind, "canvases": len(batch),
+                                         "slots": sum(len(r.slots) for r in batch)})
+    attrs[INPUT_MIME] = JSON_MIME
     span_kind = SpanKind.CLIENT if info.provider in REMOTE_PROVIDERS else SpanKind.INTERNAL
     return _call(f"{OPERATION_CANVAS_READ} {info.model}", attrs, span_kind)
 
 
-def escalation_call(target: Any, name: str, question_ids: Sequence[str]) -> Any:
-    """Span `escalate <model>` around one escalation call (GenAI `chat` attributes)."""
-    attrs = {**genai_attributes(OPERATION_CHAT, provider_of(target), name),
-             ESCALATED_QUESTIONS: ",".join(question_ids)}
-    return _call(f"escalate {name}", attrs, SpanKind.CLIENT)
+@contextmanager
+def escalation_call(target: Any, name: str, question_ids: Sequence[str]) -> Iterator[Call]:
+    """Spans `escalate <model>` (CHAIN) and, under it, `chat <model>` (LLM, GenAI `chat`
+    attributes and metrics) around one escalation call; `Call.usage`/`output` write the chat span."""
+    with span(f"{OPERATION_ESCALATE} {name}", {ESCALATED_QUESTIONS: ",".join(question_ids)}) as outer:
+        set_io(outer, input={"questions": list(question_ids)})
+        attrs = {**genai_attributes(OPERATION_CHAT, provider_of(target), name),
+                 ESCALATED_QUESTIONS: ",".join(question_ids)}
+        with _call(f"{OPERATION_CHAT} {name}", attrs, SpanKind.CLIENT) as call:
+            call.outer = outer
+            yield call
 
 
 def provider_of(target: Any) -> str:
@@ -271,6 +366,8 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
     base = {GEN_AI_MODEL: model, **({GRAPH_NODE: node} if node is not None else {})}
     inst = _instruments()
     recording = s.is_recording()  # without an SDK, skip building attributes nobody keeps
+    asked: dict[str, Any] = {}
+    answered: dict[str, Any] = {}
     for r in reports:
         prefix = f"{DECISION_PREFIX}.{r.question_id}"
         canvas = r.canvas_probabilities
@@ -287,6 +384,9 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
         for key, value in values.items():
             if value is not None:
                 s.set_attribute(f"{prefix}.{key}", value)
+        if recording:
+            asked[r.question_id] = {"kind": r.kind, "options": list(canvas) if canvas else None}
+            answered[r.question_id] = {"answer": r.answer, "path": r.path, "confidence": r.confidence}
         labels = {**base, METRIC_QUESTION: r.question_id, METRIC_KIND: r.kind}
         inst.decisions.add(1, {**labels, METRIC_PATH: r.path})
         if r.normalized_entropy is not None:
@@ -294,9 +394,31 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
         if r.path == "escalated":
             inst.escalations.add(1, labels)
     inst.decision_duration.record(duration_s, base)
+    if recording:
+        state = (attributes or {}).get(STATE_CONTENT)  # present only under CANVASROUTE_RECORD_CONTENT=1
+        set_io(s, input={"questions": asked, **({"state": state} if state is not None else {})}, output=answered)
 
 
 def mark_error(s: Span, exc: BaseException) -> None:
     """Set an error status and `error.type` on a span that handled `exc`."""
     s.set_attribute(ERROR_TYPE, type(exc).__qualname__)
     s.set_status(Status(StatusCode.ERROR, str(exc)))
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def add_otlp_exporter(provider: Any) -> bool:
+    """Add a batching OTLP/HTTP span exporter to an SDK `TracerProvider` when the standard
+    `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set; the
+    exporter reads `OTEL_EXPORTER_OTLP_HEADERS` etc. itself. Returns whether it did.
+
+    Needs `opentelemetry-sdk` and `opentelemetry-exporter-otlp-proto-http` (extra `[otel]`).
+    """
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        return False
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return True

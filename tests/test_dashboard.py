@@ -55,13 +55,15 @@ async def test_jsonl_exporter_round_trips_sdk_spans(tmp_path):
         await model.decide("x", {"side": Choice(instructions="Side?", criteria={"left": None, "right": None})},
                            attributes={tm.GRAPH_NODE: "pick"})
     lines = path.read_text().splitlines()
-    assert len(lines) == 4 and all(json.loads(line)["trace_id"] for line in lines)
+    assert len(lines) == 5 and all(json.loads(line)["trace_id"] for line in lines)  # decide, 2 reads, escalate, chat
     expected = sorted((span_record(s) for s in memory.get_finished_spans()), key=lambda s: s.span_id)
     got = sorted(read_spans(path), key=lambda s: s.span_id)
     assert got == expected
     decide = next(s for s in got if s.name == "decide fn")
     assert decide.attributes["canvasroute.decision.side.options"] == ["left", "right"]
-    assert {s.parent_id for s in got if s is not decide} == {decide.span_id}
+    escalate = next(s for s in got if s.name.startswith("escalate "))
+    assert {s.parent_id for s in got if s is not decide and not s.name.startswith("chat ")} == {decide.span_id}
+    assert next(s for s in got if s.name.startswith("chat ")).parent_id == escalate.span_id
     exporter = JsonlSpanExporter(tmp_path / "closed.jsonl")
     exporter.shutdown()
     assert exporter.export(memory.get_finished_spans()).name == "FAILURE"

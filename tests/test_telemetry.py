@@ -107,14 +107,19 @@ async def test_decision_set_with_reread_and_escalation_spans_and_metrics(otel):
     by_name: dict[str, list] = {}
     for s in spans:
         by_name.setdefault(s.name, []).append(s)
-    assert sorted(by_name) == ["canvas_read fn-canvas", "decide fn-canvas", "escalate GenericFakeChatModel"]
+    assert sorted(by_name) == ["canvas_read fn-canvas", "chat GenericFakeChatModel", "decide fn-canvas",
+                               "escalate GenericFakeChatModel"]
     (decide,) = by_name["decide fn-canvas"]
     reads = by_name["canvas_read fn-canvas"]
-    (esc,) = by_name["escalate GenericFakeChatModel"]
+    (outer,) = by_name["escalate GenericFakeChatModel"]
+    (esc,) = by_name["chat GenericFakeChatModel"]  # the escalation's chat call, under escalate
     assert decide.parent is None
-    for child in [*reads, esc]:
+    for child in [*reads, outer]:
         assert child.parent is not None and child.parent.span_id == decide.context.span_id
         assert child.context.trace_id == decide.context.trace_id
+    assert esc.parent is not None and esc.parent.span_id == outer.context.span_id
+    assert not any(k.startswith("gen_ai.") for k in outer.attributes)  # usage counted once, on the chat span
+    assert outer.attributes[tm.OI_SPAN_KIND] == "CHAIN" and esc.attributes[tm.OI_SPAN_KIND] == "LLM"
 
     # engine calls: GenAI attributes, one first read, one batch of two re-reads
     assert sorted((r.attributes[tm.READ_KIND], r.attributes[tm.READ_BATCH]) for r in reads) == [

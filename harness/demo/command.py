@@ -35,11 +35,14 @@ def run(args: argparse.Namespace) -> int:
     from ..observability.traces import JsonlSpanExporter
     from . import triage
     from .model import make_model
+    from router.telemetry import add_otlp_exporter
 
     trace_path = Path(args.trace)
     trace_path.unlink(missing_ok=True)
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(str(trace_path))))
+    if add_otlp_exporter(provider):  # OTEL_EXPORTER_OTLP_ENDPOINT set: also to Phoenix, Langfuse, a collector...
+        print(f"exporting spans over OTLP to {os.environ.get('OTEL_EXPORTER_OTLP_TRACES_ENDPOINT') or os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}")
     trace.set_tracer_provider(provider)
 
     where = args.engine_url or "the embedded engine (SmolLM2-135M-Instruct, CPU)"
