@@ -26,6 +26,8 @@ from ._questions import QuestionSpec
 MAX_LABEL_IDS = 128
 """vLLM caps `logprob_token_ids` at 128 ids per request."""
 
+GROUP_LISTING_CHARS = 300
+"""Longest member listing in a group question's prompt; longer groups name their ends."""
 _LETTERS = tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
 
@@ -76,12 +78,23 @@ class Route:
         return QuestionSpec(spec.id, question, names, (self.labels[:len(names)],))
 
     def group_spec(self, spec: QuestionSpec) -> QuestionSpec:
-        """The group question: which group holds the answer (groups listed by their options)."""
+        """The group question: which group holds the answer.
+
+        A group is described by its option names when they fit `GROUP_LISTING_CHARS`, else
+        by its first and last option (the in-group read lists every option in full).
+        """
         names = tuple(f"group {g + 1}" for g in range(len(self.groups)))
         question = Choice(instructions=f"{spec.question.instructions} (First: which group holds the answer?)",
-                          criteria={n: "one of: " + ", ".join(members) for n, members in zip(names, self.groups)})
+                          criteria={n: _describe(members) for n, members in zip(names, self.groups)})
         alphabets = ((_LETTERS[:len(names)],) if len(names) <= len(_LETTERS) else ()) + (self.labels[:len(names)],)
         return QuestionSpec(spec.id, question, names, alphabets)
+
+
+def _describe(members: Sequence[str]) -> str:
+    listing = "one of: " + ", ".join(members)
+    if len(listing) <= GROUP_LISTING_CHARS:
+        return listing
+    return f"one of {len(members)} options, from {members[0]} to {members[-1]}"
 
 
 @dataclass(frozen=True, slots=True)
