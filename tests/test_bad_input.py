@@ -170,7 +170,7 @@ UNASKABLE = {
                              UnsupportedQuestion, "sev"),
     "empty option name": ({"team": _choice(["billing", " "])}, LabelError, "empty option"),
     "duplicate options": ({"team": _choice(["billing", "Billing "])}, LabelError, "duplicate"),
-    "129 options": ({"topic": _choice([f"t{i}" for i in range(129)])}, LabelError, "at most 128"),
+    "256 options": ({"topic": _choice([f"t{i}" for i in range(256)])}, LabelError, "at most 255"),
 }
 
 
