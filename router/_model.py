@@ -317,13 +317,13 @@ def _default_seed(state_text: str, the_plan: Plan) -> int:
 
 
 async def _check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk],
-                        messages: Sequence[tuple[Mapping[str, str], ...]]) -> None:
+                        prompts: Sequence[tuple[Mapping[str, str], ...]]) -> None:
     """Refuse before any read when prompt + canvas exceed the model's context.
 
     A token covers at least one UTF-8 byte, so a byte count bounds the prompt cheaply;
     only prompts near the limit are tokenized exactly.
     """
-    for chunk, msgs in zip(chunks, messages, strict=True):
+    for chunk, msgs in zip(chunks, prompts, strict=True):
         budget = info.max_model_len - chunk.width
         if info.chat_overhead + sum(len(m["content"].encode()) for m in msgs) <= budget:
             continue
