@@ -415,8 +415,8 @@ def create_app(
         return (await engine.info()).model if engine is not None else model.model
 
     async def decide(parsed: _Parsed) -> tuple[Any, dict[str, Any]]:
-        if hasattr(model, "decide"):
-            resp = await model.decide(parsed.state, parsed.questions, seed=parsed.seed, thread_id=parsed.thread_id)
+        if getattr(model, "engine", None) is not None:  # a canvas model: seed and thread reach it
+            resp = await model.adecide(parsed.state, parsed.questions, seed=parsed.seed, thread_id=parsed.thread_id)
         else:
             resp = await model.ainvoke({"state": parsed.state, "questions": parsed.questions})
         return resp, getattr(resp, "reads", {}) or {}

@@ -16,19 +16,23 @@ from .calibration import (
     save_policy,
 )
 from ._distribution import SlotStats, aggregate, slot_stats
+from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._model import CanvasDecisionModel, render_state
 from ._policy import EscalationBudget, GatePolicy
-from ._schema import QuestionSpec, parse_questions
+from ._questions import MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
 from ._types import CanvasResponse, ReadReport
 from .systemone import SystemOneDecisionModel
 
 __all__ = [
+    "BudgetMeter",
     "Calibration",
     "CanvasDecisionModel",
     "CanvasResponse",
     "EscalationBudget",
     "GatePolicy",
+    "InMemoryBudgetMeter",
     "Labelled",
+    "MAX_OPTIONS",
     "QuestionCalibration",
     "QuestionSpec",
     "ReadReport",
@@ -43,4 +47,5 @@ __all__ = [
     "render_state",
     "save_policy",
     "slot_stats",
+    "validate_questions",
 ]

@@ -23,7 +23,8 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 
 from engine.errors import CanvasRouteError, EscalationError
 
-from ._schema import QuestionSpec, _text, parse_questions
+from ._prompts import _text
+from ._questions import QuestionSpec, parse_questions
 
 
 @dataclass(slots=True)
@@ -123,7 +124,7 @@ def _request(state_text: str, specs: Sequence[QuestionSpec],
     lines = []
     for spec in specs:
         options = ", ".join(f'"{o}"' + (f" ({d})" if d else "")
-                            for o, d in zip(spec.options, _descriptions(spec), strict=True))
+                            for o, d in zip(spec.options, spec.descriptions, strict=True))
         line = f'Question "{spec.id}": {_text(spec.question.instructions)} Options: {options}.'
         if hint := canvas.get(spec.id):
             line += " Fast model's probabilities: " + json.dumps({k: round(v, 3) for k, v in hint.items()})
@@ -140,17 +141,6 @@ def _example() -> tuple[HumanMessage, AIMessage]:
     hint = {"weather": {"sunny": 0.6, "rainy": 0.4}, "cold": {"yes": 0.3, "no": 0.7}}
     return (HumanMessage(_request("It is a bright, sunny day in July.", list(specs.values()), hint)),
             AIMessage('{"weather": "sunny", "cold": "no"}'))
-
-
-def _descriptions(spec: QuestionSpec) -> list[str]:
-    q = spec.question
-    if q.type == "noul":
-        crit = q.criteria
-        return [_text(crit.true) if crit and crit.true is not None else "",
-                _text(crit.false) if crit and crit.false is not None else ""]
-    if q.type == "choice":
-        return [_text(d) if d not in (None, "") else "" for d in q.criteria.values()]
-    return [_text(d) for d in q.criteria]
 
 
 def _usage(reply: Any) -> dict[str, int]:
@@ -221,7 +211,7 @@ def _match(spec: QuestionSpec, value: Any) -> str | None:
     folded = {o.casefold(): o for o in spec.options}
     if key in folded:
         return folded[key]
-    described = [o for o, d in zip(spec.options, _descriptions(spec), strict=True) if d and d.casefold() == key]
+    described = [o for o, d in zip(spec.options, spec.descriptions, strict=True) if d and d.casefold() == key]
     return described[0] if len(described) == 1 else None
 
 
@@ -246,7 +236,7 @@ def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec,
             alts = {a["token"].strip().strip('"'): a["logprob"] for a in entry.get("top_logprobs") or []}
             alts.setdefault(token.strip().strip('"'), entry.get("logprob", 0.0))
             scores = {}
-            for option, desc in zip(spec.options, _descriptions(spec), strict=True):
+            for option, desc in zip(spec.options, spec.descriptions, strict=True):
                 name = (desc if by_description else option).casefold()
                 hits = [lp for tok, lp in alts.items() if tok and name and name.startswith(tok.casefold())]
                 scores[option] = max(hits) if hits else None

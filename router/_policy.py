@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -12,7 +12,37 @@ from ._distribution import SlotStats
 MAX_REREADS = 8
 
 
-@dataclass(frozen=True, kw_only=True)
+class FrozenMapping(Mapping[str, "GatePolicy"]):
+    """A read-only, hashable mapping (so a policy with overrides hashes and can be a cache key)."""
+
+    __slots__ = ("_data", "_hash")
+
+    def __init__(self, data: Mapping[str, GatePolicy] = ()) -> None:  # type: ignore[assignment]
+        self._data = dict(data)
+        self._hash: int | None = None
+
+    def __getitem__(self, key: str) -> GatePolicy:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset(self._data.items()))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._data) == dict(other)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class GatePolicy:
     """Thresholds that decide whether a canvas answer is confident.
 
@@ -49,10 +79,14 @@ class GatePolicy:
     rereads: int = 3
     """Extra reads with fresh noise for uncertain questions (0 turns re-reading off)."""
 
-    per_question: Mapping[str, GatePolicy] = field(default_factory=dict)
-    """Overrides by question id; an override replaces the whole policy for that question."""
+    per_question: Mapping[str, GatePolicy] = field(default_factory=FrozenMapping)
+    """Overrides by question id; an override replaces the whole policy for that question
+    (stored read-only, so the policy hashes)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.per_question, Mapping):
+            raise TypeError(f"per_question must be a mapping, got {type(self.per_question).__name__}")
+        object.__setattr__(self, "per_question", FrozenMapping(self.per_question))
         if not 0 <= self.rereads <= MAX_REREADS:
             raise ValueError(f"rereads must be within 0..{MAX_REREADS}, got {self.rereads}")
         for name in ("max_normalized_entropy", "min_confidence", "min_margin", "min_label_mass"):
@@ -88,7 +122,7 @@ class GatePolicy:
                 if limit is not None and (value > limit if upper else value < limit)]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EscalationBudget:
     """A cap on escalations, so an engine fault or a drift cannot buy unbounded AR calls.
 

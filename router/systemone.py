@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
-from langchain_core.decisions import BaseDecisionModel, ClassifierResponse, Question
+from langchain_core.decisions import BaseDecisionModel, ClassifierResponse
 from langchain_core.messages import BaseMessage
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationError
 
 from engine import (
     DecisionError,
@@ -28,12 +28,12 @@ from engine import (
     EngineResponseError,
     EngineTimeout,
     EngineUnavailable,
-    UnsupportedQuestion,
     run_sync,
 )
 
 from . import telemetry as tm
 from ._model import _jsonable
+from ._questions import validate_questions
 
 __all__ = ["SystemOneDecisionModel"]
 
@@ -41,7 +41,6 @@ _OVERLOAD_STATUS = {429, 503, 529}
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504, 529}
 """Transient statuses. 501 (the server cannot do this at all) is not among them."""
 _MAX_RETRY_AFTER = 30.0
-_QUESTION = TypeAdapter(Question)
 
 
 class SystemOneDecisionModel(BaseDecisionModel):
@@ -111,6 +110,10 @@ class SystemOneDecisionModel(BaseDecisionModel):
 
     async def _aclassify(self, state: Any, questions: dict[str, Any]) -> ClassifierResponse:
         return await self.adecide(state, questions)
+
+    def decide(self, state: Any, questions: Mapping[str, Any]) -> ClassifierResponse:
+        """Sync `adecide`."""
+        return run_sync(self.adecide(state, questions))
 
     async def adecide(self, state: Any, questions: Mapping[str, Any]) -> ClassifierResponse:
         """Send one decision set and return the typed answers."""
@@ -191,16 +194,8 @@ class SystemOneDecisionModel(BaseDecisionModel):
 
 def _wire_questions(questions: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Validate questions locally (typed errors before any request) and dump them."""
-    if not isinstance(questions, Mapping) or not questions:
-        raise DecisionError("questions must be a non-empty mapping of id to question")
     out: dict[str, dict[str, Any]] = {}
-    for qid, raw in questions.items():
-        if not isinstance(qid, str) or not qid:
-            raise UnsupportedQuestion(f"question ids must be non-empty strings, got {qid!r}")
-        try:
-            q = _QUESTION.validate_python(raw)
-        except ValidationError as exc:
-            raise UnsupportedQuestion(f"question {qid!r} is not a Noul, Choice, Score or Box: {exc}") from exc
+    for qid, q in validate_questions(questions, allow_box=True).items():
         dumped = q.model_dump(mode="json")
         if dumped.get("criteria") is None:
             dumped.pop("criteria", None)

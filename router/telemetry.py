@@ -221,15 +221,15 @@ class Call:
         histogram.record(input_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "input"})
         histogram.record(output_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "output"})
 
-    def read_output(self, plan: Any, jobs: Sequence[tuple[int, int]], results: Sequence[Any]) -> None:
+    def read_output(self, chunks: Sequence[Any], results: Sequence[Any]) -> None:
         """`output.value` of a canvas read: per canvas, each question's distribution over its
         options (softmax of the slot row over the question's labels, temperature 1)."""
         if not self.span.is_recording():
             return
         out = []
-        for (c, _), result in zip(jobs, results):
+        for chunk, result in zip(chunks, results):
             canvas = {}
-            for slot, row in zip(plan.chunks[c].slots, result.rows):
+            for slot, row in zip(chunk.slots, result.rows):
                 lps = [row.get(i, -math.inf) for i in slot.label_ids]
                 top = max(lps)
                 if top == -math.inf:

@@ -177,7 +177,7 @@ async def test_model_applies_per_question_temperature():
                  "ok": Noul(instructions="Is it ok?")}
     policy = GatePolicy(max_normalized_entropy=None, rereads=0,
                         per_question={"pick": GatePolicy(max_normalized_entropy=None, rereads=0, temperature=3.0)})
-    resp = await CanvasDecisionModel(engine=engine, policy=policy).decide("state", questions)
+    resp = await CanvasDecisionModel(engine=engine, policy=policy).adecide("state", questions)
     assert list(resp.reads["pick"].canvas_probabilities.values()) == pytest.approx(_softmax([-0.1, -2.5], 3.0))
     assert list(resp.reads["ok"].canvas_probabilities.values()) == pytest.approx(_softmax([-0.3, -1.4]))
 
@@ -239,8 +239,8 @@ def test_calibrate_cli_on_bigbench_against_vllm(vllm_url, tmp_path, capsys):
     # the router loads it and reads with it: the same read, gate off at T = 1, then with the policy
     row = cal_cli.load_rows(BIGBENCH / "intent_recognition", limit=1, seed=7)[0]
     engine = VLLMServerEngine(vllm_url)
-    plain = run_sync(CanvasDecisionModel(engine=engine, policy=cal_cli.GATE_OFF).decide(row.state, row.questions))
-    tuned = run_sync(CanvasDecisionModel(engine=engine, policy=policy).decide(row.state, row.questions))
+    plain = run_sync(CanvasDecisionModel(engine=engine, policy=cal_cli.GATE_OFF).adecide(row.state, row.questions))
+    tuned = run_sync(CanvasDecisionModel(engine=engine, policy=policy).adecide(row.state, row.questions))
     raw, report = plain.reads["intent"], tuned.reads["intent"]
     expected = cm.tempered(list(raw.canvas_probabilities.values()), intent.temperature)
     assert list(report.canvas_probabilities.values()) == pytest.approx(expected, rel=1e-6)
@@ -283,7 +283,7 @@ async def test_calibrate_from_traces_uses_escalated_answers_as_labels(tmp_path, 
     model = CanvasDecisionModel(engine=engine, policy=policy, escalate_to=GenericFakeChatModel(messages=replies))
     spans_file = tmp_path / "spans.jsonl"
     with _traced(spans_file):
-        responses = [await model.decide(f"case {i}", question) for i in range(30)]
+        responses = [await model.adecide(f"case {i}", question) for i in range(30)]
     escalated = [r.reads["side"] for r in responses if r.reads["side"].path == "escalated"]
     assert len(escalated) >= 8
 

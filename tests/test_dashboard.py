@@ -52,7 +52,7 @@ async def test_jsonl_exporter_round_trips_sdk_spans(tmp_path):
                                 escalate_to=GenericFakeChatModel(messages=iter([AIMessage('{"side": "right"}')])))
     path = tmp_path / "spans.jsonl"
     with traced(path) as memory:
-        await model.decide("x", {"side": Choice(instructions="Side?", criteria={"left": None, "right": None})},
+        await model.adecide("x", {"side": Choice(instructions="Side?", criteria={"left": None, "right": None})},
                            attributes={tm.GRAPH_NODE: "pick"})
     lines = path.read_text().splitlines()
     assert len(lines) == 5 and all(json.loads(line)["trace_id"] for line in lines)  # decide, 2 reads, escalate, chat
@@ -226,8 +226,8 @@ def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
     spans_file = tmp_path / "spans.jsonl"
     with traced(spans_file):
         for i in range(10):
-            run_sync(model.decide(intents[i * 37]["input"], triage, attributes={tm.GRAPH_NODE: "triage"}))
-            run_sync(model.decide(facts[i]["input"], check, attributes={tm.GRAPH_NODE: "fact_check"}))
+            run_sync(model.adecide(intents[i * 37]["input"], triage, attributes={tm.GRAPH_NODE: "triage"}))
+            run_sync(model.adecide(facts[i]["input"], check, attributes={tm.GRAPH_NODE: "fact_check"}))
     html_file = tmp_path / "report.html"
     assert main(["dashboard", str(spans_file), "-o", str(html_file), "--top", "12"]) == 0
     report = build_report(read_spans(spans_file))

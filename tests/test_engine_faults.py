@@ -81,7 +81,7 @@ def outcome(result: CanvasResponse | BaseException) -> str:
 async def decide_all(model: CanvasDecisionModel, n: int = N) -> Counter:
     """n concurrent decisions (distinct states), each bounded; counts how each ended."""
     results = await asyncio.gather(
-        *(asyncio.wait_for(model.decide(f"ticket {i}: I was charged twice.", QUESTIONS), DEADLINE)
+        *(asyncio.wait_for(model.adecide(f"ticket {i}: I was charged twice.", QUESTIONS), DEADLINE)
           for i in range(n)), return_exceptions=True)
     counts = Counter(outcome(r) for r in results)
     assert sum(counts.values()) == n  # none lost
@@ -130,7 +130,7 @@ async def test_connection_refused(mode, has_target):
 async def test_the_escalated_report_records_the_fault():
     target = Target()
     engine = VLLMServerEngine(f"http://127.0.0.1:{closed_port()}", max_retries=0)
-    resp = await asyncio.wait_for(make_model(engine, "escalate", target).decide("hi", QUESTIONS), DEADLINE)
+    resp = await asyncio.wait_for(make_model(engine, "escalate", target).adecide("hi", QUESTIONS), DEADLINE)
     assert resp.canvas_reads == 0 and resp.usage["input_tokens"] == 0
     for qid, answer in (("team", "billing"), ("urgent", "no")):
         r = resp.reads[qid]
@@ -291,7 +291,7 @@ async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, h
 async def test_real_server_faulty_reads_are_reported_on_the_escalated_answers(vllm_url):
     target = Target()
     engine = VLLMServerEngine(vllm_url, transport=ReadsFail("500"), max_retries=0)
-    resp = await asyncio.wait_for(make_model(engine, "escalate", target).decide("hi", QUESTIONS), DEADLINE)
+    resp = await asyncio.wait_for(make_model(engine, "escalate", target).adecide("hi", QUESTIONS), DEADLINE)
     assert resp.canvas_reads == 1  # the first read was attempted (and failed); no re-reads
     for r in resp.reads.values():
         assert r.path == "escalated" and r.reads == 0 and r.labels  # the plan (labels) was made

@@ -96,7 +96,7 @@ def bounded(coro, seconds: float = 30):
 async def test_an_exception_twice_is_an_escalation_error():
     chat, prompts = fake(ConnectionError("AR down"), ConnectionError("AR still down"))
     with pytest.raises(EscalationError) as info:
-        await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))
+        await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))
     assert len(prompts.calls) == 2
     assert isinstance(info.value, CanvasRouteError) and info.value.retryable
     assert isinstance(info.value.__cause__, ConnectionError) and "still down" in str(info.value)
@@ -104,7 +104,7 @@ async def test_an_exception_twice_is_an_escalation_error():
 
 async def test_an_exception_once_then_success_on_retry():
     chat, prompts = fake(TimeoutError("slow"), reply({"team": "tech"}))
-    resp = await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))
+    resp = await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))
     assert len(prompts.calls) == 2 and prompts.calls[0] == prompts.calls[1]  # same prompt again
     assert resp.reads["team"].path == "escalated" and resp.answers["team"].choice == "tech"
 
@@ -112,7 +112,7 @@ async def test_an_exception_once_then_success_on_retry():
 async def test_malformed_twice_is_an_escalation_error():
     chat, prompts = fake(AIMessage("I think it is billing."), AIMessage('{"team": "marketing"}'))
     with pytest.raises(EscalationError, match="outside the allowed options") as info:
-        await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))
+        await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))
     assert "'marketing' is not one of ['billing', 'tech']" in str(info.value)
     assert isinstance(info.value.__cause__, ValueError)
     assert len(prompts.calls) == 2
@@ -123,7 +123,7 @@ async def test_malformed_once_then_success_on_retry_and_usage_counts_both():
                                                                   "total_tokens": 308})
     chat, prompts = fake(bad, reply({"team": "billing"}, usage=(340, 6)))
     model = canvas_model(chat)
-    resp = await bounded(model.decide(STATE, {"team": TEAM}))
+    resp = await bounded(model.adecide(STATE, {"team": TEAM}))
     r = resp.reads["team"]
     assert (r.path, r.answer, r.escalation_model) == ("escalated", "billing", "GenericFakeChatModel")
     assert r.probabilities == {"billing": 1.0, "tech": 0.0}  # no logprobs: one-hot
@@ -146,7 +146,7 @@ async def test_malformed_once_then_success_on_retry_and_usage_counts_both():
 ])
 async def test_replies_are_read_leniently_but_only_into_allowed_options(text, expected):
     chat, _ = fake(AIMessage(text))
-    resp = await bounded(canvas_model(chat).decide(STATE, {k: ALL[k] for k in expected}))
+    resp = await bounded(canvas_model(chat).adecide(STATE, {k: ALL[k] for k in expected}))
     assert {q: r.answer for q, r in resp.reads.items()} == expected
     assert {r.path for r in resp.reads.values()} == {"escalated"}
 
@@ -154,7 +154,7 @@ async def test_replies_are_read_leniently_but_only_into_allowed_options(text, ex
 async def test_a_missing_question_in_the_reply_is_malformed():
     chat, prompts = fake(AIMessage('{"team": "tech"}'), AIMessage('{"team": "tech"}'))
     with pytest.raises(EscalationError, match="'urgent': None"):
-        await bounded(canvas_model(chat).decide(STATE, {"team": TEAM, "urgent": URGENT}))
+        await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM, "urgent": URGENT}))
     assert len(prompts.calls) == 2
 
 
@@ -164,7 +164,7 @@ async def test_a_slow_target_times_out_as_an_escalation_error():
 
     model = canvas_model(RunnableLambda(slow), escalation_timeout=0.05)
     with pytest.raises(EscalationError, match="timed out"):
-        await bounded(model.decide(STATE, {"team": TEAM}), 5)
+        await bounded(model.adecide(STATE, {"team": TEAM}), 5)
 
 
 # -- the prompt -------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ async def test_a_slow_target_times_out_as_an_escalation_error():
 
 async def test_the_prompt_carries_state_questions_options_and_canvas_probabilities():
     chat, prompts = fake(reply({"team": "tech", "urgent": "no"}))
-    await bounded(canvas_model(chat).decide(STATE, {"team": TEAM, "urgent": URGENT}))
+    await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM, "urgent": URGENT}))
     (call,) = prompts.calls
     system, example_in, example_out, request = call
     assert "JSON object" in system.content
@@ -201,7 +201,7 @@ async def test_logprobs_become_a_distribution_over_options():
     lp = _logprobs([('{"', -0.01, {}), ("team", -0.01, {}), ('":', -0.01, {}), (' "', -0.01, {}),
                     ("tech", -0.2, {"tech": -0.2, "bill": -1.8, "sales": -3.0}), ('"}', -0.01, {})])
     chat, _ = fake(AIMessage('{"team": "tech"}', response_metadata={"logprobs": lp}))
-    r = (await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))).reads["team"]
+    r = (await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))).reads["team"]
     z = math.exp(-0.2) + math.exp(-1.8)
     assert r.probabilities == pytest.approx({"tech": math.exp(-0.2) / z, "billing": math.exp(-1.8) / z})
     assert r.canvas_probabilities == pytest.approx({"billing": 0.5, "tech": 0.5})
@@ -211,7 +211,7 @@ async def test_an_option_missing_from_the_alternatives_gets_the_floor():
     lp = _logprobs([('{"severity": ', -0.01, {}), ('"', -0.01, {}),
                     ("crit", -0.1, {"crit": -0.1, "major": -2.5, "x": -4.0}), ('ical"}', -0.01, {})])
     chat, _ = fake(AIMessage('{"severity": "critical"}', response_metadata={"logprobs": lp}))
-    r = (await bounded(canvas_model(chat).decide(STATE, {"severity": SEVERITY}))).reads["severity"]
+    r = (await bounded(canvas_model(chat).adecide(STATE, {"severity": SEVERITY}))).reads["severity"]
     w = {"0": math.exp(-2.5 - 5.0), "1": math.exp(-2.5), "2": math.exp(-0.1)}  # "minor": floor = min - 5
     z = sum(w.values())
     assert r.answer == "2" and r.probabilities == pytest.approx({k: v / z for k, v in w.items()})
@@ -223,7 +223,7 @@ async def test_an_answer_by_name_is_weighed_against_names_not_descriptions():
     lp = _logprobs([('{"team": "', -0.01, {}), ("b", -1.07, {"b": -1.07, "tech": -1.26, "paying": -4.4}),
                     ('illing"}', -0.01, {})])
     chat, _ = fake(AIMessage('{"team": "billing"}', response_metadata={"logprobs": lp}))
-    r = (await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))).reads["team"]
+    r = (await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))).reads["team"]
     z = math.exp(-1.07) + math.exp(-1.26)
     assert r.probabilities == pytest.approx({"billing": math.exp(-1.07) / z, "tech": math.exp(-1.26) / z})
 
@@ -231,7 +231,7 @@ async def test_an_answer_by_name_is_weighed_against_names_not_descriptions():
 async def test_a_distribution_that_contradicts_the_answer_is_dropped():
     lp = _logprobs([('{"team": "', -0.01, {}), ("tech", -0.9, {"tech": -0.9, "billing": -0.1})])
     chat, _ = fake(AIMessage('{"team": "tech"}', response_metadata={"logprobs": lp}))
-    r = (await bounded(canvas_model(chat).decide(STATE, {"team": TEAM}))).reads["team"]
+    r = (await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))).reads["team"]
     assert r.answer == "tech" and r.probabilities == {"billing": 0.0, "tech": 1.0}
 
 
@@ -246,7 +246,7 @@ class Route(BaseModel):
 async def test_a_structured_output_runnable_is_a_target(value):
     seen = []
     target = RunnableLambda(lambda messages: seen.append(messages) or value, name="structured")
-    r = (await bounded(canvas_model(target).decide(STATE, {"team": TEAM}))).reads["team"]
+    r = (await bounded(canvas_model(target).adecide(STATE, {"team": TEAM}))).reads["team"]
     assert (r.path, r.answer, r.escalation_model) == ("escalated", "billing", "structured")
     assert len(seen) == 1
 
@@ -257,7 +257,7 @@ async def test_a_decision_model_is_a_target():
 
     big_engine = FunctionEngine(confident, model="big-canvas")
     big = CanvasDecisionModel(engine=big_engine, policy=GatePolicy(rereads=0))
-    resp = await bounded(canvas_model(big).decide(STATE, {"team": TEAM, "urgent": URGENT}))
+    resp = await bounded(canvas_model(big).adecide(STATE, {"team": TEAM, "urgent": URGENT}))
     assert {q: (r.path, r.answer, r.escalation_model) for q, r in resp.reads.items()} == {
         "team": ("escalated", "tech", "big-canvas"), "urgent": ("escalated", "no", "big-canvas")}
     assert resp.reads["team"].probabilities["tech"] > 0.99  # the target's own distribution
@@ -271,7 +271,7 @@ async def test_a_failing_decision_model_target_is_retried_once_then_escalation_e
     big_engine = FunctionEngine(down, model="big-canvas")
     big = CanvasDecisionModel(engine=big_engine, on_engine_error="raise")
     with pytest.raises(EscalationError, match="failed twice") as info:
-        await bounded(canvas_model(big).decide(STATE, {"team": TEAM}))
+        await bounded(canvas_model(big).adecide(STATE, {"team": TEAM}))
     assert isinstance(info.value.__cause__, EngineUnavailable) and big_engine.calls == 2
 
 
@@ -314,7 +314,7 @@ def _requests_since(server, n: int) -> list[dict]:
 async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
     before = len(ar_server.requests)
     model = canvas_model(smollm2(ar_server))
-    resp = await bounded(model.decide(STATE, {"team": TEAM}), 300)
+    resp = await bounded(model.adecide(STATE, {"team": TEAM}), 300)
     r = resp.reads["team"]
     assert r.path == "escalated" and r.escalation_model == "smollm2" and not r.confident
     assert r.answer in OPTIONS["team"] and resp.answers["team"].choice == r.answer
@@ -333,7 +333,7 @@ async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_two_questions_in_one_call(ar_server):
     before = len(ar_server.requests)
-    resp = await bounded(canvas_model(smollm2(ar_server)).decide(STATE, {"team": TEAM, "urgent": URGENT}), 300)
+    resp = await bounded(canvas_model(smollm2(ar_server)).adecide(STATE, {"team": TEAM, "urgent": URGENT}), 300)
     sent = _requests_since(ar_server, before)
     assert len(sent) in (1, 2)  # one escalation (a malformed first reply gets its one retry)
     for body in sent:
@@ -353,7 +353,7 @@ async def test_real_ar_malformed_output_is_retried_once_then_typed(ar_server):
     that showed the model its invalid reply."""
     before = len(ar_server.requests)
     try:
-        resp = await bounded(canvas_model(smollm2(ar_server)).decide(STATE, ALL), 300)
+        resp = await bounded(canvas_model(smollm2(ar_server)).adecide(STATE, ALL), 300)
     except EscalationError as exc:
         sent = _requests_since(ar_server, before)
         assert len(sent) == 2 and "outside the allowed options" in str(exc)

@@ -179,7 +179,7 @@ async def test_path_per_threshold_side_and_mode(threshold, side, mode):
     recorder = Recorder({"team": "tech"})
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(**{**OFF, **limits}, rereads=rereads),
                                 escalate_to=recorder.runnable if mode == "escalate" else None)
-    resp = await model.decide(STATE, questions("team"), seed=11)
+    resp = await model.adecide(STATE, questions("team"), seed=11)
     r = resp.reads["team"]
     assert r.normalized_entropy == pytest.approx(
         -sum(p * math.log(p) for p in dist[0]) / math.log(2))
@@ -250,7 +250,7 @@ async def test_per_question_override_replaces_the_whole_policy():
     # for `team` has no thresholds at all, so only `urgent` is re-read.
     script = Script({"team": [((0.9, 0.1), 1.0)], "urgent": [((0.9, 0.1), 1.0)]})
     policy = GatePolicy(**{**OFF, "min_confidence": 0.99}, rereads=1, per_question={"team": GatePolicy(**OFF)})
-    resp = await CanvasDecisionModel(engine=script.engine, policy=policy).decide(STATE, questions("team", "urgent"))
+    resp = await CanvasDecisionModel(engine=script.engine, policy=policy).adecide(STATE, questions("team", "urgent"))
     assert (resp.reads["team"].path, resp.reads["team"].confident, resp.reads["team"].reads) == ("canvas", True, 1)
     assert (resp.reads["urgent"].path, resp.reads["urgent"].confident) == ("reread", False)
     assert resp.reads["urgent"].crossed == ["min_confidence"] and resp.reads["urgent"].reads == 2
@@ -262,7 +262,7 @@ async def test_per_question_rereads_bound_each_question():
     script = Script({"team": [((0.6, 0.4), 1.0), ((0.5, 0.5), 1.0), ((0.9, 0.1), 1.0)],
                      "urgent": [((0.6, 0.4), 1.0)]})
     policy = GatePolicy(rereads=3, per_question={"team": GatePolicy(rereads=1)})
-    resp = await CanvasDecisionModel(engine=script.engine, policy=policy).decide(STATE, questions("team", "urgent"))
+    resp = await CanvasDecisionModel(engine=script.engine, policy=policy).adecide(STATE, questions("team", "urgent"))
     assert resp.canvas_reads == 4 and script.engine.calls == 2
     assert resp.reads["team"].reads == 2 and resp.reads["urgent"].reads == 4
     # team: mean of reads 0 and 1 only (read 2's 0.9 is not its to use)
@@ -271,7 +271,7 @@ async def test_per_question_rereads_bound_each_question():
 
 async def test_a_confident_question_keeps_its_first_read_when_its_chunk_is_reread():
     script = Script({"team": [((0.99, 0.01), 1.0), ((0.5, 0.5), 1.0)], "urgent": [((0.6, 0.4), 1.0)]})
-    resp = await CanvasDecisionModel(engine=script.engine).decide(STATE, questions("team", "urgent"))
+    resp = await CanvasDecisionModel(engine=script.engine).adecide(STATE, questions("team", "urgent"))
     assert resp.canvas_reads == 4  # the chunk was re-read for `urgent`
     team = resp.reads["team"]
     assert (team.path, team.confident, team.reads) == ("canvas", True, 1)
@@ -282,9 +282,9 @@ async def test_a_confident_question_keeps_its_first_read_when_its_chunk_is_rerea
 async def test_per_call_policy_overrides_the_model_policy():
     script = Script({"team": [((0.7, 0.3), 1.0)]})
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0))
-    assert (await model.decide(STATE, questions("team"))).reads["team"].confident is False
+    assert (await model.adecide(STATE, questions("team"))).reads["team"].confident is False
     strict = GatePolicy(**OFF, rereads=0)
-    assert (await model.decide(STATE, questions("team"), policy=strict)).reads["team"].confident is True
+    assert (await model.adecide(STATE, questions("team"), policy=strict)).reads["team"].confident is True
     resp = await model.ainvoke({"state": STATE, "questions": questions("team"), "policy": strict})
     assert resp.reads["team"].confident is True
 
@@ -297,7 +297,7 @@ async def test_reread_aggregation_agreement_and_stderr_by_hand():
     reads = [((0.55, 0.45), 1.0), ((0.9, 0.1), 1.0), ((0.3, 0.7), 1.0), ((0.8, 0.2), 0.8)]
     script = Script({"team": reads})
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(**{**OFF, "min_confidence": 0.6}))
-    resp = await model.decide(STATE, questions("team"), seed=5)
+    resp = await model.adecide(STATE, questions("team"), seed=5)
     r = resp.reads["team"]
     assert (r.path, r.reads, r.confident, r.crossed) == ("reread", 4, True, [])  # 0.6375 >= 0.6
     assert r.canvas_probabilities == pytest.approx({"billing": 0.6375, "tech": 0.3625})
@@ -315,7 +315,7 @@ async def test_reread_aggregation_agreement_and_stderr_by_hand():
 async def test_rereads_use_fresh_seeds_seed_plus_7919_k():
     script = Script({"team": [((0.6, 0.4), 1.0)]})
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=3))
-    await model.decide(STATE, questions("team"), seed=1234)
+    await model.adecide(STATE, questions("team"), seed=1234)
     assert len(script.engine.reads) == 4
     info = await script.engine.info()
     label_ids = {script.engine.token_id("A"), script.engine.token_id("B"), info.pad_id}
@@ -332,15 +332,15 @@ async def test_rereads_use_fresh_seeds_seed_plus_7919_k():
 async def test_the_default_seed_is_deterministic_and_rereads_of_it_differ():
     script = Script({"team": [((0.6, 0.4), 1.0)]})
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=1))
-    await model.decide(STATE, questions("team"))
-    await model.decide(STATE, questions("team"))
+    await model.adecide(STATE, questions("team"))
+    await model.adecide(STATE, questions("team"))
     a, b, c, d = (r.canvas for r in script.engine.reads)
     assert (a, b) == (c, d) and a != b
 
 
 async def test_rereads_zero_turns_rereading_off():
     script = Script({"team": [((0.6, 0.4), 1.0)]})
-    resp = await CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0)).decide(
+    resp = await CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0)).adecide(
         STATE, questions("team"))
     assert resp.canvas_reads == 1 and resp.reads["team"].path == "canvas" and not resp.reads["team"].confident
 
@@ -353,7 +353,7 @@ async def test_only_uncertain_questions_escalate_together_in_one_call():
                      "severity": [((0.4, 0.3, 0.3), 1.0)]})
     recorder = Recorder({"team": "tech", "severity": "2"})
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=1), escalate_to=recorder.runnable)
-    resp = await model.decide(STATE, questions("team", "urgent", "severity"))
+    resp = await model.adecide(STATE, questions("team", "urgent", "severity"))
     assert len(recorder.calls) == 1 and recorder.asked() == ["team", "severity"]
     assert {q: r.path for q, r in resp.reads.items()} == {"team": "escalated", "urgent": "canvas",
                                                           "severity": "escalated"}
@@ -369,7 +369,7 @@ async def test_only_uncertain_questions_escalate_together_in_one_call():
 async def test_nothing_escalates_when_everything_is_confident():
     script = Script({"team": [((0.99, 0.01), 1.0)], "urgent": [((0.02, 0.98), 1.0)]})
     recorder = Recorder({})
-    resp = await CanvasDecisionModel(engine=script.engine, escalate_to=recorder.runnable).decide(
+    resp = await CanvasDecisionModel(engine=script.engine, escalate_to=recorder.runnable).adecide(
         STATE, questions("team", "urgent"))
     assert recorder.calls == [] and {r.path for r in resp.reads.values()} == {"canvas"}
     assert resp.answers["urgent"].noul == pytest.approx(0.02)
@@ -379,7 +379,7 @@ async def test_usage_sums_reads_and_escalation():
     script = Script({"team": [((0.6, 0.4), 1.0)]}, prompt_tokens=100, completion_tokens=16)
     recorder = Recorder({"team": "tech"}, usage=(250, 7))
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=2), escalate_to=recorder.runnable)
-    resp = await model.decide(STATE, questions("team"))
+    resp = await model.adecide(STATE, questions("team"))
     assert resp.canvas_reads == 3
     assert resp.usage["input_tokens"] == 3 * 100 + 250
     assert resp.usage["output_tokens"] == 3 * 16 + 7
@@ -427,14 +427,14 @@ async def test_the_n_plus_first_escalation_in_a_window_behaves_as_declared(when_
     recorder = Recorder({"team": "billing"})
     model, _ = _budgeted(when_spent, recorder, max_per_window=2, window_s=60)
     for _ in range(2):
-        resp = await model.decide(STATE, questions("team"))
+        resp = await model.adecide(STATE, questions("team"))
         assert resp.reads["team"].path == "escalated" and not resp.reads["team"].over_budget
     clock.now += 59.0
     if when_spent == "raise":
         with pytest.raises(BudgetExhausted):
-            await model.decide(STATE, questions("team"))
+            await model.adecide(STATE, questions("team"))
     else:
-        r = (await model.decide(STATE, questions("team"))).reads["team"]
+        r = (await model.adecide(STATE, questions("team"))).reads["team"]
         assert r.over_budget and not r.confident and r.crossed == ["max_normalized_entropy"]
         assert r.escalation_model is None
         if when_spent == "keep":
@@ -443,27 +443,27 @@ async def test_the_n_plus_first_escalation_in_a_window_behaves_as_declared(when_
             assert (r.path, r.answer) == ("fallback", "tech")
             assert r.probabilities == {"billing": 0.0, "tech": 1.0}
     assert len(recorder.calls) == 2
-    assert model.budget_counters == {"granted": 2, "refused": 1, "in_window": 2}
+    assert model.budget_counters == {"granted": 2, "refused": 1, "refunded": 0, "in_window": 2}
     clock.now += 1.0  # the first two leave the 60 s window
-    assert (await model.decide(STATE, questions("team"))).reads["team"].path == "escalated"
-    assert model.budget_counters == {"granted": 3, "refused": 1, "in_window": 1}
+    assert (await model.adecide(STATE, questions("team"))).reads["team"].path == "escalated"
+    assert model.budget_counters == {"granted": 3, "refused": 1, "refunded": 0, "in_window": 1}
 
 
 @pytest.mark.parametrize("when_spent", ["keep", "fallback", "raise"])
 async def test_per_thread_budget(when_spent):
     recorder = Recorder({"team": "billing"})
     model, _ = _budgeted(when_spent, recorder, max_per_thread=1)
-    assert (await model.decide(STATE, questions("team"), thread_id="t1")).reads["team"].path == "escalated"
+    assert (await model.adecide(STATE, questions("team"), thread_id="t1")).reads["team"].path == "escalated"
     if when_spent == "raise":
         with pytest.raises(BudgetExhausted):
-            await model.decide(STATE, questions("team"), thread_id="t1")
+            await model.adecide(STATE, questions("team"), thread_id="t1")
     else:
-        r = (await model.decide(STATE, questions("team"), thread_id="t1")).reads["team"]
+        r = (await model.adecide(STATE, questions("team"), thread_id="t1")).reads["team"]
         assert r.over_budget and r.path == {"keep": "canvas", "fallback": "fallback"}[when_spent]
     # another thread has its own allowance; no thread id means no per-thread cap
-    assert (await model.decide(STATE, questions("team"), thread_id="t2")).reads["team"].path == "escalated"
+    assert (await model.adecide(STATE, questions("team"), thread_id="t2")).reads["team"].path == "escalated"
     for _ in range(2):
-        assert (await model.decide(STATE, questions("team"))).reads["team"].path == "escalated"
+        assert (await model.adecide(STATE, questions("team"))).reads["team"].path == "escalated"
     assert model.budget_counters["granted"] == 4 and model.budget_counters["refused"] == 1
     assert len(recorder.calls) == 4
 
@@ -473,11 +473,11 @@ async def test_a_partial_budget_escalates_what_it_can_in_one_call(clock):
     recorder = Recorder({"team": "tech", "urgent": "yes", "severity": "1"})
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0), escalate_to=recorder.runnable,
                                 budget=EscalationBudget(max_per_window=2))
-    resp = await model.decide(STATE, questions("team", "urgent", "severity"))
+    resp = await model.adecide(STATE, questions("team", "urgent", "severity"))
     assert len(recorder.calls) == 1 and recorder.asked() == ["team", "urgent"]
     assert [resp.reads[q].path for q in ("team", "urgent", "severity")] == ["escalated", "escalated", "canvas"]
     assert resp.reads["severity"].over_budget and not resp.reads["team"].over_budget
-    assert model.budget_counters == {"granted": 2, "refused": 1, "in_window": 2}
+    assert model.budget_counters == {"granted": 2, "refused": 1, "refunded": 0, "in_window": 2}
 
 
 async def test_budget_validation_and_no_counters_without_budget():
@@ -499,9 +499,9 @@ async def test_a_fault_with_a_spent_keep_budget_raises_not_a_cheap_answer(clock)
     recorder = Recorder({"team": "tech"})
     model = CanvasDecisionModel(engine=script.engine, escalate_to=recorder.runnable,
                                 budget=EscalationBudget(max_per_window=1, when_spent="keep"))
-    assert (await model.decide(STATE, questions("team"))).reads["team"].path == "escalated"
+    assert (await model.adecide(STATE, questions("team"))).reads["team"].path == "escalated"
     with pytest.raises(BudgetExhausted, match="engine failed"):
-        await model.decide(STATE, questions("team"))
+        await model.adecide(STATE, questions("team"))
 
 
 async def test_a_fault_with_a_spent_fallback_budget_takes_the_fallback_label(clock):
@@ -509,7 +509,7 @@ async def test_a_fault_with_a_spent_fallback_budget_takes_the_fallback_label(clo
     model = CanvasDecisionModel(engine=script.engine, escalate_to=Recorder({"team": "tech"}).runnable,
                                 budget=EscalationBudget(max_per_window=0, when_spent="fallback"),
                                 fallback={"team": "billing"})
-    r = (await model.decide(STATE, questions("team"))).reads["team"]
+    r = (await model.adecide(STATE, questions("team"))).reads["team"]
     assert (r.path, r.answer, r.over_budget) == ("fallback", "billing", True)
     assert r.error is not None and "EngineUnavailable" in r.error and r.canvas_probabilities is None
 
@@ -518,7 +518,7 @@ async def test_on_engine_error_fallback_answers_the_declared_label():
     script = Script({"team": [((0.9, 0.1), 1.0)], "urgent": [((0.9, 0.1), 1.0)]}, fail_from=0)
     model = CanvasDecisionModel(engine=script.engine, on_engine_error="fallback",
                                 fallback={"team": "tech", "urgent": "no"})
-    resp = await model.decide(STATE, questions("team", "urgent"))
+    resp = await model.adecide(STATE, questions("team", "urgent"))
     for qid, label in (("team", "tech"), ("urgent", "no")):
         r = resp.reads[qid]
         assert (r.path, r.answer, r.confident, r.reads) == ("fallback", label, False, 0)
@@ -529,7 +529,7 @@ async def test_on_engine_error_fallback_answers_the_declared_label():
 async def test_a_reread_fault_under_fallback_takes_the_label_not_the_uncertain_read():
     script = Script({"team": [((0.6, 0.4), 1.0)], "urgent": [((0.99, 0.01), 1.0)]}, fail_from=1)
     model = CanvasDecisionModel(engine=script.engine, on_engine_error="fallback", fallback={"team": "tech"})
-    resp = await model.decide(STATE, questions("team", "urgent"))
+    resp = await model.adecide(STATE, questions("team", "urgent"))
     team = resp.reads["team"]
     assert (team.path, team.answer, team.reads) == ("fallback", "tech", 1)
     assert team.canvas_probabilities == pytest.approx({"billing": 0.6, "tech": 0.4}) and team.error
@@ -540,14 +540,14 @@ async def test_a_fault_for_a_question_without_a_fallback_label_raises_the_engine
     script = Script({"team": [((0.9, 0.1), 1.0)], "urgent": [((0.9, 0.1), 1.0)]}, fail_from=0)
     model = CanvasDecisionModel(engine=script.engine, on_engine_error="fallback", fallback={"team": "tech"})
     with pytest.raises(EngineUnavailable, match="replica down"):
-        await model.decide(STATE, questions("team", "urgent"))
+        await model.adecide(STATE, questions("team", "urgent"))
 
 
 async def test_a_reread_fault_escalates_the_uncertain_questions():
     script = Script({"team": [((0.6, 0.4), 1.0)], "urgent": [((0.99, 0.01), 1.0)]}, fail_from=1)
     recorder = Recorder({"team": "tech"})
     model = CanvasDecisionModel(engine=script.engine, escalate_to=recorder.runnable)
-    resp = await model.decide(STATE, questions("team", "urgent"))
+    resp = await model.adecide(STATE, questions("team", "urgent"))
     assert recorder.asked() == ["team"] and resp.reads["team"].path == "escalated"
     assert "EngineUnavailable" in resp.reads["team"].error
     assert resp.reads["urgent"].path == "canvas"
@@ -556,7 +556,7 @@ async def test_a_reread_fault_escalates_the_uncertain_questions():
 async def test_a_reread_fault_without_escalation_raises():
     script = Script({"team": [((0.6, 0.4), 1.0)]}, fail_from=1)
     with pytest.raises(EngineUnavailable):
-        await CanvasDecisionModel(engine=script.engine).decide(STATE, questions("team"))
+        await CanvasDecisionModel(engine=script.engine).adecide(STATE, questions("team"))
 
 
 async def test_fallback_configuration_is_validated():
@@ -565,4 +565,4 @@ async def test_fallback_configuration_is_validated():
         CanvasDecisionModel(engine=script.engine, on_engine_error="fallback")
     model = CanvasDecisionModel(engine=script.engine, on_engine_error="fallback", fallback={"team": "sales"})
     with pytest.raises(DecisionError, match="not an option"):
-        await model.decide(STATE, questions("team"))
+        await model.adecide(STATE, questions("team"))

@@ -74,7 +74,7 @@ async def test_ten_thousand_decisions_at_concurrency_256_with_bounded_memory():
             while (i := await queue.get()) is not None:
                 live += 1
                 peak_live = max(peak_live, live)
-                resp = await model.decide(f"Ticket #{i}: I was charged twice, please refund.", QUESTIONS)
+                resp = await model.adecide(f"Ticket #{i}: I was charged twice, please refund.", QUESTIONS)
                 live -= 1
                 outcomes["/".join(sorted({r.path for r in resp.reads.values()}))] += 1
                 answers[resp.answers["team"].choice] += 1
@@ -106,13 +106,13 @@ async def test_a_cold_burst_plans_once_and_discovers_once():
     the planning `/tokenize` calls of ONE decision, not 256 times as many."""
     async with LoopbackVLLM() as server:
         single = VLLMServerEngine(server.url)
-        await CanvasDecisionModel(engine=single).decide("first ticket", QUESTIONS)
+        await CanvasDecisionModel(engine=single).adecide("first ticket", QUESTIONS)
         one = Counter(server.requests)
         server.requests.clear()
 
         burst = VLLMServerEngine(server.url, max_concurrency=MAX_IN_FLIGHT_REQUESTS)
         model = CanvasDecisionModel(engine=burst)
-        results = await asyncio.gather(*(model.decide(f"ticket {i}", QUESTIONS) for i in range(CONCURRENCY)))
+        results = await asyncio.gather(*(model.adecide(f"ticket {i}", QUESTIONS) for i in range(CONCURRENCY)))
         assert len(results) == CONCURRENCY
         assert server.requests["/v1/models"] == one["/v1/models"] == 1
         assert server.requests["/tokenize"] == one["/tokenize"]

@@ -84,7 +84,7 @@ async def decide_all(model: CanvasDecisionModel, n: int, timeout: float = 60) ->
     """n concurrent decisions, each bounded by `timeout`; how each ended, counted."""
     async def one(i: int):
         try:
-            return await asyncio.wait_for(model.decide(f"{TICKET} (#{i})", QUESTIONS), timeout)
+            return await asyncio.wait_for(model.adecide(f"{TICKET} (#{i})", QUESTIONS), timeout)
         except CanvasRouteError:
             raise
         except TimeoutError:
@@ -123,7 +123,7 @@ async def test_every_fault_ends_escalated_fallback_or_typed_error(name, mode):
     async with LoopbackVLLM() as server:
         engine = VLLMServerEngine(server.url, timeout=0.5, max_retries=1, backoff=0.001)
         model = make_model(engine, mode)
-        assert outcome(await model.decide(TICKET, QUESTIONS)) == "answered"  # healthy first
+        assert outcome(await model.adecide(TICKET, QUESTIONS)) == "answered"  # healthy first
         server.inject(fault, times=None)
         before = server.reads
         counts = await decide_all(model, N)
@@ -139,9 +139,9 @@ async def test_escalated_reports_name_the_fault_and_the_target():
     async with LoopbackVLLM() as server:
         engine = VLLMServerEngine(server.url, max_retries=0)
         model = make_model(engine, "escalate")
-        await model.decide(TICKET, QUESTIONS)
+        await model.adecide(TICKET, QUESTIONS)
         server.inject(Fault(status=500), times=None)
-        resp = await model.decide(TICKET, QUESTIONS)
+        resp = await model.adecide(TICKET, QUESTIONS)
         for report in resp.reads.values():
             assert report.path == "escalated" and report.error.startswith("EngineUnavailable")
             assert report.escalation_model == "GenericFakeChatModel" and report.canvas_probabilities is None
@@ -157,7 +157,7 @@ async def test_transient_faults_then_recovery_answer_from_the_canvas():
         server.inject(Fault(status=429), times=1)
         server.inject(Fault(drop=True), times=1)
         server.inject(Fault(status=502), times=1)
-        resp = await model.decide(TICKET, QUESTIONS)
+        resp = await model.adecide(TICKET, QUESTIONS)
         assert outcome(resp) == "answered" and server.reads == 4 and engine.requests_sent == 4
         await engine.aclose()
 
@@ -177,7 +177,7 @@ async def test_connection_refused_after_the_server_went_away(mode):
     await server.start()
     engine = VLLMServerEngine(server.url, max_retries=2, backoff=0.001, replica_cooldown=0.01)
     model = make_model(engine, mode)
-    assert outcome(await model.decide(TICKET, QUESTIONS)) == "answered"
+    assert outcome(await model.adecide(TICKET, QUESTIONS)) == "answered"
     await server.close()
     expected = {"escalate": "escalated+error", "raise": "EngineUnavailable", "fallback": "fallback+error"}[mode]
     assert await decide_all(model, N) == Counter({expected: N})
@@ -202,9 +202,9 @@ async def test_a_connect_timeout_is_an_engine_timeout():
     engine = VLLMServerEngine("http://vllm.test:8000", transport=httpx.MockTransport(handler),
                               max_retries=2, backoff=0.001)
     with pytest.raises(EngineTimeout, match="ConnectTimeout"):
-        await make_model(engine, "raise").decide(TICKET, QUESTIONS)
+        await make_model(engine, "raise").adecide(TICKET, QUESTIONS)
     assert attempts["/v1/models"] == 3
-    resp = await make_model(engine, "escalate").decide(TICKET, QUESTIONS)
+    resp = await make_model(engine, "escalate").adecide(TICKET, QUESTIONS)
     assert outcome(resp) == "escalated+error"
     assert all(r.error.startswith("EngineTimeout") for r in resp.reads.values())
 
@@ -231,7 +231,7 @@ async def test_replicas_share_reads_and_survive_losing_one_mid_run():
         async def worker(ids: Iterator[int]) -> None:
             nonlocal killed_at
             for i in ids:
-                resp = await asyncio.wait_for(model.decide(f"{TICKET} (#{i})", QUESTIONS), 30)
+                resp = await asyncio.wait_for(model.adecide(f"{TICKET} (#{i})", QUESTIONS), 30)
                 done[outcome(resp)] += 1
                 if killed_at is None and sum(done.values()) >= 100:
                     killed_at = sum(done.values())
@@ -312,12 +312,12 @@ async def test_real_vllm_killed_mid_run_every_decision_accounted_for(tmp_path):
                                   replica_cooldown=0.5)
         models = {mode: make_model(engine, mode, policy=GatePolicy(rereads=2)) for mode in MODES}
         for model in models.values():  # discovery and plans, while the server is up
-            await model.decide(TICKET, QUESTIONS)
+            await model.adecide(TICKET, QUESTIONS)
         per_mode = 6
 
         async def one(mode: str, i: int):
             try:
-                return mode, await asyncio.wait_for(models[mode].decide(f"{TICKET} (#{i})", QUESTIONS), 120)
+                return mode, await asyncio.wait_for(models[mode].adecide(f"{TICKET} (#{i})", QUESTIONS), 120)
             except CanvasRouteError as exc:
                 return mode, exc
             except TimeoutError:
@@ -387,19 +387,19 @@ async def test_the_api_key_never_reaches_spans_logs_or_errors(caplog):
             engine = VLLMServerEngine(server.url, api_key=SECRET, timeout=0.5, max_retries=1, backoff=0.001)
             escalating = make_model(engine, "escalate")
             raising = make_model(engine, "raise")
-            await escalating.decide(TICKET, QUESTIONS)
+            await escalating.adecide(TICKET, QUESTIONS)
             for fault in (Fault(status=401), Fault(status=500), Fault(delay=2), Fault(drop=True),
                           Fault(body=b"not json"), Fault(logprob=math.nan)):
                 server.clear()
                 server.inject(fault, times=None)
-                await escalating.decide(TICKET, QUESTIONS)
+                await escalating.adecide(TICKET, QUESTIONS)
                 with pytest.raises(CanvasRouteError) as info:
-                    await raising.decide(TICKET, QUESTIONS)
+                    await raising.adecide(TICKET, QUESTIONS)
                 seen_errors.append(_errors_text(info.value))
             assert {h.get("authorization") for h in server.headers} == {f"Bearer {SECRET}"}  # it was sent
             url = server.url
         with pytest.raises(EngineUnavailable) as info:  # the server is gone now
-            await raising.decide(TICKET, QUESTIONS)
+            await raising.adecide(TICKET, QUESTIONS)
         seen_errors.append(_errors_text(info.value))
         seen_errors.append(repr(engine) + repr(raising))
         spans = exporter.get_finished_spans()

@@ -11,7 +11,9 @@ from langchain_core.decisions import Box, Choice, Noul, Score
 
 from engine import DecisionError, EngineInfo, FunctionEngine, InputTooLong, LabelError, UnsupportedQuestion
 from router import CanvasDecisionModel, GatePolicy
-from router._schema import MAX_LABEL_IDS, canvas_width, parse_questions, plan, template_text
+from router._plan import MAX_LABEL_IDS, canvas_width, plan
+from router._prompts import template_text
+from router._questions import MAX_OPTIONS, parse_questions
 
 TRIAGE = {
     "urgent": Noul(instructions="Urgent?"),
@@ -123,8 +125,8 @@ def test_label_alphabets():
     ({"x": {"type": "poll", "instructions": "?"}}, UnsupportedQuestion, "not a Noul"),
     ({"x": Choice(instructions="?", criteria={"": None, "b": None})}, LabelError, "empty option"),
     ({"x": Choice(instructions="?", criteria={"Billing": None, " billing": None})}, LabelError, "duplicate"),
-    ({"x": Choice(instructions="?", criteria={f"o{i}": None for i in range(MAX_LABEL_IDS + 1)})}, LabelError,
-     "at most 128"),
+    ({"x": Choice(instructions="?", criteria={f"o{i}": None for i in range(MAX_OPTIONS + 1)})}, LabelError,
+     "at most 255"),
     ({"": Noul(instructions="?")}, UnsupportedQuestion, "non-empty strings"),
 ])
 def test_bad_questions_are_refused_clearly(questions, error, match):

@@ -99,7 +99,7 @@ async def test_decision_set_with_reread_and_escalation_spans_and_metrics(otel):
     exporter, reader = otel
     model = CanvasDecisionModel(engine=_engine(), policy=GatePolicy(max_normalized_entropy=0.5, rereads=2),
                                 escalate_to=_escalation())
-    resp = await model.decide(STATE, QUESTIONS, attributes={tm.GRAPH_NODE: "triage"})
+    resp = await model.adecide(STATE, QUESTIONS, attributes={tm.GRAPH_NODE: "triage"})
     assert resp.reads["team"].path == "escalated" and resp.answers["team"].choice == "billing"
     assert resp.reads["urgent"].path == "canvas"
 
@@ -181,7 +181,7 @@ async def test_failed_engine_call_records_error_type(otel):
         raise EngineUnavailable("replica down")
 
     model = CanvasDecisionModel(engine=FunctionEngine(broken, model="fn-canvas"), escalate_to=_escalation())
-    resp = await model.decide(STATE, {"team": QUESTIONS["team"]})
+    resp = await model.adecide(STATE, {"team": QUESTIONS["team"]})
     assert resp.reads["team"].path == "escalated"
     (read,) = [s for s in exporter.get_finished_spans() if s.name.startswith("canvas_read")]
     assert read.status.status_code.name == "ERROR"
@@ -196,7 +196,7 @@ async def test_content_is_recorded_only_when_enabled(otel, monkeypatch):
     exporter, _ = otel
     monkeypatch.setenv("CANVASROUTE_RECORD_CONTENT", "1")
     model = CanvasDecisionModel(engine=_engine(), policy=GatePolicy(max_normalized_entropy=None, rereads=0))
-    await model.decide(STATE, QUESTIONS)
+    await model.adecide(STATE, QUESTIONS)
     spans = {s.name.split()[0]: s for s in exporter.get_finished_spans()}
     assert spans["decide"].attributes[tm.STATE_CONTENT] == STATE
     messages = json.loads(spans["canvas_read"].attributes[tm.GEN_AI_INPUT_MESSAGES])
@@ -250,7 +250,7 @@ async def test_traceparent_sent_to_vllm_carries_the_canvas_read_span(otel):
     mock = MockVLLM()
     engine = _vllm(mock)
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=None, rereads=0))
-    await model.decide(STATE, QUESTIONS)
+    await model.adecide(STATE, QUESTIONS)
     await engine.aclose()
     (read_span,) = [s for s in exporter.get_finished_spans() if s.name == "canvas_read mock-dgemma"]
     (read_request,) = [r for r in mock.requests if r.url.path == "/v1/chat/completions"]
@@ -273,10 +273,10 @@ async def test_api_key_never_reaches_spans_or_logs(otel, monkeypatch, caplog):
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.01, rereads=1),
                                 escalate_to=GenericFakeChatModel(messages=iter(
                                     [AIMessage('{"team": "tech", "urgent": "yes"}')])))
-    await model.decide(STATE, QUESTIONS)
+    await model.adecide(STATE, QUESTIONS)
     down = _vllm(MockVLLM(fail_reads=99), api_key=secret, max_retries=1)
     with pytest.raises(EngineUnavailable):
-        await CanvasDecisionModel(engine=down).decide(STATE, QUESTIONS)
+        await CanvasDecisionModel(engine=down).adecide(STATE, QUESTIONS)
     await engine.aclose()
     await down.aclose()
 

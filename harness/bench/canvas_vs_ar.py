@@ -86,10 +86,10 @@ async def _case(engine: Any, k: int, questions: dict[str, Any], runs: int, tag: 
     for i in range(runs):
         state = f"{TICKETS[i % len(TICKETS)]} (ticket {tag}#{1000 + k * 100 + i})"  # never seen before
         t = time.perf_counter()
-        resp = await model.decide(state, questions)  # cold: this prompt was never seen
+        resp = await model.adecide(state, questions)  # cold: this prompt was never seen
         canvas = time.perf_counter() - t
         t = time.perf_counter()
-        await model.decide(state, questions)  # the engine's prompt KV cache now holds it
+        await model.adecide(state, questions)  # the engine's prompt KV cache now holds it
         canvas_cached = time.perf_counter() - t
         read = recorder.reads[-1]
         labels = [resp.reads[qid].labels[0] for qid in questions]

@@ -110,7 +110,7 @@ async def _reference_read(url: str) -> CanvasRead:
     """The canvas the router sends for the reference triage node (first read only)."""
     recorder = Recorder(VLLMServerEngine(url, timeout=120))
     model = CanvasDecisionModel(engine=recorder, policy=GatePolicy(max_normalized_entropy=None, rereads=0))
-    await model.decide(TICKETS[0], NODES[TRIAGE])
+    await model.adecide(TICKETS[0], NODES[TRIAGE])
     await recorder.aclose()
     return recorder.reads[0]
 
@@ -140,7 +140,7 @@ async def _interleaved(url: str, read: CanvasRead, combos: list[tuple[str, int]]
     for engine, (_, c) in zip(engines, combos, strict=True):  # discovery, and open the connections
         await engine.info()
         await asyncio.gather(*(engine.read([read]) for _ in range(c)))
-    await asyncio.gather(*(model.decide(f"warm-up {i}", NODES[TRIAGE]) for i in range(64)))
+    await asyncio.gather(*(model.adecide(f"warm-up {i}", NODES[TRIAGE]) for i in range(64)))
     tallies, decided = [_Tally() for _ in combos], _Tally()
     for r in range(rounds):
         for engine, (_, c), tally in zip(engines, combos, tallies, strict=True):
@@ -170,7 +170,7 @@ async def _decide(model: CanvasDecisionModel, c: int, n: int, tally: _Tally, off
     questions = NODES[TRIAGE]
 
     async def one(i: int) -> None:
-        await model.decide(f"{TICKETS[i % len(TICKETS)]} (#{offset + i})", questions)
+        await model.adecide(f"{TICKETS[i % len(TICKETS)]} (#{offset + i})", questions)
 
     await _drive(one, c, n, tally)
 

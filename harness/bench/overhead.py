@@ -44,8 +44,8 @@ def run_overhead(quick: bool) -> Section:
     sdk = _sdk_provider()
     # (path, node, async function of the state or None, sync function or None, context per round)
     rows: list[tuple[str, str, Callable[[str], Awaitable[Any]] | None, Callable[[str], Any] | None, Any]] = [
-        ("CanvasDecisionModel.decide", "1 Noul", lambda s: noul.decide(s, NODES["1 Noul"]), None, nullcontext),
-        ("CanvasDecisionModel.decide", TRIAGE, lambda s: reference.decide(s, triage), None, nullcontext),
+        ("CanvasDecisionModel.decide", "1 Noul", lambda s: noul.adecide(s, NODES["1 Noul"]), None, nullcontext),
+        ("CanvasDecisionModel.decide", TRIAGE, lambda s: reference.adecide(s, triage), None, nullcontext),
         ("CanvasDecisionModel.ainvoke", TRIAGE, lambda s: invoked.ainvoke({"state": s, "questions": triage}),
          None, nullcontext),
         ("CanvasDecisionModel.invoke (sync path)", TRIAGE, None,
@@ -57,7 +57,7 @@ def run_overhead(quick: bool) -> Section:
     else:
         section.notes.append("LangGraph row skipped: harness.decision_node is not importable")
     if sdk is not None:
-        rows.append(("decide, OTel SDK + in-memory exporter", TRIAGE, lambda s: sdk_model.decide(s, triage),
+        rows.append(("decide, OTel SDK + in-memory exporter", TRIAGE, lambda s: sdk_model.adecide(s, triage),
                      None, sdk))
     samples: list[list[float]] = [[] for _ in rows]
     loop = asyncio.new_event_loop()
@@ -131,11 +131,11 @@ async def _profile(n: int) -> dict[str, Any]:
     model = CanvasDecisionModel(engine=instant_engine(), policy=GatePolicy())
     questions = NODES[TRIAGE]
     for s in TICKETS:
-        await model.decide(s, questions)
+        await model.adecide(s, questions)
     prof = cProfile.Profile()
     prof.enable()
     for i in range(n):
-        await model.decide(TICKETS[i % len(TICKETS)], questions)
+        await model.adecide(TICKETS[i % len(TICKETS)], questions)
     prof.disable()
     return profile_summary(prof, n)
 

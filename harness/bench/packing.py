@@ -35,7 +35,7 @@ def run_packing(url: str | None) -> Section:
                 model = CanvasDecisionModel(engine=recorder, policy=GatePolicy(max_normalized_entropy=None, rereads=0))
                 row: dict[str, Any] = {"engine": label, "node": node, "questions": len(questions)}
                 try:
-                    await model.decide(TICKETS[0], questions)
+                    await model.adecide(TICKETS[0], questions)
                 except CanvasRouteError as exc:
                     row.update(reads=0, error=f"{type(exc).__name__}: {exc.message}")
                     section.notes.append(f"{label} / {node}: {type(exc).__name__}: {exc.message}")

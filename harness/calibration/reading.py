@@ -32,7 +32,7 @@ async def collect(engine: Engine, rows: Sequence[Row], *, concurrency: int = 4,
 
     async def one(row: Row, spec: Mapping[str, QuestionSpec]) -> list[Labelled]:
         async with slots:
-            resp = await model.decide(row.state, row.questions)
+            resp = await model.adecide(row.state, row.questions)
         if progress is not None:
             progress(1)
         out = []

@@ -1,0 +1,139 @@
+"""Outcome rules: after reading, which questions escalate under the budget, and what each answers.
+
+The rules, in order: a confident canvas answer stands; an uncertain one (or one an
+engine fault hit) escalates while the budget grants it; past the budget `when_spent`
+decides (`keep` the canvas answer, `fallback` label, or `raise`). An engine fault
+never becomes a cheap answer: it escalates, takes a declared fallback label, or raises.
+Every budget grant that does not become an escalation is refunded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine import BudgetExhausted, CanvasRouteError, DecisionError, EscalationError
+
+from . import telemetry as tm
+from ._budget import BudgetMeter
+from ._distribution import SlotStats
+from ._escalation import Escalated, escalate, target_name
+from ._policy import EscalationBudget
+from ._questions import QuestionSpec
+from ._reading import QuestionRead
+from ._types import ReadReport
+
+OVER_BUDGET = "over_budget"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Outcomes:
+    """The model's escalation, budget, fallback and fault settings, applied to one decision."""
+
+    escalate_to: Any
+    budget: EscalationBudget | None
+    meter: BudgetMeter | None
+    on_engine_error: Literal["escalate", "raise", "fallback"]
+    fallback: Mapping[str, str]
+    escalation_timeout: float
+
+    def absorbs(self, exc: CanvasRouteError) -> bool:
+        """Whether an engine fault goes to escalation or the fallback label instead of raising.
+
+        Misuse (`DecisionError`) always raises; so does a fault with nowhere expensive to go.
+        """
+        if isinstance(exc, DecisionError) or self.on_engine_error == "raise":
+            return False
+        return self.escalate_to is not None or self.on_engine_error == "fallback"
+
+    async def escalate(self, state: Any, state_text: str, reads: Mapping[str, QuestionRead],
+                       usage: dict[str, int], thread_id: str | None) -> Escalated | None:
+        """Escalate the uncertain and faulted questions the budget grants, in one call."""
+        # engine faults first: under a partial budget they are the ones that cannot keep a canvas answer
+        wanted = sorted((r for r in reads.values() if r.error is not None or r.crossed), key=lambda r: r.error is None)
+        if self.on_engine_error == "fallback":
+            wanted = [r for r in wanted if r.error is None]  # faults take the fallback label
+        if not wanted or self.escalate_to is None:
+            return None
+        granted = await self.meter.take(len(wanted), thread_id) if self.meter else len(wanted)
+        try:
+            if granted < len(wanted):
+                self._refuse(wanted[granted:])
+            wanted = wanted[:granted]
+            if not wanted:
+                return None
+            result = await self._call(state, state_text, wanted)
+        except BaseException:
+            if self.meter and granted:
+                await self.meter.refund(granted, thread_id)  # nothing was escalated
+            raise
+        for key in ("input_tokens", "output_tokens"):
+            usage[key] += result.usage.get(key, 0)
+        return result
+
+    def _refuse(self, spent: list[QuestionRead]) -> None:
+        """Mark questions the budget turned away, or raise as `when_spent` declares."""
+        if self.budget and self.budget.when_spent == "raise":
+            raise BudgetExhausted(f"escalation budget spent; {len(spent)} question(s) could not escalate",
+                                  hint="raise the budget, or set when_spent='keep' or 'fallback'")
+        for r in spent:
+            if r.error is not None and (self.budget is None or self.budget.when_spent == "keep"):
+                raise BudgetExhausted(f"engine failed ({r.error}) and the escalation budget is spent",
+                                      hint="an engine fault never becomes a cheap answer")
+        for r in spent:
+            r.crossed = (*r.crossed, OVER_BUDGET)
+
+    async def _call(self, state: Any, state_text: str, wanted: list[QuestionRead]) -> Escalated:
+        canvas = {r.spec.id: named(r.spec, r.stats) if r.stats else None for r in wanted}
+        name = target_name(self.escalate_to)
+        with tm.escalation_call(self.escalate_to, name, list(canvas)) as call:
+            try:
+                result = await asyncio.wait_for(
+                    escalate(self.escalate_to, state_text, state, [r.spec for r in wanted], canvas),
+                    self.escalation_timeout)
+            except TimeoutError as exc:
+                raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s",
+                                      retryable=True) from exc
+            call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
+            call.output(result.answers)
+        return result
+
+    def report(self, r: QuestionRead, escalated: Escalated | None) -> ReadReport:
+        """The report for one question: escalated, fallback, or the canvas answer."""
+        spec, st = r.spec, r.stats
+        canvas = named(spec, st) if st else None
+        base: dict[str, Any] = dict(
+            question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
+            reads=len(r.runs) + r.in_group_reads, error=r.error,
+            crossed=[c for c in r.crossed if c != OVER_BUDGET], over_budget=OVER_BUDGET in r.crossed,
+        )
+        if st is not None:
+            base.update(entropy=st.entropy, normalized_entropy=st.normalized_entropy, margin=st.margin,
+                        label_mass=st.label_mass, confidence=st.confidence, agreement=st.agreement,
+                        stderr=st.stderr)
+        if escalated is not None and spec.id in escalated.answers:
+            answer = escalated.answers[spec.id]
+            probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in spec.options}
+            return ReadReport(answer=answer, probabilities=probs, path="escalated", confident=False,
+                              escalation_model=escalated.model, **base)
+        over_budget = base["over_budget"] and self.budget is not None and self.budget.when_spent == "fallback"
+        if st is None or over_budget or (r.fault is not None and self.on_engine_error == "fallback"):
+            if spec.id not in self.fallback:
+                if over_budget:
+                    raise BudgetExhausted(f"question {spec.id!r} could not escalate (budget spent) and has no "
+                                          "fallback option", hint="add it to fallback=") from r.fault
+                assert r.fault is not None
+                raise r.fault  # an engine fault never becomes a cheap answer
+            answer = self.fallback[spec.id]
+            return ReadReport(answer=answer, probabilities={o: float(o == answer) for o in spec.options},
+                              path="fallback", confident=False, **base)
+        path = "reread" if len(r.runs) > 1 else "canvas"
+        return ReadReport(answer=spec.options[st.top], probabilities=canvas, path=path,
+                          confident=not r.crossed, **base)
+
+
+def named(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:
+    """A distribution keyed by option name."""
+    return dict(zip(spec.options, st.probs, strict=True))

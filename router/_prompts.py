@@ -1,0 +1,45 @@
+"""Prompts: the system prompt that lists the questions and the answer-canvas text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from langchain_core.decisions import Choice, Noul
+
+from engine import EngineInfo
+
+if TYPE_CHECKING:
+    from ._questions import QuestionSpec
+
+
+def _text(content: Any) -> str:
+    return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+
+
+def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]]) -> str:
+    """The question list for one chunk. Caller ids are hidden behind q1, q2, ..."""
+    parts = ["Read the input and answer every question below."]
+    for n, (spec, alphabet) in enumerate(zip(specs, labels, strict=True), 1):
+        q = spec.question
+        lines = [f"Question q{n}: {_text(q.instructions)}"]
+        if isinstance(q, Noul):
+            crit = q.criteria
+            yes = _text(crit.true) if crit and crit.true is not None else "yes"
+            no = _text(crit.false) if crit and crit.false is not None else "no"
+            lines += [f"{alphabet[0]}: {yes}", f"{alphabet[1]}: {no}"]
+        elif isinstance(q, Choice):
+            for label, (name, desc) in zip(alphabet, q.criteria.items(), strict=True):
+                lines.append(f"{label}: {name}" + (f" ({_text(desc)})" if desc not in (None, "") else ""))
+        else:
+            lines += [f"{label}: {_text(desc)}" for label, desc in zip(alphabet, q.criteria, strict=True)]
+        parts.append("\n".join(lines))
+    parts.append('Reply with one line per question, in this order, formatted as "id: label".')
+    return "\n\n".join(parts)
+
+
+def template_text(info: EngineInfo, labels: Sequence[str]) -> str:
+    """The answer canvas text: one `qN: label` line per question."""
+    body = "\n".join(f"q{n}: {label}" for n, label in enumerate(labels, 1))
+    return f"{info.canvas_prefix}{body}\n{info.end_of_turn}"

@@ -1,0 +1,129 @@
+"""Questions: one validator for every entry point, and the canvas view of each question.
+
+`validate_questions` is the single check that the model, the `/v1/systemone` client and
+the HTTP server run on caller input; `parse_questions` adds what the canvas needs (option
+names in label order and candidate label alphabets).
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.decisions import Box, Choice, Noul, Question, Score
+from pydantic import TypeAdapter, ValidationError
+
+from engine import DecisionError, LabelError, UnsupportedQuestion
+
+from ._prompts import _text
+
+MAX_OPTIONS = 255
+"""Options one Choice or Score may have (the Jev limit); past one read's labels, two reads."""
+
+_QUESTION = TypeAdapter(Question)
+_UPPER = list(string.ascii_uppercase)
+_LOWER = list(string.ascii_lowercase)
+
+
+def validate_questions(questions: Any, *, allow_box: bool = False) -> dict[str, Noul | Choice | Score | Box]:
+    """Check a decision set (question models or plain dicts) and return it as models.
+
+    Args:
+        questions: A non-empty mapping of question id to question.
+        allow_box: Accept `Box` questions (servers that can locate; a canvas cannot).
+
+    Raises:
+        DecisionError: `questions` is not a non-empty mapping.
+        UnsupportedQuestion: an id is not a non-empty string, a question is not a
+            Noul/Choice/Score (or Box, when allowed), or a Box is asked of a canvas.
+
+    Example:
+        ```python
+        validate_questions({"urgent": {"type": "noul", "instructions": "Urgent?"}})
+        ```
+    """
+    if not isinstance(questions, Mapping) or not questions:
+        raise DecisionError("questions must be a non-empty mapping of id to question")
+    out: dict[str, Noul | Choice | Score | Box] = {}
+    for qid, raw in questions.items():
+        if not isinstance(qid, str) or not qid.strip():
+            raise UnsupportedQuestion(f"question ids must be non-empty strings, got {qid!r}")
+        is_box = isinstance(raw, Box) or (isinstance(raw, Mapping) and raw.get("type") == "box")
+        if is_box and not allow_box:
+            raise UnsupportedQuestion(f"question {qid!r}: Box questions have no canvas form",
+                                      hint="ask Noul, Choice or Score questions")
+        try:
+            out[qid] = raw if isinstance(raw, (Noul, Choice, Score, Box)) else _QUESTION.validate_python(raw)
+        except ValidationError as exc:
+            kinds = "Noul, Choice, Score or Box" if allow_box else "Noul, Choice or Score"
+            raise UnsupportedQuestion(f"question {qid!r} is not a {kinds}: {exc}") from exc
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class QuestionSpec:
+    """One question as the canvas sees it: option names and candidate label alphabets."""
+
+    id: str
+    question: Noul | Choice | Score
+    options: tuple[str, ...]
+    """Answer names in label order: `yes/no`, the Choice's keys, or Score levels `0..n-1`."""
+    alphabets: tuple[tuple[str, ...], ...]
+    """Label alphabets to try, best first; each has one label per option. Empty when no
+    fixed alphabet fits: the planner then scans the tokenizer for one-token labels."""
+
+    @property
+    def kind(self) -> str:
+        return self.question.type
+
+    @property
+    def descriptions(self) -> tuple[str, ...]:
+        """Each option's description as text, in option order ("" where there is none)."""
+        q = self.question
+        if isinstance(q, Noul):
+            crit = q.criteria
+            return (_text(crit.true) if crit and crit.true is not None else "",
+                    _text(crit.false) if crit and crit.false is not None else "")
+        if isinstance(q, Choice):
+            return tuple(_text(d) if d not in (None, "") else "" for d in q.criteria.values())
+        return tuple(_text(d) for d in q.criteria)
+
+
+def parse_questions(questions: Mapping[str, Any]) -> dict[str, QuestionSpec]:
+    """Validate questions (models or plain dicts) and give each its label alphabets."""
+    return {qid: _spec(qid, q) for qid, q in validate_questions(questions).items()}  # type: ignore[arg-type]
+
+
+def _spec(qid: str, q: Noul | Choice | Score) -> QuestionSpec:
+    if isinstance(q, Noul):
+        return QuestionSpec(qid, q, ("yes", "no"), (("yes", "no"), ("Yes", "No"), ("Y", "N"), ("A", "B")))
+    if isinstance(q, Choice):
+        names = list(q.criteria)
+        seen: dict[str, str] = {}
+        for name in names:
+            if not name.strip():
+                raise LabelError(f"question {qid!r} has an empty option name")
+            key = name.strip().casefold()
+            if key in seen:
+                raise LabelError(f"question {qid!r} has duplicate options {seen[key]!r} and {name!r}")
+            seen[key] = name
+        return QuestionSpec(qid, q, tuple(names), _alphabets(qid, len(names), letters_first=True))
+    levels = len(q.criteria)
+    return QuestionSpec(qid, q, tuple(str(i) for i in range(levels)), _alphabets(qid, levels, letters_first=False))
+
+
+def _alphabets(qid: str, k: int, *, letters_first: bool) -> tuple[tuple[str, ...], ...]:
+    """Fixed label alphabets for k options: letters (A.., a..) and digits (1.., 0..).
+
+    Past 52 options there is no fixed alphabet: the planner finds one-token labels in
+    the served tokenizer (`router._labels`).
+    """
+    if k > MAX_OPTIONS:
+        raise LabelError(f"question {qid!r} has {k} options; a question has at most {MAX_OPTIONS}")
+    letters = [_UPPER[:k], _LOWER[:k]] if k <= 26 else [(_UPPER + _LOWER)[:k]] if k <= 52 else []
+    digits = [[str(i) for i in range(1, k + 1)]] if k <= 9 else []
+    digits += [[str(i) for i in range(k)]] if k <= 10 else []
+    ordered = letters + digits if letters_first else digits + letters
+    return tuple(tuple(a) for a in ordered)

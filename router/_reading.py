@@ -1,0 +1,204 @@
+"""Reading: a planned decision set becomes canvas reads, gated per question.
+
+`Reading` holds one decision's engine, plan and seed. It sends the first read of every
+chunk in one engine call, re-reads each chunk holding an uncertain question (as many
+times as that chunk's uncertain questions ask), and gives routed questions their
+in-group read. Engine faults are recorded on the questions they hit when the model
+can absorb them (escalation or fallback), else raised.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from engine import CanvasRead, CanvasRouteError, EngineInfo, EngineResponseError
+
+from . import telemetry as tm
+from ._distribution import SlotStats, aggregate, slot_stats
+from ._plan import Chunk, Plan, Route
+from ._policy import GatePolicy
+from ._questions import QuestionSpec
+
+REREAD_STRIDE = 7919
+"""Read k of a canvas uses noise seed `seed + 7919 k` (vLLM's gateway convention)."""
+
+Messages = tuple[Mapping[str, str], ...]
+
+
+@dataclass(slots=True)
+class QuestionRead:
+    """Per-question canvas state while a decision set is answered."""
+
+    spec: QuestionSpec
+    chunk: int
+    labels: tuple[str, ...]
+    runs: list[SlotStats] = field(default_factory=list)
+    """One entry per read of the question's slot (the group slot, for a routed question)."""
+    stats: SlotStats | None = None
+    crossed: tuple[str, ...] = ()
+    error: str | None = None
+    fault: CanvasRouteError | None = None
+    """The engine fault behind `error`, re-raised when no escalation or fallback covers it."""
+    in_group_reads: int = 0
+    """Reads of the option within the chosen group (routed questions)."""
+
+    def fail(self, exc: CanvasRouteError) -> None:
+        self.error, self.fault = f"{type(exc).__name__}: {exc}", exc
+
+
+def messages(chunk: Chunk, state_text: str) -> Messages:
+    """The chat messages one chunk is read with."""
+    return ({"role": "system", "content": chunk.system}, {"role": "user", "content": state_text})
+
+
+def build_canvas(chunk: Chunk, msgs: Messages, info: EngineInfo, seed: int, constrained: bool) -> CanvasRead:
+    """Template + pad to the chunk width, with a random non-label id at every slot."""
+    rng = random.Random(seed)
+    canvas = list(chunk.template) + [info.pad_id] * (chunk.width - len(chunk.template))
+    for slot in chunk.slots:
+        avoid = set(slot.label_ids) | {info.pad_id}
+        noise = rng.randrange(info.vocab_size)
+        while noise in avoid:
+            noise = rng.randrange(info.vocab_size)
+        canvas[slot.position] = noise
+    return CanvasRead(messages=msgs, canvas=tuple(canvas), slots=tuple(s.position for s in chunk.slots),
+                      label_ids=chunk.label_ids, constrained=constrained)
+
+
+def combine(groups: SlotStats, route: Route, group: int, within: SlotStats) -> SlotStats:
+    """The distribution over every option of a routed question, from its two reads.
+
+    An option of the read group gets p(group) * p(option | group); each option of an
+    unread group gets p(that group) / its size (the reads cannot tell them apart).
+    Agreement and stderr are the group read's; label mass is the product of both.
+    """
+    probs: list[float] = []
+    for g, members in enumerate(route.groups):
+        if g == group:
+            probs += [groups.probs[g] * p for p in within.probs]
+        else:
+            probs += [groups.probs[g] / len(members)] * len(members)
+    return SlotStats(tuple(probs), groups.label_mass * within.label_mass, reads=groups.reads,
+                     agreement=groups.agreement, stderr=groups.stderr)
+
+
+@dataclass(slots=True)
+class Reading:
+    """The canvas reads of one decision: first reads, per-chunk re-reads, in-group reads."""
+
+    engine: object
+    info: EngineInfo
+    plan: Plan
+    state_text: str
+    seed: int
+    policy: GatePolicy
+    constrained: bool
+    absorbs: Callable[[CanvasRouteError], bool]
+    """Whether an engine fault is recorded on the questions (True) or raised (False)."""
+    member_plan: Callable[[Plan, str, int], Awaitable[Plan]]
+    """The (cached) plan of a routed question's in-group read: (plan, question id, group)."""
+    usage: dict[str, int]
+    canvas_reads: int = 0
+
+    async def run(self) -> dict[str, QuestionRead]:
+        """Read, gate and re-read every question; returns each question's state."""
+        reads = {s.question_id: QuestionRead(self.plan.specs[s.question_id], c, s.labels)
+                 for c, chunk in enumerate(self.plan.chunks) for s in chunk.slots}
+        for qid, route in self.plan.routes.items():  # "group/option" labels, in option order
+            reads[qid].labels = tuple(f"{g}/{route.labels[j]}" for g, members in zip(reads[qid].labels, route.groups)
+                                      for j in range(len(members)))
+        msgs = [messages(c, self.state_text) for c in self.plan.chunks]
+        first = [(c, 0) for c in range(len(self.plan.chunks))]
+        await self._jobs(first, msgs, reads, list(reads), "first")
+        uncertain = {qid: self.policy.for_question(qid).rereads for qid, r in reads.items()
+                     if r.error is None and r.crossed and self.policy.for_question(qid).rereads}
+        if uncertain:
+            await self._jobs(self._reread_jobs(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
+        await self._in_group(reads)
+        return reads
+
+    @staticmethod
+    def _reread_jobs(reads: Mapping[str, QuestionRead], uncertain: Mapping[str, int]) -> list[tuple[int, int]]:
+        """Each chunk holding an uncertain question is read k more times, k the largest
+        `rereads` among ITS uncertain questions."""
+        per_chunk: dict[int, int] = {}
+        for qid, n in uncertain.items():
+            per_chunk[reads[qid].chunk] = max(per_chunk.get(reads[qid].chunk, 0), n)
+        return [(c, k) for c in sorted(per_chunk) for k in range(1, per_chunk[c] + 1)]
+
+    async def _jobs(self, jobs: Sequence[tuple[int, int]], msgs: Sequence[Messages],
+                    reads: dict[str, QuestionRead], hit: Sequence[str], kind: str,
+                    only: Mapping[str, int] | None = None) -> None:
+        """Read (chunk, k) pairs in one call, add each slot's stats to its question, gate again.
+
+        `only` (re-reads): question id -> re-reads it asked for; other questions keep their
+        first read. A fault is recorded on the questions in `hit`.
+        """
+        batch = [build_canvas(self.plan.chunks[c], msgs[c], self.info, self.seed + REREAD_STRIDE * k,
+                              self.constrained) for c, k in jobs]
+        try:
+            stats = await self._read(batch, [self.plan.chunks[c] for c, _ in jobs], kind)
+        except CanvasRouteError as exc:
+            if not self.absorbs(exc):
+                raise
+            for qid in hit:
+                reads[qid].fail(exc)
+            return
+        for (c, k), chunk_stats in zip(jobs, stats, strict=True):
+            for slot, st in zip(self.plan.chunks[c].slots, chunk_stats, strict=True):
+                if only is None or k <= only.get(slot.question_id, 0):
+                    reads[slot.question_id].runs.append(st)
+        for qid in hit:
+            r = reads[qid]
+            if r.runs and r.error is None:
+                r.stats = aggregate(r.runs)
+                r.crossed = tuple(self.policy.for_question(qid).crossed(r.stats))
+
+    async def _in_group(self, reads: dict[str, QuestionRead]) -> None:
+        """The second read of each routed question: the option within its most likely group."""
+        routed = [(qid, route) for qid, route in self.plan.routes.items()
+                  if reads[qid].error is None and reads[qid].stats is not None]
+        if not routed:
+            return
+        member_plans = [await self.member_plan(self.plan, qid, reads[qid].stats.top) for qid, _ in routed]
+        chunks = [p.chunks[0] for p in member_plans]
+        batch = [build_canvas(c, messages(c, self.state_text), self.info, self.seed, self.constrained)
+                 for c in chunks]
+        try:
+            stats = await self._read(batch, chunks, "in_group")
+        except CanvasRouteError as exc:
+            if not self.absorbs(exc):
+                raise
+            for qid, _ in routed:
+                reads[qid].fail(exc)
+            return
+        for (qid, route), (within,) in zip(routed, stats, strict=True):
+            r = reads[qid]
+            assert r.stats is not None
+            r.stats = combine(r.stats, route, r.stats.top, within)
+            r.in_group_reads = 1
+            r.crossed = tuple(self.policy.for_question(qid).crossed(r.stats))
+
+    async def _read(self, batch: Sequence[CanvasRead], chunks: Sequence[Chunk], kind: str) -> list[list[SlotStats]]:
+        """One engine call; returns stats per canvas, in slot order."""
+        self.canvas_reads += len(batch)  # sent, whether or not the engine answers
+        with tm.engine_call(self.info, batch, kind) as call:
+            results = await self.engine.read(batch)  # type: ignore[attr-defined]
+            if len(results) != len(batch):
+                raise EngineResponseError(f"the engine returned {len(results)} results for {len(batch)} canvases")
+            tokens_in = sum(r.prompt_tokens for r in results)
+            tokens_out = sum(r.completion_tokens for r in results)
+            call.usage(tokens_in, tokens_out, results)
+            call.read_output(chunks, results)
+        self.usage["input_tokens"] += tokens_in
+        self.usage["output_tokens"] += tokens_out
+        out = []
+        for chunk, result in zip(chunks, results, strict=True):
+            if len(result.rows) != len(chunk.slots):
+                raise EngineResponseError(f"the engine returned {len(result.rows)} slot rows for "
+                                          f"{len(chunk.slots)} slots")
+            out.append([slot_stats(row, s.label_ids, self.policy.for_question(s.question_id).temperature)
+                        for row, s in zip(result.rows, chunk.slots, strict=True)])
+        return out
