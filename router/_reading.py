@@ -191,7 +191,7 @@ class Reading:
             tokens_in = sum(r.prompt_tokens for r in results)
             tokens_out = sum(r.completion_tokens for r in results)
             call.usage(tokens_in, tokens_out, results)
-            call.read_output(chunks, results)
+            call.read_output(chunks, results, self.plan.specs)
         self.usage["input_tokens"] += tokens_in
         self.usage["output_tokens"] += tokens_out
         out = []

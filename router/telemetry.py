@@ -221,9 +221,10 @@ class Call:
         histogram.record(input_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "input"})
         histogram.record(output_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "output"})
 
-    def read_output(self, chunks: Sequence[Any], results: Sequence[Any]) -> None:
+    def read_output(self, chunks: Sequence[Any], results: Sequence[Any], specs: Mapping[str, Any]) -> None:
         """`output.value` of a canvas read: per canvas, each question's distribution over its
-        options (softmax of the slot row over the question's labels, temperature 1)."""
+        options (softmax of the slot row over the question's labels, temperature 1; keyed by
+        label where a slot reads groups of options rather than the options)."""
         if not self.span.is_recording():
             return
         out = []
@@ -235,7 +236,9 @@ class Call:
                 if top == -math.inf:
                     continue
                 ps = [math.exp(lp - top) for lp in lps]
-                options = plan.specs[slot.question_id].options
+                options = specs[slot.question_id].options if slot.question_id in specs else ()
+                if len(options) != len(ps):
+                    options = slot.labels
                 canvas[slot.question_id] = {o: round(p / sum(ps), 4) for o, p in zip(options, ps)}
             out.append(canvas)
         self.output(out)
