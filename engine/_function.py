@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._types import CanvasRead, EngineInfo, Message, ReadResult
+from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows
 
 RowsFunction = Callable[[CanvasRead], Any]
 """`fn(read) -> rows | ReadResult` (sync or async): one `{id: logprob}` row per slot."""
@@ -22,7 +22,10 @@ class FunctionEngine:
 
     Its tokenizer is a small deterministic word tokenizer (words, single spaces and
     punctuation are tokens; ids are assigned on first sight), so every label is one
-    token and slot resolution always succeeds. Raise from `fn` to inject a fault.
+    token and slot resolution always succeeds. Raise from `fn` to inject a fault. Rows
+    are held to the engine contract: a row without every requested label id raises
+    `EngineResponseError`. Its special tokens (`<|turn>`, `<turn|>`, ...) are reported in
+    `EngineInfo.special_tokens` and each tokenize to one reserved id.
 
     Example:
         ```python
@@ -34,7 +37,8 @@ class FunctionEngine:
                  max_model_len: int = 4096, vocab_size: int = 32000) -> None:
         self._fn = fn
         self._info = EngineInfo(model=model, provider="function", canvas_width=canvas_width,
-                                max_model_len=max_model_len, vocab_size=vocab_size, pad_id=0)
+                                max_model_len=max_model_len, vocab_size=vocab_size, pad_id=0,
+                                special_tokens=tuple(sorted(_SPECIALS)))
         self._vocab: dict[str, int] = {s: i for i, s in enumerate(_SPECIALS)}
         self.reads: list[CanvasRead] = []
         """Every canvas read so far, in order."""
@@ -76,6 +80,7 @@ class FunctionEngine:
                 result = ReadResult(rows=tuple(dict(r) for r in rows), prompt_tokens=0,
                                     completion_tokens=len(read.canvas),
                                     latency_s=time.perf_counter() - start)
+            check_rows(read, result.rows)
             out.append(result)
         return out
 

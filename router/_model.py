@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import json
 import random
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -28,6 +27,7 @@ from langchain_core.messages import BaseMessage
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from engine import (
+    SPECIAL_CANDIDATES,
     BudgetExhausted,
     CanvasRead,
     CanvasRouteError,
@@ -37,6 +37,7 @@ from engine import (
     EngineResponseError,
     EscalationError,
     InputTooLong,
+    defuse,
     run_sync,
 )
 
@@ -50,7 +51,6 @@ from ._types import CanvasResponse, ReadReport
 
 REREAD_STRIDE = 7919
 """Read k of a canvas uses noise seed `seed + 7919 k` (vLLM's gateway convention)."""
-_SPECIAL_TEXT = re.compile(r"<(?=\|)|(?<=\|)>|<(?=/?(?:pad|eos|bos|unk|mask|s)>)")
 
 
 @dataclass(slots=True)
@@ -186,7 +186,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         if info is not None:
             self.model = info.model
         model_name = self.model
-        state_text = render_state(state)
+        state_text = render_state(state, info.special_tokens if info is not None else None)
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
         if tm.record_content():
             attrs[tm.STATE_CONTENT] = state_text
@@ -402,11 +402,12 @@ class CanvasDecisionModel(BaseDecisionModel):
 # -- helpers ---------------------------------------------------------------------------
 
 
-def render_state(state: Any) -> str:
+def render_state(state: Any, special_tokens: Sequence[str] | None = None) -> str:
     """The user message: a string as is, messages as a transcript, anything else as JSON.
 
-    Special-token text (`<turn|>`, `<|im_end|>`, `<pad>`, ...) is defused with a
-    zero-width space so a state cannot close the turn or forge template tokens.
+    Every special-token text of the engine's tokenizer (`EngineInfo.special_tokens`;
+    default: the texts `engine` probes servers for) is defused with a zero-width space, so
+    a state cannot close the turn or forge template tokens.
     """
     if isinstance(state, str):
         text = state
@@ -416,7 +417,7 @@ def render_state(state: Any) -> str:
         text = "\n".join(f"{m.type}: {m.text}" for m in state)
     else:
         text = json.dumps(state, ensure_ascii=False, default=_jsonable, sort_keys=False)
-    return _SPECIAL_TEXT.sub(lambda m: m.group(0) + "\u200b" if m.group(0) == "<" else "\u200b>", text)
+    return defuse(text, special_tokens or SPECIAL_CANDIDATES)
 
 
 def _questions_key(questions: Any) -> str | None:

@@ -22,7 +22,7 @@ from langchain_core.decisions import Choice, Noul, Score
 
 from conftest import fresh_tracer_provider
 from engine import VLLMServerEngine
-from harness._loopback_vllm import LoopbackVLLM, spawn
+from engine.testing import LoopbackVLLM, spawn
 from router import CanvasDecisionModel, GatePolicy
 
 QUESTIONS = {
