@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows
+from ._types import CanvasRead, EngineInfo, Message, ReadResult
 
 RowsFunction = Callable[[CanvasRead], Any]
 """`fn(read) -> rows | ReadResult` (sync or async): one `{id: logprob}` row per slot."""
@@ -22,9 +22,10 @@ class FunctionEngine:
 
     Its tokenizer is a small deterministic word tokenizer (words, single spaces and
     punctuation are tokens; ids are assigned on first sight), so every label is one
-    token and slot resolution always succeeds. Raise from `fn` to inject a fault. Rows
-    are held to the engine contract: a row without every requested label id raises
-    `EngineResponseError`. Its special tokens (`<|turn>`, `<turn|>`, ...) are reported in
+    token and slot resolution always succeeds. Raise from `fn` to inject a fault. A row
+    only needs its own slot's label ids (the router refuses a row without one, with
+    `EngineResponseError`); `engine.check_rows(read, rows)` holds rows to the full wire
+    contract. Its special tokens (`<|turn>`, `<turn|>`, ...) are reported in
     `EngineInfo.special_tokens` and each tokenize to one reserved id.
 
     Example:
@@ -80,7 +81,6 @@ class FunctionEngine:
                 result = ReadResult(rows=tuple(dict(r) for r in rows), prompt_tokens=0,
                                     completion_tokens=len(read.canvas),
                                     latency_s=time.perf_counter() - start)
-            check_rows(read, result.rows)
             out.append(result)
         return out
 

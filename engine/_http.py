@@ -87,12 +87,13 @@ class Connection:
         backoff: first retry delay, doubled per retry, with jitter (x0.5-1.5).
         replica_cooldown: seconds a replica that failed to connect or timed out is skipped.
         transport: an `httpx.AsyncBaseTransport` (e.g. `httpx.MockTransport` in tests).
+        service: what the URLs serve, for error hints ("vLLM server").
     """
 
     def __init__(self, base_urls: str | Sequence[str], *, api_key: str | None = None, timeout: float = 30.0,
                  connect_timeout: float | None = None, max_concurrency: int = 64, max_retries: int = 3,
                  backoff: float = 0.2, replica_cooldown: float = 5.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, service: str = "server") -> None:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("a connection needs at least one base URL")
@@ -113,6 +114,7 @@ class Connection:
         self.backoff = backoff
         self.replica_cooldown = replica_cooldown
         self._transport = transport
+        self._service = service
         self._loops: dict[asyncio.AbstractEventLoop, _Lanes] = {}
         self._ssl: Any = None
 
@@ -129,6 +131,12 @@ class Connection:
         """Requests holding a slot on the current event loop (0 when idle)."""
         lanes = self._loops.get(asyncio.get_running_loop())
         return self.max_concurrency - lanes.slots._value if lanes else 0
+
+    @property
+    def lanes(self) -> tuple[int, int]:
+        """(idle, open) HTTP clients on the current event loop; open never exceeds `max_concurrency`."""
+        lanes = self._loops.get(asyncio.get_running_loop())
+        return (len(lanes.idle), len(lanes.clients)) if lanes else (0, 0)
 
     async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None, *,
                       on_attempt: Callable[[], None] | None = None) -> Reply:
@@ -209,7 +217,7 @@ class Connection:
                 replica.down_until = time.monotonic() + self.replica_cooldown
                 continue
             except httpx.TransportError as exc:
-                last = EngineUnavailable(f"{where} failed: {exc!r}", hint="is the server running at this URL?")
+                last = EngineUnavailable(f"{where} failed: {exc!r}", hint=f"is the {self._service} running at this URL?")
                 replica.down_until = time.monotonic() + self.replica_cooldown
                 continue
             status = resp.status_code

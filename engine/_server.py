@@ -70,7 +70,8 @@ class VLLMServerEngine:
             raise ValueError("max_concurrency must be >= 1 and max_retries >= 0")
         self.connection = Connection(urls, api_key=api_key, timeout=timeout, connect_timeout=connect_timeout,
                                      max_concurrency=max_concurrency, max_retries=max_retries, backoff=backoff,
-                                     replica_cooldown=replica_cooldown, transport=transport)
+                                     replica_cooldown=replica_cooldown, transport=transport,
+                                     service="vLLM server")
         """The HTTP connection (replicas, lanes, retries)."""
         self._model = model
         self.endpoint = endpoint
@@ -94,6 +95,11 @@ class VLLMServerEngine:
     def cached_prompts(self) -> int:
         """Token id lists held by the prompt cache (chats and texts)."""
         return len(self._tokens)
+
+    @property
+    def pending_fetches(self) -> int:
+        """Discovery and `/tokenize` fetches in flight, shared by their concurrent callers."""
+        return len(self._inflight)
 
     # -- protocol -------------------------------------------------------------------
 
