@@ -19,6 +19,7 @@ from langchain_core.decisions import Choice, Noul, Score
 from pydantic import TypeAdapter, ValidationError
 
 from engine import (
+    MAX_LABEL_IDS,
     SPECIAL_CANDIDATES,
     DecisionError,
     Engine,
@@ -28,9 +29,6 @@ from engine import (
     UnsupportedQuestion,
     defuse,
 )
-
-MAX_LABEL_IDS = 128
-"""vLLM caps `logprob_token_ids` at 128 ids per request."""
 
 _QUESTION = TypeAdapter(Noul | Choice | Score)
 _UPPER = list(string.ascii_uppercase)
