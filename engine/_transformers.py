@@ -172,6 +172,9 @@ class TransformersEngine:
     Concurrent `read` calls within `batch_window_s` share one forward pass of at most
     `max_batch` canvases, run on one worker thread so the event loop stays free. Prompts
     are left-padded with an attention mask, so a batched read equals an unbatched one.
+    `enable_thinking` goes to the chat template (default False); a DiffusionGemma canvas
+    opens with the thought block only when the generation prompt does not end with it.
+    `EngineInfo.special_tokens` lists the tokenizer's special and added tokens.
 
     Example:
         ```python

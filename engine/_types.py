@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from ._text import THOUGHT_SCAFFOLD
 from .errors import EngineResponseError
 
 Message = Mapping[str, str]
@@ -31,7 +32,7 @@ class EngineInfo:
     """Token that fills the canvas after the template."""
     chat_overhead: int = 0
     """Tokens the chat template adds around empty messages (for cheap length bounds)."""
-    canvas_prefix: str = "<|channel>thought\n<channel|>"
+    canvas_prefix: str = THOUGHT_SCAFFOLD
     """Text that opens the answer canvas: Gemma 4's empty thought block, or `""` where the
     engine found that its generation prompt already ends with it."""
     end_of_turn: str = "<turn|>"
