@@ -13,9 +13,6 @@ model=$cache/tiny-dgemma
 case "${1:-}" in
   provision)
     mkdir -p "$cache"
-    # one provisioner at a time: concurrent test runs must not rebuild the venv under each other
-    exec 9>"$cache/.provision.lock"
-    flock 9
     if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm, triton_interp_cpu" 2>/dev/null; then
       rm -rf "$venv"
       bash "$tools/setup_venv.sh" "$venv"
