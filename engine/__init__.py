@@ -8,15 +8,21 @@ one small protocol, `Engine`:
 - `TransformersEngine`: in-process torch, DiffusionGemma or a causal LM (extra `[local]`).
 - `FunctionEngine`: a test double driven by a function.
 
-Every error the library raises lives in `engine.errors`, re-exported here.
+Every error the library raises lives in `engine.errors`, re-exported here. Shared parts:
+`Connection` (HTTP with replicas, retries and typed errors), `MAX_LABEL_IDS` (vLLM's cap
+per read), `check_rows` (every requested label id at every slot), `defuse` (special-token
+text made harmless). Test doubles and the vLLM-wire fake live in `engine.testing`.
 """
 
 from typing import TYPE_CHECKING, Any
 
 from ._function import FunctionEngine
+from ._http import Connection
 from ._server import VLLMServerEngine
 from ._sync import run_sync
-from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult
+from ._text import SPECIAL_CANDIDATES, THOUGHT_SCAFFOLD, defuse
+from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult, check_rows
+from ._wire import MAX_LABEL_IDS
 from .errors import (
     BudgetExhausted,
     CalibrationError,
@@ -45,6 +51,7 @@ __all__ = [
     "CalibrationError",
     "CanvasRead",
     "CanvasRouteError",
+    "Connection",
     "DecisionError",
     "EmbeddedModelMissing",
     "Engine",
@@ -58,13 +65,18 @@ __all__ = [
     "FunctionEngine",
     "InputTooLong",
     "LabelError",
+    "MAX_LABEL_IDS",
     "Message",
     "ReadResult",
+    "SPECIAL_CANDIDATES",
+    "THOUGHT_SCAFFOLD",
     "TraceFileError",
     "TransformersEngine",
     "UnsupportedQuestion",
     "VLLMEngine",
     "VLLMServerEngine",
+    "check_rows",
+    "defuse",
     "embedded_engine",
     "run_sync",
 ]

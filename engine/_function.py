@@ -22,7 +22,11 @@ class FunctionEngine:
 
     Its tokenizer is a small deterministic word tokenizer (words, single spaces and
     punctuation are tokens; ids are assigned on first sight), so every label is one
-    token and slot resolution always succeeds. Raise from `fn` to inject a fault.
+    token and slot resolution always succeeds. Raise from `fn` to inject a fault. A row
+    only needs its own slot's label ids (the router refuses a row without one, with
+    `EngineResponseError`); `engine.check_rows(read, rows)` holds rows to the full wire
+    contract. Its special tokens (`<|turn>`, `<turn|>`, ...) are reported in
+    `EngineInfo.special_tokens` and each tokenize to one reserved id.
 
     Example:
         ```python
@@ -34,7 +38,8 @@ class FunctionEngine:
                  max_model_len: int = 4096, vocab_size: int = 32000) -> None:
         self._fn = fn
         self._info = EngineInfo(model=model, provider="function", canvas_width=canvas_width,
-                                max_model_len=max_model_len, vocab_size=vocab_size, pad_id=0)
+                                max_model_len=max_model_len, vocab_size=vocab_size, pad_id=0,
+                                special_tokens=tuple(sorted(_SPECIALS)))
         self._vocab: dict[str, int] = {s: i for i, s in enumerate(_SPECIALS)}
         self.reads: list[CanvasRead] = []
         """Every canvas read so far, in order."""

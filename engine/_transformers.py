@@ -15,7 +15,6 @@ of the same prompt with new noise runs only the canvas pass.
 from __future__ import annotations
 
 import inspect
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,8 +33,10 @@ from transformers import (
 )
 
 from ._batching import MicroBatcher
+from ._prompts import EMPTY_CHAT, ChatPrompts, template_kwargs
+from ._text import THOUGHT_SCAFFOLD, scaffold_prefix, tokenizer_specials
+from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows
 from .errors import EngineRequestError
-from ._types import CanvasRead, EngineInfo, Message, ReadResult
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 """A prompt's cache: per layer (keys, values), each `[1, kv_heads, n, head_dim]`."""
@@ -171,6 +172,9 @@ class TransformersEngine:
     Concurrent `read` calls within `batch_window_s` share one forward pass of at most
     `max_batch` canvases, run on one worker thread so the event loop stays free. Prompts
     are left-padded with an attention mask, so a batched read equals an unbatched one.
+    `enable_thinking` goes to the chat template (default False); a DiffusionGemma canvas
+    opens with the thought block only when the generation prompt does not end with it.
+    `EngineInfo.special_tokens` lists the tokenizer's special and added tokens.
 
     Example:
         ```python
@@ -194,6 +198,7 @@ class TransformersEngine:
         batch_window_s: float = 0.002,
         max_queue: int = 1024,
         prompt_cache_size: int = 64,
+        enable_thinking: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         canvas_prefix: str | None = None,
         end_of_turn: str | None = None,
@@ -208,9 +213,7 @@ class TransformersEngine:
         self._tokenizer = tokenizer
         self._device = torch.device(device)
         self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._template_kwargs = dict(chat_template_kwargs if chat_template_kwargs is not None
-                                     else {"enable_thinking": False})
-        self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._prompts = ChatPrompts(tokenizer, template_kwargs(enable_thinking, chat_template_kwargs))
         self._kv: OrderedDict[tuple[int, ...], KV] = OrderedDict()
         self._kv_size = prompt_cache_size
         self._closed = False
@@ -223,13 +226,16 @@ class TransformersEngine:
         limits = [self._kind.max_positions, max_model_len or _MAX_MODEL_LEN_CAP]
         if (tok_max := getattr(tokenizer, "model_max_length", None)) and tok_max < 10**7:
             limits.append(int(tok_max))
-        overhead = len(self._prompt_ids([{"role": "system", "content": ""}, {"role": "user", "content": ""}]))
-        defaults = {} if diffusion else {"canvas_prefix": "", "end_of_turn": tokenizer.eos_token or ""}
+        empty = self._prompt_ids(EMPTY_CHAT)
+        scaffold = tokenizer(THOUGHT_SCAFFOLD, add_special_tokens=False).input_ids
+        defaults = ({"canvas_prefix": scaffold_prefix(empty, scaffold)} if diffusion
+                    else {"canvas_prefix": "", "end_of_turn": tokenizer.eos_token or ""})
         overrides = {k: v for k, v in (("canvas_prefix", canvas_prefix), ("end_of_turn", end_of_turn)) if v is not None}
         self._info = EngineInfo(
             model=name or Path(str(model.config.name_or_path or type(model).__name__)).name,
             provider="transformers", canvas_width=self._kind.canvas_width, max_model_len=min(limits),
-            vocab_size=min(len(tokenizer), self._kind.vocab), pad_id=self._pad, chat_overhead=overhead,
+            vocab_size=min(len(tokenizer), self._kind.vocab), pad_id=self._pad, chat_overhead=len(empty),
+            special_tokens=tokenizer_specials(tokenizer),
             **(defaults | overrides),
         )
 
@@ -287,6 +293,8 @@ class TransformersEngine:
         start = time.perf_counter()
         done = await self._batcher.submit(jobs)
         latency = time.perf_counter() - start
+        for job, (rows, _) in zip(jobs, done, strict=True):
+            check_rows(job.read, rows)
         return [ReadResult(rows=rows, prompt_tokens=len(job.prompt), completion_tokens=len(job.read.canvas),
                            latency_s=latency, attrs=attrs) for job, (rows, attrs) in zip(jobs, done, strict=True)]
 
@@ -298,15 +306,7 @@ class TransformersEngine:
     # -- requests -------------------------------------------------------------------
 
     def _prompt_ids(self, messages: Sequence[Message]) -> tuple[int, ...]:
-        key = json.dumps([dict(m) for m in messages], sort_keys=True)
-        if key not in self._prompts:
-            ids = self._tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False, **self._template_kwargs)
-            self._prompts[key] = tuple(int(t) for t in ids)
-            while len(self._prompts) > 1024:
-                self._prompts.popitem(last=False)
-        self._prompts.move_to_end(key)
-        return self._prompts[key]
+        return self._prompts(messages)
 
     def _job(self, read: CanvasRead) -> _Job:
         """Check a read before it is queued, so a bad one never fails a whole batch."""

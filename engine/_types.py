@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from ._text import THOUGHT_SCAFFOLD
 from .errors import EngineResponseError
 
 Message = Mapping[str, str]
@@ -31,10 +32,14 @@ class EngineInfo:
     """Token that fills the canvas after the template."""
     chat_overhead: int = 0
     """Tokens the chat template adds around empty messages (for cheap length bounds)."""
-    canvas_prefix: str = "<|channel>thought\n<channel|>"
-    """Text that opens the answer canvas (Gemma 4's empty thought block)."""
+    canvas_prefix: str = THOUGHT_SCAFFOLD
+    """Text that opens the answer canvas: Gemma 4's empty thought block, or `""` where the
+    engine found that its generation prompt already ends with it."""
     end_of_turn: str = "<turn|>"
     """Text that closes the answer (Gemma 4's end of turn)."""
+    special_tokens: tuple[str, ...] = ()
+    """Special and added token texts of the engine's tokenizer: `engine.defuse` breaks them
+    in user text so a state or an instruction cannot forge template tokens."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,8 +63,8 @@ class ReadResult:
     """Rows of log-probabilities at the requested slots, plus accounting."""
 
     rows: tuple[Mapping[int, float], ...]
-    """One row per requested slot: token id to logprob (at least the label ids an
-    engine could score; a missing id means 'below everything shown')."""
+    """One row per requested slot: token id to logprob, holding every requested label id
+    (`check_rows`: a row without one is an `EngineResponseError`, never an answer)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     latency_s: float = 0.0
@@ -75,6 +80,23 @@ class ReadResult:
                     raise EngineResponseError(f"slot row {i} holds a non-finite logprob {lp!r} for id {token}")
                 if lp > 1e-4:
                     raise EngineResponseError(f"slot row {i} holds a positive logprob {lp!r} for id {token}")
+
+
+def check_rows(read: CanvasRead, rows: Sequence[Mapping[int, float]]) -> None:
+    """Every requested label id at every slot, one row per slot; else `EngineResponseError`.
+
+    A server that returns only its argmax (or drops ids) would otherwise make a slot look
+    certain: a malformed row fails the read like any engine fault.
+    """
+    if len(rows) != len(read.slots):
+        raise EngineResponseError(f"the engine returned {len(rows)} slot rows for {len(read.slots)} slots")
+    for slot, row in zip(read.slots, rows, strict=True):
+        missing = [i for i in read.label_ids if i not in row]
+        if missing:
+            raise EngineResponseError(
+                f"the row at canvas position {slot} lacks requested label ids {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''} ({len(row)} ids returned)",
+                hint="the server must honour logprob_token_ids (vLLM >= 0.32 with the structured read)")
 
 
 @runtime_checkable

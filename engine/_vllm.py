@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ._prompts import EMPTY_CHAT, ChatPrompts, template_kwargs
+from ._text import THOUGHT_SCAFFOLD, scaffold_prefix, tokenizer_specials
+from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows
+from ._wire import check_read, check_row_count, read_xargs
 from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
-from ._types import CanvasRead, EngineInfo, Message, ReadResult
 
-_MAX_LABEL_IDS = 128  # vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS
 _ids = itertools.count()
 
 
@@ -31,7 +31,9 @@ class VLLMEngine:
     `max_model_len=1024`, `diffusion_config={"canvas_length": 32}`). The engine starts on
     first use, in a worker thread, and then belongs to the event loop that used it first.
     vLLM batches concurrent reads itself. Pass `llm=` to wrap an `AsyncLLM` you built;
-    `aclose()` shuts the `AsyncLLM` down either way.
+    `aclose()` shuts the `AsyncLLM` down either way. `enable_thinking` goes to the chat
+    template (default False); the thought block opens the canvas only when the
+    generation prompt does not already end with it.
 
     Example:
         ```python
@@ -41,18 +43,18 @@ class VLLMEngine:
     """
 
     def __init__(self, model: str | None = None, *, llm: Any = None, name: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None, **engine_args: Any) -> None:
+                 enable_thinking: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+                 **engine_args: Any) -> None:
         if (model is None) == (llm is None):
             raise ValueError("pass exactly one of model (to start vLLM) or llm= (an AsyncLLM)")
         self._engine_args = {"model": model, **engine_args}
         self._llm = llm
         self._name = name
-        self._template_kwargs = dict(chat_template_kwargs if chat_template_kwargs is not None
-                                     else {"enable_thinking": False})
+        self._template_kwargs = template_kwargs(enable_thinking, chat_template_kwargs)
         self._info: EngineInfo | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._start_lock = asyncio.Lock()
-        self._prompts: OrderedDict[str, list[int]] = OrderedDict()
+        self._prompts: ChatPrompts | None = None
         self._closed = False
 
     def __repr__(self) -> str:
@@ -70,14 +72,16 @@ class VLLMEngine:
             if not width:
                 raise EngineRequestError("the served model has no canvas (not a DiffusionGemma model?)")
             tokenizer = llm.get_tokenizer()
-            empty = [{"role": "system", "content": ""}, {"role": "user", "content": ""}]
+            prompt = self._prompt_ids(tokenizer, EMPTY_CHAT)
+            scaffold = tokenizer.encode(THOUGHT_SCAFFOLD, add_special_tokens=False)
             served = str(config.model_config.served_model_name or config.model_config.model)
             self._info = EngineInfo(
                 model=self._name or (Path(served).name if Path(served).is_dir() else served),
                 provider="vllm", canvas_width=int(width), max_model_len=int(config.model_config.max_model_len),
                 vocab_size=int(config.model_config.get_vocab_size()),
                 pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0),
-                chat_overhead=len(self._prompt_ids(tokenizer, empty)),
+                chat_overhead=len(prompt), canvas_prefix=scaffold_prefix(prompt, scaffold),
+                special_tokens=tokenizer_specials(tokenizer),
             )
         return self._info
 
@@ -116,16 +120,10 @@ class VLLMEngine:
                 self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         return self._llm
 
-    def _prompt_ids(self, tokenizer: Any, messages: Sequence[Message]) -> list[int]:
-        key = json.dumps([dict(m) for m in messages], sort_keys=True)
-        if key not in self._prompts:
-            ids = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False, **self._template_kwargs)
-            self._prompts[key] = [int(t) for t in ids]
-            while len(self._prompts) > 1024:
-                self._prompts.popitem(last=False)
-        self._prompts.move_to_end(key)
-        return self._prompts[key]
+    def _prompt_ids(self, tokenizer: Any, messages: Sequence[Message]) -> tuple[int, ...]:
+        if self._prompts is None:
+            self._prompts = ChatPrompts(tokenizer, self._template_kwargs)
+        return self._prompts(messages)
 
     async def _read_one(self, read: CanvasRead) -> ReadResult:
         info = await self.info()
@@ -133,17 +131,9 @@ class VLLMEngine:
         from vllm import SamplingParams, exceptions
         from vllm.sampling_params import RequestOutputKind
 
+        check_read(read, info.canvas_width)
         width = len(read.canvas)
-        if not 0 < width <= info.canvas_width:
-            raise EngineRequestError(f"canvas of {width} ids; this engine reads at most {info.canvas_width}")
-        if len(read.label_ids) > _MAX_LABEL_IDS:
-            raise EngineRequestError(f"{len(read.label_ids)} label ids; one read carries at most {_MAX_LABEL_IDS}")
-        xargs: dict[str, Any] = {"diffusion_seed_canvas": list(read.canvas), "diffusion_max_steps": 1,
-                                 "diffusion_read_only": 1}
-        if width < info.canvas_width:
-            xargs["diffusion_canvas_length"] = width
-        if read.constrained:
-            xargs["diffusion_constrained"] = 1
+        xargs = read_xargs(read.canvas, info.canvas_width, constrained=read.constrained)
         labels = sorted(read.label_ids)
         params = SamplingParams(max_tokens=width, logprobs=None if labels else 0, logprob_token_ids=labels or None,
                                 extra_args=xargs, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -151,7 +141,7 @@ class VLLMEngine:
         start = time.perf_counter()
         final = None
         try:
-            async for out in llm.generate({"prompt_token_ids": prompt}, params, f"canvasroute-{next(_ids)}"):
+            async for out in llm.generate({"prompt_token_ids": list(prompt)}, params, f"canvasroute-{next(_ids)}"):
                 final = out
         except (ValueError, exceptions.VLLMClientError) as exc:  # request validation: a 4xx on the server
             raise EngineRequestError(str(exc), hint="vLLM refused the read") from exc
@@ -164,9 +154,9 @@ class VLLMEngine:
         if final is None or not final.outputs or final.outputs[0].logprobs is None:
             raise EngineResponseError("vLLM returned no logprob rows for the read")
         completion = final.outputs[0]
-        if len(completion.logprobs) != width:
-            raise EngineResponseError(f"the read returned {len(completion.logprobs)} rows for a canvas of {width}")
+        check_row_count(len(completion.logprobs), width)
         rows = tuple({int(t): float(lp.logprob) for t, lp in completion.logprobs[s].items()} for s in read.slots)
+        check_rows(read, rows)
         return ReadResult(rows=rows, prompt_tokens=len(prompt), completion_tokens=len(completion.token_ids),
                           latency_s=latency, attrs={"vllm.request_id": final.request_id})
 

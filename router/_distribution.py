@@ -2,8 +2,8 @@
 
 For a slot with K labels and a row of log-probabilities `lp`:
 
-- a label id missing from the row gets `floor = min(row) - 5` (it ranked below
-  everything the engine returned);
+- every label id must be in the row: a missing one is a malformed row
+  (`EngineResponseError`, which fails expensive like any engine fault), never filled in;
 - `p = softmax(lp[labels] / T)`, the distribution over labels only, at temperature `T`
   (1 = as read; `canvasroute calibrate` fits one per question);
 - `label_mass = sum(exp(lp[labels]))`, how much of the model's mass fell on labels;
@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from engine import EngineResponseError
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +61,11 @@ def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: 
     """Label-normalized probabilities from one row of log-probabilities, at `temperature`."""
     if not temperature > 0.0 or math.isinf(temperature):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
-    floor = min(row.values()) - 5.0
-    lps = [row.get(i, floor) for i in label_ids]
+    try:
+        lps = [row[i] for i in label_ids]
+    except KeyError as exc:
+        raise EngineResponseError(f"a slot row lacks label id {exc.args[0]} (a row must hold every requested "
+                                  "label id)") from None
     mass = sum(math.exp(lp) for lp in lps)  # before the all--inf case below: that mass is 0
     top = max(lps)
     if top == -math.inf:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -30,11 +29,13 @@ from langchain_core.messages import BaseMessage
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from engine import (
+    SPECIAL_CANDIDATES,
     CanvasRouteError,
     DecisionError,
     Engine,
     EngineInfo,
     InputTooLong,
+    defuse,
     run_sync,
 )
 
@@ -48,7 +49,6 @@ from ._questions import QuestionSpec, parse_questions
 from ._reading import QuestionRead, Reading, messages
 from ._types import CanvasResponse, ReadReport
 
-_SPECIAL_TEXT = re.compile(r"<(?=\|)|(?<=\|)>|<(?=/?(?:pad|eos|bos|unk|mask|s)>)")
 _REQUEST_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("canvasroute_request_options", default={})
 """Request keys beyond state and questions, from `invoke` to `_classify` (the hooks take only those two)."""
 _OPTION_KEYS = ("seed", "thread_id", "policy", "attributes")
@@ -188,7 +188,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                 raise
             info, fault = None, exc
         model_name = info.model if info is not None else self.model
-        state_text = render_state(state)
+        state_text = render_state(state, info.special_tokens if info is not None else None)
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
         if tm.record_content():
             attrs[tm.STATE_CONTENT] = state_text
@@ -263,11 +263,12 @@ def _options(request: Any) -> dict[str, Any]:
     return {k: request[k] for k in _OPTION_KEYS if request.get(k) is not None}
 
 
-def render_state(state: Any) -> str:
+def render_state(state: Any, special_tokens: Sequence[str] | None = None) -> str:
     """The user message: a string as is, messages as a transcript, anything else as JSON.
 
-    Special-token text (`<turn|>`, `<|im_end|>`, `<pad>`, ...) is defused with a
-    zero-width space so a state cannot close the turn or forge template tokens.
+    Every special-token text of the engine's tokenizer (`EngineInfo.special_tokens`;
+    default: the texts `engine` probes servers for) is defused with a zero-width space, so
+    a state cannot close the turn or forge template tokens.
     """
     if isinstance(state, str):
         text = state
@@ -277,7 +278,7 @@ def render_state(state: Any) -> str:
         text = "\n".join(f"{m.type}: {m.text}" for m in state)
     else:
         text = json.dumps(state, ensure_ascii=False, default=_jsonable, sort_keys=False)
-    return _SPECIAL_TEXT.sub(lambda m: m.group(0) + "\u200b" if m.group(0) == "<" else "\u200b>", text)
+    return defuse(text, special_tokens or SPECIAL_CANDIDATES)
 
 
 def _questions_key(questions: Any) -> str | None:

@@ -17,14 +17,12 @@ from dataclasses import dataclass, field, replace
 
 from langchain_core.decisions import Choice
 
-from engine import Engine, EngineInfo, InputTooLong, LabelError
+from engine import MAX_LABEL_IDS, Engine, EngineInfo, InputTooLong, LabelError
 
 from ._labels import one_token_labels
 from ._prompts import system_prompt, template_text
 from ._questions import QuestionSpec
 
-MAX_LABEL_IDS = 128
-"""vLLM caps `logprob_token_ids` at 128 ids per request."""
 
 GROUP_LISTING_CHARS = 300
 """Longest member listing in a group question's prompt; longer groups name their ends."""
@@ -184,7 +182,7 @@ async def _resolve(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpe
         if template[slot.position] != slot.label_ids[0]:
             raise LabelError(f"question {slot.question_id!r}: slot moved while resolving later questions")
     alphabets = [s.alphabets[c] for s, c in zip(specs, choice, strict=True)]
-    return Chunk(system=system_prompt(specs, alphabets), template=template,
+    return Chunk(system=system_prompt(specs, alphabets, info.special_tokens), template=template,
                  width=canvas_width(len(template), info.canvas_width), slots=tuple(slots))
 
 

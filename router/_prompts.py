@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.decisions import Choice, Noul
 
-from engine import EngineInfo
+from engine import SPECIAL_CANDIDATES, EngineInfo, defuse
 
 if TYPE_CHECKING:
     from ._questions import QuestionSpec
@@ -18,28 +18,40 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
 
 
-def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]]) -> str:
-    """The question list for one chunk. Caller ids are hidden behind q1, q2, ..."""
+def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]],
+                  special_tokens: Sequence[str] | None = None) -> str:
+    """The question list for one chunk. Caller ids are hidden behind q1, q2, ...
+
+    Instructions, option names and criteria are defused like the state (`engine.defuse`
+    with the engine's special tokens): a question built from state cannot forge tokens.
+    """
+    specials = special_tokens or SPECIAL_CANDIDATES
+
+    def text(content: Any) -> str:
+        return defuse(_text(content), specials)
+
     parts = ["Read the input and answer every question below."]
     for n, (spec, alphabet) in enumerate(zip(specs, labels, strict=True), 1):
         q = spec.question
-        lines = [f"Question q{n}: {_text(q.instructions)}"]
+        lines = [f"Question q{n}: {text(q.instructions)}"]
         if isinstance(q, Noul):
             crit = q.criteria
-            yes = _text(crit.true) if crit and crit.true is not None else "yes"
-            no = _text(crit.false) if crit and crit.false is not None else "no"
+            yes = text(crit.true) if crit and crit.true is not None else "yes"
+            no = text(crit.false) if crit and crit.false is not None else "no"
             lines += [f"{alphabet[0]}: {yes}", f"{alphabet[1]}: {no}"]
         elif isinstance(q, Choice):
             for label, (name, desc) in zip(alphabet, q.criteria.items(), strict=True):
-                lines.append(f"{label}: {name}" + (f" ({_text(desc)})" if desc not in (None, "") else ""))
+                lines.append(f"{label}: {text(name)}" + (f" ({text(desc)})" if desc not in (None, "") else ""))
         else:
-            lines += [f"{label}: {_text(desc)}" for label, desc in zip(alphabet, q.criteria, strict=True)]
+            lines += [f"{label}: {text(desc)}" for label, desc in zip(alphabet, q.criteria, strict=True)]
         parts.append("\n".join(lines))
     parts.append('Reply with one line per question, in this order, formatted as "id: label".')
     return "\n\n".join(parts)
 
 
 def template_text(info: EngineInfo, labels: Sequence[str]) -> str:
-    """The answer canvas text: one `qN: label` line per question."""
+    """The answer canvas text: the thought block where the prompt lacks it
+    (`info.canvas_prefix`), one `qN: label` line per question, and the end of turn right
+    after the last line (as vLLM's reference gateway builds it)."""
     body = "\n".join(f"q{n}: {label}" for n, label in enumerate(labels, 1))
-    return f"{info.canvas_prefix}{body}\n{info.end_of_turn}"
+    return f"{info.canvas_prefix}{body}{info.end_of_turn}"

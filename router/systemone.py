@@ -8,28 +8,16 @@ Usable on its own, as a fast path, or as `CanvasDecisionModel(escalate_to=...)`.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
 from langchain_core.decisions import BaseDecisionModel, ClassifierResponse
 from langchain_core.messages import BaseMessage
-from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationError
 
-from engine import (
-    DecisionError,
-    EngineOverloaded,
-    EngineRequestError,
-    EngineResponseError,
-    EngineTimeout,
-    EngineUnavailable,
-    run_sync,
-)
+from engine import Connection, DecisionError, EngineResponseError, run_sync
 
 from . import telemetry as tm
 from ._model import _jsonable
@@ -37,10 +25,6 @@ from ._questions import validate_questions
 
 __all__ = ["SystemOneDecisionModel"]
 
-_OVERLOAD_STATUS = {429, 503, 529}
-_RETRY_STATUS = {408, 429, 500, 502, 503, 504, 529}
-"""Transient statuses. 501 (the server cannot do this at all) is not among them."""
-_MAX_RETRY_AFTER = 30.0
 
 
 class SystemOneDecisionModel(BaseDecisionModel):
@@ -84,7 +68,7 @@ class SystemOneDecisionModel(BaseDecisionModel):
     extra_body: dict[str, Any] = Field(default_factory=dict)
     """Extra top-level request fields (e.g. `{"seed": 7}` for canvasroute servers)."""
 
-    _clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = PrivateAttr(default_factory=dict)
+    _connection: Connection | None = PrivateAttr(default=None)
 
     def __init__(self, base_url: str | None = None, /, **kwargs: Any) -> None:
         if base_url is not None:
@@ -129,64 +113,24 @@ class SystemOneDecisionModel(BaseDecisionModel):
 
     async def aclose(self) -> None:
         """Close the pooled HTTP clients."""
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
-            try:
-                await client.aclose()
-            except RuntimeError:  # bound to a loop that is already closed
-                pass
+        if self._connection is not None:
+            await self._connection.aclose()
 
     # -- transport ------------------------------------------------------------------
 
-    def _client(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if loop not in self._clients:
-            for dead in [lp for lp in self._clients if lp.is_closed()]:
-                del self._clients[dead]
-            headers = {"authorization": f"Bearer {self.api_key.get_secret_value()}"} if self.api_key else {}
-            limits = httpx.Limits(max_connections=self.max_connections,
-                                  max_keepalive_connections=self.max_connections)
-            self._clients[loop] = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
-                                                    timeout=self.timeout, transport=self.transport)
-        return self._clients[loop]
+    @property
+    def connection(self) -> Connection:
+        """The HTTP connection (lanes, retries, typed errors), built on first use."""
+        if self._connection is None:
+            self._connection = Connection(
+                self.base_url, api_key=self.api_key.get_secret_value() if self.api_key else None,
+                timeout=self.timeout, max_concurrency=self.max_connections, max_retries=self.max_retries,
+                backoff=self.backoff, transport=self.transport)
+        return self._connection
 
     async def _post(self, body: Mapping[str, Any]) -> tuple[Any, str | None]:
-        client = self._client()
-        headers: dict[str, str] = {}
-        propagate.inject(headers)  # traceparent: the server's span joins this trace
-        url = f"{self.base_url}/v1/systemone"
-        last: Exception | None = None
-        delay = 0.0
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                backoff = self.backoff * 2 ** (attempt - 1) * (0.5 + random.random())
-                await asyncio.sleep(max(delay, backoff))
-            delay = 0.0
-            try:
-                resp = await client.post("/v1/systemone", json=body, headers=headers)
-            except httpx.TimeoutException as exc:
-                last = EngineTimeout(f"POST {url} timed out ({type(exc).__name__})",
-                                     hint="raise timeout= or check the server's load")
-                continue
-            except httpx.TransportError as exc:
-                last = EngineUnavailable(f"POST {url} failed: {exc!r}", hint="is the server running at this URL?")
-                continue
-            if resp.status_code in _RETRY_STATUS:
-                kind = EngineOverloaded if resp.status_code in _OVERLOAD_STATUS else EngineUnavailable
-                last = kind(f"POST {url} -> HTTP {resp.status_code}: {_message(resp)}")
-                delay = _retry_after(resp)
-                continue
-            if resp.status_code >= 400:
-                hint = "check api_key" if resp.status_code in (401, 403) else f"POST {url} was refused"
-                raise EngineRequestError(_message(resp), status=resp.status_code, hint=hint)
-            try:
-                data = resp.json()
-            except ValueError as exc:
-                raise EngineResponseError(f"{url} answered non-JSON: {resp.text[:200]!r}") from exc
-            request_id = resp.headers.get("x-request-id")
-            return data, request_id
-        assert last is not None
-        raise last
+        reply = await self.connection.request("POST", "/v1/systemone", body)
+        return reply.data, reply.headers.get("x-request-id")
 
 
 # -- wire helpers ----------------------------------------------------------------------
@@ -242,26 +186,3 @@ def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: st
             raise EngineResponseError(f"question {qid!r} is a {q['type']}, the server answered a {got}")
     return resp
 
-
-def _message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:500] or f"HTTP {resp.status_code}"
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-        for value in (err, body.get("message"), body.get("detail")):
-            if isinstance(value, str):
-                return value
-    return json.dumps(body)[:500]
-
-
-def _retry_after(resp: httpx.Response) -> float:
-    """Seconds the server asked us to wait (capped), 0 when it did not say."""
-    raw = resp.headers.get("retry-after")
-    try:
-        return min(_MAX_RETRY_AFTER, max(0.0, float(raw))) if raw else 0.0
-    except ValueError:
-        return 0.0

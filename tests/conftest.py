@@ -55,9 +55,22 @@ def _wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> bool
     return False
 
 
+NEEDS_MARKER = {"vllm_url": "vllm"}
+"""Fixture -> the marker every test using it must carry, so `-m "not vllm"` never provisions vLLM."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse the run when a test takes a server fixture without its marker."""
+    unmarked = [f"{item.nodeid} uses {fixture} without @pytest.mark.{marker}"
+                for item in items for fixture, marker in NEEDS_MARKER.items()
+                if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None]
+    if unmarked:
+        raise pytest.UsageError("tests need their markers:\n  " + "\n  ".join(unmarked))
+
+
 @pytest.fixture(scope="session")
 def vllm_url(tmp_path_factory: pytest.TempPathFactory):
-    """Base URL of a real vLLM server serving the tiny DiffusionGemma."""
+    """Base URL of a real vLLM server serving the tiny DiffusionGemma (tests need `@pytest.mark.vllm`)."""
     if url := os.environ.get("CANVASROUTE_VLLM_URL"):
         if not _wait_ready(url, None, 10):
             unavailable(f"CANVASROUTE_VLLM_URL={url} does not answer")

@@ -18,7 +18,7 @@ from engine import (
     UnsupportedQuestion,
     VLLMServerEngine,
 )
-from harness._loopback_vllm import LoopbackVLLM
+from engine.testing import LoopbackVLLM
 from router import CanvasDecisionModel, GatePolicy
 
 QUESTIONS = {

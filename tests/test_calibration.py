@@ -213,6 +213,7 @@ def test_bad_data_is_a_clear_error(tmp_path, capsys):
 # -- end to end -------------------------------------------------------------------------------
 
 
+@pytest.mark.vllm
 def test_calibrate_cli_on_bigbench_against_vllm(vllm_url, tmp_path, capsys):
     if not BIGBENCH.is_dir():
         pytest.skip(f"no BIG-bench data at {BIGBENCH}")
@@ -248,6 +249,7 @@ def test_calibrate_cli_on_bigbench_against_vllm(vllm_url, tmp_path, capsys):
     assert report.confident == (report.normalized_entropy <= intent.max_normalized_entropy)
 
 
+@pytest.mark.vllm
 async def test_collect_reads_noul_rows_from_vllm(vllm_url):
     rows = cal_cli.load_rows(BIGBENCH / "strategyqa", limit=6, seed=3)
     engine = VLLMServerEngine(vllm_url)

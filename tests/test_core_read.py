@@ -66,13 +66,16 @@ async def test_one_invoke_is_one_read_on_the_served_canvas(vllm_url, endpoint):
     assert len(bodies) == 1
     body = bodies[0]
     canvas = body["vllm_xargs"]["diffusion_seed_canvas"]
-    assert len(canvas) == info.canvas_width == body["max_tokens"]
     assert body["vllm_xargs"]["diffusion_max_steps"] == 1 and body["vllm_xargs"]["diffusion_read_only"] == 1
     assert body["return_tokens_as_token_ids"] is True
     # every non-slot position holds the template, padded; slots hold non-label noise
     plan = next(iter(model._plans.values()))
     (chunk,) = plan.chunks
     slots = {s.position: s for s in chunk.slots}
+    # the canvas: template + 1 rounded up to 16, within the served width (narrower is cheaper)
+    assert len(canvas) == body["max_tokens"] == min(info.canvas_width, -(-(len(chunk.template) + 1) // 16) * 16)
+    if len(canvas) < info.canvas_width:
+        assert body["vllm_xargs"]["diffusion_canvas_length"] == len(canvas)
     template = list(chunk.template) + [info.pad_id] * (len(canvas) - len(chunk.template))
     for pos, token in enumerate(canvas):
         if pos in slots:
@@ -95,7 +98,7 @@ async def test_one_invoke_is_one_read_on_the_served_canvas(vllm_url, endpoint):
         assert math.isclose(report.normalized_entropy, report.entropy / math.log(k))
         assert 0 < report.label_mass <= 1 and 0 <= report.margin <= 1
         assert math.isclose(report.confidence, max(report.canvas_probabilities.values()))
-    assert resp.usage["output_tokens"] == info.canvas_width and resp.usage["input_tokens"] > 0
+    assert resp.usage["output_tokens"] == len(canvas) and resp.usage["input_tokens"] > 0
     await engine.aclose()
 
 

@@ -211,6 +211,7 @@ def _browse(exe: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.vllm
 def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
     exe = _chromium()
     intents = json.loads((BIGBENCH / "intent_recognition" / "task.json").read_text())["examples"]

@@ -27,6 +27,7 @@ from langchain_core.runnables import RunnableLambda
 
 from engine import CanvasRouteError, EngineTimeout, EngineUnavailable, VLLMServerEngine
 from engine import BudgetExhausted, EscalationError
+from engine.testing import FailingPaths, SleepingTransport
 from router import CanvasDecisionModel, CanvasResponse, EscalationBudget
 
 N = 8
@@ -159,24 +160,6 @@ async def test_http_500_everywhere(mode, has_target):
     await engine.aclose()
 
 
-class SleepingTransport(httpx.AsyncBaseTransport):
-    """Never answers: sleeps far past the request's read timeout. Like httpcore's network
-    backends it enforces that timeout (httpx leaves timeouts to the transport), raising
-    `httpx.ReadTimeout` when it expires."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self.requests += 1
-        timeout = request.extensions["timeout"]["read"]
-        try:
-            await asyncio.wait_for(asyncio.sleep(3600), timeout)
-        except TimeoutError:
-            raise httpx.ReadTimeout("timed out", request=request) from None
-        raise AssertionError("unreachable")
-
-
 @pytest.mark.parametrize("mode, has_target", CASES)
 async def test_a_transport_that_sleeps_past_the_timeout(mode, has_target):
     target = Target() if has_target else None
@@ -247,24 +230,10 @@ async def test_engine_down_and_escalation_down_raise_escalation_errors():
 # -- a REAL vLLM server that plans fine, then fails its reads ------------------------------------------
 
 
-class ReadsFail(httpx.AsyncBaseTransport):
-    """Forwards discovery and /tokenize to the real server; canvas reads get `fault`."""
-
-    def __init__(self, fault: str) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
-        self.fault = fault
-        self.failed_reads = 0
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/chat/completions":  # discovery uses /v1/completions; reads use chat
-            self.failed_reads += 1
-            if self.fault == "500":
-                return httpx.Response(500, json={"error": {"message": "CUDA error: an illegal memory access"}})
-            await SleepingTransport().handle_async_request(request)
-        return await self.inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+def reads_fail(fault: str) -> FailingPaths:
+    """Discovery and /tokenize reach the real server; canvas reads (chat) get `fault`."""
+    return FailingPaths({"/v1/chat/completions"}, status=500 if fault == "500" else None,
+                        message="CUDA error: an illegal memory access")
 
 
 @pytest.mark.vllm
@@ -272,7 +241,7 @@ class ReadsFail(httpx.AsyncBaseTransport):
 @pytest.mark.parametrize("mode, has_target", CASES)
 async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, has_target):
     target = Target() if has_target else None
-    transport = ReadsFail(fault)
+    transport = reads_fail(fault)
     retries = 1 if fault == "500" else 0  # a timeout costs the full 2 s per try
     info = await VLLMServerEngine(vllm_url).info()  # discovery (one real read) with the default timeout
     engine = VLLMServerEngine(vllm_url, transport=transport, timeout=2.0, max_retries=retries, backoff=0.001,
@@ -281,7 +250,7 @@ async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, h
     assert (await engine.info()).model == info.model  # the rest of discovery against the real server works
     counts = await decide_all(model)
     assert counts == Counter({expected(mode, has_target, error): N})
-    assert transport.failed_reads == (1 + retries) * N  # every decision read (and retried) before it gave up
+    assert transport.failed == (1 + retries) * N  # every decision read (and retried) before it gave up
     if mode == "escalate" and has_target:
         assert target.calls == [["team", "urgent"]] * N
     await engine.aclose()
@@ -290,7 +259,7 @@ async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, h
 @pytest.mark.vllm
 async def test_real_server_faulty_reads_are_reported_on_the_escalated_answers(vllm_url):
     target = Target()
-    engine = VLLMServerEngine(vllm_url, transport=ReadsFail("500"), max_retries=0)
+    engine = VLLMServerEngine(vllm_url, transport=reads_fail("500"), max_retries=0)
     resp = await asyncio.wait_for(make_model(engine, "escalate", target).adecide("hi", QUESTIONS), DEADLINE)
     assert resp.canvas_reads == 1  # the first read was attempted (and failed); no re-reads
     for r in resp.reads.values():

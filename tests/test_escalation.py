@@ -253,7 +253,8 @@ async def test_a_structured_output_runnable_is_a_target(value):
 
 async def test_a_decision_model_is_a_target():
     def confident(read):
-        return [{big_engine.token_id("B"): -0.01, big_engine.token_id("no"): -0.02}] * len(read.slots)
+        return [{i: -5.02 for i in read.label_ids} | {big_engine.token_id("B"): -0.01,
+                                                        big_engine.token_id("no"): -0.02}] * len(read.slots)
 
     big_engine = FunctionEngine(confident, model="big-canvas")
     big = CanvasDecisionModel(engine=big_engine, policy=GatePolicy(rereads=0))

@@ -19,7 +19,7 @@ from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 
-from engine import BudgetExhausted, DecisionError, EngineUnavailable, FunctionEngine, ReadResult
+from engine import BudgetExhausted, DecisionError, EngineResponseError, EngineUnavailable, FunctionEngine, ReadResult
 from router import (
     CanvasDecisionModel,
     EscalationBudget,
@@ -101,9 +101,9 @@ class Recorder:
 # -- slot_stats and aggregate: hand-computed ------------------------------------------------
 
 
-def test_slot_stats_softmax_over_labels_with_floor_for_missing_ids():
-    # labels A, B, C; C is missing, an off-label id 99 holds -0.2 -> floor = -1.5 - 5 = -6.5
-    row = {1: -0.5, 2: -1.5, 99: -0.2}
+def test_slot_stats_softmax_over_labels():
+    # labels A, B, C; an off-label id 99 holds -0.2 and does not count
+    row = {1: -0.5, 2: -1.5, 3: -6.5, 99: -0.2}
     st = slot_stats(row, [1, 2, 3])
     e = [math.exp(-0.5), math.exp(-1.5), math.exp(-6.5)]
     p = [x / sum(e) for x in e]
@@ -117,11 +117,9 @@ def test_slot_stats_softmax_over_labels_with_floor_for_missing_ids():
     assert st.reads == 1 and st.agreement is None and st.stderr is None
 
 
-def test_slot_stats_floor_follows_the_lowest_entry_of_the_row():
-    st = slot_stats({1: -0.1, 7: -9.0}, [1, 2])  # label 2 missing -> -9 - 5 = -14
-    w = [math.exp(-0.1), math.exp(-14.0)]
-    assert st.probs == pytest.approx([w[0] / sum(w), w[1] / sum(w)], abs=1e-15)
-    assert st.label_mass == pytest.approx(math.exp(-0.1) + math.exp(-14.0))
+def test_slot_stats_refuses_a_row_missing_a_label_id():
+    with pytest.raises(EngineResponseError, match="lacks label id 2"):  # never filled in with a floor
+        slot_stats({1: -0.1, 7: -9.0}, [1, 2])
 
 
 def test_slot_stats_edge_cases():

@@ -22,7 +22,7 @@ from langchain_core.decisions import Choice, Noul, Score
 
 from conftest import fresh_tracer_provider
 from engine import VLLMServerEngine
-from harness._loopback_vllm import LoopbackVLLM, spawn
+from engine.testing import LoopbackVLLM, spawn
 from router import CanvasDecisionModel, GatePolicy
 
 QUESTIONS = {
@@ -92,10 +92,10 @@ async def test_ten_thousand_decisions_at_concurrency_256_with_bounded_memory():
         assert sum(answers.values()) == DECISIONS and len(answers) == 1  # fixed rows: one answer
         assert peak_live == CONCURRENCY and live == 0
         assert stats["reads"] == engine.requests_sent == DECISIONS  # one read per decision, no retries
-        lanes = engine._session()
-        assert lanes.slots._value == MAX_IN_FLIGHT_REQUESTS and not lanes.inflight  # every slot released
-        assert len(lanes.idle) == len(lanes.clients) <= MAX_IN_FLIGHT_REQUESTS  # clients bounded, all back
-        assert len(model._plans) == 1 and len(engine._tokens) < 100  # caches hold plans, not states
+        assert engine.connection.in_flight == 0 and engine.pending_fetches == 0  # every slot released
+        idle, open_lanes = engine.connection.lanes
+        assert 0 < idle == open_lanes <= MAX_IN_FLIGHT_REQUESTS  # clients bounded, all back
+        assert len(model._plans) == 1 and engine.cached_prompts < 100  # caches hold plans, not states
         growth = rss["end"] - rss["warm"]
         assert growth < RSS_GROWTH_BOUND_MB, f"RSS grew {growth:.1f} MB over {DECISIONS - 1000} decisions"
         await engine.aclose()

@@ -39,7 +39,7 @@ from engine import (
     EngineUnavailable,
     VLLMServerEngine,
 )
-from harness._loopback_vllm import Fault, LoopbackVLLM, spawn
+from engine.testing import Fault, LoopbackVLLM, spawn
 from router import CanvasDecisionModel, CanvasResponse, GatePolicy
 
 QUESTIONS = {

@@ -39,7 +39,8 @@ BODY = {"state": "I was charged twice, refund me.", "questions": QUESTIONS}
 
 def confident(engine: FunctionEngine):
     """Rows that put almost all mass on each slot's first label (yes / billing / level 0)."""
-    return lambda read: [{engine.token_id(t): -0.01 for t in ("yes", "A", "1")}] * len(read.slots)
+    return lambda read: [{i: -5.01 for i in read.label_ids} | {engine.token_id(t): -0.01 for t in ("yes", "A", "1")}
+                    ] * len(read.slots)
 
 
 def uniform(engine: FunctionEngine):
@@ -371,7 +372,8 @@ async def test_overload_sheds_529_and_answers_every_accepted_request():
                 await release.wait()
             finally:
                 running -= 1
-            return [{engine.token_id(t): -0.01 for t in ("yes", "A", "1")}] * len(read.slots)
+            return [{i: -5.01 for i in read.label_ids} | {engine.token_id(t): -0.01 for t in ("yes", "A", "1")}
+                    ] * len(read.slots)
         return held
 
     app = create_app(function_model(rows), max_in_flight=4, max_queue=8)
@@ -407,7 +409,8 @@ async def test_a_burst_stays_within_its_bounds():
             peak = max(peak, running)
             await asyncio.sleep(0.005)
             running -= 1
-            return [{engine.token_id(t): -0.01 for t in ("yes", "A", "1")}] * len(read.slots)
+            return [{i: -5.01 for i in read.label_ids} | {engine.token_id(t): -0.01 for t in ("yes", "A", "1")}
+                    ] * len(read.slots)
         return napping
 
     app = create_app(function_model(rows), max_in_flight=4, max_queue=16)

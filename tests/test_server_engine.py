@@ -22,7 +22,7 @@ from engine import (
     VLLMServerEngine,
     run_sync,
 )
-from harness._loopback_vllm import read_response, tokenize
+from engine.testing import LoopbackVLLM, read_response, tokenize
 
 MODEL = "fake-dgemma"
 VOCAB = 1024
@@ -35,34 +35,24 @@ def _json(status: int, obj: object) -> httpx.Response:
 
 
 class FakeVLLM:
-    """A MockTransport handler that answers like vLLM 0.32 (discovery, /tokenize, reads).
+    """The loopback vLLM fake (`engine.testing.LoopbackVLLM`) as a MockTransport handler.
 
-    `read` may be replaced to shape read responses; every request is kept in `requests`.
+    `read` may replace its answers to structured reads; every request is kept in `requests`.
     """
 
-    def __init__(self, read: Callable[[httpx.Request, dict], httpx.Response] | None = None) -> None:
+    def __init__(self, read: Callable[[httpx.Request, dict], httpx.Response] | None = None, **server: object) -> None:
         self.requests: list[httpx.Request] = []
-        self.read = read or self.ranked
+        self.read = read
+        self.server = LoopbackVLLM(model=MODEL, canvas_width=WIDTH, vocab_size=VOCAB, max_model_len=1024, **server)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
-        path = request.url.path
-        body = json.loads(request.content) if request.content else {}
-        if path == "/v1/models":
-            return _json(200, {"object": "list", "data": [{"id": MODEL, "max_model_len": 1024}]})
-        if path == "/tokenize":
-            text = body.get("prompt") or "".join(f"<|turn>{m['role']}\n{m['content']}<turn|>\n"
-                                                 for m in body["messages"])
-            ids = tokenize(text, VOCAB)
-            return _json(200, {"count": len(ids), "max_model_len": 1024, "tokens": ids})
-        x = body.get("vllm_xargs", {})
-        seed = x.get("diffusion_seed_canvas")
-        if seed is not None and any(i >= VOCAB for i in seed):
-            return _json(400, {"error": {"message": f"diffusion_seed_canvas ids must be in [0, {VOCAB}).",
-                                         "type": "BadRequestError", "code": 400}})
-        if seed is None:  # the canvas-width probe: max_tokens is capped at the served canvas
-            return _json(200, {"choices": [{"text": ""}], "usage": {"completion_tokens": WIDTH}})
-        return self.read(request, body)
+        if self.read is not None and request.url.path in READS:
+            body = json.loads(request.content)
+            if len(body.get("vllm_xargs", {}).get("diffusion_seed_canvas") or ()) > 1:
+                return self.read(request, body)
+        _, (status, content) = self.server.reply(request.method, request.url.path, request.content)
+        return httpx.Response(status, content=content)
 
     @staticmethod
     def ranked(request: httpx.Request, body: dict) -> httpx.Response:
@@ -79,7 +69,7 @@ class FakeVLLM:
         return [b for b in bodies if len(b["vllm_xargs"].get("diffusion_seed_canvas", [])) > 1]
 
 
-def engine_for(handler: Callable[[httpx.Request], httpx.Response], **kwargs) -> VLLMServerEngine:
+def engine_for(handler: Callable[[httpx.Request], object], **kwargs) -> VLLMServerEngine:
     kwargs.setdefault("backoff", 0.001)
     return VLLMServerEngine(kwargs.pop("url", "http://vllm.test"), transport=httpx.MockTransport(handler), **kwargs)
 
@@ -98,10 +88,11 @@ async def test_info_discovers_model_vocab_and_canvas_without_counting_reads():
     assert info.provider == "vllm"
     empty = [{"role": "system", "content": ""}, {"role": "user", "content": ""}]
     assert info.chat_overhead == await engine.count_prompt(empty) > 0
-    assert fake.paths() == Counter({"/v1/models": 1, "/v1/completions": 2, "/tokenize": 1})
+    # /tokenize: the empty chat, the thought block, the special-token probe (one request with token_strs)
+    assert fake.paths() == Counter({"/v1/models": 1, "/v1/completions": 2, "/tokenize": 3})
     assert engine.requests_sent == 0
     await engine.info()
-    assert sum(fake.paths().values()) == 4  # cached
+    assert sum(fake.paths().values()) == 6  # cached
 
 
 async def test_given_vocab_and_width_skip_discovery_probes():
@@ -255,7 +246,7 @@ async def test_unreadable_responses_are_engine_response_errors(case):
 
 async def test_minus_infinity_is_a_valid_impossible_label():
     engine = engine_for(FakeVLLM(lambda r, b: httpx.Response(200, content=_chat_body([_row(-math.inf)] * WIDTH))))
-    [result] = await engine.read([canvas_read()])
+    [result] = await engine.read([canvas_read(labels=(300, 301))])
     assert result.rows[0][300] == -math.inf and result.rows[0][301] == -2.0
 
 
@@ -402,9 +393,9 @@ async def test_concurrent_cold_callers_share_one_discovery_and_one_tokenize():
     engine = engine_for(slow)
     infos = await asyncio.gather(*(engine.info() for _ in range(20)))
     assert all(i is infos[0] for i in infos)
-    assert fake.paths() == Counter({"/v1/models": 1, "/v1/completions": 2, "/tokenize": 1})
+    assert fake.paths() == Counter({"/v1/models": 1, "/v1/completions": 2, "/tokenize": 3})
     ids = await asyncio.gather(*(engine.tokenize("hello world") for _ in range(20)))
-    assert ids == [tokenize("hello world", VOCAB)] * 20 and fake.paths()["/tokenize"] == 2
+    assert ids == [tokenize("hello world", VOCAB)] * 20 and fake.paths()["/tokenize"] == 4
 
 
 async def test_a_shared_failure_reaches_every_caller_and_is_not_cached():
@@ -427,12 +418,12 @@ async def test_a_shared_failure_reaches_every_caller_and_is_not_cached():
 
 @pytest.mark.parametrize("decoder", ["fast", "json module"])
 async def test_responses_decode_the_same_with_or_without_orjson(decoder, monkeypatch):
-    from engine import _server
+    from engine import _http
 
     if decoder == "json module":
-        monkeypatch.setattr(_server, "_fast_loads", None)
-    assert _server._loads(b'{"a": [1, -2.5, "x"]}') == {"a": [1, -2.5, "x"]}
-    special = _server._loads(b'{"lp": -Infinity, "bad": NaN}')  # literals only the json module accepts
+        monkeypatch.setattr(_http, "_fast_loads", None)
+    assert _http.loads(b'{"a": [1, -2.5, "x"]}') == {"a": [1, -2.5, "x"]}
+    special = _http.loads(b'{"lp": -Infinity, "bad": NaN}')  # literals only the json module accepts
     assert special["lp"] == -math.inf and math.isnan(special["bad"])
     engine = engine_for(FakeVLLM())
     [result] = await engine.read([canvas_read(slots=(1, 4), labels=(300, 301, 302))])

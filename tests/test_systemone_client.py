@@ -45,7 +45,9 @@ ANSWER = {
 
 
 def rows_for(engine: FunctionEngine, labels: tuple[str, ...], logprob: float):
-    return lambda read: [{engine.token_id(t): logprob for t in labels}] * len(read.slots)
+    """Every requested label id at -9, then `labels` at `logprob` (rows must hold every label id)."""
+    return lambda read: [{i: -9.0 for i in read.label_ids} | {engine.token_id(t): logprob for t in labels}
+                         ] * len(read.slots)
 
 
 def confident_model() -> CanvasDecisionModel:
@@ -225,7 +227,7 @@ async def test_retry_after_is_honoured(monkeypatch):
     async def fake_sleep(delay: float) -> None:
         slept.append(delay)
 
-    monkeypatch.setattr("router.systemone.asyncio.sleep", fake_sleep)
+    monkeypatch.setattr("engine._http.asyncio.sleep", fake_sleep)
     script = Script(error(529, "later", **{"retry-after": "2"}), httpx.Response(200, json=ANSWER))
     await script.client().ainvoke({"state": STATE, "questions": QUESTIONS})
     assert slept == [2.0]

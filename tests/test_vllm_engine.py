@@ -112,8 +112,10 @@ def test_vllm_engine_rows_equal_the_server(tmp_path, vllm_url, tiny_dgemma_dir):
     got = json.loads(line.removeprefix("RESULT "))
 
     assert (got["info"]["provider"], got["info"]["model"]) == ("vllm", info.model)
-    for field in ("canvas_width", "max_model_len", "vocab_size", "chat_overhead"):
+    for field in ("canvas_width", "max_model_len", "vocab_size", "chat_overhead", "canvas_prefix"):
         assert got["info"][field] == getattr(info, field), field
+    assert info.canvas_prefix == ""  # the tiny template's generation prompt already holds the thought block
+    assert set(got["info"]["special_tokens"]) == set(info.special_tokens)  # probed over HTTP = the tokenizer's
     assert (got["tokens"], got["count"]) == (tokens, count)
     assert got["too_wide"] == got["bad_id"] == "EngineRequestError"
     worst = 0.0

@@ -1,6 +1,6 @@
 """Figures 2 and 5: `VLLMServerEngine` reads per second against a server.
 
-Figure 2 reads from the instant loopback server (harness._loopback_vllm) running in its
+Figure 2 reads from the instant loopback server (engine.testing) running in its
 own process, so the client's CPU time per read (`time.process_time` of this process) is
 measured honestly; figure 5 reads from a real vLLM CPU server (a protocol check: the tiny
 random model on 2 cores says nothing about GPU speed). Each level sends the same
@@ -18,8 +18,9 @@ from typing import Any
 from engine import CanvasRead, VLLMServerEngine
 from router import CanvasDecisionModel, GatePolicy
 
+from engine.testing import read_response, spawn
+
 from .common import NODES, TICKETS, TRIAGE, Recorder, Section, profile_summary, summary
-from harness._loopback_vllm import read_response, spawn
 
 __all__ = ["run_real_server", "run_throughput"]
 

@@ -8,20 +8,26 @@ cached per (endpoint, width, label ids).
 
 Rows: the read's label ids (`logprob_token_ids`, sorted) get falling logprobs
 (`-0.1, -3.1, -6.1, ...`), so every slot confidently picks its lowest label id
-(`answer="ranked"`), or all get `-5.0` (`answer="uniform"`: every slot is uncertain).
+(`answer="ranked"`), or all get `-5.0` (`answer="uniform"`: every slot is uncertain), or
+a row holds only its argmax (`answer="argmax"`: a server that ignores `logprob_token_ids`).
 Its tokenizer makes each word, space and punctuation mark one token (ids from a hash,
-so they are the same in every process), and knows Gemma 4's special tokens.
+so they are the same in every process), and knows Gemma 4's special tokens; `/tokenize`
+applies a chat template shaped like the released DiffusionGemma one (the generation
+prompt ends with the empty thought block unless `enable_thinking`) and returns
+`token_strs` on request. `narrow=False` refuses `diffusion_canvas_length` below the
+served width, as some vLLM builds do.
 
 Faults for tests: `server.inject(Fault(status=429), times=2)` makes the next two reads
 answer 429; see `Fault`. `GET /_loopback/stats` returns request counts by path.
 
-In-process (tests):
+In-process (tests), over a socket or with no socket at all:
     ```python
     async with LoopbackVLLM() as server:
         engine = VLLMServerEngine(server.url)
+    engine = VLLMServerEngine("http://vllm.test", transport=LoopbackVLLM().transport())
     ```
 In its own process (the bench, kill tests): `with spawn() as proc: proc.url; proc.kill()`,
-or `python -m harness._loopback_vllm --port 8000`.
+or `python -m engine.testing._loopback --port 8000`.
 """
 
 from __future__ import annotations
@@ -36,20 +42,25 @@ import sys
 import threading
 import zlib
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["SPECIAL_IDS", "Fault", "LoopbackProcess", "LoopbackVLLM", "read_response", "spawn", "token_id",
-           "tokenize"]
+import httpx
+
+__all__ = ["ANSWERS", "SPECIAL_IDS", "Fault", "LoopbackProcess", "LoopbackVLLM", "chat_text", "pieces",
+           "read_response", "spawn", "token_id", "tokenize"]
 
 SPECIAL_IDS: Mapping[str, int] = {
-    "<pad>": 0, "<eos>": 1, "<bos>": 2, "<|channel>": 100, "<channel|>": 101, "<|turn>": 105, "<turn|>": 106,
+    "<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|think|>": 98, "<|channel>": 100,
+    "<channel|>": 101, "<|turn>": 105, "<turn|>": 106,
 }
 """Special-token text and its id (Gemma 4's ids for turn and channel markers)."""
 _FIRST_ID = 256
 _PIECES = re.compile(r"<\|?[a-z_]+\|?>|\w+|\s|[^\w\s]")
+_PLAIN = re.compile(r"\w+|\s|[^\w\s]")
 _READS = ("/v1/chat/completions", "/v1/completions")
+ANSWERS = ("ranked", "uniform", "argmax")
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
             500: "Internal Server Error", 503: "Service Unavailable"}
 
@@ -61,9 +72,33 @@ def token_id(piece: str, vocab_size: int = 262144) -> int:
     return _FIRST_ID + zlib.crc32(piece.encode()) % (vocab_size - _FIRST_ID)
 
 
+def pieces(text: str) -> list[str]:
+    """The loopback tokenizer's pieces: specials whole, else words, spaces, punctuation."""
+    out: list[str] = []
+    for piece in _PIECES.findall(text):
+        out.extend([piece] if piece in SPECIAL_IDS or piece[0] != "<" or len(piece) == 1 else _PLAIN.findall(piece))
+    return out
+
+
 def tokenize(text: str, vocab_size: int = 262144) -> list[int]:
     """Ids of `text` under the loopback tokenizer (words, spaces, punctuation, specials)."""
-    return [token_id(p, vocab_size) for p in _PIECES.findall(text)]
+    return [token_id(p, vocab_size) for p in pieces(text)]
+
+
+def chat_text(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
+              enable_thinking: bool = False) -> str:
+    """The loopback chat template, shaped like the released DiffusionGemma one (version 2)."""
+    text, msgs = "<bos>", list(messages)
+    system = msgs[0].get("content", "") if msgs and msgs[0].get("role") == "system" else None
+    if enable_thinking or system is not None:
+        text += "<|turn>system\n" + ("<|think|>\n" if enable_thinking else "") + (system or "") + "<turn|>\n"
+        msgs = msgs[1:] if system is not None else msgs
+    for m in msgs:
+        role = "model" if m.get("role") == "assistant" else m.get("role", "")
+        text += f"<|turn>{role}\n{m.get('content', '')}<turn|>\n"
+    if add_generation_prompt:
+        text += "<|turn>model\n" + ("" if enable_thinking else "<|channel>thought\n<channel|>")
+    return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +117,8 @@ class Fault:
     """Return this many rows more (or fewer, negative) than the canvas width."""
     logprob: float | None = None
     """Put this value (NaN, inf, a positive number) at every label of every row."""
+    respond: Callable[[str, Mapping[str, Any]], tuple[int, bytes]] | None = None
+    """Answer with `respond(path, body) -> (status, raw body)` (any shape a test needs)."""
 
 
 class LoopbackVLLM:
@@ -92,18 +129,23 @@ class LoopbackVLLM:
         canvas_width: the served canvas (`max_tokens` is capped here).
         vocab_size: noise ids must be below this (vLLM's 400 otherwise).
         max_model_len: reported at `/v1/models`.
-        answer: `ranked` (confident rows) or `uniform` (every slot uncertain).
+        answer: `ranked` (confident rows), `uniform` (every slot uncertain) or `argmax`
+            (each row holds only its argmax, not the requested label ids).
+        narrow: accept `diffusion_canvas_length` below the served width (False: refuse
+            it with a 400, as some vLLM builds do).
     """
 
     def __init__(self, *, model: str = "loopback", canvas_width: int = 64, vocab_size: int = 262144,
-                 max_model_len: int = 4096, answer: Literal["ranked", "uniform"] = "ranked") -> None:
-        if answer not in ("ranked", "uniform"):
-            raise ValueError(f"answer must be 'ranked' or 'uniform', not {answer!r}")
+                 max_model_len: int = 4096, answer: Literal["ranked", "uniform", "argmax"] = "ranked",
+                 narrow: bool = True) -> None:
+        if answer not in ANSWERS:
+            raise ValueError(f"answer must be one of {ANSWERS}, not {answer!r}")
         self.model = model
         self.canvas_width = canvas_width
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.answer = answer
+        self.narrow = narrow
         self.url = ""
         self.requests: Counter[str] = Counter()
         """Requests by path (reads, `/tokenize`, `/v1/models`, unknown paths)."""
@@ -139,6 +181,23 @@ class LoopbackVLLM:
     def clear(self) -> None:
         """Drop every pending fault."""
         self._faults.clear()
+
+    def transport(self) -> httpx.MockTransport:
+        """This server as an `httpx.MockTransport`: the same answers with no socket (any
+        host name; requests are counted and recorded as over HTTP)."""
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            path = request.url.path
+            self.requests[path] += 1
+            self.headers.append({k.lower(): v for k, v in request.headers.items()})
+            del self.headers[:-100]
+            reply = await self._route(request.method, path, request.content)
+            if reply is None:  # Fault(drop=True)
+                raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
+            status, payload = reply
+            return httpx.Response(status, content=payload, headers={"content-type": "application/json"})
+
+        return httpx.MockTransport(handle)
 
     async def start(self, port: int = 0) -> str:
         """Listen on 127.0.0.1 (`port=0`: a free port) and return the base URL."""
@@ -200,40 +259,49 @@ class LoopbackVLLM:
             writer.close()
 
     async def _route(self, method: str, path: str, raw: bytes) -> tuple[int, bytes] | None:
+        delay, reply = self.reply(method, path, raw)
+        if delay:
+            await asyncio.sleep(delay)
+        return reply
+
+    def reply(self, method: str, path: str, raw: bytes) -> tuple[float, tuple[int, bytes] | None]:
+        """One request's answer, without I/O: (seconds to wait before it, `(status, body)`
+        or None to drop the connection). Reads take the next pending `Fault`."""
         if method == "GET" and path == "/v1/models":
-            return 200, json.dumps({"object": "list", "data": [
+            return 0.0, (200, json.dumps({"object": "list", "data": [
                 {"id": self.model, "object": "model", "owned_by": "vllm", "root": self.model,
-                 "max_model_len": self.max_model_len}]}).encode()
+                 "max_model_len": self.max_model_len}]}).encode())
         if method == "GET" and path == "/_loopback/stats":
-            return 200, json.dumps({"requests": dict(self.requests), "reads": self.reads}).encode()
+            return 0.0, (200, json.dumps({"requests": dict(self.requests), "reads": self.reads}).encode())
         if method != "POST" or path not in ("/tokenize", *_READS):
-            return _error(404, f"no route {method} {path}", "NotFoundError")
+            return 0.0, _error(404, f"no route {method} {path}", "NotFoundError")
         try:
             body = json.loads(raw)
         except ValueError:
-            return _error(400, "request body is not JSON")
+            return 0.0, _error(400, "request body is not JSON")
         if not isinstance(body, dict):
-            return _error(400, "request body is not a JSON object")
+            return 0.0, _error(400, "request body is not a JSON object")
         if body.get("model") not in (None, self.model):
-            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+            return 0.0, _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         if path == "/tokenize":
-            return self._tokenize(body)
+            return 0.0, self._tokenize(body)
         seed = (body.get("vllm_xargs") or {}).get("diffusion_seed_canvas")
         if not (isinstance(seed, list) and len(seed) > 1):  # discovery probes: never faulted
-            return self._read(path, body, None)
+            return 0.0, self._read(path, body, None)
         self.reads += 1
         self.bodies.append(body)
         fault = self._next_fault()
-        if fault is not None:
-            if fault.delay:
-                await asyncio.sleep(fault.delay)
-            if fault.drop:
-                return None
-            if fault.status is not None:
-                return _error(fault.status, f"injected HTTP {fault.status}")
-            if fault.body is not None:
-                return 200, fault.body
-        return self._read(path, body, fault)
+        if fault is None:
+            return 0.0, self._read(path, body, None)
+        if fault.drop:
+            return fault.delay, None
+        if fault.status is not None:
+            return fault.delay, _error(fault.status, f"injected HTTP {fault.status}")
+        if fault.body is not None:
+            return fault.delay, (200, fault.body)
+        if fault.respond is not None:
+            return fault.delay, fault.respond(path, body)
+        return fault.delay, self._read(path, body, fault)
 
     def _next_fault(self) -> Fault | None:
         if not self._faults:
@@ -249,15 +317,15 @@ class LoopbackVLLM:
 
     def _tokenize(self, body: Mapping[str, Any]) -> tuple[int, bytes]:
         if "messages" in body:
-            text = "<bos>" + "".join(f"<|turn>{m.get('role', '')}\n{m.get('content', '')}<turn|>\n"
-                                     for m in body["messages"])
-            if body.get("add_generation_prompt"):
-                text += "<|turn>model\n"
+            thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking"))
+            text = chat_text(body["messages"], add_generation_prompt=bool(body.get("add_generation_prompt")),
+                             enable_thinking=thinking)
         else:
             text = str(body.get("prompt", ""))
-        ids = tokenize(text, self.vocab_size)
+        parts = pieces(text)
+        ids = [token_id(p, self.vocab_size) for p in parts]
         return 200, json.dumps({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
-                                "token_strs": None}).encode()
+                                "token_strs": parts if body.get("return_token_strs") else None}).encode()
 
     def _read(self, path: str, body: Mapping[str, Any], fault: Fault | None) -> tuple[int, bytes]:
         try:
@@ -270,7 +338,7 @@ class LoopbackVLLM:
         width = min(int(body.get("max_tokens") or self.canvas_width), self.canvas_width)
         if "diffusion_canvas_length" in x:
             width = int(x["diffusion_canvas_length"])
-            if not 0 < width <= self.canvas_width:
+            if not 0 < width <= self.canvas_width or (not self.narrow and width != self.canvas_width):
                 return _error(400, "diffusion_canvas_length must be a positive integer no larger than "
                                    "the served canvas.")
         seed = x.get("diffusion_seed_canvas")
@@ -307,7 +375,8 @@ def read_response(chat: bool, model: str, width: int, labels: Sequence[int], ans
         model: model name in the body.
         width: rows to return (the canvas width).
         labels: the request's `logprob_token_ids`, sorted.
-        answer: `ranked` (logprobs -0.1, -3.1, ... in id order) or `uniform` (all -5.0).
+        answer: `ranked` (logprobs -0.1, -3.1, ... in id order), `uniform` (all -5.0) or
+            `argmax` (each row holds only its argmax, none of the other label ids).
         forced: put this value at every label instead (NaN, inf: invalid rows).
     """
     if forced is not None:
@@ -317,6 +386,9 @@ def read_response(chat: bool, model: str, width: int, labels: Sequence[int], ans
     else:
         lps = [-0.1 - 3.0 * i for i in range(len(labels))]
     top_id, top_lp = (labels[0], lps[0]) if labels else (_FIRST_ID, -0.1)
+    if answer == "argmax":
+        labels, lps = [top_id], [-0.02]
+        top_lp = -0.02
     usage = {"prompt_tokens": 32, "completion_tokens": max(width, 0), "total_tokens": 32 + max(width, 0)}
     if chat:
         tops = [{"token": f"token_id:{i}", "logprob": lp, "bytes": list(b"token_id:%d" % i)}
@@ -374,7 +446,7 @@ class LoopbackProcess:
 def spawn(*, port: int = 0, canvas_width: int = 64, answer: str = "ranked",
           model: str = "loopback") -> Iterator[LoopbackProcess]:
     """Run a loopback server in a child process for the duration of the block."""
-    cmd = [sys.executable, "-m", "harness._loopback_vllm", "--port", str(port), "--canvas-width",
+    cmd = [sys.executable, "-m", "engine.testing._loopback", "--port", str(port), "--canvas-width",
            str(canvas_width), "--answer", answer, "--model", model]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -395,10 +467,10 @@ def spawn(*, port: int = 0, canvas_width: int = 64, answer: str = "ranked",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness._loopback_vllm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.testing._loopback", description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--canvas-width", type=int, default=64)
-    parser.add_argument("--answer", choices=["ranked", "uniform"], default="ranked")
+    parser.add_argument("--answer", choices=list(ANSWERS), default="ranked")
     parser.add_argument("--model", default="loopback")
     args = parser.parse_args(argv)
 

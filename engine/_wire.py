@@ -1,0 +1,81 @@
+"""vLLM's structured-read format, shared by `VLLMServerEngine` and `VLLMEngine`.
+
+What a read sends (`max_tokens`, `logprob_token_ids`, `vllm_xargs.diffusion_*`) and how
+its rows are checked (docs/wire-format.md sections 3 and 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._types import CanvasRead
+from .errors import EngineRequestError, EngineResponseError
+
+MAX_LABEL_IDS = 128
+"""vLLM caps `logprob_token_ids` at 128 ids per request (`MAX_LOGPROB_TOKEN_IDS`)."""
+
+NARROW_REFUSED = "diffusion_canvas_length"
+"""Text of the 400 that a build refusing narrow canvases answers."""
+
+
+def check_read(read: CanvasRead, served_width: int) -> None:
+    """Refuse a read vLLM would refuse: canvas wider than served, too many label ids."""
+    width = len(read.canvas)
+    if not 0 < width <= served_width:
+        raise EngineRequestError(f"canvas of {width} ids; this engine reads at most {served_width}")
+    if len(read.label_ids) > MAX_LABEL_IDS:
+        raise EngineRequestError(f"{len(read.label_ids)} label ids; one read carries at most {MAX_LABEL_IDS}")
+
+
+def seed_canvas(read: CanvasRead, served_width: int, pad_id: int, *, narrow: bool) -> list[int]:
+    """The canvas to send: as built, or padded to the served width where narrow canvases
+    are refused (the rows the caller reads lie before the padding either way)."""
+    if narrow or len(read.canvas) == served_width:
+        return list(read.canvas)
+    return [*read.canvas, *[pad_id] * (served_width - len(read.canvas))]
+
+
+def read_xargs(canvas: Sequence[int], served_width: int, *, constrained: bool) -> dict[str, Any]:
+    """`vllm_xargs` of a one-step read-only read of `canvas` (booleans as 0/1)."""
+    xargs: dict[str, Any] = {"diffusion_seed_canvas": list(canvas), "diffusion_max_steps": 1,
+                             "diffusion_read_only": 1}
+    if len(canvas) < served_width:
+        xargs["diffusion_canvas_length"] = len(canvas)
+    if constrained:
+        xargs["diffusion_constrained"] = 1
+    return xargs
+
+
+def check_row_count(count: int, width: int) -> None:
+    """A read returns one row per canvas position."""
+    if count != width:
+        raise EngineResponseError(f"the read returned {count} rows for a canvas of {width}")
+
+
+def token_id(token: str) -> int:
+    """The id in vLLM's `"token_id:<id>"` (`return_tokens_as_token_ids`)."""
+    if not (isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit()):
+        raise EngineResponseError(f"token {token!r} is not 'token_id:<id>' (was return_tokens_as_token_ids honoured?)")
+    return int(token[9:])
+
+
+def parse_rows(data: Mapping[str, Any], endpoint: str, width: int,
+               slots: Sequence[int]) -> tuple[dict[int, float], ...]:
+    """The `{id: logprob}` rows at `slots` from a chat or completions response body.
+
+    The response holds one row per canvas position (checked); only the slot rows are
+    decoded, which keeps the client's cost per read independent of the canvas width.
+    """
+    try:
+        logprobs = data["choices"][0]["logprobs"]
+        positions = logprobs["content"] if endpoint == "chat" else logprobs["top_logprobs"]
+        check_row_count(len(positions), width)
+        if endpoint == "chat":
+            return tuple(
+                {token_id(e["token"]): float(e["logprob"]) for e in [*positions[s]["top_logprobs"], positions[s]]}
+                for s in slots
+            )
+        return tuple({token_id(t): float(lp) for t, lp in positions[s].items()} for s in slots)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise EngineResponseError(f"the read response has no readable logprob rows ({exc!r})") from exc
