@@ -150,7 +150,7 @@ class FewLabels(FunctionEngine):
         self.whole = set(whole)
 
     async def tokenize(self, text):
-        split = re.sub(r"(?<=: )(\w+)(?=\n)", lambda m: m[1] if m[1] in self.whole else f"{m[1]} {m[1]}", text)
+        split = re.sub(r"(?<=: )(\w+)(?=\n|<)", lambda m: m[1] if m[1] in self.whole else f"{m[1]} {m[1]}", text)
         return await super().tokenize(split)
 
 
