@@ -15,7 +15,7 @@ COMMANDS = {
     "bench": ("harness.bench", "measure overhead, throughput, packing and canvas-vs-AR latency"),
     "calibrate": ("harness.calibrate", "fit temperatures and thresholds from labelled decisions"),
     "dashboard": ("harness.dashboard", "render exported decision spans as one HTML page"),
-    "serve": ("harness.serve", "serve gated decisions over HTTP (/v1/systemone)"),
+    "serve": ("harness.server.cli", "serve gated decisions over HTTP (/v1/systemone)"),
 }
 
 

@@ -21,7 +21,7 @@ from langchain_core.messages import AIMessage
 from opentelemetry.trace import SpanKind, StatusCode
 
 from engine import EngineOverloaded, EngineUnavailable, FunctionEngine, VLLMServerEngine
-from harness import serve
+from harness.server import cli as serve
 from harness.server import create_app, run_in_thread
 from router import CanvasDecisionModel, GatePolicy
 

@@ -150,7 +150,7 @@ def build_model(args: argparse.Namespace) -> Any:
 
 def build_app(args: argparse.Namespace) -> Any:
     """The ASGI app the flags describe (what `run` serves)."""
-    from .server import create_app
+    from .app import create_app
 
     return create_app(build_model(args), api_key=args.api_key, max_in_flight=args.max_in_flight,
                       max_queue=args.max_queue, request_timeout=args.request_timeout, rate_limit=args.rate_limit,
