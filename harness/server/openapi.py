@@ -141,6 +141,8 @@ def openapi(limits: Limits) -> dict[str, Any]:
             "/health": {"get": {"operationId": "health", "summary": "Liveness and load (no key needed)",
                                 "responses": {"200": {"description": "ready", **plain},
                                               "503": {"description": "the engine is not ready", **plain}}}},
+            "/openapi.json": {"get": {"operationId": "openapi", "summary": "This description (no key needed)",
+                                      "responses": {"200": {"description": "OpenAPI 3.1", **plain}}}},
         },
         "components": {"schemas": components,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
