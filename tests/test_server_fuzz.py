@@ -12,7 +12,7 @@ import itertools
 import json
 import time
 
-import pytest
+import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -73,7 +73,7 @@ def test_schemathesis_finds_no_5xx_and_no_leaks():
 
     calls = itertools.count()
 
-    with run_in_thread(app) as url:
+    with run_in_thread(app) as url, requests.Session() as session:
         @settings(max_examples=REQUESTS, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(case=st.one_of(strategies))
@@ -81,7 +81,7 @@ def test_schemathesis_finds_no_5xx_and_no_leaks():
             if next(calls) % 10:  # one in ten keeps whatever authorization the fuzzer made up
                 case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"}
                 case.headers["Authorization"] = f"Bearer {KEY}"
-            response = case.call(base_url=url, timeout=15)
+            response = case.call(base_url=url, session=session, timeout=15)
             seen[response.status_code] = seen.get(response.status_code, 0) + 1
             text = response.text
             where = f"{case.method} {case.path} -> {response.status_code}: {text[:300]}"
