@@ -199,7 +199,8 @@ def create_app(
                 payload = await answer(request, request_id, span)
                 response: Response = JSONResponse(payload, headers={"x-request-id": request_id})
             except ClientGone:
-                log.info("request %s: the client disconnected before its answer; its work (if any) was cancelled", request_id)
+                log.info("request %s: the client disconnected before its answer; its work (if any) was cancelled",
+                         request_id)
                 span.set_attribute(tm.ERROR_TYPE, "client_disconnected")
                 return Response(status_code=499)  # nobody reads it
             except Exception as exc:  # noqa: BLE001 - every fault becomes a typed answer

@@ -86,7 +86,8 @@ def from_exception(exc: BaseException) -> Refusal:
         return Refusal(502, "escalation_failed", "the escalation model failed to answer")
     if isinstance(exc, (EngineRequestError, EngineResponseError)):
         return Refusal(502, "engine_error", "the engine refused the request or answered something unreadable")
-    return Refusal(500, "internal_error", "the server could not answer; its log has the details under this x-request-id")
+    return Refusal(500, "internal_error", "the server could not answer; its log has the details under the "
+                   "x-request-id")
 
 
 def public_name(name: str) -> str:
