@@ -372,3 +372,12 @@ def test_the_typesafe_sdk_with_its_defaults_is_answered_by_the_served_model():
     assert result.model == "function"  # honest: the served model answered, not "jev-latest"
     assert result.nouls["urgent"].noul > 0.9
     assert names == {"function", DEFAULT_MODEL}
+
+
+async def test_questions_that_cannot_be_labelled_are_refused_before_admission():
+    app = create_app(model())
+    duplicate = {"type": "choice", "instructions": "Which?", "criteria": {"Billing": None, "billing ": None}}
+    async with asgi(app) as http:
+        r = await http.post("/v1/systemone", json={"state": "x", "questions": {"q": duplicate}})
+    assert (r.status_code, r.json()["error"]["type"]) == (400, "label_error")
+    assert app.state.gate.peak_admitted == 0

@@ -14,8 +14,11 @@ from typing import Any
 from langchain_core.decisions import Choice, Noul, Score
 from pydantic import ValidationError
 
+from engine import DecisionError
+from router import parse_questions
+
 from .limits import Limits
-from .wire import Refusal, malformed
+from .wire import Refusal, from_exception, malformed
 
 __all__ = ["Parsed", "parse_request"]
 
@@ -74,7 +77,12 @@ def parse_request(body: bytes, limits: Limits) -> Parsed:
         raise Refusal(400, "unsupported_field", "instructions: put request-wide context in the state",
                       loc=("instructions",))
     _check_sizes(state, shaped, limits)
-    return Parsed(model, state, {qid: _question(qid, q) for qid, q in shaped.items()}, seed, thread_id)
+    questions = {qid: _question(qid, q) for qid, q in shaped.items()}
+    try:
+        parse_questions(questions)  # labels and option names, before any slot is taken
+    except DecisionError as exc:
+        raise from_exception(exc) from exc
+    return Parsed(model, state, questions, seed, thread_id)
 
 
 def _load(body: bytes, limits: Limits) -> Any:
