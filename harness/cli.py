@@ -15,7 +15,7 @@ COMMANDS = {
     "bench": ("harness.bench.command", "measure overhead, throughput, packing and canvas-vs-AR latency"),
     "calibrate": ("harness.calibration.command", "fit temperatures and thresholds from labelled decisions"),
     "dashboard": ("harness.observability.dashboard", "render exported decision spans as one HTML page"),
-    "serve": ("harness.serve", "serve gated decisions over HTTP (/v1/systemone)"),
+    "serve": ("harness.server.cli", "serve gated decisions over HTTP (/v1/systemone)"),
 }
 
 

@@ -1,6 +1,7 @@
 """`canvasroute serve`: gated decisions over HTTP at `/v1/systemone` (the Jev wire).
 
-Point any Jev client (`typesafe-sdk`, OpenJev clients, `SystemOneDecisionModel`) at it.
+Point any Jev client (`typesafe-sdk`, OpenJev clients, `SystemOneDecisionModel`) at it;
+`jev-latest`, the SDK's default model, is answered by the served model without flags.
 Every flag also reads a `CANVASROUTE_*` environment variable (the flag wins):
 
 ```
@@ -13,12 +14,44 @@ CANVASROUTE_ENGINE=embedded canvasroute serve      # offline SmolLM2-135M: near-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from typing import Any
 
+from .limits import Limits
+
 __all__ = ["build_app", "build_model", "configure", "run"]
+
+_EPILOG = """\
+Every flag also reads the environment variable named in its help.
+
+Checked before a request takes a slot or reaches the engine: the body must arrive within
+--body-timeout (else 408) and fit --max-body-bytes (413); bad JSON, nesting over 32 levels,
+lone surrogates, NaN/Infinity, or a null/number state are 422; over --max-questions,
+--max-options, --max-levels, --max-text-chars or 256-character names is 400; a state over
+--max-state-chars is 413.
+
+Status codes: 400 unaskable question or over a bound; 401 bad key; 404 unknown model
+(jev-latest is always served); 408 slow body; 413 too large; 415 not application/json;
+422 malformed; 429 over --rate-limit or the escalation budget; 502 the engine or the
+escalation model refused or answered garbage; 503 the engine is unreachable; 504 the
+engine did not answer within --request-timeout; 529 at capacity (--max-in-flight running
++ --max-queue waiting) or the engine shed load. Error bodies are
+{"error": {"type", "message", "code", "param"}}; 415/422 add FastAPI's "detail" list.
+The API description is at GET /openapi.json.
+"""
+
+_LIMIT_FLAGS = {
+    "max_body_bytes": (int, "largest request body, raw and decoded; beyond it, 413"),
+    "body_timeout": (float, "seconds for the whole body to arrive, before any slot is taken; beyond it, 408"),
+    "max_questions": (int, "questions per request; beyond it, 400"),
+    "max_options": (int, "options of one Choice; beyond it, 400"),
+    "max_levels": (int, "levels of one Score; beyond it, 400"),
+    "max_state_chars": (int, "characters of the state (compact JSON for objects); beyond it, 413"),
+    "max_text_chars": (int, "characters of one question's instructions or criterion; beyond it, 400"),
+}
 
 log = logging.getLogger("canvasroute.serve")
 
@@ -42,6 +75,7 @@ _ENV = {
     "request_timeout": "CANVASROUTE_REQUEST_TIMEOUT",
     "rate_limit": "CANVASROUTE_RATE_LIMIT",
     "model_alias": "CANVASROUTE_MODEL_ALIAS",
+    **{name: f"CANVASROUTE_{name.upper()}" for name in _LIMIT_FLAGS},
     "log_level": "CANVASROUTE_LOG_LEVEL",
 }
 
@@ -53,7 +87,8 @@ def _env(dest: str, default: Any = None) -> Any:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the `serve` flags."""
-    parser.epilog = "Every flag also reads the environment variable named in its help."
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _EPILOG
     engine = parser.add_argument_group("engine")
     engine.add_argument("--engine", choices=("vllm", "embedded"), default=_env("engine"),
                         help="vllm: a vLLM server (--engine-url); embedded: SmolLM2-135M in-process, near-chance "
@@ -91,13 +126,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-queue", type=int, default=_env("max_queue", "256"),
                      help="requests waiting for a slot; beyond it, 529 [CANVASROUTE_MAX_QUEUE]")
     srv.add_argument("--request-timeout", type=float, default=_env("request_timeout", "120"),
-                     help="seconds from admission to answer [CANVASROUTE_REQUEST_TIMEOUT]")
+                     help="seconds from admission to answer; beyond it, 504 (529 if still queued) "
+                          "[CANVASROUTE_REQUEST_TIMEOUT]")
     srv.add_argument("--rate-limit", type=float, default=_env("rate_limit"),
                      help="requests per second over all clients; beyond it, 429 [CANVASROUTE_RATE_LIMIT]")
     srv.add_argument("--model-alias", action="append",
                      default=[a for a in (_env("model_alias") or "").split(",") if a],
-                     help="another name clients may send as `model` (repeatable; e.g. jev-latest) "
+                     help="another name clients may send as `model`, besides jev-latest (repeatable) "
                           "[CANVASROUTE_MODEL_ALIAS, comma-separated]")
+    bounds = parser.add_argument_group("request bounds")
+    defaults = Limits()
+    for name, (kind, text) in _LIMIT_FLAGS.items():
+        bounds.add_argument(f"--{name.replace('_', '-')}", type=kind, default=_env(name, getattr(defaults, name)),
+                            help=f"{text} (default: %(default)s) [{_ENV[name]}]")
     srv.add_argument("--log-level", default=_env("log_level", "info"),
                      choices=("critical", "error", "warning", "info", "debug"), help="[CANVASROUTE_LOG_LEVEL]")
 
@@ -150,11 +191,12 @@ def build_model(args: argparse.Namespace) -> Any:
 
 def build_app(args: argparse.Namespace) -> Any:
     """The ASGI app the flags describe (what `run` serves)."""
-    from .server import create_app
+    from .app import JEV_ALIASES, create_app
 
+    limits = dataclasses.replace(Limits(), **{name: getattr(args, name) for name in _LIMIT_FLAGS})
     return create_app(build_model(args), api_key=args.api_key, max_in_flight=args.max_in_flight,
                       max_queue=args.max_queue, request_timeout=args.request_timeout, rate_limit=args.rate_limit,
-                      aliases=tuple(args.model_alias), close_engine=True)
+                      limits=limits, aliases=(*JEV_ALIASES, *args.model_alias), close_engine=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,40 @@
+"""The server's input bounds: decided from the body alone, before a slot is taken or the engine is asked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Limits"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Limits:
+    """What one `/v1/systemone` request may carry. Over a size bound: 413; over a count or length: 400."""
+
+    max_body_bytes: int = 1 << 20
+    """Largest body, raw and decoded (413 `payload_too_large`)."""
+    body_timeout: float = 10.0
+    """Seconds to receive the whole body; a slower upload gets 408 `body_timeout` and never holds a slot."""
+    max_depth: int = 32
+    """Deepest JSON nesting anywhere in the body (422 `invalid_json`)."""
+    max_questions: int = 64
+    """Questions per request (400 `too_many_questions`)."""
+    max_options: int = 64
+    """Options of one Choice (400 `too_many_options`)."""
+    max_levels: int = 32
+    """Levels of one Score (400 `too_many_levels`)."""
+    max_state_chars: int = 65_536
+    """Characters of the state, as compact JSON when it is an object or array (413 `state_too_large`)."""
+    max_text_chars: int = 8_192
+    """Characters of one question's instructions or of one criterion, as compact JSON (400 `text_too_long`)."""
+    max_name_chars: int = 256
+    """Characters of a question id, an option name, `model` or `thread_id` (400 `name_too_long`)."""
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:  # type: ignore[attr-defined]
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Limits.{name} must be positive")
+
+    def describe(self) -> str:
+        """One line per bound (for `--help` and docs)."""
+        return "; ".join(f"{name}={getattr(self, name):g}" for name in self.__slots__)  # type: ignore[attr-defined]

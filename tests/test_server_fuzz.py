@@ -1,0 +1,109 @@
+"""Schemathesis fuzzes the server from its own OpenAPI description, over real HTTP (issue #16, item 8).
+
+Positive and negative cases for every operation, with and without the key, against a
+uvicorn server whose engine faults on some reads: no 5xx but the 503/504/529 a faulted
+engine explains, JSON on every reply, and no reply carrying the engine's model path, a
+traceback, the key or the request's state text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+
+from engine import EngineOverloaded, EngineTimeout, EngineUnavailable, FunctionEngine
+from harness.server import create_app, run_in_thread
+from harness.server.limits import Limits
+from harness.server.openapi import openapi
+from router import CanvasDecisionModel
+
+KEY = "sk-fuzz-secret-0123456789"
+MODEL_PATH = "/srv/fuzz-models/secret-dgemma"
+REQUESTS = 1000
+FAULTS = (EngineUnavailable("engine at http://10.9.9.9:8000 is down"), EngineTimeout("read timed out at /srv"),
+          EngineOverloaded("vLLM said 529 from http://10.9.9.9:8000"))
+LEAKS = (MODEL_PATH, "/srv/", "10.9.9.9", "Traceback", 'File "', KEY)
+
+
+def faulty_model() -> tuple[CanvasDecisionModel, list[int]]:
+    """Confident rows, except every 9th read raises one of the engine faults."""
+    faults: list[int] = []
+    counter = itertools.count()
+    engine = FunctionEngine(lambda read: rows(read), model=MODEL_PATH)
+
+    def rows(read):
+        n = next(counter)
+        if n % 9 == 8:
+            faults.append(n)
+            raise FAULTS[(n // 9) % 3]
+        return [{engine.token_id(t): -0.01 for t in ("yes", "A", "1")}] * len(read.slots)
+
+    return CanvasDecisionModel(engine=engine), faults
+
+
+def _state_text(case) -> str | None:
+    body = case.body if isinstance(case.body, dict) else None
+    state = body.get("state") if body else None
+    if not isinstance(state, str) or len(state.strip()) < 12:
+        return None
+    echoed = json.dumps({k: v for k, v in body.items() if k != "state"}, ensure_ascii=False)
+    return None if state in echoed else state  # a question may legitimately quote it back
+
+
+def test_schemathesis_finds_no_5xx_and_no_leaks():
+    schema = schemathesis.openapi.from_dict(openapi(Limits()))
+    strategies = []
+    for path, method in (("/v1/systemone", "POST"), ("/v1/models", "GET"), ("/health", "GET"),
+                         ("/openapi.json", "GET")):
+        operation = schema[path][method]
+        weight = 8 if path == "/v1/systemone" else 1
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            strategies += [operation.as_strategy(generation_mode=mode)] * weight
+    model, faults = faulty_model()
+    app = create_app(model, api_key=KEY, request_timeout=10)
+    seen: dict[int, int] = {}
+    problems: list[str] = []
+
+    calls = itertools.count()
+
+    with run_in_thread(app) as url, requests.Session() as session:
+        @settings(max_examples=REQUESTS, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=st.one_of(strategies))
+        def fuzz(case):
+            if next(calls) % 10:  # one in ten keeps whatever authorization the fuzzer made up
+                case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"}
+                case.headers["Authorization"] = f"Bearer {KEY}"
+            response = case.call(base_url=url, session=session, timeout=15)
+            seen[response.status_code] = seen.get(response.status_code, 0) + 1
+            text = response.text
+            where = f"{case.method} {case.path} -> {response.status_code}: {text[:300]}"
+            if response.status_code >= 500 and response.status_code not in (503, 504, 529):
+                problems.append(f"5xx: {where}")
+            content_type = {k.lower(): v for k, v in response.headers.items()}.get("content-type", [""])
+            if not content_type[0].startswith("application/json"):
+                problems.append(f"not JSON: {where}")
+            if leaked := [s for s in LEAKS if s in text]:
+                problems.append(f"leaked {leaked}: {where}")
+            state = _state_text(case)
+            if state is not None and state in text:
+                problems.append(f"echoed the state: {where}")
+
+        started = time.monotonic()
+        fuzz()
+        elapsed = time.monotonic() - started
+
+    total = sum(seen.values())
+    engine_faults = sum(n for code, n in seen.items() if code in (503, 504, 529))
+    print(f"schemathesis: {total} requests in {elapsed:.1f}s, statuses {dict(sorted(seen.items()))}")
+    assert problems == []
+    assert total >= 1000
+    assert engine_faults <= len(faults)  # every 503/504/529 is a fault the engine really raised
+    assert seen.get(200, 0) >= 30 and seen.get(401, 0) >= 20 and seen.get(422, 0) >= 50
