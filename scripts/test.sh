@@ -4,7 +4,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh dev
 bash scripts/vllm_cpu.sh provision
 # headless Chromium renders the dashboard in its test (Debian package; needs root)
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

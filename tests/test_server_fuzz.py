@@ -43,7 +43,8 @@ def faulty_model() -> tuple[CanvasDecisionModel, list[int]]:
         if n % 9 == 8:
             faults.append(n)
             raise FAULTS[(n // 9) % 3]
-        return [{engine.token_id(t): -0.01 for t in ("yes", "A", "1")}] * len(read.slots)
+        favoured = {engine.token_id(t) for t in ("yes", "A", "1")}  # every requested id, these on top
+        return [{i: -0.01 if i in favoured else -6.0 for i in read.label_ids}] * len(read.slots)
 
     return CanvasDecisionModel(engine=engine), faults
 
