@@ -1,8 +1,22 @@
 """Decisions: questions about a state become canvas reads, gated and escalated.
 
 `router` knows questions and policies, not LangGraph (that is `harness`), and reaches
-the model only through the `engine` protocol. Public modules beside this surface:
-`router.telemetry` (span and attribute names) and `router.calibration` (the math).
+the model only through the `engine` protocol. The modules follow one decision:
+
+```
+_questions   validate_questions / parse_questions: the one validator (model, client, server)
+_labels      one-token labels at a slot, checked against the engine's tokenizer
+_prompts     the system prompt (questions, defused) and the answer-canvas text
+_plan        chunks that fit a canvas, slots, two-read routes past one read's labels
+_reading     first reads, per-chunk re-reads, second reads -> per-question distributions
+_distribution  entropy, margin, label mass; re-read aggregation
+_outcome     gate, budget (_budget), fallback, fault -> escalation (_escalation) -> reports
+_model       CanvasDecisionModel: the BaseDecisionModel that connects them
+systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
+```
+
+Public modules beside this surface: `router.telemetry` (span and attribute names) and
+`router.calibration` (the math).
 """
 
 from .calibration import (
