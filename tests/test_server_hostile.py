@@ -35,7 +35,8 @@ JSON = {"content-type": "application/json"}
 def model(fn=None, **engine_kwargs) -> CanvasDecisionModel:
     """A model on a FunctionEngine: confident rows, or what `fn(engine)` gives."""
     engine = FunctionEngine(lambda read: rows(read), **engine_kwargs)
-    rows = fn(engine) if fn else (lambda read: [{engine.token_id(t): -0.01 for t in ("yes", "A")}] * len(read.slots))
+    rows = fn(engine) if fn else (lambda read: [{i: -6.0 for i in read.label_ids}
+                                                | {engine.token_id(t): -0.01 for t in ("yes", "A")}] * len(read.slots))
     return CanvasDecisionModel(engine=engine)
 
 
