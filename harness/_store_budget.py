@@ -136,16 +136,17 @@ class StoreBudgetMeter:
         keys = [uuid.uuid4().hex for _ in range(n)]
         value = {"ts": stamp, "state": "pending", "thread": thread}
         await self._put(keys, value, thread_ns)
-        allowed, contended = n, False
+        allowed, contended, in_window = n, False, None
         if self.budget.max_per_window is not None:
             others = await self._others(window_ns, keys, stamp, self.budget.window_s, sweep=True)
             allowed, contended = self._fit(allowed, others, self.budget.max_per_window, contended)
+            in_window = len(others)
         if thread_ns is not None:
             others = await self._others(thread_ns, keys, stamp, None, sweep=False)
             allowed, contended = self._fit(allowed, others, self.budget.max_per_thread, contended)
         kept, dropped = keys[:allowed], keys[allowed:]
-        if self.budget.max_per_window is not None:
-            self.in_window = len(others) + len(kept)
+        if in_window is not None:
+            self.in_window = in_window + len(kept)
         if kept:
             await self._put(kept, {**value, "state": "granted"}, thread_ns)
             self._mine[thread or _NO_THREAD].extend(kept)
