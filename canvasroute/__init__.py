@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         DecisionEdge,
         DecisionNode,
         ReviewPolicy,
+        StoreBudgetMeter,
         decision_node,
         merge_decisions,
         retry_on,
@@ -75,8 +76,8 @@ _LAYERS = {
         "SystemOneDecisionModel", "load_policy", "save_policy",
     ],
     "harness": [
-        "DecisionEdge", "DecisionNode", "ReviewPolicy", "decision_node", "merge_decisions", "retry_on",
-        "route_on",
+        "DecisionEdge", "DecisionNode", "ReviewPolicy", "StoreBudgetMeter", "decision_node", "merge_decisions",
+        "retry_on", "route_on",
     ],
 }
 _HOME = {name: layer for layer, names in _LAYERS.items() for name in names}

@@ -10,6 +10,7 @@ statuses to the errors in `engine.errors`. The callers speak their wire on top o
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import time
@@ -76,7 +77,8 @@ class Connection:
     """HTTP to one service served by one or more replicas, with retries and typed errors.
 
     Args:
-        base_urls: replica roots; requests go round-robin over those not cooling down.
+        base_urls: replica roots; requests go round-robin over those not cooling down, or,
+            with an `affinity` key, to the key's rendezvous replica (`rendezvous`).
         api_key: sent as `Authorization: Bearer <key>`.
         timeout: seconds per HTTP operation (read, write, pool).
         connect_timeout: seconds to connect (default `timeout`). One attempt as a whole
@@ -139,16 +141,19 @@ class Connection:
         return (len(lanes.idle), len(lanes.clients)) if lanes else (0, 0)
 
     async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None, *,
-                      on_attempt: Callable[[], None] | None = None) -> Reply:
+                      on_attempt: Callable[[], None] | None = None, affinity: str | None = None,
+                      headers: Mapping[str, str] | None = None) -> Reply:
         """One JSON request with retries; a 2xx JSON reply or a typed error.
 
         `on_attempt` is called before every attempt (retries included), e.g. to count.
+        `affinity` routes by rendezvous hashing instead of round-robin (see `rendezvous`);
+        `headers` are sent with every attempt.
         """
         lanes = self._lanes()
         async with lanes.slots:
             client = lanes.idle.pop() if lanes.idle else self._new_client(lanes)
             try:
-                return await self._send(client, method, path, body, on_attempt)
+                return await self._send(client, method, path, body, on_attempt, affinity, headers)
             finally:
                 lanes.idle.append(client)
 
@@ -193,10 +198,39 @@ class Connection:
                 return replica
         return min(self._replicas, key=lambda r: r.down_until)
 
+    def rendezvous(self, key: str) -> list[str]:
+        """The replica URLs in `key`'s rendezvous order (highest random weight first).
+
+        Every client with the same replica list sends a key to the same first replica, and
+        removing a replica moves only the keys it held (each to its next in order).
+        """
+        return [r.url for r in self._ranked(key)]
+
+    def _ranked(self, key: str) -> list[_Replica]:
+        def weight(replica: _Replica) -> bytes:
+            return hashlib.blake2b(f"{replica.url}\n{key}".encode(), digest_size=8).digest()
+
+        return sorted(self._replicas, key=weight, reverse=True)
+
+    def _pick_for(self, key: str, tried: set[str]) -> _Replica:
+        """`key`'s first replica in rendezvous order that is not cooling down and was not
+        tried by this request (failover); the soonest back if every one is."""
+        now = time.monotonic()
+        ranked = self._ranked(key)
+        for replica in ranked:
+            if replica.down_until <= now and replica.url not in tried:
+                return replica
+        for replica in ranked:
+            if replica.down_until <= now:
+                return replica
+        return min(ranked, key=lambda r: r.down_until)
+
     async def _send(self, client: httpx.AsyncClient, method: str, path: str, body: Mapping[str, Any] | None,
-                    on_attempt: Callable[[], None] | None) -> Reply:
-        headers: dict[str, str] = {}
+                    on_attempt: Callable[[], None] | None, affinity: str | None = None,
+                    extra: Mapping[str, str] | None = None) -> Reply:
+        headers: dict[str, str] = dict(extra or {})
         propagate.inject(headers)  # traceparent, when a trace is active
+        tried: set[str] = set()
         last: Exception | None = None
         wait = 0.0
         for attempt in range(self.max_retries + 1):
@@ -204,7 +238,8 @@ class Connection:
                 backoff = self.backoff * 2 ** (attempt - 1) * (0.5 + random.random())
                 await asyncio.sleep(max(wait, backoff))
             wait = 0.0
-            replica = self._pick()
+            replica = self._pick() if affinity is None else self._pick_for(affinity, tried)
+            tried.add(replica.url)
             where = f"{method} {replica.url}{path}"
             if on_attempt is not None:
                 on_attempt()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -30,6 +32,20 @@ class VLLMServerEngine:
     replica). Tokenization goes through the server's `/tokenize`, so no local tokenizer or
     weights are needed. Discovery asks the server once for its model, canvas, vocabulary,
     special tokens, and whether its generation prompt already holds the thought block.
+
+    Prefix affinity: every read carries `session_header` (default `x-session-id`; None
+    sends none) with a stable key of its prompt (`session_key`: a hash of the chat
+    messages, i.e. system prompt + questions + state), the same for a decision's first
+    read and its re-reads. Behind one base URL, a session-aware router keeps those reads
+    on one replica, where the prompt is a prefix-cache hit: the vLLM Router's
+    `consistent_hash` policy reads `X-Session-ID`; the vLLM production-stack router
+    reads the header named by `--routing-logic session --session-key x-session-id`.
+    Prefix-aware routers (production-stack `prefixaware`, llm-d's inference gateway,
+    Ray Serve's prefix-cache-affinity router) match the prompt itself and need no header.
+    Given several base URLs and `affinity=True` (default), the client routes each key by
+    rendezvous hashing over them, failing over to the key's next replica while one cools
+    down: a convenience for a handful of replicas, not a replacement for those routers
+    (no load awareness, no shared view between clients beyond the same URL list).
 
     `enable_thinking` goes to the chat template (default False, the read mode). A server
     that refuses `diffusion_canvas_length` below its served width gets the full width from
@@ -60,6 +76,8 @@ class VLLMServerEngine:
         enable_thinking: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        session_header: str | None = "x-session-id",
+        affinity: bool = True,
     ) -> None:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
@@ -68,11 +86,17 @@ class VLLMServerEngine:
             raise ValueError(f"endpoint must be 'chat' or 'completions', not {endpoint!r}")
         if max_concurrency < 1 or max_retries < 0:
             raise ValueError("max_concurrency must be >= 1 and max_retries >= 0")
+        if session_header is not None and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", session_header):
+            raise ValueError(f"session_header must be an HTTP header name or None, not {session_header!r}")
         self.connection = Connection(urls, api_key=api_key, timeout=timeout, connect_timeout=connect_timeout,
                                      max_concurrency=max_concurrency, max_retries=max_retries, backoff=backoff,
                                      replica_cooldown=replica_cooldown, transport=transport,
                                      service="vLLM server")
         """The HTTP connection (replicas, lanes, retries)."""
+        self.session_header = session_header
+        """Header carrying each read's `session_key` (None: not sent)."""
+        self.affinity = affinity
+        """Route reads over several base URLs by rendezvous hashing of `session_key` (else round-robin)."""
         self._model = model
         self.endpoint = endpoint
         self._canvas_width = canvas_width
@@ -177,8 +201,11 @@ class VLLMServerEngine:
         else:
             body.update(prompt=list(await self._prompt_ids(read.messages)), logprobs=1)
             path = "/v1/completions"
+        key = session_key(read.messages)
+        headers = {self.session_header: key} if self.session_header else None
         start = time.perf_counter()
-        reply = await self.connection.request("POST", path, body, on_attempt=self._count)
+        reply = await self.connection.request("POST", path, body, on_attempt=self._count, headers=headers,
+                                              affinity=key if self.affinity else None)
         latency = time.perf_counter() - start
         data = _object(reply.data, path)
         rows = parse_rows(data, self.endpoint, width, read.slots)
@@ -276,6 +303,13 @@ class VLLMServerEngine:
         if width <= 0:
             raise EngineResponseError("could not learn the canvas width; pass canvas_width=")
         return width
+
+
+def session_key(messages: Sequence[Message]) -> str:
+    """A stable key of a read's prompt (system prompt + questions + state): 32 hex digits,
+    the same in every process for the same messages, so all reads of one decision share it."""
+    blob = json.dumps([[m.get("role"), m.get("content")] for m in messages], ensure_ascii=False)
+    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
 
 def _object(data: Any, path: str) -> dict[str, Any]:

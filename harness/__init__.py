@@ -7,6 +7,8 @@
 - `ReviewPolicy`: send unsure, unescalated answers to a human via `interrupt()`.
 - `merge_decisions`: the state reducer for the decisions key.
 - `retry_on`: the `RetryPolicy` predicate that retries transient faults only.
+- `StoreBudgetMeter`: escalation budgets counted in a LangGraph store, shared by workers
+  (a node whose graph has a store uses one for its model's budget).
 
 What stands apart lives in subpackages behind the CLI (`harness.cli`): `observability`
 (trace files, dashboard), `calibration`, `bench`, `demo`, `server`.
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from ._records import DECISION_EVENT, merge_decisions
     from ._retry import retry_on
     from ._review import REVIEW_EVENT, ReviewPolicy
+    from ._store_budget import StoreBudgetMeter
 
 __all__ = [
     "DECISION_EVENT",
@@ -30,6 +33,7 @@ __all__ = [
     "DecisionEdge",
     "DecisionNode",
     "ReviewPolicy",
+    "StoreBudgetMeter",
     "decision_node",
     "decision_seed",
     "merge_decisions",
@@ -43,6 +47,7 @@ _LAZY = {
     "DecisionEdge": "._edge",
     "DecisionNode": "._node",
     "ReviewPolicy": "._review",
+    "StoreBudgetMeter": "._store_budget",
     "decision_node": "._node",
     "decision_seed": "._context",
     "merge_decisions": "._records",

@@ -20,6 +20,7 @@ from router import CanvasDecisionModel, GatePolicy, render_state
 from router.telemetry import GRAPH_NODE, GRAPH_THREAD
 
 from ._records import answers_only
+from ._store_budget import with_store_budget
 
 Inputs = str | Callable[[Any], Any] | None
 """What a decision reads: None (the graph state, minus the output key), a state key,
@@ -41,7 +42,8 @@ class GraphCall:
     task_id: str | None
     """The task id (identical when an interrupted task re-runs on resume)."""
     model: CanvasDecisionModel
-    """The decision model for this run (`Runtime.context.decision_model` wins)."""
+    """The decision model for this run (`Runtime.context.decision_model` wins); with a
+    graph store (`Runtime.store`) its budget is counted there (`StoreBudgetMeter`)."""
     policy: GatePolicy | None
     """The gate for this run from `Runtime.context.gate`; None keeps the model's."""
 
@@ -67,7 +69,7 @@ def graph_call(config: RunnableConfig, model: CanvasDecisionModel, default_name:
     chosen = _from_context(context, "decision_model")
     if chosen is not None and not isinstance(chosen, CanvasDecisionModel):
         raise TypeError(f"Runtime.context decision_model must be a CanvasDecisionModel, not {type(chosen).__name__}")
-    chosen = chosen or model
+    chosen = with_store_budget(chosen or model, getattr(runtime, "store", None))
     return GraphCall(
         node=node,
         namespace=strip_task_ids(ns) or node,

@@ -297,8 +297,8 @@ async def test_a_refused_replica_cools_down_and_reads_move_on():
     assert seen["down.test"] == 1  # tried once, then cooling down
 
 
-async def test_healthy_replicas_share_reads_round_robin():
-    engine = engine_for(FakeVLLM(), url=["http://a.test", "http://b.test/"])
+async def test_healthy_replicas_share_reads_round_robin_without_affinity():
+    engine = engine_for(FakeVLLM(), url=["http://a.test", "http://b.test/"], affinity=False)
     await engine.info()
     results = [await engine.read([canvas_read()]) for _ in range(10)]
     spread = Counter(r[0].attrs["server.address"] for r in results)

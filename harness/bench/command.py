@@ -9,6 +9,8 @@ Every figure is a ratio or a distribution measured side by side in one run:
 3. `packing`      questions per canvas read for typical nodes, and the canvas widths.
 4. `canvas_vs_ar` one canvas read vs AR JSON generation on SmolLM2-135M (CPU).
 5. `vllm`         reads/s and p50/p95 against a real vLLM CPU server (`--vllm-url`).
+6. `affinity`     prefix-cache hit rate on two real vLLM servers, rendezvous routing vs
+                  round-robin (`--affinity-urls`; skipped without two).
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -29,7 +31,7 @@ from .common import Section, loop_ns, machine
 
 __all__ = ["SECTIONS", "configure", "run"]
 
-SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm")
+SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +40,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-url", default=os.environ.get("CANVASROUTE_VLLM_URL"),
                         help="a running vLLM DiffusionGemma server (default $CANVASROUTE_VLLM_URL); "
                              "without one, its rows are skipped")
+    parser.add_argument("--affinity-urls", default=os.environ.get("CANVASROUTE_AFFINITY_URLS", ""),
+                        help="two vLLM DiffusionGemma servers, comma-separated, for the affinity section "
+                             "(default $CANVASROUTE_AFFINITY_URLS); without two it is skipped")
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
 
@@ -54,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         "packing": lambda: _packing(args.vllm_url),
         "canvas_vs_ar": lambda: _ar(args.quick),
         "vllm": lambda: _vllm(args.vllm_url, args.quick),
+        "affinity": lambda: _affinity(args.affinity_urls, args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -107,3 +113,8 @@ def _ar(quick: bool) -> Section:
 def _vllm(url: str | None, quick: bool) -> Section:
     from .client import run_real_server
     return run_real_server(url, quick)
+
+
+def _affinity(urls: str, quick: bool) -> Section:
+    from .affinity import run_affinity
+    return run_affinity([u.strip() for u in urls.split(",") if u.strip()], quick)
