@@ -8,9 +8,13 @@ which the demo reports instead of crashing."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from conftest import unavailable
+from opentelemetry import trace
+from opentelemetry.util._once import Once
 
 from engine.testing import spawn
 from harness.cli import main
@@ -18,12 +22,24 @@ from harness.observability.dashboard import build_report
 from harness.observability.traces import read_spans
 from router import telemetry as tm
 
+@contextmanager
+def unset_tracer_provider() -> Iterator[None]:
+    """The global tracer provider unset, as in a fresh `canvasroute demo` process (which installs
+    its own); the previous one is put back afterwards."""
+    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
+    try:
+        yield
+    finally:
+        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+
+
 TICKET = "I was charged twice for my subscription this month. Please refund one payment."
 
 
 def test_without_a_target_the_demo_says_what_would_escalate_and_how_to_add_one(tmp_path, capsys):
     trace = tmp_path / "demo.jsonl"
-    with spawn(answer="uniform") as server:
+    with spawn(answer="uniform") as server, unset_tracer_provider():
         assert main(["demo", "--engine-url", server.url, "--ticket", TICKET, "--ticket", "My app crashes",
                      "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
@@ -60,7 +76,7 @@ def ar_server():
 def test_the_demo_escalates_to_an_openai_compatible_ar_server(ar_server, tmp_path, capsys):
     trace = tmp_path / "demo.jsonl"
     before = len(ar_server.requests)
-    with spawn(answer="uniform") as server:
+    with spawn(answer="uniform") as server, unset_tracer_provider():
         assert main(["demo", "--engine-url", server.url, "--ticket", TICKET, "--trace", str(trace),
                      "--escalate-url", ar_server.url, "--escalate-model", "smollm2"]) == 0
     out = capsys.readouterr().out
