@@ -12,7 +12,7 @@ from router import CanvasDecisionModel, CanvasResponse
 from router import parse_questions
 
 from ._context import Inputs, child_config, decision_seed, graph_call, select_inputs
-from ._records import emit, entries
+from ._records import emit, entries, trace_route
 
 
 class DecisionEdge(Runnable[Any, str]):
@@ -72,6 +72,7 @@ class DecisionEdge(Runnable[Any, str]):
         decided = entries(response, {})
         option = decided[self.question_id]["answer"]
         emit(call.node, self.path_map[option], decided, request["seed"])
+        trace_route(call.attributes, self.path_map[option])
         return option
 
 

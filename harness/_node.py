@@ -31,8 +31,9 @@ from router import CanvasDecisionModel, CanvasResponse
 from router import QuestionSpec, parse_questions
 
 from ._context import GraphCall, Inputs, child_config, decision_seed, graph_call, select_inputs
-from ._records import emit, entries
+from ._records import emit, entries, trace_route
 from ._review import ReviewPolicy, review
+from ._shadow import ExistingRouter, Shadow, ShadowOutcome
 
 Questions = Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]
 """Static `{question_id: Noul | Choice | Score}`, or a function of the graph state."""
@@ -50,7 +51,7 @@ class DecisionNode(Runnable[Any, Command]):
 
     def __init__(self, model: CanvasDecisionModel, questions: Questions, *, inputs: Inputs, route: Route,
                  output_key: str, name: str | None, review: ReviewPolicy | None,
-                 destinations: Sequence[str] | None) -> None:
+                 destinations: Sequence[str] | None, shadow: ExistingRouter | None = None) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
         if not (callable(questions) or isinstance(questions, Mapping)):
@@ -74,6 +75,10 @@ class DecisionNode(Runnable[Any, Command]):
             self._check(parse_questions(questions))
         self._pending: OrderedDict[tuple[Any, ...], CanvasResponse] = OrderedDict()
         self._lock = threading.Lock()
+        if shadow is not None and review is not None:
+            raise ValueError("shadow= and review= do not combine: in shadow mode the existing router decides")
+        self.shadow = Shadow(shadow, self.destinations) if shadow is not None else None
+        """The existing router this node shadows (None: the canvas routes)."""
         if self.destinations:
             self.__call__ = MethodType(_annotated_call(self.destinations), self)
 
@@ -91,6 +96,11 @@ class DecisionNode(Runnable[Any, Command]):
         """Decide synchronously (`graph.invoke`): one read for all questions, then route."""
         config = ensure_config(config)
         job = self._prepare(input, config)
+        if self.shadow is not None:
+            model = self.shadow.canvas_only(job.call.model)
+            return self._finish_shadow(job, *self.shadow.run(
+                input, config, lambda: model.invoke(job.request, child_config(config)), self._canvas_goto,
+                job.call.attributes, job.call.node))
         response = job.cached or job.call.model.invoke(job.request, child_config(config))
         return self._finish(job, response)
 
@@ -98,6 +108,11 @@ class DecisionNode(Runnable[Any, Command]):
         """Decide asynchronously (`graph.ainvoke`): one read for all questions, then route."""
         config = ensure_config(config)
         job = self._prepare(input, config)
+        if self.shadow is not None:
+            model = self.shadow.canvas_only(job.call.model)
+            return self._finish_shadow(job, *await self.shadow.arun(
+                input, config, lambda: model.ainvoke(job.request, child_config(config)), self._canvas_goto,
+                job.call.attributes, job.call.node))
         response = job.cached or await job.call.model.ainvoke(job.request, child_config(config))
         return self._finish(job, response)
 
@@ -131,8 +146,21 @@ class DecisionNode(Runnable[Any, Command]):
         decided = entries(response, human)
         goto = self._goto(decided)
         emit(job.call.node, goto, decided, job.seed)
+        trace_route(job.call.attributes, goto)
         update = {self.output_key: decided}
         return Command(update=update) if goto is None else Command(goto=goto, update=update)
+
+    def _canvas_goto(self, response: CanvasResponse) -> str | None:
+        return self._goto(entries(response, {}))
+
+    def _finish_shadow(self, job: _Job, response: CanvasResponse | None, outcome: ShadowOutcome) -> Command:
+        """Go where the existing router said; record what the canvas would have done."""
+        decided = entries(response, {}) if response is not None else {}
+        for qid, record in decided.items():
+            record["shadow"] = outcome.record(qid)
+        emit(job.call.node, outcome.destination, decided, job.seed, shadow=outcome.record())
+        trace_route(job.call.attributes, outcome.destination)
+        return Command(goto=outcome.destination, update={self.output_key: decided} if decided else None)
 
     def _goto(self, decided: dict[str, dict[str, Any]]) -> str | None:
         if self.route_fn is not None:
@@ -190,6 +218,7 @@ def decision_node(
     name: str | None = None,
     review: ReviewPolicy | None = None,
     destinations: Sequence[str] | None = None,
+    shadow: ExistingRouter | None = None,
 ) -> DecisionNode:
     """A node that answers all its questions with ONE `CanvasDecisionModel` call and routes.
 
@@ -210,6 +239,11 @@ def decision_node(
         name: Node name when added without one (default `decide_<route question>`).
         review: Send unsure, unescalated answers to a human via `interrupt()`.
         destinations: The nodes a route function may return (drawn as the node's edges).
+        shadow: Shadow mode, the adoption path: your existing router (a function of the state
+            returning a node, sync or async, or a Runnable) keeps routing the graph while the
+            canvas reads the questions beside it without escalating. Each record gets a
+            `shadow` entry (agreement, would-escalate, both latencies), and a `shadow <node>`
+            span and the custom-stream event carry the same. See `harness._shadow`.
 
     Returns:
         A `DecisionNode`: add it with `builder.add_node("triage", node)`.
@@ -229,7 +263,7 @@ def decision_node(
         ```
     """
     return DecisionNode(model, questions, inputs=inputs, route=route, output_key=output_key, name=name,
-                        review=review, destinations=destinations)
+                        review=review, destinations=destinations, shadow=shadow)
 
 
 def _parse_route(route: Route) -> tuple[str | None, dict[str, str] | None, Callable[..., str] | None]:

@@ -14,13 +14,14 @@ from typing import Any
 from langgraph.config import get_stream_writer
 
 from router import CanvasResponse
+from router import telemetry as tm
 
 DECISION_EVENT = "canvasroute.decision"
 
 
-RECORD_KEYS = frozenset({"answer", "path", "result", "read", "timing"})
-"""The keys of one decision record in graph state."""
-_STABLE_KEYS = RECORD_KEYS - {"timing"}
+RECORD_KEYS = frozenset({"answer", "path", "result", "read", "timing", "shadow"})
+"""The keys of one decision record in graph state (`shadow` only in shadow mode)."""
+_STABLE_KEYS = RECORD_KEYS - {"timing", "shadow"}
 
 
 def entries(response: CanvasResponse, human: Mapping[str, str]) -> dict[str, dict[str, Any]]:
@@ -85,7 +86,8 @@ def merge_decisions(left: Mapping[str, Any] | None, right: Mapping[str, Any] | N
     return {**(left or {}), **(right or {})}
 
 
-def emit(node: str, goto: str | None, decided: Mapping[str, Mapping[str, Any]], seed: int) -> None:
+def emit(node: str, goto: str | None, decided: Mapping[str, Mapping[str, Any]], seed: int,
+         shadow: Mapping[str, Any] | None = None) -> None:
     """Write one event per decision set to LangGraph's custom stream (`stream_mode="custom"`)."""
     try:
         writer = get_stream_writer()
@@ -100,4 +102,13 @@ def emit(node: str, goto: str | None, decided: Mapping[str, Mapping[str, Any]], 
         "paths": {qid: d["path"] for qid, d in decided.items()},
         "entropies": {qid: d["read"]["entropy"] for qid, d in decided.items()},
         "normalized_entropies": {qid: d["read"]["normalized_entropy"] for qid, d in decided.items()},
+        **({"shadow": dict(shadow)} if shadow is not None else {}),
     })
+
+
+def trace_route(attributes: Mapping[str, Any], goto: str | None) -> None:
+    """A `route <node>` span naming where the graph went (the dashboard's edge traffic)."""
+    if goto is not None:
+        node = attributes.get(tm.GRAPH_NODE, "")
+        with tm.span(f"{tm.OPERATION_ROUTE} {node}", {**attributes, tm.ROUTE_DESTINATION: goto}):
+            pass

@@ -9,6 +9,10 @@ decide <model>                      INTERNAL CHAIN  one decision set; per-questi
     └── chat <target model>         CLIENT   LLM    the escalation model's call
 ```
 
+Around them `harness/` writes `route <node>` (where a decision node sent the graph),
+`shadow <node>` (shadow mode: the existing router and a canvas-only `decide` side by side)
+and `graph <name>` (the graph's nodes and edges, for the dashboard's drawing).
+
 Spans nest under the current span, so a graph run traced by the application (a span
 around `graph.invoke`, or an OpenInference/LangSmith instrumentor) holds its decisions.
 Beside the GenAI conventions, every span carries the OpenInference attributes that
@@ -108,6 +112,32 @@ FIGURES = ("answer", "canvas_answer", "options", "canvas_probabilities", "temper
            "escalation_model", "over_budget", "reads", "agreement", "kind")
 """Figures recorded per question (`canvas_*`: the canvas read before escalation, with
 `canvas_probabilities` in `options` order, at `temperature`)."""
+# the graph around the decisions (written by harness/, read by the dashboard)
+OPERATION_ROUTE = "route"
+"""Span `route <node>`: where one decision node sent the graph (one per decision set)."""
+ROUTE_DESTINATION = "canvasroute.route.destination"
+"""The node the graph went to (in shadow mode: the existing router's choice)."""
+GRAPH_STRUCTURE = "canvasroute.graph.structure"
+"""JSON `{"nodes": [...], "edges": [{"source", "target", "conditional"}]}` of `graph.get_graph()`,
+on a `graph <name>` span (`harness.observability.graph.record_graph`)."""
+OPERATION_GRAPH = "graph"
+CACHE_HIT = "canvasroute.cache.hit"
+"""True on a decide or route span answered from a decision cache (read by the dashboard)."""
+OPERATION_SHADOW = "shadow"
+"""Span `shadow <node>`: the existing router and a canvas-only read side by side."""
+SHADOW_DESTINATION = "canvasroute.shadow.destination"
+"""What the existing router chose (the graph went there)."""
+SHADOW_CANVAS_DESTINATION = "canvasroute.shadow.canvas_destination"
+"""Where the canvas answers would have routed (absent when the canvas read failed)."""
+SHADOW_AGREES = "canvasroute.shadow.agrees"
+SHADOW_WOULD_ESCALATE = "canvasroute.shadow.would_escalate"
+"""Question ids the gate would have escalated at the current thresholds (comma-separated)."""
+SHADOW_CANVAS_ALONE = "canvasroute.shadow.canvas_alone"
+"""True when no question would have escalated: the canvas would have taken the decision alone."""
+SHADOW_ROUTER_LATENCY = "canvasroute.shadow.router_latency_s"
+SHADOW_CANVAS_LATENCY = "canvasroute.shadow.canvas_latency_s"
+SHADOW_CANVAS_ERROR = "canvasroute.shadow.canvas_error"
+"""The exception type when the canvas read failed (the graph still follows the router)."""
 # metric attributes (low cardinality: developer-defined names only)
 METRIC_PATH = "canvasroute.path"
 METRIC_KIND = "canvasroute.question.kind"

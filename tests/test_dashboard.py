@@ -13,6 +13,7 @@ import subprocess
 from contextlib import contextmanager
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Annotated
 
 import pytest
 from conftest import fresh_tracer_provider, unavailable
@@ -20,8 +21,10 @@ from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from typing_extensions import TypedDict
 
 from engine import FunctionEngine, VLLMServerEngine, run_sync
+from harness import merge_decisions
 from harness.cli import main
 from harness.observability.dashboard import build_report, near_chance, percentile, render
 from engine import TraceFileError
@@ -266,3 +269,148 @@ def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
     rate = f"{escalated / len(report.decisions):.0%}"
     assert re.search(rf'id="kpi-escalation".*?<div class="v">{rate}</div>', dom_text, re.S)
     assert not dom.find("script")
+
+
+# -- the graph, shadow mode and edge traffic, from a real LangGraph run --------------------------
+
+
+class _GraphState(TypedDict, total=False):
+    ticket: str
+    decisions: Annotated[dict, merge_decisions]
+    lane: str
+
+
+def _graph_run(spans_file: Path):
+    """A real graph: `triage` shadows a rules router, `check` routes on the canvas (and escalates
+    to a scripted chat model when unsure); both decision nodes' traffic goes to the trace."""
+    from langgraph.graph import END, START, StateGraph
+
+    from harness import decision_node
+    from harness.observability.graph import record_graph
+
+    def rows(read):  # tickets with "refund" read sure billing/yes; the others unsure
+        sure = "refund" in read.messages[-1]["content"]
+        lp = {"A": -0.01, "B": -6.0, "yes": -0.01, "no": -6.0} if sure else \
+             {"A": -0.69, "B": -0.70, "yes": -0.69, "no": -0.70}
+        return [{engine.token_id(k): v for k, v in lp.items()}] * len(read.slots)
+
+    engine = FunctionEngine(rows)
+    reply = AIMessage('{"urgent": "yes"}', usage_metadata={"input_tokens": 50, "output_tokens": 5, "total_tokens": 55})
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.5, rereads=0),
+                                escalate_to=GenericFakeChatModel(messages=itertools.repeat(reply)))
+    team = {"team": Choice(instructions="Which team?", criteria={"billing": "payments", "tech": "bugs"})}
+    urgent = {"urgent": Noul(instructions="Is it urgent?")}
+    builder = StateGraph(_GraphState)
+    builder.add_node("triage", decision_node(model, team, inputs="ticket", route=("team", {"billing": "billing",
+                                                                                           "tech": "check"}),
+                                             shadow=lambda s: "billing" if "charge" in s["ticket"] else "check"))
+    builder.add_node("check", decision_node(model, urgent, inputs="ticket",
+                                            route=("urgent", {"yes": "on_call", "no": "tech"})))
+    for lane in ("billing", "tech", "on_call"):
+        builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
+        builder.add_edge(lane, END)
+    builder.add_edge(START, "triage")
+    graph = builder.compile()
+    tickets = ["charged twice, refund please", "refund my charge", "the app crashes", "charge looks wrong",
+               "500 errors everywhere"]
+    with traced(spans_file):
+        record_graph(graph, "support")
+        lanes = [graph.invoke({"ticket": t})["lane"] for t in tickets]
+    return graph, lanes
+
+
+def test_the_graph_shadow_and_edge_traffic_from_a_real_run(tmp_path):
+    spans_file = tmp_path / "spans.jsonl"
+    graph, lanes = _graph_run(spans_file)
+    assert lanes == ["billing", "billing", "on_call", "billing", "on_call"]
+    report = build_report(read_spans(spans_file))
+    assert report.graph["nodes"] == list(graph.get_graph().nodes)
+    assert report.routes == {("triage", "billing"): 3, ("triage", "check"): 2, ("check", "on_call"): 2}
+    sh = report.shadow["triage"]
+    # the canvas reads "refund" tickets as sure billing and leans billing, unsure, on the rest:
+    # it agrees with the rules on the three "charge" tickets, and would take the two sure ones alone
+    assert (sh.sets, sh.agreed, sh.canvas_alone) == (5, 3, 2)
+    assert sh.agreement == 0.6 and sh.canvas_alone_share == 0.4
+    assert report.nodes["check"].paths == {"escalated": 2}  # the canvas-routed node escalates for real
+    assert report.nodes["triage"].paths["escalated"] == 0  # the shadow never escalates
+    (provider,) = report.escalation_models.values()  # read from the chat span under escalate
+    chat = next(s for s in read_spans(spans_file) if s.attributes.get(tm.GEN_AI_OPERATION) == "chat")
+    assert provider and provider == chat.attributes[tm.GEN_AI_PROVIDER]
+    page = render(report)
+    assert "<script" not in page
+    assert re.search(r'<g class="gedge conditional" data-source="triage" data-target="billing" data-traffic="3">',
+                     page)
+    assert 'data-source="check" data-target="tech" data-traffic="0"' in page  # drawn, never taken
+    assert re.search(r'<table id="shadow">.*?<td data-nix="\d">triage</td><td class="num">5</td>.*?60%.*?40%',
+                     page, re.S)
+
+
+def test_cache_hits_and_a_graph_passed_on_the_command_line(tmp_path, capsys, monkeypatch):
+    spans_file = tmp_path / "spans.jsonl"
+    spans = [_record(1, "triage", 0, 0.1, {"urgent": {"path": "canvas", "answer": "yes", "kind": "noul"}}),
+             _record(2, "triage", 1, 0.1, {"urgent": {"path": "canvas", "answer": "yes", "kind": "noul"}})]
+    lines = [s.to_json() for s in spans]
+    lines[1]["attributes"][tm.CACHE_HIT] = True
+    spans_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    module = tmp_path / "my_graph.py"
+    module.write_text("from langgraph.graph import StateGraph, START, END\nfrom typing_extensions import TypedDict\n"
+                      "class S(TypedDict):\n    x: int\n"
+                      "def build():\n    b = StateGraph(S)\n    b.add_node('triage', lambda s: s)\n"
+                      "    b.add_edge(START, 'triage')\n    b.add_edge('triage', END)\n    return b.compile()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "r.html"
+    assert main(["dashboard", str(spans_file), "-o", str(out), "--graph", "my_graph:build"]) == 0
+    page = out.read_text()
+    assert "graph.get_graph()" in page and "cache hits 1" in page
+    assert re.search(r'<a href="#only-0" class="gnode decision" data-node="triage" data-nix="0">', page)
+    assert main(["dashboard", str(spans_file), "-o", str(out), "--graph", "my_graph"]) == 2
+    assert "module:attr" in capsys.readouterr().err
+
+
+def test_the_graph_page_in_chromium_filters_on_a_click(tmp_path):
+    exe = _chromium()
+    spans_file = tmp_path / "spans.jsonl"
+    _graph_run(spans_file)
+    html_file = tmp_path / "report.html"
+    assert main(["dashboard", str(spans_file), "-o", str(html_file)]) == 0
+    shot = tmp_path / "graph.png"
+    done = _browse(exe, f"--screenshot={shot}", "--window-size=1280,1400", html_file.as_uri())
+    assert done.returncode == 0, done.stderr[-2000:]
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 30_000
+    if artefacts := os.environ.get("CANVASROUTE_ARTEFACTS"):
+        shutil.copy(shot, Path(artefacts) / "dashboard-graph.png")
+
+    page = html_file.read_text()
+    nix = re.search(r'class="gnode decision" data-node="check" data-nix="(\d)"', page).group(1)
+    # a test-only probe on a copy of the page: click the node, then report what the CSS shows
+    probe = ("<script>document.querySelector('a.gnode[data-node=\"check\"]').dispatchEvent("
+             "new MouseEvent('click', {bubbles: true, cancelable: true}));"
+             "setTimeout(() => { const shown = s => [...document.querySelectorAll(s)].filter("
+             "e => getComputedStyle(e.closest('tr')).display !== 'none').map(e => e.textContent.trim());"
+             "const out = document.createElement('pre'); out.id = 'probe'; out.textContent = JSON.stringify({"
+             "hash: location.hash, sections: [...document.querySelectorAll('section.node')].filter("
+             "e => getComputedStyle(e).display !== 'none').map(e => e.dataset.node),"
+             "uncertain: shown('#uncertain tbody td[data-nix]'), shadow: shown('#shadow tbody td[data-nix]')});"
+             "document.body.append(out); }, 100);</script>")
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.replace("</body>", probe + "</body>"))
+    dumped = _browse(exe, "--dump-dom", "--virtual-time-budget=3000", probed.as_uri())
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    seen = json.loads(html_module_unescape(re.search(r'<pre id="probe">(.*?)</pre>', dumped.stdout, re.S).group(1)))
+    assert seen["hash"] == f"#only-{nix}"
+    assert seen["sections"] == ["check"]
+    assert seen["uncertain"] and set(seen["uncertain"]) == {"check"}
+    assert seen["shadow"] == []  # triage's shadow row is filtered out
+    # the unfiltered page shows both nodes
+    dom = _Dom()
+    dom.feed(_browse(exe, "--dump-dom", html_file.as_uri()).stdout)
+    assert sorted(a["data-node"] for a in dom.find("section", cls="node")) == ["check", "triage"]
+    assert {a["data-node"] for a in dom.find("a", cls="gnode")} == {"check", "triage"}
+    assert len(dom.find("svg", ident="graph")) == 1 and not dom.find("script")
+
+
+def html_module_unescape(text: str) -> str:
+    import html
+
+    return html.unescape(text)

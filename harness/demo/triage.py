@@ -98,7 +98,8 @@ def run_samples(model: CanvasDecisionModel, tickets: Sequence[str] = SAMPLE_TICK
             "handled_by": out["handled_by"],
             "decisions": {qid: {"answer": d["answer"], "path": d["path"],
                                 "normalized_entropy": d["read"]["normalized_entropy"],
-                                "probabilities": d["read"]["probabilities"]}
+                                "probabilities": d["read"]["probabilities"], "confident": d["read"]["confident"],
+                                "escalation_model": d["read"]["escalation_model"]}
                           for qid, d in out["decisions"].items()},
         })
     return results

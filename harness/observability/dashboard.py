@@ -1,6 +1,9 @@
 """`canvasroute dashboard TRACES -o report.html`: exported decision spans as one HTML page.
 
-The page is self-contained (inline CSS and SVG, no scripts) and shows, per graph node
+The page is self-contained (inline CSS and SVG, no scripts). It draws the graph (from
+`--graph module:attr`, a `graph` span in the traces, or the routes seen) with per-edge
+traffic, per-node entropy, escalation share, shadow agreement and cache hits; clicking a
+node filters the tables to it. It shows, per graph node
 (`canvasroute.graph.node`, else the decision set): normalized-entropy histograms by path,
 path shares over time, escalation rate, canvas-vs-escalation agreement (escalated
 questions whose canvas argmax equals the escalation's answer), latency percentiles, and
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from engine import TraceFileError
 
+from .graph import load_graph
 from .page import render
 from .report import Decision, NodeStats, Report, build_report, near_chance
 from .stats import percentile
@@ -40,6 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
     parser.add_argument("--title", default="canvasroute decisions", help="page title")
     parser.add_argument("--top", type=int, default=20, help="rows in the most-uncertain table (default 20)")
+    parser.add_argument("--graph", metavar="MODULE:ATTR",
+                        help="the LangGraph graph to draw (a compiled graph, or a function returning one); "
+                             "default: the graph recorded in the traces, else the routes seen")
     parser.add_argument("--buckets", type=int, default=24, help="time buckets for path shares (default 24)")
 
 
@@ -47,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         spans = read_spans(*args.traces)
         report = build_report(spans, [Path(p).name for p in args.traces])
-    except TraceFileError as exc:
+        if args.graph:
+            report.graph = load_graph(args.graph)
+    except (TraceFileError, ValueError, ImportError, AttributeError) as exc:
         print(f"canvasroute dashboard: {exc}", file=sys.stderr)
         return 2
     out = Path(args.output)

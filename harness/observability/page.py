@@ -1,4 +1,8 @@
-"""The dashboard page: one self-contained HTML string (inline CSS and SVG, no scripts)."""
+"""The dashboard page: one self-contained HTML string (inline CSS and SVG, no scripts).
+
+Clicking a node of the graph drawing filters the decision tables to it: each node links to
+`#only-<n>`, and CSS rules keyed on that `:target` hide the other nodes' rows.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,9 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+from .graph import graph_svg, observed_structure
 from .charts import COLORS, entropy_histogram, latency_bars, path_shares, seconds, duration
-from .report import NEAR_CHANCE_NOTE, PATHS, Decision, NodeStats, Report, near_chance
+from .report import NEAR_CHANCE_NOTE, PATHS, Decision, NodeStats, Report, ShadowStats, near_chance
 from .stats import percentile
 
 __all__ = ["render"]
@@ -67,6 +72,21 @@ code{font:12px ui-monospace,SFMono-Regular,Menlo,monospace;color:#334155}
 .meter i{display:block;height:100%;background:#7c3aed}
 .muted{color:var(--muted)}
 footer{color:var(--muted);font-size:12px;text-align:center;padding:10px 0 30px}
+.graph-wrap{overflow-x:auto}
+svg.graph{max-width:100%;height:auto;display:block;margin:0 auto}
+svg.graph .gnode rect{fill:#fff;stroke:#94a3b8;stroke-width:1.2}
+svg.graph .gnode.decision rect{fill:#f5f3ff;stroke:#7c3aed;stroke-width:1.6}
+svg.graph .gnode.terminal rect{fill:#f1f5f9;stroke:#cbd5e1}
+svg.graph a.gnode{cursor:pointer}
+svg.graph a.gnode:hover rect{stroke-width:3}
+svg.graph .gname{font-size:13px;font-weight:650;fill:#0f172a}
+svg.graph .gfig{font-size:11px;fill:#475569}
+svg.graph .gedge line{stroke:#94a3b8}
+svg.graph .gedge.conditional line{stroke-dasharray:5 4}
+svg.graph .elabel{fill:#0f172a}
+svg.graph .etraffic{font-size:11px;font-weight:600;fill:#fff}
+.target{position:relative;top:-40px}
+.filter-note{display:none;margin-left:8px}
 """
 
 
@@ -103,7 +123,74 @@ def _banner(report: Report) -> str:
             f'<strong>{html.escape(esc)}</strong>{lead}<p>{html.escape(NEAR_CHANCE_NOTE)}</p></div>')
 
 
-def _node_section(node: NodeStats, report: Report, buckets: int) -> str:
+def _nix(index: dict[str, int], node: str) -> str:
+    """The attribute that lets the graph's filter hide a row (`data-nix`, on the node's cell)."""
+    return f' data-nix="{index[node]}"' if node in index else ""
+
+
+def _filter_css(index: dict[str, int]) -> str:
+    """Per node: while `#only-<n>` is the target, hide the other nodes' rows and mark the node."""
+    rules = []
+    for i in index.values():
+        on = f"main:has(#only-{i}:target)"
+        rules.append(f'{on} tr:has(>td[data-nix]:not([data-nix="{i}"])),{on} section[data-nix]:not([data-nix="{i}"])'
+                     f'{{display:none}}{on} .gnode[data-nix="{i}"] rect{{stroke:#0f172a;stroke-width:3.5}}'
+                     f'{on} .filter-note[data-nix="{i}"]{{display:inline}}')
+    return "".join(rules)
+
+
+def _figures(report: Report) -> dict[str, dict[str, str]]:
+    """Up to three short lines per decision node for the graph drawing."""
+    out: dict[str, dict[str, str]] = {}
+    for name, node in report.nodes.items():
+        ents = [x.normalized_entropy for x in node.decisions if x.normalized_entropy is not None]
+        out[name] = {"entropy": f"H/lnK {sum(ents) / len(ents):.2f}" if ents else "H/lnK –",
+                     "escalated": f"escalated {_pct(node.escalation_rate if node.decisions else None)}"}
+    for name, sh in report.shadow.items():
+        out.setdefault(name, {})["shadow"] = (f"shadow agree {_pct(sh.agreement)} · "
+                                              f"alone {_pct(sh.canvas_alone_share)}")
+    for name, hits in report.cache_hits.items():
+        if name in out:
+            out[name]["cache"] = f"cache hits {hits}"
+    return out
+
+
+def _graph_section(report: Report, index: dict[str, int]) -> str:
+    structure = report.graph or observed_structure(report.routes)
+    source = ("the graph's own description (graph.get_graph())" if report.graph
+              else "the routes decisions were seen taking (no graph recorded; pass --graph module:attr)")
+    anchors = "".join(f'<span class="target" id="only-{i}"></span>' for i in index.values())
+    notes = "".join(f'<span class="filter-note badge" style="background:#0f172a" data-nix="{i}">showing only '
+                    f'{html.escape(n)}</span>' for n, i in index.items())
+    svg = graph_svg(structure, _figures(report), report.routes, index)
+    return (f'<section class="card" id="graph-section">{anchors}<p class="muted">Drawn from {source}. Edge labels: '
+            'decision sets that took the edge. Per decision node: mean canvas H/ln K, escalation share, shadow '
+            'agreement and the share the canvas would have taken alone at the current gate, cache hits. Click a '
+            f'node to filter the tables below; <a href="#all">show all</a>.{notes}</p>'
+            f'<div class="graph-wrap">{svg}</div></section>')
+
+
+def _shadow_section(report: Report, index: dict[str, int]) -> str:
+    if not report.shadow:
+        return ('<section class="card" id="shadow-section"><p class="muted">No shadow-mode decisions in these traces '
+                '(<code>decision_node(..., shadow=existing_router)</code> records them).</p></section>')
+    rows = []
+    for name, sh in report.shadow.items():
+        rows.append(f'<tr><td{_nix(index, name)}>{html.escape(name)}</td><td class="num">{sh.sets}</td>'
+                    f'<td class="num"><span class="meter"><i style="width:{(sh.agreement or 0) * 100:.0f}%"></i>'
+                    f'</span>{_pct(sh.agreement)}</td><td class="num">{_pct(sh.canvas_alone_share)}</td>'
+                    f'<td class="num">{sh.canvas_errors}</td>'
+                    f'<td class="num">{seconds(percentile(sh.router_latencies, 50))}</td>'
+                    f'<td class="num">{seconds(percentile(sh.canvas_latencies, 50))}</td></tr>')
+    return ('<section class="card" id="shadow-section"><p class="muted">The graph followed the existing router; '
+            'the canvas read beside it without escalating. Agreement: the canvas would have routed the same way. '
+            'Alone: no question would have escalated at the current gate.</p><table id="shadow"><thead><tr>'
+            '<th>node</th><th class="num">sets</th><th class="num">agreement</th><th class="num">canvas alone</th>'
+            '<th class="num">canvas errors</th><th class="num">router p50</th><th class="num">canvas p50</th>'
+            f'</tr></thead><tbody>{"".join(rows)}</tbody></table></section>')
+
+
+def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str, int]) -> str:
     d = node.decisions
     paths = node.paths
     agree, escalated = node.agreement
@@ -137,7 +224,7 @@ def _node_section(node: NodeStats, report: Report, buckets: int) -> str:
              '<th class="num">escalated</th><th class="num">agreement</th><th class="num">mean H/ln K</th>'
              f'<th>top answers</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
     errors = f" · {node.errors} failed" if node.errors else ""
-    return (f'<section class="node" data-node="{html.escape(node.name)}"><h3>{html.escape(node.name)}</h3>'
+    return (f'<section class="node" data-node="{html.escape(node.name)}"{_nix(index, node.name)}><h3>{html.escape(node.name)}</h3>'
             f'<div class="sub">graph node · questions {html.escape(", ".join(sorted(by_q)))}{errors}</div>'
             f'<div class="kpis">{kpis}</div><div class="charts">'
             f'<figure><figcaption>Canvas normalized entropy, by path</figcaption>{entropy_histogram(d)}</figure>'
@@ -145,7 +232,7 @@ def _node_section(node: NodeStats, report: Report, buckets: int) -> str:
             f'{path_shares(d, report.start_ns, report.end_ns, buckets)}</figure></div>{table}</section>')
 
 
-def _agreement_section(report: Report) -> str:
+def _agreement_section(report: Report, index: dict[str, int]) -> str:
     rows = []
     for node in report.nodes.values():
         by_q: dict[str, list[bool]] = defaultdict(list)
@@ -154,7 +241,7 @@ def _agreement_section(report: Report) -> str:
                 by_q[x.question].append(x.agrees)
         for q, votes in sorted(by_q.items()):
             share = sum(votes) / len(votes)
-            rows.append(f'<tr><td>{html.escape(node.name)}</td><td><code>{html.escape(q)}</code></td>'
+            rows.append(f'<tr><td{_nix(index, node.name)}>{html.escape(node.name)}</td><td><code>{html.escape(q)}</code></td>'
                         f'<td class="num">{len(votes)}</td><td class="num">{sum(votes)}</td>'
                         f'<td class="num"><span class="meter"><i style="width:{share * 100:.0f}%"></i></span>'
                         f'{_pct(share)}</td></tr>')
@@ -184,11 +271,11 @@ def _latency_section(report: Report) -> str:
            f'<div>{table}</div></div></section>'
 
 
-def _uncertain_section(report: Report, top: int) -> str:
+def _uncertain_section(report: Report, top: int, index: dict[str, int]) -> str:
     ranked = sorted((d for d in report.decisions if d.normalized_entropy is not None),
                     key=lambda d: d.normalized_entropy or 0.0, reverse=True)[:top]
     rows = "".join(
-        f'<tr><td class="time">{_when(d.time_ns, date=False)}</td><td>{html.escape(d.node)}</td>'
+        f'<tr><td class="time">{_when(d.time_ns, date=False)}</td><td{_nix(index, d.node)}>{html.escape(d.node)}</td>'
         f'<td><code>{html.escape(d.question)}</code></td>'
         f'<td>{_badge(d.path)}</td><td>{html.escape(d.canvas_answer or "–")}</td><td>{html.escape(d.answer)}</td>'
         f'<td class="num"><span class="meter"><i style="width:{(d.normalized_entropy or 0) * 100:.0f}%"></i></span>'
@@ -221,20 +308,23 @@ def render(report: Report, *, title: str = "canvasroute decisions", top: int = 2
     ])
     legend = "".join(f'<span style="--c:{COLORS[p]}">{p}</span>' for p in PATHS)
     buckets = max(1, min(buckets, len(sets) // 2 or 1))
-    nodes = "".join(_node_section(n, report, buckets) for n in report.nodes.values())
+    index = {n: i for i, n in enumerate(dict.fromkeys([*report.nodes, *report.shadow, *(s for s, _ in report.routes)]))}
+    nodes = "".join(_node_section(n, report, buckets, index) for n in report.nodes.values())
     sources = ", ".join(report.sources) or "spans"
     span_s = (report.end_ns - report.start_ns) / 1e9
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{html.escape(title)}</title><style>{_CSS}</style></head>
+<title>{html.escape(title)}</title><style>{_CSS}{_filter_css(index)}</style></head>
 <body><header><h1>{html.escape(title)}</h1><div class="meta">{report.spans} spans from {html.escape(sources)} ·
 {_when(report.start_ns)} → {_when(report.end_ns)} ({duration(span_s)}) ·
 generated {_when(time.time_ns())}</div></header>
 <main>{_banner(report)}
 <div class="kpis" id="summary">{kpis}</div>
+<h2>The graph</h2>{_graph_section(report, index)}
 <h2>Graph nodes</h2><div class="legend">{legend}</div>{nodes}
-<h2>Canvas vs escalation agreement</h2>{_agreement_section(report)}
+<h2>Shadow mode</h2>{_shadow_section(report, index)}
+<h2>Canvas vs escalation agreement</h2>{_agreement_section(report, index)}
 <h2>Latency</h2>{_latency_section(report)}
-<h2>Most uncertain decisions</h2>{_uncertain_section(report, top)}
+<h2>Most uncertain decisions</h2>{_uncertain_section(report, top, index)}
 </main><footer>canvasroute dashboard · self-contained page (inline CSS and SVG, no scripts)</footer></body></html>
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from router import telemetry as tm
 
 from .traces import SpanRecord, decision_figures
 
-__all__ = ["PATHS", "Decision", "NodeStats", "Report", "build_report", "near_chance"]
+__all__ = ["PATHS", "Decision", "NodeStats", "Report", "ShadowStats", "build_report", "near_chance"]
 
 PATHS = ("canvas", "reread", "escalated", "fallback")
 NEAR_CHANCE_NOTE = ("Tiny and embedded models (the tiny random DiffusionGemma used in tests, the embedded "
@@ -75,6 +76,27 @@ class NodeStats:
 
 
 @dataclass(slots=True)
+class ShadowStats:
+    """Shadow mode at one node: the existing router against a canvas-only read."""
+
+    sets: int = 0
+    agreed: int = 0
+    canvas_alone: int = 0
+    """Sets where no question would have escalated at the thresholds in effect."""
+    canvas_errors: int = 0
+    router_latencies: list[float] = field(default_factory=list)
+    canvas_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def agreement(self) -> float | None:
+        return self.agreed / self.sets if self.sets else None
+
+    @property
+    def canvas_alone_share(self) -> float | None:
+        return self.canvas_alone / self.sets if self.sets else None
+
+
+@dataclass(slots=True)
 class Report:
     """Decision spans grouped by node, plus the engine and escalation calls under them."""
 
@@ -90,6 +112,13 @@ class Report:
     end_ns: int
     spans: int
     sources: list[str] = field(default_factory=list)
+    routes: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Decision sets per (node, destination), from `route <node>` spans: the edges' traffic."""
+    cache_hits: dict[str, int] = field(default_factory=dict)
+    """Spans marked `canvasroute.cache.hit`, per graph node."""
+    shadow: dict[str, ShadowStats] = field(default_factory=dict)
+    graph: dict[str, Any] | None = None
+    """The graph's nodes and edges (a `graph <name>` span, or `--graph`), if any."""
 
     @property
     def decisions(self) -> list[Decision]:
@@ -128,6 +157,7 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
     reads: dict[str, list[float]] = defaultdict(list)
     escalations: list[float] = []
     escalation_models: dict[str, str] = {}
+    chats = {s.parent_id: s for s in spans if s.attributes.get(tm.GEN_AI_OPERATION) == tm.OPERATION_CHAT}
     for s in spans:
         if s.parent_id not in decide_ids:
             continue
@@ -140,11 +170,46 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
                 models[model] = provider
         elif s.name.startswith("escalate "):
             escalations.append(s.duration_s)
+            chat = chats.get(s.span_id)  # the model and provider live on the `chat` call under it
+            if chat is not None:
+                model = model or str(chat.attributes.get(tm.GEN_AI_MODEL, ""))
+                provider = provider or str(chat.attributes.get(tm.GEN_AI_PROVIDER)
+                                           or chat.attributes.get(tm.GEN_AI_SYSTEM) or "")
             escalation_models[model or s.name[len("escalate "):]] = provider
     return Report(nodes=dict(sorted(nodes.items())), models=models, escalation_models=escalation_models,
                   read_latencies=dict(reads), escalation_latencies=escalations,
                   start_ns=min(s.start_time_ns for s in decides), end_ns=max(s.end_time_ns for s in decides),
-                  spans=len(spans), sources=list(sources))
+                  spans=len(spans), sources=list(sources), **_graph_figures(spans))
+
+
+def _graph_figures(spans: Sequence[SpanRecord]) -> dict[str, Any]:
+    """Edge traffic, cache hits, shadow mode and the recorded graph structure."""
+    routes: Counter[tuple[str, str]] = Counter()
+    cache: Counter[str] = Counter()
+    shadow: dict[str, ShadowStats] = {}
+    graph = None
+    for s in spans:
+        a = s.attributes
+        node = str(a.get(tm.GRAPH_NODE, ""))
+        if tm.ROUTE_DESTINATION in a and s.name.startswith(tm.OPERATION_ROUTE + " "):
+            routes[(node, str(a[tm.ROUTE_DESTINATION]))] += 1
+        if a.get(tm.CACHE_HIT) is True:
+            cache[node or str(a.get(tm.DECISION_SET, ""))] += 1
+        if tm.SHADOW_DESTINATION in a:
+            st = shadow.setdefault(node, ShadowStats())
+            st.sets += 1
+            st.agreed += a.get(tm.SHADOW_AGREES) is True
+            st.canvas_alone += a.get(tm.SHADOW_CANVAS_ALONE) is True
+            st.canvas_errors += tm.SHADOW_CANVAS_ERROR in a
+            st.router_latencies.append(float(a.get(tm.SHADOW_ROUTER_LATENCY) or 0.0))
+            st.canvas_latencies.append(float(a.get(tm.SHADOW_CANVAS_LATENCY) or 0.0))
+        if tm.GRAPH_STRUCTURE in a:
+            try:
+                graph = json.loads(a[tm.GRAPH_STRUCTURE])  # the latest one wins
+            except (TypeError, ValueError) as exc:
+                raise TraceFileError(f"span {s.span_id}: {tm.GRAPH_STRUCTURE} is not JSON ({exc})") from exc
+    return {"routes": dict(routes), "cache_hits": dict(cache), "shadow": dict(sorted(shadow.items())),
+            "graph": graph}
 
 
 def _float_or_none(v: Any) -> float | None:
