@@ -38,7 +38,7 @@ def entries(response: CanvasResponse, human: Mapping[str, str]) -> dict[str, dic
         out[qid] = {
             "answer": human.get(qid, report.answer),
             "path": "human" if qid in human else report.path,
-            "result": response.answers[qid].model_dump(mode="json"),
+            "result": response.answers[qid].model_dump(mode="json") if qid in response.answers else None,
             "read": read,
             "timing": {"latency_s": report.latency_s},
         }

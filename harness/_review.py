@@ -53,7 +53,8 @@ class ReviewPolicy:
     def needs_review(self, report: ReadReport) -> bool:
         """Whether one answer goes to a human."""
         eligible = self.questions is None or report.question_id in self.questions
-        return eligible and not report.confident and report.path != "escalated"
+        return (eligible and not report.confident and report.path != "skipped"
+                and report.escalation_model is None)  # escalated (or abstained, then escalated): answered
 
 
 def review(policy: ReviewPolicy, node: str, response: CanvasResponse, options: Mapping[str, tuple[str, ...]],

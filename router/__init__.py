@@ -33,11 +33,12 @@ from ._distribution import SlotStats, aggregate, slot_stats
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._model import CanvasDecisionModel, render_state
 from ._policy import EscalationBudget, GatePolicy
-from ._questions import MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
+from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
 from ._types import CanvasResponse, ReadReport
 from .systemone import SystemOneDecisionModel
 
 __all__ = [
+    "ABSTAIN",
     "BudgetMeter",
     "Calibration",
     "CanvasDecisionModel",

@@ -42,16 +42,17 @@ from engine import (
 from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._escalation import is_target
-from ._outcome import Outcomes
+from ._depends import parse_depends_on
+from ._outcome import Outcomes, skipped_report
 from ._plan import Chunk, Plan, plan
 from ._policy import EscalationBudget, GatePolicy
-from ._questions import QuestionSpec, parse_questions
+from ._questions import QuestionSpec, parse_questions, with_abstain
 from ._reading import QuestionRead, Reading, messages
 from ._types import CanvasResponse, ReadReport
 
 _REQUEST_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("canvasroute_request_options", default={})
 """Request keys beyond state and questions, from `invoke` to `_classify` (the hooks take only those two)."""
-_OPTION_KEYS = ("seed", "thread_id", "policy", "attributes")
+_OPTION_KEYS = ("seed", "thread_id", "policy", "attributes", "depends_on")
 
 
 class CanvasDecisionModel(BaseDecisionModel):
@@ -66,8 +67,9 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     Request keys beyond `state` and `questions`: `seed` (int, the noise seed; default a
     hash of state and questions, so identical requests read identically), `thread_id`
-    (for per-thread escalation budgets), `policy` (a `GatePolicy` for this request) and
-    `attributes` (extra span attributes, e.g. the graph node).
+    (for per-thread escalation budgets), `policy` (a `GatePolicy` for this request),
+    `attributes` (extra span attributes, e.g. the graph node) and `depends_on`
+    (`{child: (parent, answers)}`: ask a question only when another's answer matches).
 
     Example:
         ```python
@@ -171,14 +173,23 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     async def adecide(self, state: Any, questions: Mapping[str, Any], *, seed: int | None = None,
                       thread_id: str | None = None, policy: GatePolicy | None = None,
-                      attributes: Mapping[str, Any] | None = None) -> CanvasResponse:
-        """Answer every question about `state`: read, gate, re-read, escalate."""
+                      attributes: Mapping[str, Any] | None = None,
+                      depends_on: Mapping[str, Any] | None = None) -> CanvasResponse:
+        """Answer every question about `state`: read, gate, re-read, escalate.
+
+        `depends_on={child: (parent, answers)}` asks `child` only when `parent`'s final
+        answer is one of `answers` (`router._depends`): parents are read (and escalated)
+        first, children in a second read of the same call; a child not asked is reported
+        with path `skipped` and has no entry in `answers`.
+        """
         start = time.perf_counter()
         policy = policy or self.policy
         key, specs = self._specs(questions)
         for qid, option in self.fallback.items():
             if qid in specs and option not in specs[qid].options:
                 raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
+        self._check_abstain(specs, policy)
+        deps = parse_depends_on(depends_on, specs)
         outcomes = self._outcomes
         fault: CanvasRouteError | None = None
         try:
@@ -194,42 +205,83 @@ class CanvasDecisionModel(BaseDecisionModel):
             attrs[tm.STATE_CONTENT] = state_text
         with tm.span(f"decide {model_name}", attrs) as span:
             usage = {"input_tokens": 0, "output_tokens": 0}
-            if info is not None:
-                try:
-                    the_plan = await self._plan(key, specs)
-                    await _check_length(self.engine, info, the_plan.chunks,
-                                        [messages(c, state_text) for c in the_plan.chunks])
-                except CanvasRouteError as exc:
-                    if not outcomes.absorbs(exc):
-                        raise
-                    fault = exc
-            if fault is None:
-                assert info is not None
-                reading = Reading(engine=self.engine, info=info, plan=the_plan, state_text=state_text,
-                                  seed=_default_seed(state_text, the_plan) if seed is None else seed,
-                                  policy=policy, constrained=self.constrained, absorbs=outcomes.absorbs,
-                                  member_plan=self._member_plan, usage=usage)
-                reads = await reading.run()
-                canvas_reads = reading.canvas_reads
-            else:  # every question goes down the escalation/fallback path, none is answered from nothing
-                reads = {qid: QuestionRead(spec, -1, ()) for qid, spec in specs.items()}
+            canvas_reads = 0
+            answers: dict[str, str | None] = {}
+            done: dict[str, ReadReport] = {}
+            for layer in deps.layers:
+                asked = [qid for qid in layer if deps.applies(qid, answers)]
+                for qid in layer:
+                    if qid not in asked:
+                        done[qid] = skipped_report(specs[qid], deps.asked_if(qid, answers))
+                        answers[qid] = None
+                if not asked:
+                    continue
+                reads, n = await self._read_layer(key, specs, asked, info, fault, state_text, seed, policy, usage)
+                canvas_reads += n
+                escalated = await outcomes.escalate(state, state_text, reads, usage, thread_id)
                 for r in reads.values():
-                    r.fail(fault)
-                canvas_reads = 0
-            escalated = await outcomes.escalate(state, state_text, reads, usage, thread_id)
+                    report = outcomes.report(r, escalated)
+                    if r.spec.id in deps.conditions:
+                        report = report.model_copy(update={"asked_if": deps.asked_if(r.spec.id, answers)})
+                    done[r.spec.id], answers[r.spec.id] = report, report.answer
             latency = time.perf_counter() - start
-            reports = [outcomes.report(r, escalated).model_copy(update={"latency_s": latency})
-                       for r in reads.values()]
+            reports = [done[qid].model_copy(update={"latency_s": latency}) for qid in specs]
             span.set_attribute(tm.CANVAS_READS, canvas_reads)
             tm.record_reports(span, reports, latency, model_name, policy, attrs)
         return CanvasResponse(
             model=model_name,
-            answers={r.question_id: _answer(specs[r.question_id], r) for r in reports},
+            answers={r.question_id: _answer(specs[r.question_id], r) for r in reports if r.path != "skipped"},
             reads={r.question_id: r for r in reports},
             usage=usage,
             canvas_reads=canvas_reads,
             latency_s=latency,
         )
+
+    async def _read_layer(self, key: str, specs: Mapping[str, QuestionSpec], asked: Sequence[str],
+                          info: EngineInfo | None, fault: CanvasRouteError | None, state_text: str,
+                          seed: int | None, policy: GatePolicy, usage: dict[str, int],
+                          ) -> tuple[dict[str, QuestionRead], int]:
+        """Read and gate the asked questions of one layer; returns their state and the reads sent."""
+        shaped = {qid: with_abstain(specs[qid]) if policy.for_question(qid).abstain else specs[qid]
+                  for qid in asked}
+        views = {qid: policy.for_question(qid).order_views for qid in asked if policy.for_question(qid).order_views}
+        plan_key: Any = key
+        if len(asked) != len(specs) or views or any(s.abstain for s in shaped.values()):
+            plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()))
+        if info is not None and fault is None:
+            try:
+                the_plan = await self._plan(plan_key, shaped, views)
+                await _check_length(self.engine, info, the_plan.chunks,
+                                    [messages(c, state_text) for c in the_plan.chunks])
+            except CanvasRouteError as exc:
+                if not self._outcomes.absorbs(exc):
+                    raise
+                fault = exc
+        if fault is not None:  # every question goes down the escalation/fallback path, none is answered from nothing
+            reads = {qid: QuestionRead(spec, -1, ()) for qid, spec in shaped.items()}
+            for r in reads.values():
+                r.fail(fault)
+            return reads, 0
+        assert info is not None
+        reading = Reading(engine=self.engine, info=info, plan=the_plan, state_text=state_text,
+                          seed=_default_seed(state_text, the_plan) if seed is None else seed,
+                          policy=policy, constrained=self.constrained, absorbs=self._outcomes.absorbs,
+                          member_plan=self._member_plan, usage=usage)
+        reads = await reading.run()
+        return reads, reading.canvas_reads
+
+    def _check_abstain(self, specs: Mapping[str, QuestionSpec], policy: GatePolicy) -> None:
+        """An abstaining question needs somewhere to go: an escalation target or a fallback."""
+        for qid in specs:
+            p = policy.for_question(qid)
+            if not p.abstain:
+                continue
+            if p.on_abstain == "escalate" and self.escalate_to is None:
+                raise DecisionError(f"question {qid!r} may abstain and on_abstain='escalate', but the model "
+                                    "has no escalate_to", hint="set escalate_to, or on_abstain='fallback'")
+            if p.on_abstain == "fallback" and qid not in self.fallback:
+                raise DecisionError(f"question {qid!r} may abstain and on_abstain='fallback', but has no "
+                                    "fallback option", hint="add it to fallback=")
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
@@ -241,9 +293,9 @@ class CanvasDecisionModel(BaseDecisionModel):
         self._parsed.move_to_end(key)
         return key, self._parsed[key]
 
-    async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec]) -> Plan:
+    async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None) -> Plan:
         if key not in self._plans:
-            _remember(self._plans, key, await plan(self.engine, specs))
+            _remember(self._plans, key, await plan(self.engine, specs, views))
         self._plans.move_to_end(key)
         return self._plans[key]
 

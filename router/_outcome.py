@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from engine import BudgetExhausted, CanvasRouteError, DecisionError, EscalationError
@@ -52,7 +52,8 @@ class Outcomes:
                        usage: dict[str, int], thread_id: str | None) -> Escalated | None:
         """Escalate the uncertain and faulted questions the budget grants, in one call."""
         # engine faults first: under a partial budget they are the ones that cannot keep a canvas answer
-        wanted = sorted((r for r in reads.values() if r.error is not None or r.crossed), key=lambda r: r.error is None)
+        wanted = sorted((r for r in reads.values() if r.error is not None or r.crossed
+                         or (r.abstained and r.on_abstain == "escalate")), key=lambda r: r.error is None)
         if self.on_engine_error == "fallback":
             wanted = [r for r in wanted if r.error is None]  # faults take the fallback label
         if not wanted or self.escalate_to is None:
@@ -86,12 +87,12 @@ class Outcomes:
             r.crossed = (*r.crossed, OVER_BUDGET)
 
     async def _call(self, state: Any, state_text: str, wanted: list[QuestionRead]) -> Escalated:
-        canvas = {r.spec.id: named(r.spec, r.stats) if r.stats else None for r in wanted}
+        canvas = {r.spec.id: answer_probs(r.spec, r.stats) if r.stats else None for r in wanted}
         name = target_name(self.escalate_to)
         with tm.escalation_call(self.escalate_to, name, list(canvas)) as call:
             try:
                 result = await asyncio.wait_for(
-                    escalate(self.escalate_to, state_text, state, [r.spec for r in wanted], canvas),
+                    escalate(self.escalate_to, state_text, state, [plain(r.spec) for r in wanted], canvas),
                     self.escalation_timeout)
             except TimeoutError as exc:
                 raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s",
@@ -113,12 +114,25 @@ class Outcomes:
             base.update(entropy=st.entropy, normalized_entropy=st.normalized_entropy, margin=st.margin,
                         label_mass=st.label_mass, confidence=st.confidence, agreement=st.agreement,
                         stderr=st.stderr)
+        options = spec.answer_options
         if escalated is not None and spec.id in escalated.answers:
             answer = escalated.answers[spec.id]
-            probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in spec.options}
-            return ReadReport(answer=answer, probabilities=probs, path="escalated", confident=False,
-                              escalation_model=escalated.model, **base)
+            probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in options}
+            return ReadReport(answer=answer, probabilities=probs, path="abstained" if r.abstained else "escalated",
+                              confident=False, escalation_model=escalated.model, **base)
         over_budget = base["over_budget"] and self.budget is not None and self.budget.when_spent == "fallback"
+        if r.abstained:  # not escalated: the fallback option, or past the budget ("keep") the best real option
+            if r.on_abstain == "fallback" or over_budget:
+                if spec.id not in self.fallback:
+                    raise BudgetExhausted(f"question {spec.id!r} abstained, could not escalate (budget spent) "
+                                          "and has no fallback option", hint="add it to fallback=")
+                answer = self.fallback[spec.id]
+                return ReadReport(answer=answer, probabilities={o: float(o == answer) for o in options},
+                                  path="abstained", confident=False, **base)
+            assert st is not None
+            probs = answer_probs(spec, st)
+            return ReadReport(answer=max(probs, key=probs.__getitem__), probabilities=probs, path="abstained",
+                              confident=False, **base)
         if st is None or over_budget or (r.fault is not None and self.on_engine_error == "fallback"):
             if spec.id not in self.fallback:
                 if over_budget:
@@ -127,13 +141,34 @@ class Outcomes:
                 assert r.fault is not None
                 raise r.fault  # an engine fault never becomes a cheap answer
             answer = self.fallback[spec.id]
-            return ReadReport(answer=answer, probabilities={o: float(o == answer) for o in spec.options},
+            return ReadReport(answer=answer, probabilities={o: float(o == answer) for o in options},
                               path="fallback", confident=False, **base)
         path = "reread" if len(r.runs) > 1 else "canvas"
-        return ReadReport(answer=spec.options[st.top], probabilities=canvas, path=path,
+        return ReadReport(answer=spec.options[st.top], probabilities=answer_probs(spec, st), path=path,
                           confident=not r.crossed, **base)
 
 
 def named(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:
     """A distribution keyed by option name."""
     return dict(zip(spec.options, st.probs, strict=True))
+
+
+def answer_probs(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:
+    """The distribution over the options an answer may name: without the abstain label's
+    share, renormalized (the canvas distribution itself when the question cannot abstain)."""
+    if not spec.abstain:
+        return named(spec, st)
+    real = st.probs[:-1]
+    total = sum(real) or 1.0
+    return {o: p / total for o, p in zip(spec.answer_options, real, strict=True)}
+
+
+def plain(spec: QuestionSpec) -> QuestionSpec:
+    """The question as asked by the caller (no abstain label), for the escalation."""
+    return replace(spec, options=spec.answer_options, abstain=False) if spec.abstain else spec
+
+
+def skipped_report(spec: QuestionSpec, asked_if: dict[str, Any] | None) -> ReadReport:
+    """The report of a dependent question whose condition did not hold: no answer, no read."""
+    return ReadReport(question_id=spec.id, kind=spec.kind, answer=None, labels=[], probabilities={},
+                      path="skipped", confident=False, asked_if=asked_if)

@@ -21,7 +21,7 @@ from engine import MAX_LABEL_IDS, Engine, EngineInfo, InputTooLong, LabelError
 
 from ._labels import one_token_labels
 from ._prompts import system_prompt, template_text
-from ._questions import QuestionSpec
+from ._questions import QuestionSpec, rotated, view_shifts
 
 
 GROUP_LISTING_CHARS = 300
@@ -37,6 +37,8 @@ class Slot:
     position: int
     labels: tuple[str, ...]
     label_ids: tuple[int, ...]
+    shift: int = 0
+    """Order-bias view: the question's options rotated by `shift` (0: the question itself)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,26 +112,34 @@ def canvas_width(template_len: int, served: int) -> int:
     return min(served, -(-(template_len + 1) // 16) * 16)
 
 
-async def plan(engine: Engine, specs: Mapping[str, QuestionSpec]) -> Plan:
-    """Route questions too big for one read, chunk the rest to fit the canvas, resolve every slot."""
+async def plan(engine: Engine, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None) -> Plan:
+    """Route questions too big for one read, chunk the rest to fit the canvas, resolve every slot.
+
+    `views`: question id -> extra order-bias listings of that Choice (`rotated`), each one
+    more slot in the question's own chunk (routed questions get none).
+    """
     info = await engine.info()
     routes: dict[str, Route] = {}
-    readable: list[QuestionSpec] = []
+    units: list[list[QuestionSpec]] = []  # a question and its views share a chunk
     for spec in specs.values():
         if not spec.alphabets:  # past the fixed alphabets: scan the tokenizer
             spec, route = await _scanned(engine, info, spec)
             if route is not None:
                 routes[spec.id] = route
                 spec = route.group_spec(spec)
-        readable.append(spec)
+        n = (views or {}).get(spec.id, 0)
+        extra = ([rotated(spec, s) for s in view_shifts(len(spec.options), n)]
+                 if n and spec.id not in routes and isinstance(spec.question, Choice) and not spec.abstain else [])
+        units.append([spec, *extra])
     chunks: list[list[QuestionSpec]] = []
-    for spec in readable:
-        if chunks and await _fits(engine, info, [*chunks[-1], spec]):
-            chunks[-1].append(spec)
-        elif await _fits(engine, info, [spec]):
-            chunks.append([spec])
+    for unit in units:
+        if chunks and await _fits(engine, info, [*chunks[-1], *unit]):
+            chunks[-1].extend(unit)
+        elif await _fits(engine, info, unit):
+            chunks.append(list(unit))
         else:
-            raise InputTooLong(f"question {spec.id!r} alone does not fit a {info.canvas_width}-token canvas")
+            raise InputTooLong(f"question {unit[0].id!r} alone does not fit a {info.canvas_width}-token canvas"
+                               + (" with its order-bias views" if len(unit) > 1 else ""))
     resolved = await asyncio.gather(*(_resolve(engine, info, c) for c in chunks))
     return Plan(specs=dict(specs), chunks=tuple(resolved), routes=routes)
 
@@ -218,4 +228,4 @@ async def _slot(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpec],
     ids[0] = reference[position]
     if len(set(ids)) != len(ids):
         return "two labels map to the same token"
-    return Slot(specs[i].id, position, tuple(alphabet), tuple(ids))
+    return Slot(specs[i].id, position, tuple(alphabet), tuple(ids), specs[i].shift)

@@ -10,6 +10,7 @@ from typing import Literal
 from ._distribution import SlotStats
 
 MAX_REREADS = 8
+MAX_ORDER_VIEWS = 2
 
 
 class FrozenMapping(Mapping[str, "GatePolicy"]):
@@ -79,6 +80,19 @@ class GatePolicy:
     rereads: int = 3
     """Extra reads with fresh noise for uncertain questions (0 turns re-reading off)."""
 
+    abstain: bool = False
+    """Offer one more label in the question's slot, "none of these / can't tell". When it
+    wins the question takes path `abstained` and goes where `on_abstain` says."""
+
+    on_abstain: Literal["escalate", "fallback"] = "escalate"
+    """An abstained question escalates (under the budget; needs `escalate_to`) or takes
+    the model's `fallback` option for it."""
+
+    order_views: int = 0
+    """Extra listings of a Choice's options in cyclically shifted label order, as extra
+    slots of the same canvas (0 off, at most 2); the aligned distributions are averaged
+    against first-label bias. One forward pass, no extra read; a longer canvas."""
+
     per_question: Mapping[str, GatePolicy] = field(default_factory=FrozenMapping)
     """Overrides by question id; an override replaces the whole policy for that question
     (stored read-only, so the policy hashes)."""
@@ -87,6 +101,10 @@ class GatePolicy:
         if not isinstance(self.per_question, Mapping):
             raise TypeError(f"per_question must be a mapping, got {type(self.per_question).__name__}")
         object.__setattr__(self, "per_question", FrozenMapping(self.per_question))
+        if not 0 <= self.order_views <= MAX_ORDER_VIEWS:
+            raise ValueError(f"order_views must be within 0..{MAX_ORDER_VIEWS}, got {self.order_views}")
+        if self.on_abstain not in ("escalate", "fallback"):
+            raise ValueError(f"on_abstain must be escalate or fallback, not {self.on_abstain!r}")
         if not 0 <= self.rereads <= MAX_REREADS:
             raise ValueError(f"rereads must be within 0..{MAX_REREADS}, got {self.rereads}")
         for name in ("max_normalized_entropy", "min_confidence", "min_margin", "min_label_mass"):

@@ -18,6 +18,10 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
 
 
+ABSTAIN_TEXT = "none of these / can't tell"
+"""How an abstain label is described in the prompt."""
+
+
 def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]],
                   special_tokens: Sequence[str] | None = None) -> str:
     """The question list for one chunk. Caller ids are hidden behind q1, q2, ...
@@ -33,7 +37,10 @@ def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]]
     parts = ["Read the input and answer every question below."]
     for n, (spec, alphabet) in enumerate(zip(specs, labels, strict=True), 1):
         q = spec.question
-        lines = [f"Question q{n}: {text(q.instructions)}"]
+        again = " (the same question again, options in another order)" if spec.shift else ""
+        lines = [f"Question q{n}: {text(q.instructions)}{again}"]
+        if spec.abstain:  # the last label is "none of these / can't tell"
+            alphabet, abstain = alphabet[:-1], alphabet[-1]
         if isinstance(q, Noul):
             crit = q.criteria
             yes = text(crit.true) if crit and crit.true is not None else "yes"
@@ -44,6 +51,8 @@ def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]]
                 lines.append(f"{label}: {text(name)}" + (f" ({text(desc)})" if desc not in (None, "") else ""))
         else:
             lines += [f"{label}: {text(desc)}" for label, desc in zip(alphabet, q.criteria, strict=True)]
+        if spec.abstain:
+            lines.append(f"{abstain}: {ABSTAIN_TEXT}")
         parts.append("\n".join(lines))
     parts.append('Reply with one line per question, in this order, formatted as "id: label".')
     return "\n\n".join(parts)

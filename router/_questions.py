@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from langchain_core.decisions import Box, Choice, Noul, Question, Score
@@ -17,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from engine import DecisionError, LabelError, UnsupportedQuestion
 
-from ._prompts import _text
+from ._prompts import ABSTAIN_TEXT, _text
 
 MAX_OPTIONS = 255
 """Options one Choice or Score may have (the Jev limit); past one read's labels, two reads."""
@@ -73,6 +73,12 @@ class QuestionSpec:
     alphabets: tuple[tuple[str, ...], ...]
     """Label alphabets to try, best first; each has one label per option. Empty when no
     fixed alphabet fits: the planner then scans the tokenizer for one-token labels."""
+    abstain: bool = False
+    """The last option is `ABSTAIN` ("none of these / can't tell"), an extra label in the
+    same slot (`with_abstain`)."""
+    shift: int = 0
+    """An order-bias view (`rotated`): the options listed again, rotated left by `shift`
+    places, as one more slot of the same canvas. 0 for the question itself."""
 
     @property
     def kind(self) -> str:
@@ -82,13 +88,65 @@ class QuestionSpec:
     def descriptions(self) -> tuple[str, ...]:
         """Each option's description as text, in option order ("" where there is none)."""
         q = self.question
+        extra = (ABSTAIN_TEXT,) if self.abstain else ()
         if isinstance(q, Noul):
             crit = q.criteria
             return (_text(crit.true) if crit and crit.true is not None else "",
-                    _text(crit.false) if crit and crit.false is not None else "")
+                    _text(crit.false) if crit and crit.false is not None else "", *extra)
         if isinstance(q, Choice):
-            return tuple(_text(d) if d not in (None, "") else "" for d in q.criteria.values())
-        return tuple(_text(d) for d in q.criteria)
+            return (*(_text(d) if d not in (None, "") else "" for d in q.criteria.values()), *extra)
+        return (*(_text(d) for d in q.criteria), *extra)
+
+    @property
+    def answer_options(self) -> tuple[str, ...]:
+        """The options an answer may name (without `ABSTAIN`)."""
+        return self.options[:-1] if self.abstain else self.options
+
+
+ABSTAIN = "(abstain)"
+"""The option name of the abstain label in canvas distributions (`canvas_probabilities`)."""
+
+
+def with_abstain(spec: QuestionSpec) -> QuestionSpec:
+    """The question with one more label in its slot: "none of these / can't tell".
+
+    A Noul becomes three labels (letters or digits); past the fixed alphabets the planner
+    scans the tokenizer for one more label, as for any large question.
+    """
+    if spec.abstain:
+        return spec
+    k = len(spec.options) + 1
+    alphabets = _alphabets(spec.id, k, letters_first=spec.kind != "score") if spec.alphabets else ()
+    return replace(spec, options=(*spec.options, ABSTAIN), alphabets=alphabets, abstain=True)
+
+
+def rotated(spec: QuestionSpec, shift: int) -> QuestionSpec:
+    """An order-bias view of a Choice: its options listed rotated left by `shift` places.
+
+    Label j of the view names option (j + shift) mod K of the question, so the view's
+    distribution, turned back (`unrotate`), is a second estimate of the same answer with
+    each option under another label.
+    """
+    if not isinstance(spec.question, Choice) or spec.abstain or spec.shift:
+        raise DecisionError(f"question {spec.id!r}: only a plain Choice has order-bias views")
+    k = len(spec.options)
+    names = spec.options[shift % k:] + spec.options[:shift % k]
+    criteria = {name: spec.question.criteria[name] for name in names}
+    question = Choice(instructions=spec.question.instructions, criteria=criteria)
+    return replace(spec, question=question, options=names, shift=shift % k)
+
+
+def unrotate(probs: tuple[float, ...], shift: int) -> tuple[float, ...]:
+    """A view's distribution in the question's option order (see `rotated`)."""
+    k = len(probs)
+    return tuple(probs[(j - shift) % k] for j in range(k))
+
+
+def view_shifts(k: int, views: int) -> tuple[int, ...]:
+    """Shifts of `views` extra listings of k options, spread evenly round the cycle
+    (k = 4, 2 views: 1, 2; k = 2: only 1 view fits)."""
+    n = min(views, k - 1)
+    return tuple(dict.fromkeys(max(1, (v * k) // (n + 1)) for v in range(1, n + 1)))
 
 
 def parse_questions(questions: Mapping[str, Any]) -> dict[str, QuestionSpec]:

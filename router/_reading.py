@@ -17,9 +17,9 @@ from engine import CanvasRead, CanvasRouteError, EngineInfo, EngineResponseError
 
 from . import telemetry as tm
 from ._distribution import SlotStats, aggregate, slot_stats
-from ._plan import Chunk, Plan, Route
+from ._plan import Chunk, Plan, Route, Slot
 from ._policy import GatePolicy
-from ._questions import QuestionSpec
+from ._questions import QuestionSpec, unrotate
 
 REREAD_STRIDE = 7919
 """Read k of a canvas uses noise seed `seed + 7919 k` (vLLM's gateway convention)."""
@@ -43,6 +43,10 @@ class QuestionRead:
     """The engine fault behind `error`, re-raised when no escalation or fallback covers it."""
     in_group_reads: int = 0
     """Reads of the option within the chosen group (routed questions)."""
+    abstained: bool = False
+    """The abstain label won the final canvas distribution."""
+    on_abstain: str = "escalate"
+    """Where an abstained question goes: `escalate` or `fallback` (its policy's)."""
 
     def fail(self, exc: CanvasRouteError) -> None:
         self.error, self.fault = f"{type(exc).__name__}: {exc}", exc
@@ -84,6 +88,24 @@ def combine(groups: SlotStats, route: Route, group: int, within: SlotStats) -> S
                      agreement=groups.agreement, stderr=groups.stderr)
 
 
+def fold_views(slots: Sequence[Slot], stats: Sequence[SlotStats]) -> dict[str, SlotStats]:
+    """One read's stats per question: a question read with order-bias views gets the mean
+    of its slot's distribution and each view's, turned back to option order (`unrotate`)."""
+    seen: dict[str, list[tuple[int, SlotStats]]] = {}
+    for slot, st in zip(slots, stats, strict=True):
+        seen.setdefault(slot.question_id, []).append((slot.shift, st))
+    out = {}
+    for qid, views in seen.items():
+        if len(views) == 1:
+            out[qid] = views[0][1]
+            continue
+        aligned = [unrotate(st.probs, shift) for shift, st in views]
+        k, n = len(aligned[0]), len(aligned)
+        out[qid] = SlotStats(tuple(sum(a[j] for a in aligned) / n for j in range(k)),
+                             sum(st.label_mass for _, st in views) / n)
+    return out
+
+
 @dataclass(slots=True)
 class Reading:
     """The canvas reads of one decision: first reads, per-chunk re-reads, in-group reads."""
@@ -105,7 +127,7 @@ class Reading:
     async def run(self) -> dict[str, QuestionRead]:
         """Read, gate and re-read every question; returns each question's state."""
         reads = {s.question_id: QuestionRead(self.plan.specs[s.question_id], c, s.labels)
-                 for c, chunk in enumerate(self.plan.chunks) for s in chunk.slots}
+                 for c, chunk in enumerate(self.plan.chunks) for s in chunk.slots if not s.shift}
         for qid, route in self.plan.routes.items():  # "group/option" labels, in option order
             reads[qid].labels = tuple(f"{g}/{route.labels[j]}" for g, members in zip(reads[qid].labels, route.groups)
                                       for j in range(len(members)))
@@ -117,6 +139,10 @@ class Reading:
         if uncertain:
             await self._jobs(self._reread_jobs(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
         await self._in_group(reads)
+        for qid, r in reads.items():
+            if r.spec.abstain and r.error is None and r.stats is not None:
+                r.abstained = r.stats.top == len(r.spec.options) - 1
+                r.on_abstain = self.policy.for_question(qid).on_abstain
         return reads
 
     @staticmethod
@@ -147,9 +173,9 @@ class Reading:
                 reads[qid].fail(exc)
             return
         for (c, k), chunk_stats in zip(jobs, stats, strict=True):
-            for slot, st in zip(self.plan.chunks[c].slots, chunk_stats, strict=True):
-                if only is None or k <= only.get(slot.question_id, 0):
-                    reads[slot.question_id].runs.append(st)
+            for qid, st in fold_views(self.plan.chunks[c].slots, chunk_stats).items():
+                if only is None or k <= only.get(qid, 0):
+                    reads[qid].runs.append(st)
         for qid in hit:
             r = reads[qid]
             if r.runs and r.error is None:

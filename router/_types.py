@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from langchain_core.decisions import ClassifierResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-Path = Literal["canvas", "reread", "escalated", "fallback"]
+Path = Literal["canvas", "reread", "escalated", "fallback", "abstained", "skipped"]
+"""Where an answer came from. `abstained`: the canvas chose "none of these / can't tell"
+and the answer came from the escalation (`escalation_model` set), the fallback option, or,
+past the budget under `when_spent="keep"`, the best real option. `skipped`: a dependent
+question whose condition did not hold; it has no answer."""
 
 
 class ReadReport(BaseModel):
@@ -21,8 +25,9 @@ class ReadReport(BaseModel):
 
     question_id: str
     kind: Literal["noul", "choice", "score"]
-    answer: str
-    """Chosen option: `yes`/`no`, a Choice key, or a Score level as a string."""
+    answer: str | None
+    """Chosen option: `yes`/`no`, a Choice key, or a Score level as a string (None only
+    for a `skipped` question)."""
     labels: list[str]
     """Canvas label of each option, in option order (e.g. `A`, `B`, ...)."""
     probabilities: dict[str, float]
@@ -51,6 +56,9 @@ class ReadReport(BaseModel):
     """Escalation was wanted but the budget was spent."""
     error: str | None = None
     """The engine fault that sent this question down the escalated/fallback path."""
+    asked_if: dict[str, Any] | None = None
+    """A dependent question's condition: `{question, answers, parent_answer}` (the parent's
+    final answer; None when the parent was itself skipped)."""
     latency_s: float = 0.0
 
 
@@ -65,6 +73,7 @@ class CanvasResponse(ClassifierResponse):
     """
 
     reads: dict[str, ReadReport] = Field(default_factory=dict)
+    """One report per question, skipped ones included (`answers` has no skipped question)."""
     canvas_reads: int = 0
     """Canvas reads sent to the engine for this decision set (first reads + re-reads)."""
     latency_s: float = 0.0

@@ -269,7 +269,10 @@ class Call:
                 options = specs[slot.question_id].options if slot.question_id in specs else ()
                 if len(options) != len(ps):
                     options = slot.labels
-                canvas[slot.question_id] = {o: round(p / sum(ps), 4) for o, p in zip(options, ps)}
+                shift = getattr(slot, "shift", 0)  # an order-bias view lists the options rotated
+                key = f"{slot.question_id}~{shift}" if shift else slot.question_id
+                options = tuple(options[shift:]) + tuple(options[:shift])
+                canvas[key] = {o: round(p / sum(ps), 4) for o, p in zip(options, ps)}
             out.append(canvas)
         self.output(out)
 
@@ -405,7 +408,7 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
         prefix = f"{DECISION_PREFIX}.{r.question_id}"
         canvas = r.canvas_probabilities
         values = {} if not recording else {
-            "answer": r.answer, "path": r.path, "escalated": r.path == "escalated", "kind": r.kind,
+            "answer": r.answer, "path": r.path, "escalated": r.escalation_model is not None, "kind": r.kind,
             "reads": r.reads, "entropy": r.entropy, "normalized_entropy": r.normalized_entropy,
             "confidence": r.confidence, "margin": r.margin, "label_mass": r.label_mass, "agreement": r.agreement,
             "escalation_model": r.escalation_model, "over_budget": r.over_budget or None,
@@ -424,7 +427,7 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
         inst.decisions.add(1, {**labels, METRIC_PATH: r.path})
         if r.normalized_entropy is not None:
             inst.entropy.record(r.normalized_entropy, labels)
-        if r.path == "escalated":
+        if r.escalation_model is not None:  # escalated, or abstained and escalated
             inst.escalations.add(1, labels)
     inst.decision_duration.record(duration_s, base)
     if recording:
