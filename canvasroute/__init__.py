@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from router import (
         CanvasDecisionModel,
         CanvasResponse,
+        DecisionCache,
         EscalationBudget,
         GatePolicy,
         ReadReport,
@@ -71,7 +72,7 @@ _LAYERS = {
         "UnsupportedQuestion", "VLLMEngine", "VLLMServerEngine", "embedded_engine",
     ],
     "router": [
-        "CanvasDecisionModel", "CanvasResponse", "EscalationBudget", "GatePolicy", "ReadReport",
+        "CanvasDecisionModel", "CanvasResponse", "DecisionCache", "EscalationBudget", "GatePolicy", "ReadReport",
         "SystemOneDecisionModel", "load_policy", "save_policy",
     ],
     "harness": [

@@ -17,6 +17,7 @@ from .calibration import (
 )
 from ._distribution import SlotStats, aggregate, slot_stats
 from ._budget import BudgetMeter, InMemoryBudgetMeter
+from ._cache import DecisionCache
 from ._model import CanvasDecisionModel, render_state
 from ._policy import EscalationBudget, GatePolicy
 from ._questions import MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
@@ -28,6 +29,7 @@ __all__ = [
     "Calibration",
     "CanvasDecisionModel",
     "CanvasResponse",
+    "DecisionCache",
     "EscalationBudget",
     "GatePolicy",
     "InMemoryBudgetMeter",

@@ -41,6 +41,8 @@ from engine import (
 
 from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
+from ._cache import DecisionCache, decision_key, replay
+from ._images import image_digests, state_images
 from ._escalation import is_target
 from ._outcome import Outcomes
 from ._plan import Chunk, Plan, plan
@@ -103,6 +105,9 @@ class CanvasDecisionModel(BaseDecisionModel):
     slots of a canvas): label mass is then 1 for a lone question, a share for several."""
     escalation_timeout: float = 60.0
     """Seconds one escalation call may take."""
+    cache: Any = None
+    """A `DecisionCache`: an identical decision set about an identical state (same policy
+    and seed) is answered from it without a read (None: every call reads)."""
 
     _plans: OrderedDict[Any, Plan] = PrivateAttr(default_factory=OrderedDict)
     _parsed: OrderedDict[str, dict[str, QuestionSpec]] = PrivateAttr(default_factory=OrderedDict)
@@ -122,6 +127,8 @@ class CanvasDecisionModel(BaseDecisionModel):
             raise ValueError("on_engine_error='fallback' needs fallback={question id: option}")
         if self.budget_meter is not None and not isinstance(self.budget_meter, BudgetMeter):
             raise TypeError(f"budget_meter must implement router.BudgetMeter, got {type(self.budget_meter).__name__}")
+        if self.cache is not None and not isinstance(self.cache, DecisionCache):
+            raise TypeError(f"cache must be a router.DecisionCache, got {type(self.cache).__name__}")
         if self.budget is None and self.budget_meter is not None:
             raise ValueError("budget_meter needs budget= (its when_spent decides what a refusal does)")
         meter = self.budget_meter or (InMemoryBudgetMeter(self.budget) if self.budget else None)
@@ -192,6 +199,14 @@ class CanvasDecisionModel(BaseDecisionModel):
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
         if tm.record_content():
             attrs[tm.STATE_CONTENT] = state_text
+        cache_key = None
+        if self.cache is not None and info is not None:
+            cache_key = decision_key(questions=key, state_text=state_text, policy=policy, seed=seed,
+                                     model=info.model, constrained=self.constrained,
+                                     images=image_digests(state_images(state)))
+            if (hit := self.cache.get(cache_key)) is not None:
+                return replay(hit, f"decide {model_name}", attrs, time.perf_counter() - start)
+            attrs[tm.CACHE_HIT] = False
         with tm.span(f"decide {model_name}", attrs) as span:
             usage = {"input_tokens": 0, "output_tokens": 0}
             if info is not None:
@@ -222,7 +237,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                        for r in reads.values()]
             span.set_attribute(tm.CANVAS_READS, canvas_reads)
             tm.record_reports(span, reports, latency, model_name, policy, attrs)
-        return CanvasResponse(
+        response = CanvasResponse(
             model=model_name,
             answers={r.question_id: _answer(specs[r.question_id], r) for r in reports},
             reads={r.question_id: r for r in reports},
@@ -230,6 +245,9 @@ class CanvasDecisionModel(BaseDecisionModel):
             canvas_reads=canvas_reads,
             latency_s=latency,
         )
+        if cache_key is not None and not any(r.error for r in reports):
+            self.cache.put(cache_key, response)  # a faulted decision is never replayed
+        return response
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
