@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         EngineUnavailable,
         EscalationError,
         FunctionEngine,
+        ImagesUnsupported,
         InputTooLong,
         LabelError,
         ReadResult,
@@ -68,7 +69,7 @@ _LAYERS = {
         "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "DecisionError",
         "EmbeddedModelMissing", "Engine", "EngineInfo", "EngineOverloaded", "EngineRequestError",
         "EngineResponseError", "EngineTimeout", "EngineUnavailable", "EscalationError", "FunctionEngine",
-        "InputTooLong", "LabelError", "ReadResult", "TraceFileError", "TransformersEngine",
+        "ImagesUnsupported", "InputTooLong", "LabelError", "ReadResult", "TraceFileError", "TransformersEngine",
         "UnsupportedQuestion", "VLLMEngine", "VLLMServerEngine", "embedded_engine",
     ],
     "router": [

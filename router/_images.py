@@ -15,14 +15,15 @@ text keeps only the text blocks, so the images take part in the cache key by dig
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langchain_core.messages import BaseMessage
 
-from engine import DecisionError
+from engine import DecisionError, ImagesUnsupported
 
-__all__ = ["image_digests", "state_images"]
+__all__ = ["ImageEngine", "check_images", "image_digests", "state_images"]
 
 _MAX_DEPTH = 6
 
@@ -78,3 +79,35 @@ def _image_url(block: Mapping[str, Any]) -> str | None:
     raise DecisionError("an image block needs base64 (with mime_type) or url",
                         hint="images in a state are LangChain content blocks, e.g. "
                              "{'type': 'image', 'base64': ..., 'mime_type': 'image/png'}")
+
+
+def check_images(info: Any, images: Sequence[str]) -> None:
+    """Refuse a state with images before any read when the engine cannot take them."""
+    if images and not getattr(info, "accepts_images", False):
+        raise ImagesUnsupported(
+            f"the state holds {len(images)} image(s) and engine {info.model!r} ({info.provider}) cannot take images",
+            hint="read images with VLLMServerEngine (endpoint='chat') on a vision-capable vLLM server; the "
+                 "completions endpoint and in-process causal LMs read text only")
+
+
+class ImageEngine:
+    """An engine that sends `images` with every read it forwards (one decision's view)."""
+
+    def __init__(self, engine: Any, images: Sequence[str]) -> None:
+        self._engine = engine
+        self._images = tuple(images)
+
+    async def info(self) -> Any:
+        return await self._engine.info()
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self._engine.tokenize(text)
+
+    async def count_prompt(self, messages: Any) -> int:
+        return await self._engine.count_prompt(messages)
+
+    async def read(self, batch: Sequence[Any]) -> list[Any]:
+        return await self._engine.read([replace(r, images=self._images) for r in batch])
+
+    async def aclose(self) -> None:  # the wrapped engine belongs to the model
+        return None

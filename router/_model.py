@@ -42,7 +42,7 @@ from engine import (
 from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache, decision_key, replay
-from ._images import image_digests, state_images
+from ._images import ImageEngine, check_images, image_digests, state_images
 from ._escalation import is_target
 from ._outcome import Outcomes
 from ._plan import Chunk, Plan, plan
@@ -194,6 +194,9 @@ class CanvasDecisionModel(BaseDecisionModel):
             if not outcomes.absorbs(exc):
                 raise
             info, fault = None, exc
+        images = state_images(state)
+        if info is not None:
+            check_images(info, images)  # before any read: an engine that cannot see them refuses
         model_name = info.model if info is not None else self.model
         state_text = render_state(state, info.special_tokens if info is not None else None)
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
@@ -203,7 +206,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         if self.cache is not None and info is not None:
             cache_key = decision_key(questions=key, state_text=state_text, policy=policy, seed=seed,
                                      model=info.model, constrained=self.constrained,
-                                     images=image_digests(state_images(state)))
+                                     images=image_digests(images))
             if (hit := self.cache.get(cache_key)) is not None:
                 return replay(hit, f"decide {model_name}", attrs, time.perf_counter() - start)
             attrs[tm.CACHE_HIT] = False
@@ -220,7 +223,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                     fault = exc
             if fault is None:
                 assert info is not None
-                reading = Reading(engine=self.engine, info=info, plan=the_plan, state_text=state_text,
+                reading = Reading(engine=ImageEngine(self.engine, images) if images else self.engine, info=info, plan=the_plan, state_text=state_text,
                                   seed=_default_seed(state_text, the_plan) if seed is None else seed,
                                   policy=policy, constrained=self.constrained, absorbs=outcomes.absorbs,
                                   member_plan=self._member_plan, usage=usage)
