@@ -138,3 +138,47 @@ def test_the_cli_prints_json_and_writes_the_plot(tmp_path, monkeypatch, capsys):
     assert out["arms"]["cascade"]["accuracy"] == pytest.approx(3 / 5)
     assert out["near_chance"] and "not the product" in out["note"]
     assert plot.stat().st_size > 1000
+
+
+def test_measured_escalation_curve_uses_the_targets_answers():
+    from harness.calibration.plots import measured_curve
+    from router import Labelled
+
+    rows = [Labelled(question_id="q", probabilities=p, gold=g)
+            for p, g in [((0.99, 0.01), 0), ((0.98, 0.02), 1), ((0.5, 0.5), 0), ((0.55, 0.45), 1)]]
+    target_ok = {id(rows[0]): True, id(rows[1]): True, id(rows[2]): True, id(rows[3]): False}
+    curve = measured_curve(rows, 1.0, target_ok)
+    # escalate all: 3/4; keep the two confident (right, wrong), escalate the rest (right, wrong): 2/4; none: canvas 2/4
+    assert curve[0] == (1.0, 0.75)
+    assert (0.5, 0.5) in curve and curve[-1] == (0.0, 0.5)
+
+
+def test_calibrate_with_a_target_draws_the_measured_curve(tmp_path, monkeypatch, capsys):
+    import harness.calibration.command as command
+    import harness.calibration.plots as plots
+    import harness.eval.target as target_mod
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps({"state": s, "questions": {"team": TEAM.model_dump(mode="json")},
+                                          "gold": {"team": g}}) for s, g, _ in CASES * 2))
+    monkeypatch.setattr(command, "_engine", lambda args: _engine())
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_target(args):
+        yield _target(seen)
+
+    monkeypatch.setattr(target_mod, "open_target", fake_target)
+    drawn = {}
+    real = plots.measured_curve
+
+    def spy(rows, temperature, target_ok):
+        drawn["curve"] = real(rows, temperature, target_ok)
+        drawn["ok"] = sorted(target_ok.values())
+        return drawn["curve"]
+
+    monkeypatch.setattr(plots, "measured_curve", spy)
+    out = tmp_path / "policy.json"
+    assert main(["calibrate", str(data), "--escalate-embedded", "-o", str(out)]) == 0
+    assert len(seen) == 10 and drawn["ok"] == [False, False] + [True] * 8  # the target misses row 4 twice
+    assert out.with_suffix(".escalation.png").stat().st_size > 1000

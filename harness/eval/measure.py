@@ -26,12 +26,12 @@ from typing import Any
 
 from engine import Engine, EscalationError
 from router import CanvasDecisionModel, GatePolicy, parse_questions, render_state
-from router._escalation import escalate, target_name
+from router._escalation import Escalated, escalate, target_name
 
 from ..calibration.rows import Row, check_rows, gold_index
 from .metrics import Item
 
-__all__ = ["Arm", "Evaluation", "evaluate", "gate_off"]
+__all__ = ["Arm", "Evaluation", "ask_target", "evaluate", "gate_off", "target_correct"]
 
 _OFF = {"max_normalized_entropy": None, "max_entropy": None, "min_confidence": None, "min_margin": None,
         "min_label_mass": None, "rereads": 0}
@@ -113,19 +113,13 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
     alone = Arm("target")
 
     async def ask(n: int, row: Row) -> None:
-        questions = parse_questions(row.questions)
         async with slots:
             start = time.perf_counter()
-            try:
-                got = await escalate(target, render_state(row.state), row.state, list(questions.values()), {})
-            except EscalationError:
-                alone.failures += 1
-                alone.add(time.perf_counter() - start, None)
-                got = None
-            else:
-                alone.add(time.perf_counter() - start, got.usage)
+            got = await ask_target(target, row)
+            alone.add(time.perf_counter() - start, got.usage if got is not None else None)
+            alone.failures += got is None
             alone.target_calls += 1
-            alone.escalations += len(questions)
+            alone.escalations += len(row.questions)
         for qid in row.gold:
             if (n, qid) in items and got is not None:
                 items[n, qid] = _with(items[n, qid], target_answer=got.answers.get(qid))
@@ -159,6 +153,31 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
 
     await asyncio.gather(*(decide(n, r) for n, r in enumerate(rows)))
     return Evaluation(list(items.values()), canvas, alone, cascade, target_name(target))
+
+
+async def ask_target(target: Any, row: Row) -> Escalated | None:
+    """The target's answers to one row on its own (no canvas hint); None when it failed
+    (an `EscalationError`: its answers then score as wrong, never as an answer)."""
+    questions = parse_questions(row.questions)
+    try:
+        return await escalate(target, render_state(row.state), row.state, list(questions.values()), {})
+    except EscalationError:
+        return None
+
+
+async def target_correct(target: Any, rows: Sequence[Row], *, concurrency: int = 4) -> list[bool]:
+    """Whether the target alone answers each labelled question right, in `collect`'s order
+    (row by row, each row's gold questions in order): the measured escalation answers."""
+    specs = check_rows(rows)
+    slots = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(row: Row) -> Escalated | None:
+        async with slots:
+            return await ask_target(target, row)
+
+    got = await asyncio.gather(*(one(r) for r in rows))
+    return [g is not None and g.answers.get(qid) == spec[qid].options[gold_index(spec[qid], value)]
+            for row, spec, g in zip(rows, specs, got, strict=True) for qid, value in row.gold.items()]
 
 
 def _with(item: Item, **changes: Any) -> Item:
