@@ -100,4 +100,4 @@ def replay(response: Any, span_name: str, attrs: dict[str, Any], latency_s: floa
 
     with tm.span(span_name, {**attrs, tm.CACHE_HIT: True}) as span:
         span.set_attribute(tm.CANVAS_READS, 0)
-    return response.model_copy(update={"canvas_reads": 0, "latency_s": latency_s})
+    return response.model_copy(update={"canvas_reads": 0, "latency_s": latency_s}, deep=True)
