@@ -87,7 +87,7 @@ async def _measure(args: argparse.Namespace, policy: GatePolicy, target: Any) ->
         arms = 3 if target is not None else 1
         with progress(len(rows) * arms, f"eval {info.model}") as advance:
             ev = await evaluate(engine, rows, policy=policy, target=target, concurrency=args.concurrency,
-                                progress=advance)
+                                progress=advance, escalation_timeout=args.escalate_timeout)
     finally:
         await engine.aclose()
     thresholds = [float(t) for t in args.thresholds.split(",")] if args.thresholds else None

@@ -85,8 +85,10 @@ class Evaluation:
 
 
 async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, target: Any = None,
-                   concurrency: int = 1, progress: Callable[[int], None] | None = None) -> Evaluation:
-    """Run the arms over `rows` (the target and cascade arms only with a `target`)."""
+                   concurrency: int = 1, progress: Callable[[int], None] | None = None,
+                   escalation_timeout: float = 60.0) -> Evaluation:
+    """Run the arms over `rows` (the target and cascade arms only with a `target`;
+    `escalation_timeout` bounds each of the cascade's escalation calls)."""
     specs = check_rows(rows)
     slots = asyncio.Semaphore(max(1, concurrency))
     reader = CanvasDecisionModel(engine=engine, policy=gate_off(policy))
@@ -128,7 +130,8 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
     await asyncio.gather(*(ask(n, r) for n, r in enumerate(rows)))
 
     cascade = Arm("cascade")
-    model = CanvasDecisionModel(engine=engine, policy=policy, escalate_to=target)
+    model = CanvasDecisionModel(engine=engine, policy=policy, escalate_to=target,
+                                escalation_timeout=escalation_timeout)
 
     async def decide(n: int, row: Row) -> None:
         async with slots:

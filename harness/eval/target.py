@@ -30,7 +30,7 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--escalate-model", metavar="NAME", help="model name at --escalate-url / --escalate-systemone")
     group.add_argument("--escalate-api-key-env", default="CANVASROUTE_ESCALATE_API_KEY", metavar="VAR",
                        help="environment variable holding the target's API key")
-    group.add_argument("--escalate-timeout", type=float, default=120.0, help="seconds per target call")
+    group.add_argument("--escalate-timeout", type=float, default=120.0, help="seconds per target call (default 120)")
 
 
 def wants_target(args: argparse.Namespace) -> bool:
@@ -59,14 +59,15 @@ def open_target(args: argparse.Namespace) -> Iterator[Any]:
 
     model, tokenizer = load_smollm2()
     with ARServer(create_app(model, tokenizer)) as server:
-        yield _chat(server.url + "/v1", "smollm2", "x", args.escalate_timeout)
+        # a JSON object of a few short answers fits in 32 tokens; a CPU model should not write more
+        yield _chat(server.url + "/v1", "smollm2", "x", args.escalate_timeout, max_tokens=32)
 
 
-def _chat(base_url: str, model: str, api_key: str, timeout: float) -> Any:
+def _chat(base_url: str, model: str, api_key: str, timeout: float, **extra: Any) -> Any:
     try:
         from langchain_openai import ChatOpenAI
     except ImportError as exc:
         raise CalibrationError("an OpenAI-compatible target needs langchain-openai",
                                hint="pip install 'canvasroute[openai]'") from exc
     return ChatOpenAI(base_url=base_url, model=model, api_key=api_key, logprobs=True, top_logprobs=5,
-                      temperature=0, max_retries=1, timeout=timeout)
+                      temperature=0, max_retries=1, timeout=timeout, **extra)
