@@ -26,7 +26,8 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--escalate-url", metavar="URL", help="OpenAI-compatible base URL (…/v1) of the AR target")
     which.add_argument("--escalate-systemone", metavar="URL", help="a /v1/systemone decision server as the target")
     which.add_argument("--escalate-embedded", action="store_true",
-                       help="serve the embedded SmolLM2 as an AR target on a loopback port (near chance)")
+                       help="serve the embedded SmolLM2 as an AR target on a loopback port (near chance; needs the "
+                            "local, serve and openai extras)")
     group.add_argument("--escalate-model", metavar="NAME", help="model name at --escalate-url / --escalate-systemone")
     group.add_argument("--escalate-api-key-env", default="CANVASROUTE_ESCALATE_API_KEY", metavar="VAR",
                        help="environment variable holding the target's API key")
