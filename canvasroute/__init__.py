@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         EngineUnavailable,
         EscalationError,
         FunctionEngine,
+        ImagesUnsupported,
         InputTooLong,
         LabelError,
         ReadResult,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from router import (
         CanvasDecisionModel,
         CanvasResponse,
+        DecisionCache,
         EscalationBudget,
         GatePolicy,
         ReadReport,
@@ -68,11 +70,11 @@ _LAYERS = {
         "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "DecisionError",
         "EmbeddedModelMissing", "Engine", "EngineInfo", "EngineOverloaded", "EngineRequestError",
         "EngineResponseError", "EngineTimeout", "EngineUnavailable", "EscalationError", "FunctionEngine",
-        "InputTooLong", "LabelError", "ReadResult", "TraceFileError", "TransformersEngine",
+        "ImagesUnsupported", "InputTooLong", "LabelError", "ReadResult", "TraceFileError", "TransformersEngine",
         "UnsupportedQuestion", "VLLMEngine", "VLLMServerEngine", "embedded_engine",
     ],
     "router": [
-        "CanvasDecisionModel", "CanvasResponse", "EscalationBudget", "GatePolicy", "ReadReport",
+        "CanvasDecisionModel", "CanvasResponse", "DecisionCache", "EscalationBudget", "GatePolicy", "ReadReport",
         "SystemOneDecisionModel", "load_policy", "save_policy",
     ],
     "harness": [

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._types import CanvasRead, EngineInfo, Message, ReadResult
+from ._types import CanvasRead, EngineInfo, Message, ReadResult, refuse_images
 
 RowsFunction = Callable[[CanvasRead], Any]
 """`fn(read) -> rows | ReadResult` (sync or async): one `{id: logprob}` row per slot."""
@@ -68,6 +68,7 @@ class FunctionEngine:
         return sum(counts) + 2
 
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
+        refuse_images(batch, "FunctionEngine")
         self.calls += 1
         out = []
         for read in batch:

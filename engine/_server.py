@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import re
@@ -16,8 +17,8 @@ from ._http import Connection
 from ._prompts import EMPTY_CHAT, PromptCache, template_kwargs
 from ._text import SPECIAL_CANDIDATES, THOUGHT_SCAFFOLD, scaffold_prefix
 from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows
-from ._wire import NARROW_REFUSED, check_read, parse_rows, read_xargs, seed_canvas
-from .errors import EngineRequestError, EngineResponseError
+from ._wire import NARROW_REFUSED, chat_messages, check_read, images_refused, parse_rows, read_xargs, seed_canvas
+from .errors import EngineRequestError, EngineResponseError, ImagesUnsupported
 
 _VOCAB_RANGE = re.compile(r"must be in \[0, (\d+)\)")
 _NOISE_PROBE_ID = 2**30
@@ -150,7 +151,8 @@ class VLLMServerEngine:
             self._prompt_ids(EMPTY_CHAT), self.tokenize(THOUGHT_SCAFFOLD), self._discover_specials())
         return EngineInfo(model=self._model, provider="vllm", canvas_width=width, max_model_len=max_len,
                           vocab_size=vocab, pad_id=0, chat_overhead=len(prompt),
-                          canvas_prefix=scaffold_prefix(prompt, scaffold), special_tokens=specials)
+                          canvas_prefix=scaffold_prefix(prompt, scaffold), special_tokens=specials,
+                          accepts_images=self.endpoint == "chat")
 
     async def tokenize(self, text: str) -> list[int]:
         key = PromptCache.text_key(text)
@@ -174,6 +176,28 @@ class VLLMServerEngine:
     async def _read_one(self, read: CanvasRead) -> ReadResult:
         info = await self.info()
         check_read(read, info.canvas_width)
+        if read.images:
+            return await self._read_images(read, info)
+        return await self._read_text(read, info)
+
+    async def _read_images(self, read: CanvasRead, info: EngineInfo) -> ReadResult:
+        """A read with images: refused before sending where they cannot go, and typed when
+        the server refuses them (remembered: later decisions fail before any request)."""
+        if not info.accepts_images:
+            raise ImagesUnsupported(
+                f"this engine ({self.endpoint} endpoint of {info.model}) cannot take images",
+                hint="use endpoint='chat' against a vLLM server with image input enabled")
+        try:
+            return await self._read_text(read, info)
+        except EngineRequestError as exc:
+            if not images_refused(exc):
+                raise
+            self._info = dataclasses.replace(info, accepts_images=False)
+            raise ImagesUnsupported(f"the vLLM server refused the images: {exc.message}",
+                                    hint="serve a model with image input (e.g. no --limit-mm-per-prompt "
+                                         "'{\"image\": 0}'), or keep images out of the decision state") from exc
+
+    async def _read_text(self, read: CanvasRead, info: EngineInfo) -> ReadResult:
         narrow = self.narrow_canvases
         try:
             return await self._read_at(read, info, narrow=narrow)
@@ -195,7 +219,7 @@ class VLLMServerEngine:
             "vllm_xargs": read_xargs(canvas, info.canvas_width, constrained=read.constrained),
         }
         if self.endpoint == "chat":
-            body.update(messages=[dict(m) for m in read.messages], logprobs=True, top_logprobs=1,
+            body.update(messages=chat_messages(read), logprobs=True, top_logprobs=1,
                         chat_template_kwargs=self._template_kwargs)
             path = "/v1/chat/completions"
         else:

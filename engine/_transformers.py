@@ -35,7 +35,7 @@ from transformers import (
 from ._batching import MicroBatcher
 from ._prompts import EMPTY_CHAT, ChatPrompts, template_kwargs
 from ._text import THOUGHT_SCAFFOLD, scaffold_prefix, tokenizer_specials
-from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows
+from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows, refuse_images
 from .errors import EngineRequestError
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -287,6 +287,7 @@ class TransformersEngine:
         return len(self._prompt_ids(messages))
 
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
+        refuse_images(batch, "TransformersEngine")
         if self._closed:
             raise EngineRequestError("the engine is closed", hint="create a new engine")
         jobs = [self._job(read) for read in batch]

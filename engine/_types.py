@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from ._text import THOUGHT_SCAFFOLD
-from .errors import EngineResponseError
+from .errors import EngineResponseError, ImagesUnsupported
 
 Message = Mapping[str, str]
 """A chat message: `{"role": ..., "content": ...}`."""
@@ -40,6 +40,9 @@ class EngineInfo:
     special_tokens: tuple[str, ...] = ()
     """Special and added token texts of the engine's tokenizer: `engine.defuse` breaks them
     in user text so a state or an instruction cannot forge template tokens."""
+    accepts_images: bool = False
+    """Whether reads may carry images (`CanvasRead.images`); the router refuses a state
+    with images before any read when False (`ImagesUnsupported`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +59,9 @@ class CanvasRead:
     """Sorted union of every slot's label ids (the ids each row must carry)."""
     constrained: bool = False
     """Normalize each row over `label_ids` only (label mass is then 1)."""
+    images: tuple[str, ...] = ()
+    """Image URLs (data URLs for inline images) sent with the last user message, as
+    OpenAI image parts; only engines whose `EngineInfo.accepts_images` take them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +103,13 @@ def check_rows(read: CanvasRead, rows: Sequence[Mapping[int, float]]) -> None:
                 f"the row at canvas position {slot} lacks requested label ids {missing[:8]}"
                 f"{' ...' if len(missing) > 8 else ''} ({len(row)} ids returned)",
                 hint="the server must honour logprob_token_ids (vLLM >= 0.32 with the structured read)")
+
+
+def refuse_images(batch: Sequence[CanvasRead], engine: str) -> None:
+    """`ImagesUnsupported` before any read when a text-only engine is handed images."""
+    if any(read.images for read in batch):
+        raise ImagesUnsupported(f"{engine} reads text only; this read carries images",
+                                hint="read images with VLLMServerEngine (chat endpoint) on a vision-capable server")
 
 
 @runtime_checkable

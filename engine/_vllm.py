@@ -17,7 +17,7 @@ from typing import Any
 
 from ._prompts import EMPTY_CHAT, ChatPrompts, template_kwargs
 from ._text import THOUGHT_SCAFFOLD, scaffold_prefix, tokenizer_specials
-from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows
+from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows, refuse_images
 from ._wire import check_read, check_row_count, read_xargs
 from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
 
@@ -93,6 +93,7 @@ class VLLMEngine:
         return len(self._prompt_ids((await self._started()).get_tokenizer(), messages))
 
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
+        refuse_images(batch, "VLLMEngine")
         return list(await asyncio.gather(*(self._read_one(r) for r in batch)))
 
     async def aclose(self) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._types import CanvasRead
-from .errors import EngineRequestError, EngineResponseError
+from .errors import EngineRequestError, EngineResponseError, ImagesUnsupported
 
 MAX_LABEL_IDS = 128
 """vLLM caps `logprob_token_ids` at 128 ids per request (`MAX_LOGPROB_TOKEN_IDS`)."""
@@ -79,3 +79,24 @@ def parse_rows(data: Mapping[str, Any], endpoint: str, width: int,
         return tuple({token_id(t): float(lp) for t, lp in positions[s].items()} for s in slots)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise EngineResponseError(f"the read response has no readable logprob rows ({exc!r})") from exc
+
+
+def chat_messages(read: CanvasRead) -> list[dict[str, Any]]:
+    """The chat `messages` of a read: its images go with the last user message as OpenAI
+    image parts (`{"type": "image_url", "image_url": {"url": ...}}`) after its text."""
+    msgs: list[dict[str, Any]] = [dict(m) for m in read.messages]
+    if not read.images:
+        return msgs
+    last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=None)
+    if last is None:
+        raise ImagesUnsupported("a read with images needs a user message to carry them")
+    msgs[last]["content"] = [{"type": "text", "text": msgs[last]["content"]},
+                             *({"type": "image_url", "image_url": {"url": url}} for url in read.images)]
+    return msgs
+
+
+def images_refused(exc: EngineRequestError) -> bool:
+    """Whether a 400 refuses image input (vLLM: `At most 0 image(s) may be provided in one
+    prompt.` with images off; a text-only model names the modality too)."""
+    text = exc.message.casefold()
+    return exc.status == 400 and ("image" in text or "multimodal" in text or "multi-modal" in text)

@@ -12,7 +12,8 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 ├── DecisionError                 ValueError: the questions cannot be asked as given
 │   ├── UnsupportedQuestion       a question type with no canvas form (e.g. Box)
 │   ├── LabelError                labels that cannot be one token at one slot
-│   └── InputTooLong              state or questions do not fit the model
+│   ├── InputTooLong              state or questions do not fit the model
+│   └── ImagesUnsupported         the state holds images this engine or server cannot take
 ├── CalibrationError              ValueError: calibration input that cannot be used
 ├── TraceFileError                ValueError: a trace file that cannot be read
 └── EmbeddedModelMissing          ValueError: the embedded model's wheel is not installed
@@ -42,6 +43,7 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
     "EscalationError",
+    "ImagesUnsupported",
     "InputTooLong",
     "LabelError",
     "TraceFileError",
@@ -129,3 +131,12 @@ class TraceFileError(CanvasRouteError, ValueError):
 
 class EmbeddedModelMissing(CanvasRouteError, ValueError):
     """The embedded model's wheel is not installed."""
+
+
+class ImagesUnsupported(DecisionError):
+    """The state holds images and this engine (or its server) cannot take them.
+
+    Raised before any read: by the router when `EngineInfo.accepts_images` is False
+    (completions endpoint, in-process causal LMs, FunctionEngine), and by
+    `VLLMServerEngine` when the server refuses image parts (e.g. started with
+    `--limit-mm-per-prompt '{"image": 0}'`, or a text-only model)."""

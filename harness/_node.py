@@ -20,16 +20,18 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import MethodType
 from typing import Any, Literal
 
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
-from langgraph.types import Command
+from langgraph.types import CachePolicy, Command
 
 from router import CanvasDecisionModel, CanvasResponse
 from router import QuestionSpec, parse_questions
 
+from ._cache import node_cache_key
 from ._context import GraphCall, Inputs, child_config, decision_seed, graph_call, select_inputs
 from ._records import emit, entries, trace_route
 from ._review import ReviewPolicy, review
@@ -89,6 +91,15 @@ class DecisionNode(Runnable[Any, Command]):
     def __call__(self, state: Any, config: RunnableConfig | None = None) -> Command:
         """Run the node synchronously (what `invoke` does)."""
         return self.invoke(state, config)
+
+    def cache_policy(self, ttl: int | None = None) -> CachePolicy:
+        """A LangGraph `CachePolicy` keyed on this node's questions, decision state and policy.
+
+        `builder.add_node("triage", node, cache_policy=node.cache_policy(ttl=300))` with
+        `builder.compile(cache=InMemoryCache())`: an identical decision about an identical
+        decision state is not read again (see `harness._cache.node_cache_key`).
+        """
+        return CachePolicy(key_func=partial(node_cache_key, self), ttl=ttl)
 
     # -- Runnable -----------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The canvasroute command line: demo, bench, calibrate, dashboard, serve.
+"""The canvasroute command line: demo, bench, calibrate, eval, dashboard, serve.
 
 Each command lives in its own module exposing `configure(parser)` and `run(args) -> int`;
 it is imported only when invoked, so `canvasroute --help` stays instant.
@@ -14,6 +14,7 @@ COMMANDS = {
     "demo": ("harness.demo.command", "run the support-triage example graph (offline, embedded model by default)"),
     "bench": ("harness.bench.command", "measure overhead, throughput, packing and canvas-vs-AR latency"),
     "calibrate": ("harness.calibration.command", "fit temperatures and thresholds from labelled decisions"),
+    "eval": ("harness.eval.command", "measure canvas only, the escalation target alone and the gated cascade"),
     "dashboard": ("harness.observability.dashboard", "render exported decision spans as one HTML page"),
     "serve": ("harness.server.cli", "serve gated decisions over HTTP (/v1/systemone)"),
 }

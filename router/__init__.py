@@ -31,6 +31,7 @@ from .calibration import (
 )
 from ._distribution import SlotStats, aggregate, slot_stats
 from ._budget import BudgetMeter, InMemoryBudgetMeter
+from ._cache import DecisionCache
 from ._model import CanvasDecisionModel, render_state
 from ._policy import EscalationBudget, GatePolicy
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
@@ -43,6 +44,7 @@ __all__ = [
     "Calibration",
     "CanvasDecisionModel",
     "CanvasResponse",
+    "DecisionCache",
     "EscalationBudget",
     "GatePolicy",
     "InMemoryBudgetMeter",

@@ -41,6 +41,8 @@ from engine import (
 
 from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
+from ._cache import DecisionCache, decision_key, replay
+from ._images import ImageEngine, check_images, image_digests, state_images
 from ._escalation import is_target
 from ._depends import parse_depends_on
 from ._outcome import Outcomes, skipped_report
@@ -105,6 +107,9 @@ class CanvasDecisionModel(BaseDecisionModel):
     slots of a canvas): label mass is then 1 for a lone question, a share for several."""
     escalation_timeout: float = 60.0
     """Seconds one escalation call may take."""
+    cache: Any = None
+    """A `DecisionCache`: an identical decision set about an identical state (same policy
+    and seed) is answered from it without a read (None: every call reads)."""
 
     _plans: OrderedDict[Any, Plan] = PrivateAttr(default_factory=OrderedDict)
     _parsed: OrderedDict[str, dict[str, QuestionSpec]] = PrivateAttr(default_factory=OrderedDict)
@@ -124,6 +129,8 @@ class CanvasDecisionModel(BaseDecisionModel):
             raise ValueError("on_engine_error='fallback' needs fallback={question id: option}")
         if self.budget_meter is not None and not isinstance(self.budget_meter, BudgetMeter):
             raise TypeError(f"budget_meter must implement router.BudgetMeter, got {type(self.budget_meter).__name__}")
+        if self.cache is not None and not isinstance(self.cache, DecisionCache):
+            raise TypeError(f"cache must be a router.DecisionCache, got {type(self.cache).__name__}")
         if self.budget is None and self.budget_meter is not None:
             raise ValueError("budget_meter needs budget= (its when_spent decides what a refusal does)")
         meter = self.budget_meter or (InMemoryBudgetMeter(self.budget) if self.budget else None)
@@ -198,11 +205,23 @@ class CanvasDecisionModel(BaseDecisionModel):
             if not outcomes.absorbs(exc):
                 raise
             info, fault = None, exc
+        images = state_images(state)
+        if info is not None:
+            check_images(info, images)  # before any read: an engine that cannot see them refuses
         model_name = info.model if info is not None else self.model
         state_text = render_state(state, info.special_tokens if info is not None else None)
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
         if tm.record_content():
             attrs[tm.STATE_CONTENT] = state_text
+        cache_key = None
+        if self.cache is not None and info is not None:
+            depends = json.dumps(sorted((c, p, sorted(a)) for c, (p, a) in deps.conditions.items()))
+            cache_key = decision_key(questions=key + depends, state_text=state_text, policy=policy, seed=seed,
+                                     model=info.model, constrained=self.constrained,
+                                     images=image_digests(images))
+            if (hit := self.cache.get(cache_key)) is not None:
+                return replay(hit, f"decide {model_name}", attrs, time.perf_counter() - start)
+            attrs[tm.CACHE_HIT] = False
         with tm.span(f"decide {model_name}", attrs) as span:
             usage = {"input_tokens": 0, "output_tokens": 0}
             canvas_reads = 0
@@ -216,7 +235,8 @@ class CanvasDecisionModel(BaseDecisionModel):
                         answers[qid] = None
                 if not asked:
                     continue
-                reads, n = await self._read_layer(key, specs, asked, info, fault, state_text, seed, policy, usage)
+                reads, n = await self._read_layer(key, specs, asked, info, fault, state_text, seed, policy, usage,
+                                                  images)
                 canvas_reads += n
                 escalated = await outcomes.escalate(state, state_text, reads, usage, thread_id)
                 for r in reads.values():
@@ -228,7 +248,7 @@ class CanvasDecisionModel(BaseDecisionModel):
             reports = [done[qid].model_copy(update={"latency_s": latency}) for qid in specs]
             span.set_attribute(tm.CANVAS_READS, canvas_reads)
             tm.record_reports(span, reports, latency, model_name, policy, attrs)
-        return CanvasResponse(
+        response = CanvasResponse(
             model=model_name,
             answers={r.question_id: _answer(specs[r.question_id], r) for r in reports if r.path != "skipped"},
             reads={r.question_id: r for r in reports},
@@ -236,11 +256,14 @@ class CanvasDecisionModel(BaseDecisionModel):
             canvas_reads=canvas_reads,
             latency_s=latency,
         )
+        if cache_key is not None and not any(r.error for r in reports):
+            self.cache.put(cache_key, response)  # a faulted decision is never replayed
+        return response
 
     async def _read_layer(self, key: str, specs: Mapping[str, QuestionSpec], asked: Sequence[str],
                           info: EngineInfo | None, fault: CanvasRouteError | None, state_text: str,
                           seed: int | None, policy: GatePolicy, usage: dict[str, int],
-                          ) -> tuple[dict[str, QuestionRead], int]:
+                          images: Sequence[str] = ()) -> tuple[dict[str, QuestionRead], int]:
         """Read and gate the asked questions of one layer; returns their state and the reads sent."""
         shaped = {qid: with_abstain(specs[qid]) if policy.for_question(qid).abstain else specs[qid]
                   for qid in asked}
@@ -263,7 +286,8 @@ class CanvasDecisionModel(BaseDecisionModel):
                 r.fail(fault)
             return reads, 0
         assert info is not None
-        reading = Reading(engine=self.engine, info=info, plan=the_plan, state_text=state_text,
+        reading = Reading(engine=ImageEngine(self.engine, images) if images else self.engine, info=info,
+                          plan=the_plan, state_text=state_text,
                           seed=_default_seed(state_text, the_plan) if seed is None else seed,
                           policy=policy, constrained=self.constrained, absorbs=self._outcomes.absorbs,
                           member_plan=self._member_plan, usage=usage)

@@ -117,7 +117,7 @@ def test_the_retry_section_lists_exactly_what_langgraph_skips():
 def test_the_layout_drawing_matches_the_tree():
     drawing = re.search(r"```\n(canvasroute/.*?)```", README, flags=re.S).group(1)
     drawn = re.findall(r"^(?:[├└]── )?(\w[\w.]*/?|cli\.py)\s", drawing, flags=re.M)
-    top = [d for d in drawn if not d.startswith(("observability", "calibration", "bench", "demo", "server", "cli"))]
+    top = [d for d in drawn if not d.startswith(("observability", "calibration", "eval", "bench", "demo", "server", "cli"))]
     assert top == ["canvasroute/", "harness/", "router/", "engine/", "examples/"]
     for name in drawn:
         path = ROOT / (name if name in top else f"harness/{name}")

@@ -15,7 +15,8 @@ so they are the same in every process), and knows Gemma 4's special tokens; `/to
 applies a chat template shaped like the released DiffusionGemma one (the generation
 prompt ends with the empty thought block unless `enable_thinking`) and returns
 `token_strs` on request. `narrow=False` refuses `diffusion_canvas_length` below the
-served width, as some vLLM builds do.
+served width, as some vLLM builds do. `max_images=0` refuses chat reads with image parts
+with vLLM's own 400 (a server started with images off).
 
 Faults for tests: `server.inject(Fault(status=429), times=2)` makes the next two reads
 answer 429; see `Fault`. `GET /_loopback/stats` returns request counts by path.
@@ -137,7 +138,7 @@ class LoopbackVLLM:
 
     def __init__(self, *, model: str = "loopback", canvas_width: int = 64, vocab_size: int = 262144,
                  max_model_len: int = 4096, answer: Literal["ranked", "uniform", "argmax"] = "ranked",
-                 narrow: bool = True) -> None:
+                 narrow: bool = True, max_images: int | None = None) -> None:
         if answer not in ANSWERS:
             raise ValueError(f"answer must be one of {ANSWERS}, not {answer!r}")
         self.model = model
@@ -146,6 +147,9 @@ class LoopbackVLLM:
         self.max_model_len = max_model_len
         self.answer = answer
         self.narrow = narrow
+        self.max_images = max_images
+        """Image parts one chat read may carry (None: any; 0: refused with vLLM's 400, as
+        a server started with `--limit-mm-per-prompt '{"image": 0}'` answers)."""
         self.url = ""
         self.requests: Counter[str] = Counter()
         """Requests by path (reads, `/tokenize`, `/v1/models`, unknown paths)."""
@@ -347,6 +351,10 @@ class LoopbackVLLM:
                 return _error(400, f"diffusion_seed_canvas ids must be in [0, {self.vocab_size}).")
             if len(seed) != width:
                 return _error(400, f"diffusion_seed_canvas must hold exactly {width} ids, got {len(seed)}.")
+        images = sum(1 for m in body.get("messages") or () if isinstance(m.get("content"), list)
+                     for part in m["content"] if isinstance(part, dict) and part.get("type") == "image_url")
+        if self.max_images is not None and images > self.max_images:
+            return _error(400, f"At most {self.max_images} image(s) may be provided in one prompt. (parameter=image)")
         labels = tuple(sorted(set(body.get("logprob_token_ids") or ())))
         if len(labels) > 128:
             return _error(400, f"logprob_token_ids holds {len(labels)} ids; at most 128.")

@@ -11,7 +11,10 @@ The canvas is read with the gate off (no re-reads, no escalation); then, per que
 `router.calibrate` fits a temperature on one split and keeps it only if the other split's
 NLL and ECE do not get worse, and picks a `max_normalized_entropy` for `--target-accuracy`
 or `--target-escalation`. Writes the policy file (`router.load_policy` reads it), a
-reliability diagram and an accuracy-vs-escalation curve (PNG, next to the policy).
+reliability diagram and an accuracy-vs-escalation curve (PNG, next to the policy). With
+an escalation target (`--escalate-url/--escalate-model`, `--escalate-systemone`,
+`--escalate-embedded`) the target answers every row on its own and the curve's overall
+accuracy is measured with its answers, instead of the bound "if escalations were right".
 
 Example:
     ```bash
@@ -28,11 +31,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 from engine import CalibrationError, CanvasRouteError, Engine, TraceFileError, VLLMServerEngine
 from router import GatePolicy, Labelled, calibrate, save_policy
 from router import calibration as cm
+from router._escalation import target_name
 
 from .._console import plain_table, print_table, progress
 from ..observability.report import near_chance
@@ -69,6 +74,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="re-reads in the written policy (default 0: thresholds are measured on single reads)")
     parser.add_argument("--concurrency", type=int, default=4, help="decisions in flight (default 4)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    from ..eval.target import add_target_options
+
+    add_target_options(parser)  # with a target, the escalation plot's overall curve is measured
 
 
 def _engine(args: argparse.Namespace) -> Engine:
@@ -79,7 +87,8 @@ def _engine(args: argparse.Namespace) -> Engine:
     return embedded_engine()
 
 
-async def _read(args: argparse.Namespace) -> tuple[list[Labelled], str, str]:
+async def _read(args: argparse.Namespace,
+                target: Any = None) -> tuple[list[Labelled], str, str, dict[int, bool] | None]:
     rows = load_rows(args.data, limit=args.limit, seed=args.seed)
     engine = _engine(args)
     try:
@@ -88,13 +97,20 @@ async def _read(args: argparse.Namespace) -> tuple[list[Labelled], str, str]:
             samples = await collect(engine, rows, concurrency=args.concurrency, progress=advance)
     finally:
         await engine.aclose()
-    return samples, info.model, info.provider
+    measured = None
+    if target is not None:
+        from ..eval.measure import target_correct
+
+        ok = await target_correct(target, rows, concurrency=args.concurrency)
+        measured = {id(s): good for s, good in zip(samples, ok, strict=True)}
+    return samples, info.model, info.provider, measured
 
 
 def run(args: argparse.Namespace) -> int:
     if (args.data is None) == (args.from_traces is None):
         print("canvasroute calibrate: give DATA or --from-traces TRACES (one of them)", file=sys.stderr)
         return 2
+    measured, target_label = None, ""
     try:
         if args.from_traces:
             spans = read_spans(*args.from_traces)
@@ -105,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
                 raise CalibrationError("the traces hold no escalated question with a canvas distribution",
                                        hint="export spans from a model with escalate_to set")
         else:
-            samples, model, provider = asyncio.run(_read(args))
+            from ..eval.target import open_target
+
+            with open_target(args) as target:
+                samples, model, provider, measured = asyncio.run(_read(args, target))
+                target_label = target_name(target) if target is not None else ""
             source = str(args.data)
         cal = calibrate(samples, base=GatePolicy(rereads=args.rereads), holdout=args.holdout, seed=args.seed,
                         target_accuracy=args.target_accuracy, target_escalation=args.target_escalation)
@@ -123,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plots:
         try:
             plots = [plot_reliability(cal, out.with_suffix(".reliability.png"), subtitle),
-                     plot_escalation(cal, out.with_suffix(".escalation.png"), subtitle)]
+                     plot_escalation(cal, out.with_suffix(".escalation.png"), subtitle, measured, target_label)]
             meta["plots"] = [p.name for p in plots]
         except ImportError:
             print("canvasroute calibrate: matplotlib is not installed; skipping plots", file=sys.stderr)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from router import Labelled
 from router import calibration as cm
 
-__all__ = ["plot_escalation", "plot_reliability"]
+__all__ = ["measured_curve", "plot_escalation", "plot_reliability"]
 
 
 
@@ -67,8 +68,30 @@ def plot_reliability(cal: cm.Calibration, path: Path, subtitle: str) -> Path:
     return path
 
 
-def plot_escalation(cal: cm.Calibration, path: Path, subtitle: str) -> Path:
-    """Accuracy against escalation rate per question (held-out rows, calibrated temperature)."""
+def measured_curve(rows: Sequence[Labelled], temperature: float,
+                   target_ok: Mapping[int, bool]) -> list[tuple[float, float]]:
+    """`(escalation rate, accuracy)` with escalations answered as the target really did
+    (`target_ok` by `id(sample)`), for every distinct threshold, escalate-all first."""
+    _, ok, ent = cm.scores(rows, temperature)
+    ranked = sorted(zip(ent, ok, [target_ok[id(r)] for r in rows], strict=True), key=lambda r: r[0])
+    n = len(ranked)
+    points = [(1.0, sum(t for _, _, t in ranked) / n)]
+    canvas_right = 0
+    for k, (e, good, _) in enumerate(ranked, 1):
+        canvas_right += good
+        if k < n and ranked[k][0] == e:
+            continue  # ties escalate together
+        points.append((1.0 - k / n, (canvas_right + sum(t for _, _, t in ranked[k:])) / n))
+    return points
+
+
+def plot_escalation(cal: cm.Calibration, path: Path, subtitle: str,
+                    target_ok: Mapping[int, bool] | None = None, target: str = "") -> Path:
+    """Accuracy against escalation rate per question (held-out rows, calibrated temperature).
+
+    With `target_ok` (whether the escalation target alone answers each sample right, by
+    `id(sample)`) the overall curve is measured; else it is the bound "if escalations
+    were right"."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -80,8 +103,13 @@ def plot_escalation(cal: cm.Calibration, path: Path, subtitle: str) -> Path:
         canvas = [(p.escalation_rate, p.canvas_accuracy) for p in pts if p.canvas_accuracy is not None]
         ax.plot([x for x, _ in canvas], [y for _, y in canvas], "-o", ms=3, color=color,
                 label=f"{q}: accuracy of canvas answers")
-        ax.plot([p.escalation_rate for p in pts], [p.routed_accuracy for p in pts], "--", color=color, alpha=0.6,
-                label=f"{q}: overall if escalations were right")
+        if target_ok is not None:
+            measured = measured_curve(rows, cal.policy.for_question(q).temperature, target_ok)
+            ax.plot([x for x, _ in measured], [y for _, y in measured], "--", color=color, alpha=0.8,
+                    label=f"{q}: overall, escalations answered by {target or 'the target'} (measured)")
+        else:
+            ax.plot([p.escalation_rate for p in pts], [p.routed_accuracy for p in pts], "--", color=color, alpha=0.6,
+                    label=f"{q}: overall if escalations were right")
         qc = cal.questions[q]
         if qc.check_escalation_rate is not None and qc.check_canvas_accuracy is not None:
             ax.plot([qc.check_escalation_rate], [qc.check_canvas_accuracy], "*", ms=13, color=color,
