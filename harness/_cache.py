@@ -39,5 +39,5 @@ def node_cache_key(node: DecisionNode, state: Any) -> str:
     model = node.model
     blob = json.dumps([node.name, asked, render_state(decision_state),
                        list(image_digests(state_images(decision_state))), repr(model.policy), model.model,
-                       model.constrained], sort_keys=True, default=str)
+                       model.constrained, repr(sorted((node.depends_on or {}).items()))], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -53,7 +53,8 @@ class DecisionNode(Runnable[Any, Command]):
 
     def __init__(self, model: CanvasDecisionModel, questions: Questions, *, inputs: Inputs, route: Route,
                  output_key: str, name: str | None, review: ReviewPolicy | None,
-                 destinations: Sequence[str] | None, shadow: ExistingRouter | None = None) -> None:
+                 destinations: Sequence[str] | None, shadow: ExistingRouter | None = None,
+                 depends_on: Mapping[str, Any] | None = None) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
         if not (callable(questions) or isinstance(questions, Mapping)):
@@ -73,6 +74,11 @@ class DecisionNode(Runnable[Any, Command]):
         self.destinations = _destinations(self.route_map, self.route_fn, destinations)
         """The nodes this node can go to (what the graph drawing shows)."""
         self.name = name or (f"decide_{self.route_question}" if self.route_question else "decide")
+        self.depends_on = dict(depends_on) if depends_on else None
+        """`{child: (parent, answers)}`: children asked only when their parent's answer matches."""
+        if self.depends_on and self.route_question in self.depends_on:
+            raise ValueError(f"route question {self.route_question!r} cannot depend on another question: "
+                             "when it is skipped there is no answer to route on")
         if isinstance(questions, Mapping):
             self._check(parse_questions(questions))
         self._pending: OrderedDict[tuple[Any, ...], CanvasResponse] = OrderedDict()
@@ -141,7 +147,7 @@ class DecisionNode(Runnable[Any, Command]):
         with self._lock:
             cached = self._pending.get(key) if key else None
         request = {"state": decision_state, "questions": questions, "seed": seed, "thread_id": call.thread_id,
-                   "policy": call.policy, "attributes": call.attributes}
+                   "policy": call.policy, "attributes": call.attributes, "depends_on": self.depends_on}
         return _Job(call, specs, questions, decision_state, seed, key, request, cached)
 
     def _finish(self, job: _Job, response: CanvasResponse) -> Command:
@@ -230,6 +236,7 @@ def decision_node(
     review: ReviewPolicy | None = None,
     destinations: Sequence[str] | None = None,
     shadow: ExistingRouter | None = None,
+    depends_on: Mapping[str, Any] | None = None,
 ) -> DecisionNode:
     """A node that answers all its questions with ONE `CanvasDecisionModel` call and routes.
 
@@ -255,6 +262,9 @@ def decision_node(
             canvas reads the questions beside it without escalating. Each record gets a
             `shadow` entry (agreement, would-escalate, both latencies), and a `shadow <node>`
             span and the custom-stream event carry the same. See `harness._shadow`.
+        depends_on: `{child: (parent, answers)}`: ask a child only when its parent's final
+            answer is one of `answers` (in a second read of the same call); a skipped child's
+            record has `answer=None` and path `skipped`. The route question cannot be a child.
 
     Returns:
         A `DecisionNode`: add it with `builder.add_node("triage", node)`.
@@ -274,7 +284,7 @@ def decision_node(
         ```
     """
     return DecisionNode(model, questions, inputs=inputs, route=route, output_key=output_key, name=name,
-                        review=review, destinations=destinations, shadow=shadow)
+                        review=review, destinations=destinations, shadow=shadow, depends_on=depends_on)
 
 
 def _parse_route(route: Route) -> tuple[str | None, dict[str, str] | None, Callable[..., str] | None]:

@@ -7,14 +7,17 @@ read holds, and what each answers, are known before the call.
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import pytest
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 from promptrows import PromptRows, blocks, by_instructions, pick
+from typing_extensions import TypedDict
 
 from engine import DecisionError
+from harness import merge_decisions
 from harness._records import entries
 from router import CanvasDecisionModel, GatePolicy
 
@@ -25,6 +28,11 @@ SEVERITY = Score(instructions="How severe?", criteria=["minor", "major"])
 QUESTIONS = {"team": TEAM, "reason": REASON, "urgent": URGENT}
 SURE = GatePolicy(max_normalized_entropy=None, rereads=0)
 """No gate: the canvas argmax answers, one read per layer."""
+
+
+class TicketState(TypedDict, total=False):
+    ticket: str
+    decisions: Annotated[dict, merge_decisions]
 
 
 def scripted(team: str) -> PromptRows:
@@ -137,3 +145,36 @@ async def test_bad_conditions_are_decision_errors_before_any_read(depends_on, me
     with pytest.raises(DecisionError, match=message.replace("(", r"\(")):
         await model.adecide("x", QUESTIONS, depends_on=depends_on)
     assert rows.engine.calls == 0
+
+
+@pytest.mark.parametrize("team, reason", [("billing", "cancelled"), ("tech", None)])
+def test_a_decision_node_asks_a_child_only_when_its_parent_calls_for_it(team, reason):
+    from langgraph.graph import END, START, StateGraph
+
+    from harness import decision_node
+
+    rows = scripted(team)
+    model = CanvasDecisionModel(engine=rows.engine, policy=SURE)
+    node = decision_node(model, {"team": TEAM, "reason": REASON}, inputs="ticket",
+                         route=("team", {"billing": "billing", "tech": "tech", "sales": "tech"}),
+                         depends_on={"reason": ("team", "billing")})
+    builder = StateGraph(TicketState)
+    builder.add_node("triage", node)
+    for lane in ("billing", "tech"):
+        builder.add_node(lane, lambda state: {})
+        builder.add_edge(lane, END)
+    builder.add_edge(START, "triage")
+    out = builder.compile().invoke({"ticket": "Refund the cancelled plan."})
+    assert out["decisions"]["team"]["answer"] == team
+    assert out["decisions"]["reason"]["answer"] == reason
+    assert out["decisions"]["reason"]["path"] == ("canvas" if reason else "skipped")
+    assert len(rows.systems) == (2 if reason else 1)  # the child's read happens only when asked
+
+
+def test_the_route_question_of_a_node_cannot_be_a_child():
+    from harness import decision_node
+
+    model = CanvasDecisionModel(engine=scripted("billing").engine, policy=SURE)
+    with pytest.raises(ValueError, match="cannot depend"):
+        decision_node(model, {"team": TEAM, "reason": REASON}, route=("reason", {"double charge": "a", "cancelled": "b"}),
+                      depends_on={"reason": ("team", "billing")})

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 from .report import PATHS, Decision
 from .stats import percentile
 
-COLORS = {"canvas": "#15803d", "reread": "#d19a00", "escalated": "#dc2626", "fallback": "#64748b"}
+COLORS = {"canvas": "#15803d", "reread": "#d19a00", "escalated": "#dc2626", "fallback": "#64748b",
+          "abstained": "#7c3aed", "skipped": "#cbd5e1"}
 ENTROPY_BINS = 20
 
 
