@@ -76,10 +76,12 @@ def test_every_bash_block_parses_and_names_real_scripts_and_commands():
     commands = 0
     for code in bash:
         subprocess.run(["bash", "-n"], input=code, text=True, check=True)
-        for line in code.splitlines():
+        for line in code.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if not words:
                 continue
+            if words[:2] == ["vllm", "serve"]:
+                continue  # GPU-only (the full loop on a GPU): parsed by bash, not run here
             if words[0] == "bash":
                 assert (ROOT / words[1]).is_file(), line
             elif words[0] == "canvasroute":
