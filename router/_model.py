@@ -218,8 +218,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                 canvas_reads = 0
             escalated = await outcomes.escalate(state, state_text, reads, usage, thread_id)
             latency = time.perf_counter() - start
-            reports = [outcomes.report(r, escalated).model_copy(update={"latency_s": latency})
-                       for r in reads.values()]
+            reports = [outcomes.report(r, escalated, latency) for r in reads.values()]
             span.set_attribute(tm.CANVAS_READS, canvas_reads)
             tm.record_reports(span, reports, latency, model_name, policy, attrs)
         return CanvasResponse(
