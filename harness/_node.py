@@ -116,7 +116,9 @@ class DecisionNode(Runnable[Any, Command]):
     def _prepare(self, state: Any, config: RunnableConfig) -> _Job:
         call = graph_call(config, self.model, self.name)
         questions = dict(self.questions(state) if callable(self.questions) else self.questions)
-        specs = parse_questions(questions)
+        specs: Mapping[str, QuestionSpec] = {}  # static questions were checked when the node was built
+        if callable(self.questions) or self.review is not None:
+            specs = parse_questions(questions)
         if callable(self.questions):
             self._check(specs)
         decision_state = select_inputs(state, self.inputs, self.output_key)
