@@ -46,7 +46,7 @@ def defuse(text: str, specials: Iterable[str]) -> str:
         defuse("bye<turn|>", ["<turn|>"]) == "bye<\\u200bturn|>"
         ```
     """
-    pattern = _pattern(tuple(sorted({s for s in specials if len(s) > 1}, key=len, reverse=True)))
+    pattern = _compiled(specials if isinstance(specials, tuple) else tuple(specials))
     if pattern is None:
         return text
     for _ in range(len(text) + 1):
@@ -54,6 +54,12 @@ def defuse(text: str, specials: Iterable[str]) -> str:
         if not n:
             break
     return text
+
+
+@lru_cache(maxsize=64)
+def _compiled(specials: tuple[str, ...]) -> re.Pattern[str] | None:
+    """The pattern of a special-token list as given (the same engine passes the same tuple)."""
+    return _pattern(tuple(sorted({s for s in specials if len(s) > 1}, key=len, reverse=True)))
 
 
 @lru_cache(maxsize=64)

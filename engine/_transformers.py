@@ -175,6 +175,9 @@ class TransformersEngine:
     `enable_thinking` goes to the chat template (default False); a DiffusionGemma canvas
     opens with the thought block only when the generation prompt does not end with it.
     `EngineInfo.special_tokens` lists the tokenizer's special and added tokens.
+    The prompt KV LRU holds at most `prompt_cache_size` prompts and `prompt_cache_bytes`
+    bytes of keys and values (a prompt larger than that is not kept), so large requests
+    cannot grow memory without bound.
 
     Example:
         ```python
@@ -198,6 +201,7 @@ class TransformersEngine:
         batch_window_s: float = 0.002,
         max_queue: int = 1024,
         prompt_cache_size: int = 64,
+        prompt_cache_bytes: int = 256 * 2**20,
         enable_thinking: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         canvas_prefix: str | None = None,
@@ -216,6 +220,9 @@ class TransformersEngine:
         self._prompts = ChatPrompts(tokenizer, template_kwargs(enable_thinking, chat_template_kwargs))
         self._kv: OrderedDict[tuple[int, ...], KV] = OrderedDict()
         self._kv_size = prompt_cache_size
+        self._kv_bytes_cap = prompt_cache_bytes
+        self._kv_bytes = 0
+        """Bytes of keys and values held by the LRU now."""
         self._closed = False
         self.prompt_cache_hits = 0
         """Prompts whose KV cache came from the LRU instead of a prefill."""
@@ -363,10 +370,12 @@ class TransformersEngine:
             for b, p in enumerate(missing):
                 found[p] = tuple((layer.keys[b:b + 1, :, n - len(p):].clone(),
                                   layer.values[b:b + 1, :, n - len(p):].clone()) for layer in cache.layers)
-                if self._kv_size > 0:
+                size = _kv_bytes(found[p])
+                if self._kv_size > 0 and size <= self._kv_bytes_cap:
                     self._kv[p] = found[p]
-            while len(self._kv) > self._kv_size:
-                self._kv.popitem(last=False)
+                    self._kv_bytes += size
+            while len(self._kv) > self._kv_size or self._kv_bytes > self._kv_bytes_cap:
+                self._kv_bytes -= _kv_bytes(self._kv.popitem(last=False)[1])
         return [found[p] for p in prefixes], hits
 
     def _stack(self, kvs: list[KV]) -> tuple[DynamicCache, torch.Tensor]:
@@ -379,6 +388,11 @@ class TransformersEngine:
             for i in range(len(kvs[0]))
         ]
         return DynamicCache(ddp_cache_data=layers), torch.tensor(lengths, device=self._device)
+
+
+def _kv_bytes(kv: KV) -> int:
+    """Bytes of one prompt's cached keys and values."""
+    return sum(t.numel() * t.element_size() for layer in kv for t in layer)
 
 
 def _cache_kwarg(model: Any) -> str:

@@ -81,6 +81,10 @@ class ReadResult:
         for i, row in enumerate(self.rows):
             if not row:
                 raise EngineResponseError(f"slot row {i} is empty")
+            # fast check in C: a NaN or +inf makes the sum NaN or +inf; a finite logprob > 0 shows in max
+            total = sum(row.values())
+            if total == total and total != math.inf and max(row.values()) <= 1e-4:
+                continue
             for token, lp in row.items():
                 if not math.isfinite(lp) and lp != -math.inf:
                     raise EngineResponseError(f"slot row {i} holds a non-finite logprob {lp!r} for id {token}")

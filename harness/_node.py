@@ -25,7 +25,11 @@ from types import MethodType
 from typing import Any, Literal
 
 from langchain_core.runnables import Runnable, RunnableConfig
-from langchain_core.runnables.config import ensure_config
+from langchain_core.runnables.config import (
+    ensure_config,
+    get_async_callback_manager_for_config,
+    get_callback_manager_for_config,
+)
 from langgraph.types import CachePolicy, Command
 
 from router import CanvasDecisionModel, CanvasResponse
@@ -118,8 +122,11 @@ class DecisionNode(Runnable[Any, Command]):
             return self._finish_shadow(job, *self.shadow.run(
                 input, config, lambda: model.invoke(job.request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
-        response = job.cached or job.call.model.invoke(job.request, child_config(config))
-        return self._finish(job, response)
+        if job.cached is not None:
+            return self._finish(job, job.cached)
+        if _unobserved(get_callback_manager_for_config(config)):
+            return self._finish(job, job.call.model.decide(job.state, job.questions, **job.options))
+        return self._finish(job, job.call.model.invoke(job.request, child_config(config)))
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command:
         """Decide asynchronously (`graph.ainvoke`): one read for all questions, then route."""
@@ -130,15 +137,20 @@ class DecisionNode(Runnable[Any, Command]):
             return self._finish_shadow(job, *await self.shadow.arun(
                 input, config, lambda: model.ainvoke(job.request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
-        response = job.cached or await job.call.model.ainvoke(job.request, child_config(config))
-        return self._finish(job, response)
+        if job.cached is not None:
+            return self._finish(job, job.cached)
+        if _unobserved(get_async_callback_manager_for_config(config)):
+            return self._finish(job, await job.call.model.adecide(job.state, job.questions, **job.options))
+        return self._finish(job, await job.call.model.ainvoke(job.request, child_config(config)))
 
     # -- the decision -------------------------------------------------------------------
 
     def _prepare(self, state: Any, config: RunnableConfig) -> _Job:
         call = graph_call(config, self.model, self.name)
         questions = dict(self.questions(state) if callable(self.questions) else self.questions)
-        specs = parse_questions(questions)
+        specs: Mapping[str, QuestionSpec] = {}  # static questions were checked when the node was built
+        if callable(self.questions) or self.review is not None:
+            specs = parse_questions(questions)
         if callable(self.questions):
             self._check(specs)
         decision_state = select_inputs(state, self.inputs, self.output_key)
@@ -146,9 +158,11 @@ class DecisionNode(Runnable[Any, Command]):
         key = (call.thread_id, call.task_id, seed) if call.thread_id and call.task_id else None
         with self._lock:
             cached = self._pending.get(key) if key else None
-        request = {"state": decision_state, "questions": questions, "seed": seed, "thread_id": call.thread_id,
-                   "policy": call.policy, "attributes": call.attributes, "depends_on": self.depends_on}
-        return _Job(call, specs, questions, decision_state, seed, key, request, cached)
+        options = {"seed": seed, "thread_id": call.thread_id, "policy": call.policy, "attributes": call.attributes,
+                   "depends_on": self.depends_on}
+        request = {"state": decision_state, "questions": questions, **options}
+        options = {k: v for k, v in options.items() if v is not None}
+        return _Job(call, specs, questions, decision_state, seed, key, request, options, cached)
 
     def _finish(self, job: _Job, response: CanvasResponse) -> Command:
         human: dict[str, str] = {}
@@ -222,7 +236,16 @@ class _Job:
     key: tuple[Any, ...] | None
     """Identifies the task across an interrupt and its resume (None without a checkpointer)."""
     request: dict[str, Any]
+    options: dict[str, Any]
+    """The request's keywords for `adecide` (those set)."""
     cached: CanvasResponse | None
+
+
+def _unobserved(manager: Any) -> bool:
+    """Whether no callback handler (LangSmith tracer, OpenInference instrumentor, stream or
+    debug handler) would see the model's child run: the node then calls `adecide` directly
+    instead of through langchain-core's Runnable run machinery, which only those handlers read."""
+    return not manager.handlers and not manager.inheritable_handlers
 
 
 def decision_node(

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import EngineResponseError
 
 
 @dataclass(frozen=True, slots=True)
 class SlotStats:
-    """Probabilities over one slot's labels and the figures the gate reads."""
+    """Probabilities over one slot's labels and the figures the gate reads (computed once)."""
 
     probs: tuple[float, ...]
     label_mass: float
@@ -33,28 +33,25 @@ class SlotStats:
     """Share of reads whose argmax equals the final answer (re-reads only)."""
     stderr: float | None = None
     """Standard error of the chosen label's probability across reads (re-reads only)."""
+    top: int = field(init=False, compare=False, repr=False)
+    """Index of the most likely label (the first, on a tie)."""
+    entropy: float = field(init=False, compare=False, repr=False)
+    normalized_entropy: float = field(init=False, compare=False, repr=False)
+    margin: float = field(init=False, compare=False, repr=False)
 
-    @property
-    def top(self) -> int:
-        return max(range(len(self.probs)), key=self.probs.__getitem__)
+    def __post_init__(self) -> None:
+        probs, k = self.probs, len(self.probs)
+        entropy = -sum(p * math.log(p) for p in probs if p > 0.0)
+        ranked = sorted(probs, reverse=True)
+        figures = (("top", max(range(k), key=probs.__getitem__)), ("entropy", entropy),
+                   ("normalized_entropy", entropy / math.log(k) if k > 1 else 0.0),
+                   ("margin", ranked[0] - ranked[1] if k > 1 else 1.0))
+        for name, value in figures:
+            object.__setattr__(self, name, value)
 
     @property
     def confidence(self) -> float:
         return self.probs[self.top]
-
-    @property
-    def entropy(self) -> float:
-        return -sum(p * math.log(p) for p in self.probs if p > 0.0)
-
-    @property
-    def normalized_entropy(self) -> float:
-        k = len(self.probs)
-        return self.entropy / math.log(k) if k > 1 else 0.0
-
-    @property
-    def margin(self) -> float:
-        ranked = sorted(self.probs, reverse=True)
-        return ranked[0] - ranked[1] if len(ranked) > 1 else 1.0
 
 
 def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: float = 1.0) -> SlotStats:

@@ -178,20 +178,31 @@ class _Instruments:
 _cache: dict[str, tuple[Any, Any]] = {}
 
 
-def _tracer() -> trace.Tracer:
+def _tracer() -> trace.Tracer | None:
+    """The global provider's tracer, or None while the API's own proxy or no-op provider
+    stands in (no SDK installed): its spans record nothing and leave the context as it was."""
     provider = trace.get_tracer_provider()
     cached = _cache.get("tracer")
     if cached is None or cached[0] is not provider:
-        cached = _cache["tracer"] = (provider, provider.get_tracer(SCOPE))
+        off = isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+        cached = _cache["tracer"] = (provider, None if off else provider.get_tracer(SCOPE))
     return cached[1]
 
 
-def _instruments() -> _Instruments:
+def _instruments() -> _Instruments | None:
+    """The global meter provider's instruments, or None while the API's own proxy or no-op
+    provider stands in (no SDK installed: every point would be dropped)."""
     provider = metrics.get_meter_provider()
     cached = _cache.get("meter")
     if cached is None or cached[0] is not provider:
-        cached = _cache["meter"] = (provider, _Instruments(provider.get_meter(SCOPE)))
+        off = type(provider).__module__.startswith("opentelemetry.metrics")  # the API's proxy or no-op
+        cached = _cache["meter"] = (provider, None if off else _Instruments(provider.get_meter(SCOPE)))
     return cached[1]
+
+
+def _idle_span() -> Span:
+    """What a no-op tracer's span would be: the current span context, not recording."""
+    return trace.NonRecordingSpan(trace.get_current_span().get_span_context())
 
 
 # -- spans -----------------------------------------------------------------------------
@@ -203,8 +214,13 @@ def span(name: str, attributes: Mapping[str, Any], kind: SpanKind = SpanKind.INT
     status on failure, and an OK status otherwise (unless the body marked an error).
 
     Spans are OpenInference CHAIN spans unless `attributes` say otherwise; a
-    `canvasroute.graph.thread_id` is mirrored to `session.id`.
+    `canvasroute.graph.thread_id` is mirrored to `session.id`. Without an SDK nothing is
+    built: the body gets the non-recording span a no-op tracer would give it.
     """
+    tracer = _tracer()
+    if tracer is None:
+        yield _idle_span()
+        return
     attrs = {OI_SPAN_KIND: OI_CHAIN, **attributes}
     if GRAPH_THREAD in attrs:
         attrs.setdefault(SESSION_ID, attrs[GRAPH_THREAD])
@@ -213,7 +229,7 @@ def span(name: str, attributes: Mapping[str, Any], kind: SpanKind = SpanKind.INT
         attrs[INPUT_VALUE] = json.dumps({"questions": str(attrs[DECISION_SET]).split(","),
                                          **({"state": state} if state is not None else {})}, ensure_ascii=False)
         attrs[INPUT_MIME] = JSON_MIME
-    with _tracer().start_as_current_span(name, kind=kind, attributes=attrs,
+    with tracer.start_as_current_span(name, kind=kind, attributes=attrs,
                                          record_exception=True, set_status_on_exception=True) as s:
         try:
             yield s
@@ -245,13 +261,16 @@ class Call:
 
     def usage(self, input_tokens: int, output_tokens: int, results: Sequence[Any] = ()) -> None:
         """Record token usage (span attributes and `gen_ai.client.token.usage`) and the server."""
+        inst, recording = _instruments(), self.span.is_recording()
+        if not (inst or recording):
+            return
         set_usage(self.span, input_tokens, output_tokens)
         server = _server(results)
         self.span.set_attributes(server)
         self.metric_attributes.update(server)
-        histogram = _instruments().token_usage
-        histogram.record(input_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "input"})
-        histogram.record(output_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "output"})
+        if inst is not None:
+            inst.token_usage.record(input_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "input"})
+            inst.token_usage.record(output_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "output"})
 
     def read_output(self, chunks: Sequence[Any], results: Sequence[Any], specs: Mapping[str, Any]) -> None:
         """`output.value` of a canvas read: per canvas, each question's distribution over its
@@ -297,7 +316,9 @@ def _call(name: str, attributes: dict[str, Any], kind: SpanKind) -> Iterator[Cal
             metric_attributes[ERROR_TYPE] = type(exc).__qualname__
             raise
         finally:
-            _instruments().operation_duration.record(time.perf_counter() - start, metric_attributes)
+            inst = _instruments()
+            if inst is not None:
+                inst.operation_duration.record(time.perf_counter() - start, metric_attributes)
 
 
 def model_call(operation: str, provider: str, model: str, attributes: Mapping[str, Any] | None = None,
@@ -330,6 +351,8 @@ def genai_attributes(operation: str, provider: str, model: str) -> dict[str, Any
 
 def engine_call(info: Any, batch: Sequence[Any], kind: str) -> Any:
     """Span `canvas_read <model>` around one engine call (`kind`: first or reread)."""
+    if _tracer() is None and _instruments() is None:  # no SDK: nothing to build
+        return _idle_call()
     attrs = {**genai_attributes(OPERATION_CANVAS_READ, info.provider, info.model),
              READ_BATCH: len(batch), READ_KIND: kind}
     if record_content():
@@ -373,6 +396,11 @@ def provider_of(target: Any) -> str:
     return provider if isinstance(provider, str) and provider else "langchain"
 
 
+@contextmanager
+def _idle_call() -> Iterator[Call]:
+    yield Call(_idle_span(), {})
+
+
 def _semconv_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
     return [{"role": m["role"], "parts": [{"type": "text", "content": m["content"]}]} for m in messages]
 
@@ -400,10 +428,12 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
     `policy` (a `GatePolicy`) supplies each question's temperature; a `canvasroute.graph.node`
     in `attributes` labels the metric points too.
     """
-    node = (attributes or {}).get(GRAPH_NODE)
-    base = {GEN_AI_MODEL: model, **({GRAPH_NODE: node} if node is not None else {})}
     inst = _instruments()
     recording = s.is_recording()  # without an SDK, skip building attributes nobody keeps
+    if inst is None and not recording:
+        return
+    node = (attributes or {}).get(GRAPH_NODE)
+    base = {GEN_AI_MODEL: model, **({GRAPH_NODE: node} if node is not None else {})}
     asked: dict[str, Any] = {}
     answered: dict[str, Any] = {}
     for r in reports:
@@ -425,13 +455,16 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
         if recording:
             asked[r.question_id] = {"kind": r.kind, "options": list(canvas) if canvas else None}
             answered[r.question_id] = {"answer": r.answer, "path": r.path, "confidence": r.confidence}
+        if inst is None:
+            continue
         labels = {**base, METRIC_QUESTION: r.question_id, METRIC_KIND: r.kind}
         inst.decisions.add(1, {**labels, METRIC_PATH: r.path})
         if r.normalized_entropy is not None:
             inst.entropy.record(r.normalized_entropy, labels)
         if r.escalation_model is not None:  # escalated, or abstained and escalated
             inst.escalations.add(1, labels)
-    inst.decision_duration.record(duration_s, base)
+    if inst is not None:
+        inst.decision_duration.record(duration_s, base)
     if recording:
         state = (attributes or {}).get(STATE_CONTENT)  # present only under CANVASROUTE_RECORD_CONTENT=1
         set_io(s, input={"questions": asked, **({"state": state} if state is not None else {})}, output=answered)

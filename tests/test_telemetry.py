@@ -290,3 +290,37 @@ async def test_api_key_never_reaches_spans_or_logs(otel, monkeypatch, caplog):
     for record in caplog.records:
         assert secret not in record.getMessage() and secret not in str(record.__dict__)
     assert secret not in repr(engine)
+
+
+@contextmanager
+def no_otel_sdk() -> Iterator[None]:
+    """The API's own proxy providers, as in an app without the SDK."""
+    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE,
+             metrics_internal._METER_PROVIDER, metrics_internal._METER_PROVIDER_SET_ONCE)
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
+    metrics_internal._METER_PROVIDER, metrics_internal._METER_PROVIDER_SET_ONCE = None, Once()
+    try:
+        yield
+    finally:
+        (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE,
+         metrics_internal._METER_PROVIDER, metrics_internal._METER_PROVIDER_SET_ONCE) = saved
+
+
+async def test_without_an_sdk_spans_keep_the_context_and_an_sdk_installed_later_records():
+    parent = trace.SpanContext(trace_id=0x1234, span_id=0x5678, is_remote=True,
+                               trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))
+    seen = []
+
+    def rows(read):
+        seen.append(trace.get_current_span().get_span_context())  # what a traceparent header carries
+        return [{i: -0.1 - 3.0 * k for k, i in enumerate(read.label_ids)}] * len(read.slots)
+
+    model = CanvasDecisionModel(engine=FunctionEngine(rows, model="m", canvas_width=64), policy=GatePolicy())
+    with no_otel_sdk():
+        with trace.use_span(trace.NonRecordingSpan(parent)):
+            resp = await model.adecide(STATE, QUESTIONS)
+        assert seen == [parent] and set(resp.reads) == set(QUESTIONS)
+        with fresh_otel() as (exporter, reader):  # the SDK arrives after decisions ran without it
+            await model.adecide(STATE, QUESTIONS)
+            names = [s.name for s in exporter.get_finished_spans()]
+            assert names == ["canvas_read m", "decide m"] and "canvasroute.decisions" in _points(reader)

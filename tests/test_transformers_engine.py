@@ -158,6 +158,31 @@ async def test_reread_reuses_the_prompt_cache(tiny):
     await uncached.aclose()
 
 
+async def test_the_prompt_cache_is_capped_by_bytes_too(tiny):
+    def held(e: TransformersEngine) -> int:
+        return sum(t.numel() * t.element_size() for kv in e._kv.values() for layer in kv for t in layer)
+
+    eng = TransformersEngine(tiny.model, tiny.tokenizer)
+    reads = await make_reads(eng, 4, seed=22, widths=(32,))
+    for r in reads:
+        await eng.read([r])
+    total, smallest = eng._kv_bytes, min(held_one for held_one in
+                                         (sum(t.numel() * t.element_size() for layer in kv for t in layer)
+                                          for kv in eng._kv.values()))
+    assert len(eng._kv) == 4 and total == held(eng)
+    cap = int(total * 0.6)
+    capped = TransformersEngine(tiny.model, tiny.tokenizer, prompt_cache_bytes=cap)
+    for r in reads:
+        await capped.read([r])
+    assert len(capped._kv) < 4 and capped._kv_bytes == held(capped) <= cap  # bounded by size, not count
+    too_small = TransformersEngine(tiny.model, tiny.tokenizer, prompt_cache_bytes=smallest // 2)
+    for r in reads:
+        await too_small.read([r])
+    assert len(too_small._kv) == 0 and too_small._kv_bytes == 0  # a prompt over the cap is not kept
+    for e in (eng, capped, too_small):
+        await e.aclose()
+
+
 async def test_rows_hold_labels_and_argmax(tiny):
     [plain, constrained] = await make_reads(tiny, 2, seed=9, constrained=True)
     [a, b] = await tiny.read([plain, constrained])
