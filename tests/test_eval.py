@@ -125,7 +125,7 @@ def test_the_cli_prints_json_and_writes_the_plot(tmp_path, monkeypatch, capsys):
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps({"state": s, "questions": {"team": TEAM.model_dump(mode="json")},
                                           "gold": {"team": g}}) for s, g, _ in CASES))
-    monkeypatch.setattr(command, "_engine", lambda args: _engine())
+    monkeypatch.setattr(command, "open_engine", lambda args: _engine())
 
     @contextlib.contextmanager
     def fake_target(args):
@@ -161,7 +161,7 @@ def test_calibrate_with_a_target_draws_the_measured_curve(tmp_path, monkeypatch,
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps({"state": s, "questions": {"team": TEAM.model_dump(mode="json")},
                                           "gold": {"team": g}}) for s, g, _ in CASES * 2))
-    monkeypatch.setattr(command, "_engine", lambda args: _engine())
+    monkeypatch.setattr(command, "open_engine", lambda args: _engine())
     seen: list[str] = []
 
     @contextlib.contextmanager

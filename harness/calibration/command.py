@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 from pathlib import Path
 
-from engine import CalibrationError, CanvasRouteError, Engine, TraceFileError, VLLMServerEngine
+from engine import CalibrationError, CanvasRouteError, TraceFileError
 from router import GatePolicy, Labelled, calibrate, save_policy
 from router import calibration as cm
 from router._escalation import target_name
 
+from .._engine_options import add_engine_options, open_engine
 from .._console import plain_table, print_table, progress
 from ..observability.report import near_chance
 from ..observability.traces import read_spans
@@ -57,13 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-traces", nargs="+", metavar="TRACES",
                         help="use escalated questions in exported spans as labelled rows instead of DATA")
     parser.add_argument("--limit", type=int, help="read at most N rows (a seeded random sample)")
-    parser.add_argument("--engine", choices=["embedded"], default="embedded",
-                        help="in-process engine when no --engine-url is given (embedded: SmolLM2-135M, near chance)")
-    parser.add_argument("--engine-url", action="append", metavar="URL",
-                        help="vLLM server(s) serving DiffusionGemma (repeat for replicas); overrides --engine")
-    parser.add_argument("--served-model", help="model name on the vLLM server (default: the first served)")
-    parser.add_argument("--api-key-env", default="CANVASROUTE_API_KEY", metavar="VAR",
-                        help="environment variable holding the vLLM API key (default CANVASROUTE_API_KEY)")
+    add_engine_options(parser)
     targets = parser.add_mutually_exclusive_group()
     targets.add_argument("--target-accuracy", type=float,
                          help="threshold so canvas-answered questions reach this accuracy")
@@ -79,18 +73,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_target_options(parser)  # with a target, the escalation plot's overall curve is measured
 
 
-def _engine(args: argparse.Namespace) -> Engine:
-    if args.engine_url:
-        return VLLMServerEngine(args.engine_url, model=args.served_model, api_key=os.environ.get(args.api_key_env))
-    from engine import embedded_engine
-
-    return embedded_engine()
-
 
 async def _read(args: argparse.Namespace,
                 target: Any = None) -> tuple[list[Labelled], str, str, dict[int, bool] | None]:
     rows = load_rows(args.data, limit=args.limit, seed=args.seed)
-    engine = _engine(args)
+    engine = open_engine(args)
     try:
         info = await engine.info()
         with progress(len(rows), f"calibrate {info.model}") as advance:

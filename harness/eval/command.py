@@ -21,14 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from engine import CanvasRouteError, Engine, VLLMServerEngine
+from engine import CanvasRouteError
 from router import GatePolicy, load_policy
 
+from .._engine_options import add_engine_options, open_engine
 from .._console import plain_table, print_table, progress
 from ..calibration.rows import load_rows
 from ..observability.report import near_chance
@@ -43,13 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("data", help="JSONL of {state, questions, gold}, or a BIG-bench task.json / folder")
     parser.add_argument("--limit", type=int, help="evaluate at most N rows (a seeded random sample)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling rows (default 0)")
-    parser.add_argument("--engine", choices=["embedded"], default="embedded",
-                        help="in-process engine when no --engine-url is given (embedded: SmolLM2-135M, near chance)")
-    parser.add_argument("--engine-url", action="append", metavar="URL",
-                        help="vLLM server(s) serving DiffusionGemma (repeat for replicas); overrides --engine")
-    parser.add_argument("--served-model", help="model name on the vLLM server (default: the first served)")
-    parser.add_argument("--api-key-env", default="CANVASROUTE_API_KEY", metavar="VAR",
-                        help="environment variable holding the vLLM API key")
+    add_engine_options(parser)
     parser.add_argument("--policy", metavar="FILE", help="policy file from `canvasroute calibrate`")
     parser.add_argument("--threshold", type=float, help="max_normalized_entropy (overrides the policy's)")
     parser.add_argument("--rereads", type=int, help="re-reads before escalating (overrides the policy's)")
@@ -60,13 +54,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true", help="skip the plot")
     add_target_options(parser)
 
-
-def _engine(args: argparse.Namespace) -> Engine:
-    if args.engine_url:
-        return VLLMServerEngine(args.engine_url, model=args.served_model, api_key=os.environ.get(args.api_key_env))
-    from engine import embedded_engine
-
-    return embedded_engine()
 
 
 def _policy(args: argparse.Namespace) -> GatePolicy:
@@ -81,7 +68,7 @@ def _policy(args: argparse.Namespace) -> GatePolicy:
 
 async def _measure(args: argparse.Namespace, policy: GatePolicy, target: Any) -> dict[str, Any]:
     rows = load_rows(args.data, limit=args.limit, seed=args.seed)
-    engine = _engine(args)
+    engine = open_engine(args)
     try:
         info = await engine.info()
         arms = 3 if target is not None else 1
