@@ -43,7 +43,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from ._embedded import embedded_engine
+    from ._embedded import embedded_cache_dir, embedded_engine
     from ._transformers import TransformersEngine
     from ._vllm import VLLMEngine
 
@@ -79,6 +79,7 @@ __all__ = [
     "VLLMServerEngine",
     "check_rows",
     "defuse",
+    "embedded_cache_dir",
     "embedded_engine",
     "run_sync",
 ]
@@ -86,6 +87,7 @@ __all__ = [
 _LAZY = {
     "TransformersEngine": "._transformers",
     "VLLMEngine": "._vllm",
+    "embedded_cache_dir": "._embedded",
     "embedded_engine": "._embedded",
 }
 

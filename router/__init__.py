@@ -30,6 +30,8 @@ from .calibration import (
     save_policy,
 )
 from ._distribution import SlotStats, aggregate, slot_stats
+from ._escalation import Escalated, escalate, target_name
+from ._images import image_digests, state_images
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
 from ._model import CanvasDecisionModel, render_state
@@ -45,6 +47,7 @@ __all__ = [
     "CanvasDecisionModel",
     "CanvasResponse",
     "DecisionCache",
+    "Escalated",
     "EscalationBudget",
     "GatePolicy",
     "InMemoryBudgetMeter",
@@ -57,12 +60,16 @@ __all__ = [
     "SystemOneDecisionModel",
     "aggregate",
     "calibrate",
+    "escalate",
     "expected_calibration_error",
     "fit_temperature",
+    "image_digests",
     "load_policy",
     "parse_questions",
     "render_state",
     "save_policy",
     "slot_stats",
+    "state_images",
+    "target_name",
     "validate_questions",
 ]

@@ -16,7 +16,7 @@ from typing import Any
 from langchain_core.decisions import Choice, Noul, Score
 
 from engine import CanvasRead, EngineInfo, FunctionEngine, Message, ReadResult
-from harness._console import plain_table, print_table
+from .._console import plain_table, print_table
 from harness.observability.stats import percentile
 
 __all__ = ["NODES", "TICKETS", "Recorder", "Section", "instant_engine", "loop_ns", "machine", "percentile",

@@ -36,7 +36,7 @@ from pathlib import Path
 from engine import CalibrationError, CanvasRouteError, TraceFileError
 from router import GatePolicy, Labelled, calibrate, save_policy
 from router import calibration as cm
-from router._escalation import target_name
+from router import target_name
 
 from .._engine_options import add_engine_options, open_engine
 from .._console import plain_table, print_table, progress

@@ -49,7 +49,8 @@ def load_smollm2() -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine import run_sync
-    from engine._embedded import cache_dir, embedded_engine
+    from engine import embedded_cache_dir as cache_dir
+    from engine import embedded_engine
 
     target = cache_dir()
     if not (target / "config.json").is_file():

@@ -26,7 +26,7 @@ from typing import Any
 
 from engine import Engine, EscalationError
 from router import CanvasDecisionModel, GatePolicy, parse_questions, render_state
-from router._escalation import Escalated, escalate, target_name
+from router import Escalated, escalate, target_name
 
 from ..calibration.rows import Row, check_rows, gold_index
 from .metrics import Item
