@@ -55,7 +55,7 @@ def _wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> bool
     return False
 
 
-NEEDS_MARKER = {"vllm_url": "vllm"}
+NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm"}
 """Fixture -> the marker every test using it must carry, so `-m "not vllm"` never provisions vLLM."""
 
 
@@ -76,6 +76,20 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory):
             unavailable(f"CANVASROUTE_VLLM_URL={url} does not answer")
         yield url
         return
+    with _vllm_server(tmp_path_factory) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def second_vllm_url(vllm_url: str, tmp_path_factory: pytest.TempPathFactory):
+    """A second real vLLM server (a replica of the first), started by the suite, for replica tests."""
+    with _vllm_server(tmp_path_factory) as url:
+        yield url
+
+
+@contextmanager
+def _vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Provision (idempotent), start on a free loopback port, wait until it answers, stop after."""
     script = ROOT / "scripts" / "vllm_cpu.sh"
     prov = subprocess.run(["bash", str(script), "provision"], capture_output=True, text=True)
     if prov.returncode != 0:
