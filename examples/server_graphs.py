@@ -33,11 +33,11 @@ from typing import Any
 from langgraph.graph import END, START, StateGraph
 
 from harness import ReviewPolicy, decision_node
+from harness.demo import triage as _triage
 from router import CanvasDecisionModel, GatePolicy
 
 from . import rag_relevance as _rag
 from . import tool_routing as _tools
-from . import triage as _triage
 
 __all__ = ["LazyEngine", "make_engine", "make_function_engine", "rag_relevance", "tool_routing", "triage", "triage_review"]
 
