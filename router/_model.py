@@ -372,7 +372,7 @@ def _questions_key(questions: Any) -> str | None:
     for qid, q in questions.items():
         if not isinstance(q, (Noul, Choice, Score)) or not isinstance(qid, str):
             return None
-        parts.append(f"{json.dumps(qid)}:{q.model_dump_json()}")
+        parts.append(f"{json.dumps(qid)}:{q.__pydantic_serializer__.to_json(q).decode()}")  # = model_dump_json()
     return "{" + ",".join(parts) + "}"
 
 
