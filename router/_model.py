@@ -227,7 +227,8 @@ class CanvasDecisionModel(BaseDecisionModel):
             canvas_reads = 0
             answers: dict[str, str | None] = {}
             done: dict[str, ReadReport] = {}
-            for layer in deps.layers:
+            last: list[tuple[QuestionRead, Any, dict[str, Any] | None]] = []  # reported once the latency is known
+            for i, layer in enumerate(deps.layers):
                 asked = [qid for qid in layer if deps.applies(qid, answers)]
                 for qid in layer:
                     if qid not in asked:
@@ -240,12 +241,17 @@ class CanvasDecisionModel(BaseDecisionModel):
                 canvas_reads += n
                 escalated = await outcomes.escalate(state, state_text, reads, usage, thread_id)
                 for r in reads.values():
-                    report = outcomes.report(r, escalated)
-                    if r.spec.id in deps.conditions:
-                        report = report.model_copy(update={"asked_if": deps.asked_if(r.spec.id, answers)})
+                    asked_if = deps.asked_if(r.spec.id, answers) if r.spec.id in deps.conditions else None
+                    if i == len(deps.layers) - 1:
+                        last.append((r, escalated, asked_if))
+                        continue
+                    report = outcomes.report(r, escalated, asked_if=asked_if)  # its answer decides the next layer
                     done[r.spec.id], answers[r.spec.id] = report, report.answer
             latency = time.perf_counter() - start
-            reports = [done[qid].model_copy(update={"latency_s": latency}) for qid in specs]
+            done = {qid: report.model_copy(update={"latency_s": latency}) for qid, report in done.items()}
+            for r, escalated, asked_if in last:
+                done[r.spec.id] = outcomes.report(r, escalated, latency, asked_if)
+            reports = [done[qid] for qid in specs]
             span.set_attribute(tm.CANVAS_READS, canvas_reads)
             tm.record_reports(span, reports, latency, model_name, policy, attrs)
         response = CanvasResponse(
@@ -366,7 +372,7 @@ def _questions_key(questions: Any) -> str | None:
     for qid, q in questions.items():
         if not isinstance(q, (Noul, Choice, Score)) or not isinstance(qid, str):
             return None
-        parts.append(f"{json.dumps(qid)}:{q.model_dump_json()}")
+        parts.append(f"{json.dumps(qid)}:{q.__pydantic_serializer__.to_json(q).decode()}")  # = model_dump_json()
     return "{" + ",".join(parts) + "}"
 
 

@@ -101,13 +101,14 @@ class Outcomes:
             call.output(result.answers)
         return result
 
-    def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0) -> ReadReport:
+    def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,
+               asked_if: dict[str, Any] | None = None) -> ReadReport:
         """The report for one question: escalated, fallback, or the canvas answer."""
         spec, st = r.spec, r.stats
         canvas = named(spec, st) if st else None
         base: dict[str, Any] = dict(
             question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
-            reads=len(r.runs) + r.in_group_reads, error=r.error, latency_s=latency_s,
+            reads=len(r.runs) + r.in_group_reads, error=r.error, latency_s=latency_s, asked_if=asked_if,
             crossed=[c for c in r.crossed if c != OVER_BUDGET], over_budget=OVER_BUDGET in r.crossed,
         )
         if st is not None:
