@@ -9,7 +9,9 @@ Two model kinds, chosen from the model:
   position `s - 1`, so one forward pass reads every slot.
 
 Either way the prompt's KV cache is kept in a small LRU keyed by prompt ids, so a re-read
-of the same prompt with new noise runs only the canvas pass.
+of the same prompt with new noise runs only the canvas pass. A causal LM also prefills a
+new prompt on top of the longest cached prompt it starts with (vLLM's prefix caching), so
+decisions of one node, which share the system prompt, prefill only their state.
 """
 
 from __future__ import annotations
@@ -144,15 +146,21 @@ class _CausalLM:
     def canvas_inputs(self, prompt: tuple[int, ...], canvas: tuple[int, ...]) -> tuple[int, ...]:
         return (prompt[-1], *canvas[:-1])
 
-    def encode(self, ids: torch.Tensor, lengths: torch.Tensor) -> DynamicCache:
+    def encode(self, ids: torch.Tensor, lengths: torch.Tensor, past: DynamicCache | None = None,
+               past_lengths: torch.Tensor | None = None) -> DynamicCache:
+        """Prefill left-padded `ids`, on top of `past` (left-padded cached prefixes of
+        `past_lengths` tokens) when given: the suffixes then start at those positions."""
         n = ids.shape[1]
         steps = torch.arange(n, device=ids.device)
-        cache = DynamicCache()
-        self.model.base_model(
-            input_ids=ids, attention_mask=(steps[None] >= (n - lengths)[:, None]).long(),
-            position_ids=(steps[None] - (n - lengths)[:, None]).clamp(min=0),
-            use_cache=True, **{self.cache_kw: cache},
-        )
+        valid = steps[None] >= (n - lengths)[:, None]
+        positions = (steps[None] - (n - lengths)[:, None]).clamp(min=0)
+        if past is not None and past_lengths is not None:
+            p = past.get_seq_length()
+            valid = torch.cat([torch.arange(p, device=ids.device)[None] >= (p - past_lengths)[:, None], valid], 1)
+            positions = positions + past_lengths[:, None]
+        cache = past if past is not None else DynamicCache()
+        self.model.base_model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
+                              use_cache=True, **{self.cache_kw: cache})
         return cache
 
     def logits(self, cache: DynamicCache, lengths: torch.Tensor, inputs: torch.Tensor,
@@ -226,6 +234,8 @@ class TransformersEngine:
         self._closed = False
         self.prompt_cache_hits = 0
         """Prompts whose KV cache came from the LRU instead of a prefill."""
+        self.prefix_tokens_reused = 0
+        """Prompt tokens not prefilled because a cached prompt started with them (causal LMs)."""
         self._batcher: MicroBatcher[_Job, tuple[tuple[dict[int, float], ...], dict[str, object]]] = MicroBatcher(
             self._forward, max_batch=max_batch, window_s=batch_window_s, max_queue=max_queue,
             name="canvasroute-transformers")
@@ -353,7 +363,10 @@ class TransformersEngine:
         return [(rows, {**attrs, "prompt_cache_hit": hit}) for rows, hit in zip(out, hits, strict=True)]
 
     def _prefix_kv(self, prefixes: list[tuple[int, ...]]) -> tuple[list[KV], list[bool]]:
-        """Each prefix's KV cache: from the LRU, else from one batched prefill of the missing ones."""
+        """Each prefix's KV cache: from the LRU, else from one batched prefill of the missing
+        ones. A causal prefill starts from the longest cached prefix of it (the KV of an
+        entry's first `n` tokens is the KV of those tokens), so decisions sharing a system
+        prompt prefill only their own state."""
         found: dict[tuple[int, ...], KV] = {}
         for p in dict.fromkeys(prefixes):
             if p in self._kv:
@@ -363,13 +376,24 @@ class TransformersEngine:
         self.prompt_cache_hits += sum(hits)
         missing = [p for p in dict.fromkeys(prefixes) if p not in found]
         if missing:
-            n = max(len(p) for p in missing)
-            ids = torch.tensor([[self._pad] * (n - len(p)) + list(p) for p in missing], device=self._device)
-            lengths = torch.tensor([len(p) for p in missing], device=self._device)
-            cache = self._kind.encode(ids, lengths)
-            for b, p in enumerate(missing):
-                found[p] = tuple((layer.keys[b:b + 1, :, n - len(p):].clone(),
-                                  layer.values[b:b + 1, :, n - len(p):].clone()) for layer in cache.layers)
+            bases = [self._cached_base(p) for p in missing]
+            past = past_lengths = None
+            if some := next((b for b in bases if b is not None), None):
+                empty = tuple((k[:, :, :0], v[:, :, :0]) for k, v in some)
+                bases = [empty if b is None else b for b in bases]
+                past, past_lengths = self._stack(bases)
+            suffixes = [p[_kv_len(b):] for p, b in zip(missing, bases, strict=True)]
+            n = max(len(x) for x in suffixes)
+            ids = torch.tensor([[self._pad] * (n - len(x)) + list(x) for x in suffixes], device=self._device)
+            lengths = torch.tensor([len(x) for x in suffixes], device=self._device)
+            cache = (self._kind.encode(ids, lengths) if past is None
+                     else self._kind.encode(ids, lengths, past, past_lengths))
+            c = cache.get_seq_length() - n  # the stacked bases' padded length
+            for b, (p, base) in enumerate(zip(missing, bases, strict=True)):
+                lo, hi = c - _kv_len(base), c + n - len(suffixes[b])
+                found[p] = tuple((torch.cat([layer.keys[b:b + 1, :, lo:c], layer.keys[b:b + 1, :, hi:]], 2),
+                                  torch.cat([layer.values[b:b + 1, :, lo:c], layer.values[b:b + 1, :, hi:]], 2))
+                                 for layer in cache.layers)
                 size = _kv_bytes(found[p])
                 if self._kv_size > 0 and size <= self._kv_bytes_cap:
                     self._kv[p] = found[p]
@@ -377,6 +401,20 @@ class TransformersEngine:
             while len(self._kv) > self._kv_size or self._kv_bytes > self._kv_bytes_cap:
                 self._kv_bytes -= _kv_bytes(self._kv.popitem(last=False)[1])
         return [found[p] for p in prefixes], hits
+
+    def _cached_base(self, prefix: tuple[int, ...]) -> KV | None:
+        """The KV of the longest leading part of `prefix` (at most all but its last token)
+        that some LRU entry starts with; None for DiffusionGemma or when none shares one."""
+        best, key = 0, None
+        if isinstance(self._kind, _CausalLM):
+            for k in self._kv:
+                if (n := _common_prefix_len(prefix[:-1], k)) > best:
+                    best, key = n, k
+        if key is None:
+            return None
+        self._kv.move_to_end(key)
+        self.prefix_tokens_reused += best
+        return tuple((keys[:, :, :best], values[:, :, :best]) for keys, values in self._kv[key])
 
     def _stack(self, kvs: list[KV]) -> tuple[DynamicCache, torch.Tensor]:
         """Left-pad per-prompt caches to one batched cache; also return the true lengths."""
@@ -388,6 +426,23 @@ class TransformersEngine:
             for i in range(len(kvs[0]))
         ]
         return DynamicCache(ddp_cache_data=layers), torch.tensor(lengths, device=self._device)
+
+
+def _kv_len(kv: KV | None) -> int:
+    """Tokens held by one prompt's cache (0 for none)."""
+    return 0 if kv is None else kv[0][0].shape[2]
+
+
+def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common leading run of `a` and `b` (binary search on slices)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _kv_bytes(kv: KV) -> int:

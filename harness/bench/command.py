@@ -11,6 +11,8 @@ Every figure is a ratio or a distribution measured side by side in one run:
 5. `vllm`         reads/s and p50/p95 against a real vLLM CPU server (`--vllm-url`).
 6. `affinity`     prefix-cache hit rate on two real vLLM servers, rendezvous routing vs
                   round-robin (`--affinity-urls`; skipped without two).
+7. `inprocess`    embedded SmolLM2 decisions/s, 8 sequential vs 8 concurrent, with and
+                  without the engine's prompt (prefix) cache.
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -31,7 +33,7 @@ from .common import Section, loop_ns, machine
 
 __all__ = ["SECTIONS", "configure", "run"]
 
-SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity")
+SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         "canvas_vs_ar": lambda: _ar(args.quick),
         "vllm": lambda: _vllm(args.vllm_url, args.quick),
         "affinity": lambda: _affinity(args.affinity_urls, args.quick),
+        "inprocess": lambda: _inprocess(args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -118,3 +121,8 @@ def _vllm(url: str | None, quick: bool) -> Section:
 def _affinity(urls: str, quick: bool) -> Section:
     from .affinity import run_affinity
     return run_affinity([u.strip() for u in urls.split(",") if u.strip()], quick)
+
+
+def _inprocess(quick: bool) -> Section:
+    from .inprocess import run_inprocess
+    return run_inprocess(quick)
