@@ -20,7 +20,7 @@ from router import CanvasDecisionModel, GatePolicy, render_state
 from router.telemetry import GRAPH_NODE, GRAPH_THREAD
 
 from ._records import answers_only
-from ._store_budget import with_store_budget
+from ._store_budget import StoreBudgetMeter, store_meter
 
 Inputs = str | Callable[[Any], Any] | None
 """What a decision reads: None (the graph state, minus the output key), a state key,
@@ -42,8 +42,9 @@ class GraphCall:
     task_id: str | None
     """The task id (identical when an interrupted task re-runs on resume)."""
     model: CanvasDecisionModel
-    """The decision model for this run (`Runtime.context.decision_model` wins); with a
-    graph store (`Runtime.store`) its budget is counted there (`StoreBudgetMeter`)."""
+    """The decision model for this run (`Runtime.context.decision_model` wins)."""
+    budget_meter: StoreBudgetMeter | None
+    """With a graph store (`Runtime.store`), where the model's budget is counted."""
     policy: GatePolicy | None
     """The gate for this run from `Runtime.context.gate`; None keeps the model's."""
 
@@ -69,13 +70,14 @@ def graph_call(config: RunnableConfig, model: CanvasDecisionModel, default_name:
     chosen = _from_context(context, "decision_model")
     if chosen is not None and not isinstance(chosen, CanvasDecisionModel):
         raise TypeError(f"Runtime.context decision_model must be a CanvasDecisionModel, not {type(chosen).__name__}")
-    chosen = with_store_budget(chosen or model, getattr(runtime, "store", None))
+    chosen = chosen or model
     return GraphCall(
         node=node,
         namespace=strip_task_ids(ns) or node,
         thread_id=None if thread is None else str(thread),
         task_id=info.task_id if info is not None else None,
         model=chosen,
+        budget_meter=store_meter(chosen, getattr(runtime, "store", None)),
         policy=_gate(_from_context(context, "gate"), chosen.policy),
     )
 

@@ -120,7 +120,7 @@ class DecisionNode(Runnable[Any, Command]):
         if self.shadow is not None:
             model = self.shadow.canvas_only(job.call.model)
             return self._finish_shadow(job, *self.shadow.run(
-                input, config, lambda: model.invoke(job.request, child_config(config)), self._canvas_goto,
+                input, config, lambda: model.invoke(job.shadow_request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
         if job.cached is not None:
             return self._finish(job, job.cached)
@@ -135,7 +135,7 @@ class DecisionNode(Runnable[Any, Command]):
         if self.shadow is not None:
             model = self.shadow.canvas_only(job.call.model)
             return self._finish_shadow(job, *await self.shadow.arun(
-                input, config, lambda: model.ainvoke(job.request, child_config(config)), self._canvas_goto,
+                input, config, lambda: model.ainvoke(job.shadow_request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
         if job.cached is not None:
             return self._finish(job, job.cached)
@@ -159,7 +159,7 @@ class DecisionNode(Runnable[Any, Command]):
         with self._lock:
             cached = self._pending.get(key) if key else None
         options = {"seed": seed, "thread_id": call.thread_id, "policy": call.policy, "attributes": call.attributes,
-                   "depends_on": self.depends_on}
+                   "depends_on": self.depends_on, "budget_meter": call.budget_meter}
         request = {"state": decision_state, "questions": questions, **options}
         options = {k: v for k, v in options.items() if v is not None}
         return _Job(call, specs, questions, decision_state, seed, key, request, options, cached)
@@ -239,6 +239,11 @@ class _Job:
     options: dict[str, Any]
     """The request's keywords for `adecide` (those set)."""
     cached: CanvasResponse | None
+
+    @property
+    def shadow_request(self) -> dict[str, Any]:
+        """The request a shadow read sends: no budget (the shadow never escalates)."""
+        return {**self.request, "budget_meter": None}
 
 
 def _unobserved(manager: Any) -> bool:

@@ -198,30 +198,24 @@ class StoreBudgetMeter:
         await self.store.abatch(ops)
 
 
-_METERED: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, Any]] = {}
-_METERED_LOCK = threading.Lock()
+_METERS: weakref.WeakKeyDictionary[Any, dict[tuple[EscalationBudget, str], StoreBudgetMeter]] = \
+    weakref.WeakKeyDictionary()
+_METERS_LOCK = threading.Lock()
 
 
-def with_store_budget(model: Any, store: BaseStore | None) -> Any:
-    """`model`, or a copy of it counting its budget in `store` (one copy per model and store).
-
-    Only a model with a `budget` and no `budget_meter` of its own is copied; the copy's
-    meter is scoped by the model's name (`model.model`), so every worker running the same
-    model shares one count.
+def store_meter(model: Any, store: BaseStore | None) -> StoreBudgetMeter | None:
+    """The meter that counts `model`'s budget in the graph's `store` (one per store, budget
+    and model name, so every worker running the same model shares one count), or None when
+    there is no store, no budget, or the model brings its own `budget_meter`.
     """
     if store is None or getattr(model, "budget", None) is None or model.budget_meter is not None:
-        return model
-    key = (id(model), id(store))
-    with _METERED_LOCK:
-        entry = _METERED.get(key)
-        if entry is None or entry[0]() is not model or entry[1]() is not store:
-            for stale in [k for k, (m, s, _) in _METERED.items() if m() is None or s() is None]:
-                del _METERED[stale]
-            meter = StoreBudgetMeter(store, model.budget, scope=model.model)
-            fields = {name: getattr(model, name) for name in type(model).model_fields}
-            entry = _METERED[key] = (weakref.ref(model), weakref.ref(store),
-                                     type(model)(**{**fields, "budget_meter": meter}))
-        return entry[2]
+        return None
+    with _METERS_LOCK:
+        meters = _METERS.setdefault(store, {})
+        key = (model.budget, model.model)
+        if key not in meters:
+            meters[key] = StoreBudgetMeter(store, model.budget, scope=model.model)
+        return meters[key]
 
 
-__all__ = ["StoreBudgetMeter", "with_store_budget"]
+__all__ = ["StoreBudgetMeter", "store_meter"]

@@ -11,6 +11,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, Literal
@@ -54,7 +55,7 @@ from ._types import CanvasResponse, ReadReport
 
 _REQUEST_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("canvasroute_request_options", default={})
 """Request keys beyond state and questions, from `invoke` to `_classify` (the hooks take only those two)."""
-_OPTION_KEYS = ("seed", "thread_id", "policy", "attributes", "depends_on")
+_OPTION_KEYS = ("seed", "thread_id", "policy", "attributes", "depends_on", "budget_meter")
 
 
 class CanvasDecisionModel(BaseDecisionModel):
@@ -181,13 +182,16 @@ class CanvasDecisionModel(BaseDecisionModel):
     async def adecide(self, state: Any, questions: Mapping[str, Any], *, seed: int | None = None,
                       thread_id: str | None = None, policy: GatePolicy | None = None,
                       attributes: Mapping[str, Any] | None = None,
-                      depends_on: Mapping[str, Any] | None = None) -> CanvasResponse:
+                      depends_on: Mapping[str, Any] | None = None,
+                      budget_meter: BudgetMeter | None = None) -> CanvasResponse:
         """Answer every question about `state`: read, gate, re-read, escalate.
 
         `depends_on={child: (parent, answers)}` asks `child` only when `parent`'s final
         answer is one of `answers` (`router._depends`): parents are read (and escalated)
         first, children in a second read of the same call; a child not asked is reported
-        with path `skipped` and has no entry in `answers`.
+        with path `skipped` and has no entry in `answers`. `budget_meter` counts this
+        decision's escalations against the model's `budget` instead of the model's own meter
+        (e.g. a `StoreBudgetMeter` shared by every worker of a graph).
         """
         start = time.perf_counter()
         policy = policy or self.policy
@@ -198,6 +202,10 @@ class CanvasDecisionModel(BaseDecisionModel):
         self._check_abstain(specs, policy)
         deps = parse_depends_on(depends_on, specs)
         outcomes = self._outcomes
+        if budget_meter is not None:
+            if self.budget is None:
+                raise ValueError("budget_meter needs the model's budget= (its when_spent decides what a refusal does)")
+            outcomes = replace(outcomes, meter=budget_meter)
         fault: CanvasRouteError | None = None
         try:
             info: EngineInfo | None = await self.engine.info()

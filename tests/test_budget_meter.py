@@ -143,3 +143,17 @@ async def test_a_custom_meter_plugs_in():
         CanvasDecisionModel(engine=uncertain_engine(), budget=EscalationBudget(), budget_meter=object())
     with pytest.raises(ValueError, match="needs budget"):
         CanvasDecisionModel(engine=uncertain_engine(), budget_meter=ledger)
+
+
+async def test_a_meter_for_one_request_counts_that_decision_only():
+    """`adecide(budget_meter=...)` (what a decision node passes with a graph store) counts
+    that decision against the model's budget; the model's own meter is left untouched."""
+    shared = InMemoryBudgetMeter(EscalationBudget(max_per_window=1, window_s=3600))
+    m = model(Target(), "keep", max_per_window=5, window_s=3600)
+    first = await m.adecide("one", {"team": TEAM}, budget_meter=shared)
+    second = await m.adecide("two", {"team": TEAM}, budget_meter=shared)
+    assert first.reads["team"].path == "escalated" and second.reads["team"].over_budget
+    assert shared.snapshot()["granted"] == 1 and m.budget_counters["granted"] == 0
+    with pytest.raises(ValueError, match="needs the model's budget"):
+        await CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0)).adecide(
+            "x", {"team": TEAM}, budget_meter=shared)
