@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -106,6 +107,21 @@ def _vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         _kill(pid)
+
+
+@contextmanager
+def smollm2_ar_server(max_new_tokens: int) -> Iterator[Any]:
+    """An OpenAI-compatible AR server on the embedded SmolLM2 (greedy) on a loopback port."""
+    from ar_server import ARServer, create_app, load_smollm2
+
+    from engine import EmbeddedModelMissing
+
+    try:
+        model, tokenizer = load_smollm2()
+    except EmbeddedModelMissing as exc:
+        unavailable(str(exc))
+    with ARServer(create_app(model, tokenizer, max_new_tokens=max_new_tokens)) as server:
+        yield server
 
 
 def _kill(pid: int) -> None:

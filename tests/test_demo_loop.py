@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from conftest import unavailable
+from conftest import smollm2_ar_server
 from opentelemetry import trace
 from opentelemetry.util._once import Once
 
@@ -60,15 +60,7 @@ def test_escalate_url_and_model_go_together(capsys):
 
 @pytest.fixture(scope="module")
 def ar_server():
-    from engine import EmbeddedModelMissing
-
-    from ar_server import ARServer, create_app, load_smollm2
-
-    try:
-        model, tokenizer = load_smollm2()
-    except EmbeddedModelMissing as exc:
-        unavailable(str(exc))
-    with ARServer(create_app(model, tokenizer, max_new_tokens=40)) as server:
+    with smollm2_ar_server(max_new_tokens=40) as server:
         yield server
 
 

@@ -27,7 +27,7 @@ from engine import CanvasRouteError, EngineUnavailable, FunctionEngine
 from engine import EscalationError
 from router import CanvasDecisionModel, GatePolicy
 
-from conftest import unavailable
+from conftest import smollm2_ar_server
 
 STATE = "I was charged twice for my subscription, please refund me now!"
 TEAM = Choice(instructions="Which team should handle this ticket?",
@@ -287,15 +287,7 @@ def test_escalate_to_must_be_a_target():
 @pytest.fixture(scope="module")
 def ar_server():
     """tests/ar_server.py serving SmolLM2-135M-Instruct (greedy) on a loopback port."""
-    from engine import EmbeddedModelMissing
-
-    from ar_server import ARServer, create_app, load_smollm2
-
-    try:
-        model, tokenizer = load_smollm2()
-    except EmbeddedModelMissing as exc:
-        unavailable(str(exc))
-    with ARServer(create_app(model, tokenizer, max_new_tokens=40)) as server:
+    with smollm2_ar_server(max_new_tokens=40) as server:
         yield server
 
 

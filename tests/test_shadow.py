@@ -13,7 +13,7 @@ import itertools
 from typing import Annotated, Any
 
 import pytest
-from conftest import unavailable
+from conftest import smollm2_ar_server
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -177,15 +177,7 @@ def test_the_router_must_return_a_declared_destination_and_shadow_needs_a_route(
 
 @pytest.fixture(scope="module")
 def ar_server():
-    from engine import EmbeddedModelMissing
-
-    from ar_server import ARServer, create_app, load_smollm2
-
-    try:
-        model, tokenizer = load_smollm2()
-    except EmbeddedModelMissing as exc:
-        unavailable(str(exc))
-    with ARServer(create_app(model, tokenizer, max_new_tokens=4)) as server:
+    with smollm2_ar_server(max_new_tokens=4) as server:
         yield server
 
 
