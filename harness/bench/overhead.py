@@ -127,35 +127,29 @@ def _empty_graph(questions: Mapping[str, Any]) -> Any:
     """The graph of `_graph` with a node that does nothing but return a `Command` with one
     plain entry per question: LangGraph's own step, for the baseline row."""
     try:
-        from langgraph.graph import END, START, StateGraph
         from langgraph.types import Command
-        from typing_extensions import TypedDict
     except ImportError:
         return None
 
-    class State(TypedDict, total=False):
-        ticket: str
-        decisions: dict
-
-    def empty(state: State) -> Command:
+    async def empty(state: Any) -> Command:
         return Command(update={"decisions": {qid: {"answer": None} for qid in questions}})
 
-    async def aempty(state: State) -> Command:
-        return empty(state)
-
-    builder = StateGraph(State)
-    builder.add_node("triage", aempty)
-    builder.add_edge(START, "triage")
-    builder.add_edge("triage", END)
-    return builder.compile()
+    return _one_node_graph(empty)
 
 
 def _graph(model: CanvasDecisionModel, questions: Mapping[str, Any]) -> Any:
     try:
+        from harness import decision_node
+    except ImportError:
+        return None
+    return _one_node_graph(decision_node(model, questions, inputs="ticket"))
+
+
+def _one_node_graph(node: Any) -> Any:
+    """START -> triage -> END over a `{ticket, decisions}` state, or None without LangGraph."""
+    try:
         from langgraph.graph import END, START, StateGraph
         from typing_extensions import TypedDict
-
-        from harness import decision_node
     except ImportError:
         return None
 
@@ -164,7 +158,7 @@ def _graph(model: CanvasDecisionModel, questions: Mapping[str, Any]) -> Any:
         decisions: dict
 
     builder = StateGraph(State)
-    builder.add_node("triage", decision_node(model, questions, inputs="ticket"))
+    builder.add_node("triage", node)
     builder.add_edge(START, "triage")
     builder.add_edge("triage", END)
     return builder.compile()
