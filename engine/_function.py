@@ -35,14 +35,15 @@ class FunctionEngine:
     """
 
     def __init__(self, fn: RowsFunction, *, model: str = "function", canvas_width: int = 64,
-                 max_model_len: int = 4096, vocab_size: int = 32000) -> None:
+                 max_model_len: int = 4096, vocab_size: int = 32000, keep_reads: bool = True) -> None:
         self._fn = fn
         self._info = EngineInfo(model=model, provider="function", canvas_width=canvas_width,
                                 max_model_len=max_model_len, vocab_size=vocab_size, pad_id=0,
                                 special_tokens=tuple(sorted(_SPECIALS)))
         self._vocab: dict[str, int] = {s: i for i, s in enumerate(_SPECIALS)}
         self.reads: list[CanvasRead] = []
-        """Every canvas read so far, in order."""
+        """Every canvas read so far, in order (none with `keep_reads=False`, for long benchmarks)."""
+        self._keep = keep_reads
         self.calls = 0
         """Calls of `read` (a batch counts once)."""
 
@@ -72,7 +73,8 @@ class FunctionEngine:
         self.calls += 1
         out = []
         for read in batch:
-            self.reads.append(read)
+            if self._keep:
+                self.reads.append(read)
             start = time.perf_counter()
             result = self._fn(read)
             if inspect.isawaitable(result):

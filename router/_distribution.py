@@ -40,14 +40,15 @@ class SlotStats:
     margin: float = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        probs, k = self.probs, len(self.probs)
-        entropy = -sum(p * math.log(p) for p in probs if p > 0.0)
-        ranked = sorted(probs, reverse=True)
-        figures = (("top", max(range(k), key=probs.__getitem__)), ("entropy", entropy),
-                   ("normalized_entropy", entropy / math.log(k) if k > 1 else 0.0),
-                   ("margin", ranked[0] - ranked[1] if k > 1 else 1.0))
-        for name, value in figures:
-            object.__setattr__(self, name, value)
+        probs, log, put = self.probs, math.log, object.__setattr__
+        entropy = -sum([p * log(p) for p in probs if p > 0.0])
+        best = max(probs)
+        top = probs.index(best)  # the first, on a tie
+        k = len(probs)
+        put(self, "top", top)
+        put(self, "entropy", entropy)
+        put(self, "normalized_entropy", entropy / log(k) if k > 1 else 0.0)
+        put(self, "margin", best - max(probs[:top] + probs[top + 1:]) if k > 1 else 1.0)
 
     @property
     def confidence(self) -> float:
@@ -63,13 +64,14 @@ def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: 
     except KeyError as exc:
         raise EngineResponseError(f"a slot row lacks label id {exc.args[0]} (a row must hold every requested "
                                   "label id)") from None
-    mass = sum(math.exp(lp) for lp in lps)  # before the all--inf case below: that mass is 0
+    exp = math.exp
+    mass = sum([exp(lp) for lp in lps])  # before the all--inf case below: that mass is 0
     top = max(lps)
     if top == -math.inf:
         lps, top = [0.0] * len(lps), 0.0
-    weights = [math.exp((lp - top) / temperature) for lp in lps]
+    weights = [exp((lp - top) / temperature) for lp in lps]
     total = sum(weights)
-    return SlotStats(tuple(w / total for w in weights), min(1.0, mass))
+    return SlotStats(tuple([w / total for w in weights]), min(1.0, mass))
 
 
 def aggregate(reads: Sequence[SlotStats]) -> SlotStats:

@@ -285,13 +285,14 @@ class CanvasDecisionModel(BaseDecisionModel):
         plan_key: Any = key
         if len(asked) != len(specs) or views or any(s.abstain for s in shaped.values()):
             plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()))
+        absorbs = self._outcomes.absorbs
         if info is not None and fault is None:
             try:
                 the_plan = await self._plan(plan_key, shaped, views)
                 await _check_length(self.engine, info, the_plan.chunks,
                                     [messages(c, state_text) for c in the_plan.chunks])
             except CanvasRouteError as exc:
-                if not self._outcomes.absorbs(exc):
+                if not absorbs(exc):
                     raise
                 fault = exc
         if fault is not None:  # every question goes down the escalation/fallback path, none is answered from nothing
@@ -303,7 +304,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         reading = Reading(engine=ImageEngine(self.engine, images) if images else self.engine, info=info,
                           plan=the_plan, state_text=state_text,
                           seed=_default_seed(state_text, the_plan) if seed is None else seed,
-                          policy=policy, constrained=self.constrained, absorbs=self._outcomes.absorbs,
+                          policy=policy, constrained=self.constrained, absorbs=absorbs,
                           member_plan=self._member_plan, usage=usage)
         reads = await reading.run()
         return reads, reading.canvas_reads
@@ -323,19 +324,20 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
-        key = _questions_key(questions)
-        if key is None or key not in self._parsed:
+        key, parsed = _questions_key(questions), self._parsed  # (a private attribute costs a lookup)
+        if key is None or key not in parsed:
             specs = parse_questions(questions)
             key = key or json.dumps({qid: s.question.model_dump(mode="json") for qid, s in specs.items()})
-            _remember(self._parsed, key, specs)
-        self._parsed.move_to_end(key)
-        return key, self._parsed[key]
+            _remember(parsed, key, specs)
+        parsed.move_to_end(key)
+        return key, parsed[key]
 
     async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None) -> Plan:
-        if key not in self._plans:
-            _remember(self._plans, key, await plan(self.engine, specs, views))
-        self._plans.move_to_end(key)
-        return self._plans[key]
+        plans = self._plans
+        if key not in plans:
+            _remember(plans, key, await plan(self.engine, specs, views))
+        plans.move_to_end(key)
+        return plans[key]
 
     async def _member_plan(self, the_plan: Plan, qid: str, group: int) -> Plan:
         """The in-group plan of a routed question (cached like decision-set plans)."""
@@ -371,6 +373,9 @@ def render_state(state: Any, special_tokens: Sequence[str] | None = None) -> str
     return defuse(text, special_tokens or SPECIAL_CANDIDATES)
 
 
+_QUESTION_TYPES = frozenset((Noul, Choice, Score))
+
+
 def _questions_key(questions: Any) -> str | None:
     """A cheap exact key for a question set (pydantic's JSON of each question), or None
     when the input is not a mapping of question models (it is parsed first, then keyed)."""
@@ -378,10 +383,10 @@ def _questions_key(questions: Any) -> str | None:
         return None
     parts = []
     for qid, q in questions.items():
-        if not isinstance(q, (Noul, Choice, Score)) or not isinstance(qid, str):
+        if type(q) not in _QUESTION_TYPES or type(qid) is not str:
             return None
-        parts.append(f"{json.dumps(qid)}:{q.__pydantic_serializer__.to_json(q).decode()}")  # = model_dump_json()
-    return "{" + ",".join(parts) + "}"
+        parts.append(f"{qid!r}:{q.__pydantic_serializer__.to_json(q).decode()}")  # = model_dump_json()
+    return ",".join(parts)
 
 
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any, size: int = 256) -> None:

@@ -109,7 +109,8 @@ class Outcomes:
         base: dict[str, Any] = dict(
             question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
             reads=len(r.runs) + r.in_group_reads, error=r.error, latency_s=latency_s, asked_if=asked_if,
-            crossed=[c for c in r.crossed if c != OVER_BUDGET], over_budget=OVER_BUDGET in r.crossed,
+            crossed=[c for c in r.crossed if c != OVER_BUDGET] if r.crossed else [],
+            over_budget=OVER_BUDGET in r.crossed,
         )
         if st is not None:
             base.update(entropy=st.entropy, normalized_entropy=st.normalized_entropy, margin=st.margin,
@@ -145,8 +146,9 @@ class Outcomes:
             return ReadReport(answer=answer, probabilities={o: float(o == answer) for o in options},
                               path="fallback", confident=False, **base)
         path = "reread" if len(r.runs) > 1 else "canvas"
-        return ReadReport(answer=spec.options[st.top], probabilities=answer_probs(spec, st), path=path,
-                          confident=not r.crossed, **base)
+        probs = answer_probs(spec, st) if spec.abstain else canvas  # (validation copies each dict)
+        return ReadReport(answer=spec.options[st.top], probabilities=probs, path=path, confident=not r.crossed,
+                          **base)
 
 
 def named(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:

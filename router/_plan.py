@@ -50,10 +50,11 @@ class Chunk:
     """Template ids with every question at its first label (no padding)."""
     width: int
     slots: tuple[Slot, ...]
+    label_ids: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    """Every slot's label ids, sorted (what one read asks the engine for)."""
 
-    @property
-    def label_ids(self) -> tuple[int, ...]:
-        return tuple(sorted({i for s in self.slots for i in s.label_ids}))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "label_ids", tuple(sorted({i for s in self.slots for i in s.label_ids})))
 
 
 @dataclass(frozen=True, slots=True)

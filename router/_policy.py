@@ -25,6 +25,9 @@ class FrozenMapping(Mapping[str, "GatePolicy"]):
     def __getitem__(self, key: str) -> GatePolicy:
         return self._data[key]
 
+    def get(self, key: str, default: GatePolicy | None = None) -> GatePolicy | None:  # type: ignore[override]
+        return self._data.get(key, default)  # the dict's own: `for_question` runs per question per gate
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._data)
 

@@ -59,13 +59,12 @@ def messages(chunk: Chunk, state_text: str) -> Messages:
 
 def build_canvas(chunk: Chunk, msgs: Messages, info: EngineInfo, seed: int, constrained: bool) -> CanvasRead:
     """Template + pad to the chunk width, with a random non-label id at every slot."""
-    rng = random.Random(seed)
-    canvas = list(chunk.template) + [info.pad_id] * (chunk.width - len(chunk.template))
+    draw, pad = random.Random(seed).randrange, info.pad_id
+    canvas = [*chunk.template, *[pad] * (chunk.width - len(chunk.template))]
     for slot in chunk.slots:
-        avoid = set(slot.label_ids) | {info.pad_id}
-        noise = rng.randrange(info.vocab_size)
-        while noise in avoid:
-            noise = rng.randrange(info.vocab_size)
+        noise = draw(info.vocab_size)
+        while noise == pad or noise in slot.label_ids:
+            noise = draw(info.vocab_size)
         canvas[slot.position] = noise
     return CanvasRead(messages=msgs, canvas=tuple(canvas), slots=tuple(s.position for s in chunk.slots),
                       label_ids=chunk.label_ids, constrained=constrained)

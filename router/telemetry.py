@@ -45,7 +45,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -205,11 +205,28 @@ def _idle_span() -> Span:
     return trace.NonRecordingSpan(trace.get_current_span().get_span_context())
 
 
+class _Idle:
+    """The context of a span (or model call) nothing records: a plain object, not a
+    generator, since it runs on every decision of an app without an OTel SDK."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: bool) -> None:
+        self.call = call
+
+    def __enter__(self) -> Any:
+        s = _idle_span()
+        return Call(s, {}, idle=True) if self.call else s
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 # -- spans -----------------------------------------------------------------------------
 
 
-@contextmanager
-def span(name: str, attributes: Mapping[str, Any], kind: SpanKind = SpanKind.INTERNAL) -> Iterator[Span]:
+def span(name: str, attributes: Mapping[str, Any],
+         kind: SpanKind = SpanKind.INTERNAL) -> AbstractContextManager[Span]:
     """A span under the current one that records exceptions, `error.type` and an ERROR
     status on failure, and an OK status otherwise (unless the body marked an error).
 
@@ -218,9 +235,12 @@ def span(name: str, attributes: Mapping[str, Any], kind: SpanKind = SpanKind.INT
     built: the body gets the non-recording span a no-op tracer would give it.
     """
     tracer = _tracer()
-    if tracer is None:
-        yield _idle_span()
-        return
+    return _IDLE_SPAN if tracer is None else _recording_span(tracer, name, attributes, kind)
+
+
+@contextmanager
+def _recording_span(tracer: trace.Tracer, name: str, attributes: Mapping[str, Any],
+                    kind: SpanKind) -> Iterator[Span]:
     attrs = {OI_SPAN_KIND: OI_CHAIN, **attributes}
     if GRAPH_THREAD in attrs:
         attrs.setdefault(SESSION_ID, attrs[GRAPH_THREAD])
@@ -258,9 +278,13 @@ class Call:
     metric_attributes: dict[str, Any]
     outer: Span | None = None
     """The enclosing `escalate` span of an escalation's `chat` call (None for reads)."""
+    idle: bool = False
+    """Nothing records this call (no SDK): `usage` and `read_output` do nothing."""
 
     def usage(self, input_tokens: int, output_tokens: int, results: Sequence[Any] = ()) -> None:
         """Record token usage (span attributes and `gen_ai.client.token.usage`) and the server."""
+        if self.idle:
+            return
         inst, recording = _instruments(), self.span.is_recording()
         if not (inst or recording):
             return
@@ -276,7 +300,7 @@ class Call:
         """`output.value` of a canvas read: per canvas, each question's distribution over its
         options (softmax of the slot row over the question's labels, temperature 1; keyed by
         label where a slot reads groups of options rather than the options)."""
-        if not self.span.is_recording():
+        if self.idle or not self.span.is_recording():
             return
         out = []
         for chunk, result in zip(chunks, results):
@@ -352,7 +376,7 @@ def genai_attributes(operation: str, provider: str, model: str) -> dict[str, Any
 def engine_call(info: Any, batch: Sequence[Any], kind: str) -> Any:
     """Span `canvas_read <model>` around one engine call (`kind`: first or reread)."""
     if _tracer() is None and _instruments() is None:  # no SDK: nothing to build
-        return _idle_call()
+        return _IDLE_CALL
     attrs = {**genai_attributes(OPERATION_CANVAS_READ, info.provider, info.model),
              READ_BATCH: len(batch), READ_KIND: kind}
     if record_content():
@@ -396,9 +420,7 @@ def provider_of(target: Any) -> str:
     return provider if isinstance(provider, str) and provider else "langchain"
 
 
-@contextmanager
-def _idle_call() -> Iterator[Call]:
-    yield Call(_idle_span(), {})
+_IDLE_SPAN, _IDLE_CALL = _Idle(call=False), _Idle(call=True)
 
 
 def _semconv_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:

@@ -134,18 +134,20 @@ def instant_engine(canvas_width: int = 64) -> FunctionEngine:
     """A FunctionEngine that answers every read instantly with fixed, confident rows.
 
     The read's label ids (sorted) get logprobs `-0.1, -3.1, -6.1, ...`, the same rows the
-    loopback server sends, so each slot picks its lowest label id with low entropy.
+    loopback server sends, so each slot picks its lowest label id with low entropy. Each
+    read is a new `ReadResult` (its rows are checked as any engine's are); the engine keeps
+    no history, so a long run does not grow the heap.
     """
-    cache: dict[tuple[tuple[int, ...], int], list[dict[int, float]]] = {}
+    cache: dict[tuple[tuple[int, ...], int], tuple[dict[int, float], ...]] = {}
 
-    def rows(read: CanvasRead) -> list[dict[int, float]]:
+    def rows(read: CanvasRead) -> ReadResult:
         key = (read.label_ids, len(read.slots))
         if key not in cache:
             row = {i: -0.1 - 3.0 * k for k, i in enumerate(read.label_ids)}
-            cache[key] = [row] * len(read.slots)
-        return cache[key]
+            cache[key] = (row,) * len(read.slots)
+        return ReadResult(rows=cache[key], completion_tokens=len(read.canvas))
 
-    return FunctionEngine(rows, model="instant", canvas_width=canvas_width)
+    return FunctionEngine(rows, model="instant", canvas_width=canvas_width, keep_reads=False)
 
 
 class Recorder:
