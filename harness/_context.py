@@ -16,7 +16,7 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import get_runtime
 
-from router import CanvasDecisionModel, GatePolicy, render_state
+from router import CanvasDecisionModel, GatePolicy, question_set_key, render_state
 from router.telemetry import GRAPH_NODE, GRAPH_THREAD
 
 from ._records import answers_only
@@ -101,9 +101,27 @@ def decision_seed(namespace: str, site: str, questions: Mapping[str, Any], state
     the same engine. The thread id is deliberately left out: it would make identical
     inputs in different threads read differently.
     """
-    asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
-    blob = json.dumps([namespace, site, asked, render_state(state)], sort_keys=True, default=str)
+    # = json.dumps([namespace, site, asked, render_state(state)], sort_keys=True, default=str),
+    # with the questions' part cached per question set
+    blob = f"[{json.dumps(namespace)}, {json.dumps(site)}, {_asked_json(questions)}, {json.dumps(render_state(state))}]"
     return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
+
+
+_ASKED: dict[str, str] = {}
+"""`question_set_key` -> the questions' sorted JSON in the seed (bounded: cleared when full)."""
+
+
+def _asked_json(questions: Mapping[str, Any]) -> str:
+    key = question_set_key(questions)
+    if key is not None and (known := _ASKED.get(key)) is not None:
+        return known
+    asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
+    text = json.dumps(asked, sort_keys=True, default=str)
+    if key is not None:
+        if len(_ASKED) >= 256:
+            _ASKED.clear()
+        _ASKED[key] = text
+    return text
 
 
 def select_inputs(state: Any, inputs: Inputs, exclude: str | None = None) -> Any:

@@ -24,6 +24,7 @@ from functools import partial
 from types import MethodType
 from typing import Any, Literal
 
+from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import (
     ensure_config,
@@ -124,7 +125,7 @@ class DecisionNode(Runnable[Any, Command]):
                 job.call.attributes, job.call.node))
         if job.cached is not None:
             return self._finish(job, job.cached)
-        if _unobserved(get_callback_manager_for_config(config)):
+        if _unobserved(config, get_callback_manager_for_config):
             return self._finish(job, job.call.model.decide(job.state, job.questions, **job.options))
         return self._finish(job, job.call.model.invoke(job.request, child_config(config)))
 
@@ -139,7 +140,7 @@ class DecisionNode(Runnable[Any, Command]):
                 job.call.attributes, job.call.node))
         if job.cached is not None:
             return self._finish(job, job.cached)
-        if _unobserved(get_async_callback_manager_for_config(config)):
+        if _unobserved(config, get_async_callback_manager_for_config):
             return self._finish(job, await job.call.model.adecide(job.state, job.questions, **job.options))
         return self._finish(job, await job.call.model.ainvoke(job.request, child_config(config)))
 
@@ -246,11 +247,19 @@ class _Job:
         return {**self.request, "budget_meter": None}
 
 
-def _unobserved(manager: Any) -> bool:
+def _unobserved(config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> bool:
     """Whether no callback handler (LangSmith tracer, OpenInference instrumentor, stream or
     debug handler) would see the model's child run: the node then calls `adecide` directly
-    instead of through langchain-core's Runnable run machinery, which only those handlers read."""
-    return not manager.handlers and not manager.inheritable_handlers
+    instead of through langchain-core's Runnable run machinery, which only those handlers read.
+
+    In a graph step the config holds the run's child manager, which already carries every
+    inheritable handler its run was configured with (environment tracing, hooks, debug), so
+    its own lists answer; anywhere else the manager is configured in full (`manager_for`).
+    """
+    callbacks = config.get("callbacks")
+    if not (isinstance(callbacks, BaseCallbackManager) and callbacks.parent_run_id is not None):
+        callbacks = manager_for(config)
+    return not callbacks.handlers and not callbacks.inheritable_handlers
 
 
 def decision_node(

@@ -36,7 +36,7 @@ from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
 from ._model import CanvasDecisionModel, render_state
 from ._policy import EscalationBudget, GatePolicy
-from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
+from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
 from ._types import CanvasResponse, ReadReport
 from .systemone import SystemOneDecisionModel
 
@@ -66,6 +66,7 @@ __all__ = [
     "image_digests",
     "load_policy",
     "parse_questions",
+    "question_set_key",
     "render_state",
     "save_policy",
     "slot_stats",

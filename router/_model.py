@@ -16,16 +16,7 @@ from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, Literal
 
-from langchain_core.decisions import (
-    BaseDecisionModel,
-    Choice,
-    ChoiceAnswer,
-    ClassifierRequest,
-    Noul,
-    NoulAnswer,
-    Score,
-    ScoreAnswer,
-)
+from langchain_core.decisions import BaseDecisionModel, ChoiceAnswer, ClassifierRequest, NoulAnswer, ScoreAnswer
 from langchain_core.messages import BaseMessage
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
@@ -49,7 +40,7 @@ from ._depends import parse_depends_on
 from ._outcome import Outcomes, skipped_report
 from ._plan import Chunk, Plan, plan
 from ._policy import EscalationBudget, GatePolicy
-from ._questions import QuestionSpec, parse_questions, with_abstain
+from ._questions import QuestionSpec, parse_questions, question_set_key, with_abstain
 from ._reading import QuestionRead, Reading, messages
 from ._types import CanvasResponse, ReadReport
 
@@ -279,9 +270,9 @@ class CanvasDecisionModel(BaseDecisionModel):
                           seed: int | None, policy: GatePolicy, usage: dict[str, int],
                           images: Sequence[str] = ()) -> tuple[dict[str, QuestionRead], int]:
         """Read and gate the asked questions of one layer; returns their state and the reads sent."""
-        shaped = {qid: with_abstain(specs[qid]) if policy.for_question(qid).abstain else specs[qid]
-                  for qid in asked}
-        views = {qid: policy.for_question(qid).order_views for qid in asked if policy.for_question(qid).order_views}
+        policies = {qid: policy.for_question(qid) for qid in asked}
+        shaped = {qid: with_abstain(specs[qid]) if p.abstain else specs[qid] for qid, p in policies.items()}
+        views = {qid: p.order_views for qid, p in policies.items() if p.order_views}
         plan_key: Any = key
         if len(asked) != len(specs) or views or any(s.abstain for s in shaped.values()):
             plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()))
@@ -311,6 +302,8 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     def _check_abstain(self, specs: Mapping[str, QuestionSpec], policy: GatePolicy) -> None:
         """An abstaining question needs somewhere to go: an escalation target or a fallback."""
+        if not policy.abstain and not policy.per_question:
+            return
         for qid in specs:
             p = policy.for_question(qid)
             if not p.abstain:
@@ -324,7 +317,7 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
-        key, parsed = _questions_key(questions), self._parsed  # (a private attribute costs a lookup)
+        key, parsed = question_set_key(questions), self._parsed  # (a private attribute costs a lookup)
         if key is None or key not in parsed:
             specs = parse_questions(questions)
             key = key or json.dumps({qid: s.question.model_dump(mode="json") for qid, s in specs.items()})
@@ -371,22 +364,6 @@ def render_state(state: Any, special_tokens: Sequence[str] | None = None) -> str
     else:
         text = json.dumps(state, ensure_ascii=False, default=_jsonable, sort_keys=False)
     return defuse(text, special_tokens or SPECIAL_CANDIDATES)
-
-
-_QUESTION_TYPES = frozenset((Noul, Choice, Score))
-
-
-def _questions_key(questions: Any) -> str | None:
-    """A cheap exact key for a question set (pydantic's JSON of each question), or None
-    when the input is not a mapping of question models (it is parsed first, then keyed)."""
-    if not isinstance(questions, Mapping) or not questions:
-        return None
-    parts = []
-    for qid, q in questions.items():
-        if type(q) not in _QUESTION_TYPES or type(qid) is not str:
-            return None
-        parts.append(f"{qid!r}:{q.__pydantic_serializer__.to_json(q).decode()}")  # = model_dump_json()
-    return ",".join(parts)
 
 
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any, size: int = 256) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import pytest
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -42,7 +43,7 @@ from harness import (
     route_on,
 )
 from harness._context import strip_task_ids
-from router import CanvasDecisionModel, EscalationBudget, GatePolicy
+from router import CanvasDecisionModel, EscalationBudget, GatePolicy, render_state
 from router.telemetry import GRAPH_NODE, GRAPH_THREAD
 
 TEAM = Choice(instructions="Which team should handle the ticket?", criteria={"billing": "payments", "tech": "bugs"})
@@ -294,6 +295,45 @@ def test_seeds_ignore_task_ids_and_threads_but_follow_state_and_node():
     assert seed == decision_seed("triage", "node", {"team": TEAM}, "refund please")
     assert seed != decision_seed("triage", "node", {"team": TEAM}, "the app crashes")
     assert seed != decision_seed("intake", "node", {"team": TEAM}, "refund please")
+
+
+def test_the_seed_is_the_documented_hash_whatever_form_the_questions_take():
+    def formula(ns: str, site: str, questions: dict[str, Any], state: Any) -> int:
+        asked = {q: v.model_dump(mode="json") if hasattr(v, "model_dump") else v for q, v in questions.items()}
+        blob = json.dumps([ns, site, asked, render_state(state)], sort_keys=True, default=str)
+        return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
+
+    as_dicts = {qid: q.model_dump(mode="json") for qid, q in QUESTIONS.items()}
+    for questions in (QUESTIONS, as_dicts, {"team": TEAM}):
+        for state in ("refund please", {"ticket": "a \"quoted\" ünïcode ticket", "n": 3}):
+            assert decision_seed("outer|triage", "node", questions, state) == formula("outer|triage", "node",
+                                                                                       questions, state)
+    assert decision_seed("t", "node", QUESTIONS, "x") == decision_seed("t", "node", as_dicts, "x")
+    edited = Choice(instructions="Which team?", criteria={"billing": "payments", "tech": "bugs"})
+    before = decision_seed("t", "node", {"team": edited}, "x")
+    edited.criteria["sales"] = "deals"  # questions are mutable: the cached part must follow the edit
+    assert decision_seed("t", "node", {"team": edited}, "x") == formula("t", "node", {"team": edited}, "x") != before
+
+
+def test_a_callback_handler_on_the_graph_sees_the_models_run_and_the_direct_path_answers_alike():
+    class Runs(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.chains: list[str] = []
+
+        def on_chain_start(self, serialized: Any, inputs: Any, **kwargs: Any) -> None:
+            self.chains.append(kwargs.get("name") or "")
+
+    node = decision_node(CanvasDecisionModel(engine=fixed_engine(SURE_TECH)), QUESTIONS, inputs="ticket",
+                         route=("team", TEAMS))
+    graph = triage_graph(node)
+    seen = Runs()
+    watched = asyncio.run(graph.ainvoke({"ticket": "The app crashes."}, {"callbacks": [seen]}))
+    assert "CanvasDecisionModel" in seen.chains  # the model's own child run reached the handler
+    plain = asyncio.run(graph.ainvoke({"ticket": "The app crashes."}))
+    def stable(out: dict[str, Any]) -> dict[str, Any]:
+        return {qid: {k: v for k, v in record.items() if k != "timing"} for qid, record in out["decisions"].items()}
+
+    assert stable(plain) == stable(watched)  # the direct path answers the same
 
 
 def test_replaying_a_checkpoint_and_a_fresh_thread_take_the_same_branch():
