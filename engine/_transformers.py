@@ -74,8 +74,8 @@ class _DiffusionGemma:
     def prefix(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
         return prompt
 
-    def canvas_inputs(self, prompt: tuple[int, ...], canvas: tuple[int, ...]) -> tuple[int, ...]:
-        return canvas
+    def canvas_inputs(self, prompt: tuple[int, ...], read: CanvasRead) -> tuple[int, ...]:
+        return read.canvas
 
     def encode(self, ids: torch.Tensor, lengths: torch.Tensor) -> DynamicCache:
         n = ids.shape[1]
@@ -89,16 +89,18 @@ class _DiffusionGemma:
         )
         return cache
 
-    def logits(self, cache: DynamicCache, lengths: torch.Tensor, canvas: torch.Tensor,
-               widths: torch.Tensor) -> torch.Tensor:
+    def logits(self, cache: DynamicCache, lengths: torch.Tensor, canvas: torch.Tensor, widths: torch.Tensor,
+               rows: torch.Tensor) -> torch.Tensor:
+        """`[batch, len(rows), vocab]`: the canvas rows at `rows` (every slot sees the whole canvas)."""
         p, c = cache.get_seq_length(), canvas.shape[1]
         steps = torch.arange(p + c, device=canvas.device)
         valid = torch.cat([steps[None, :p] >= (p - lengths)[:, None],
                            steps[None, :c] < widths[:, None]], dim=1)
         masks = self._masks(valid, steps[p:], steps, None)
         positions = lengths[:, None] + steps[None, :c]
-        return self.model(decoder_input_ids=canvas, decoder_attention_mask=masks, decoder_position_ids=positions,
-                          **{self.cache_kw: cache}).logits
+        out = self.model(decoder_input_ids=canvas, decoder_attention_mask=masks, decoder_position_ids=positions,
+                         **{self.cache_kw: cache}).logits
+        return out[:, rows]
 
     def _masks(self, valid: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                causal: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -118,8 +120,8 @@ class _DiffusionGemma:
 
 class _CausalLM:
     """Next-token readout: the prompt minus its last token is the cached prefix; the
-    canvas pass feeds `[last prompt token, canvas[:-1]]`, so output `s` is the
-    distribution over canvas position `s`.
+    canvas pass feeds `[last prompt token, canvas[:last slot]]`, so output `s` is the
+    distribution over canvas position `s` (nothing after the last slot can change a row).
 
     The canvas runs as given, noise included, so an earlier slot's noise conditions the
     rows of later slots: the causal mirror of DiffusionGemma, where every slot sees the
@@ -139,12 +141,14 @@ class _CausalLM:
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or _MAX_MODEL_LEN_CAP)
         self.canvas_width = canvas_width or 64
         self.cache_kw = _cache_kwarg(model)
+        self.keeps_rows = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def prefix(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
         return prompt[:-1]
 
-    def canvas_inputs(self, prompt: tuple[int, ...], canvas: tuple[int, ...]) -> tuple[int, ...]:
-        return (prompt[-1], *canvas[:-1])
+    def canvas_inputs(self, prompt: tuple[int, ...], read: CanvasRead) -> tuple[int, ...]:
+        """Up to the last slot: a causal row sees nothing after it, so the rest is not fed."""
+        return (prompt[-1], *read.canvas[:max(read.slots, default=0)])
 
     def encode(self, ids: torch.Tensor, lengths: torch.Tensor, past: DynamicCache | None = None,
                past_lengths: torch.Tensor | None = None) -> DynamicCache:
@@ -163,15 +167,19 @@ class _CausalLM:
                               use_cache=True, **{self.cache_kw: cache})
         return cache
 
-    def logits(self, cache: DynamicCache, lengths: torch.Tensor, inputs: torch.Tensor,
-               widths: torch.Tensor) -> torch.Tensor:
-        """`widths` goes unused: the causal mask already hides a canvas's right padding."""
+    def logits(self, cache: DynamicCache, lengths: torch.Tensor, inputs: torch.Tensor, widths: torch.Tensor,
+               rows: torch.Tensor) -> torch.Tensor:
+        """`[batch, len(rows), vocab]`, projecting only those rows onto the vocabulary where
+        the model takes `logits_to_keep`. `widths` goes unused: the causal mask already
+        hides a canvas's right padding."""
         p, c = cache.get_seq_length(), inputs.shape[1]
         steps = torch.arange(p, device=inputs.device)
         mask = torch.cat([steps[None] >= (p - lengths)[:, None], inputs.new_ones(inputs.shape, dtype=torch.bool)], 1)
         positions = lengths[:, None] + torch.arange(c, device=inputs.device)[None]
-        return self.model(input_ids=inputs, attention_mask=mask.long(), position_ids=positions,
-                          use_cache=True, **{self.cache_kw: cache}).logits
+        keep = {"logits_to_keep": rows} if self.keeps_rows else {}
+        out = self.model(input_ids=inputs, attention_mask=mask.long(), position_ids=positions,
+                         use_cache=True, **{self.cache_kw: cache}, **keep).logits
+        return out if self.keeps_rows else out[:, rows]
 
 
 class TransformersEngine:
@@ -353,12 +361,14 @@ class TransformersEngine:
         with torch.inference_mode():
             kvs, hits = self._prefix_kv([self._kind.prefix(j.prompt) for j in jobs])
             cache, lengths = self._stack(kvs)
-            inputs = [self._kind.canvas_inputs(j.prompt, j.read.canvas) for j in jobs]
+            inputs = [self._kind.canvas_inputs(j.prompt, j.read) for j in jobs]
             width = max(len(x) for x in inputs)
             canvas = torch.tensor([list(x) + [self._pad] * (width - len(x)) for x in inputs], device=self._device)
             widths = torch.tensor([len(x) for x in inputs], device=self._device)
-            logits = self._kind.logits(cache, lengths, canvas, widths)
-            out = [_rows(logits[b, list(j.read.slots)], j.read) for b, j in enumerate(jobs)]
+            wanted = sorted({s for j in jobs for s in j.read.slots})  # only these rows reach the vocabulary
+            row_of = {s: i for i, s in enumerate(wanted)}
+            logits = self._kind.logits(cache, lengths, canvas, widths, torch.tensor(wanted, device=self._device))
+            out = [_rows(logits[b, [row_of[s] for s in j.read.slots]], j.read) for b, j in enumerate(jobs)]
         attrs = {"batch_size": len(jobs), "forward_s": time.perf_counter() - start}
         return [(rows, {**attrs, "prompt_cache_hit": hit}) for rows, hit in zip(out, hits, strict=True)]
 

@@ -317,3 +317,23 @@ async def test_shared_prefix_reuse_equals_a_full_prefill(smol):
     assert worst < 1e-4
     await eng.aclose()
     await full.aclose()
+
+
+@pytest.mark.smollm
+async def test_causal_rows_equal_one_plain_forward_over_prompt_and_canvas(smol):
+    """The causal readout feeds the canvas only up to its last slot and projects only the
+    slot rows onto the vocabulary; each row must still be the next-token log-softmax of one
+    plain forward pass over prompt + whole canvas, at the position before the slot."""
+    reads = await make_reads(smol, 3, seed=8, widths=(64, 32), labels=" A B yes no")
+    results = await smol.read(reads)
+    worst = 0.0
+    for read, result in zip(reads, results, strict=True):
+        prompt = list(smol._prompt_ids(read.messages))
+        with torch.inference_mode():
+            logits = smol.model(input_ids=torch.tensor([prompt + list(read.canvas)])).logits[0]
+        for slot, row in zip(read.slots, result.rows, strict=True):
+            expected = logits[len(prompt) + slot - 1].float().log_softmax(-1)
+            worst = max(worst, *(abs(row[t] - expected[t].item()) for t in read.label_ids))
+            assert max(row, key=row.__getitem__) == int(expected.argmax())
+    print(f"causal readout vs one plain forward: max |logprob diff| = {worst:.2e}")
+    assert worst < 1e-4

@@ -83,11 +83,11 @@ async def _measure(cached: Any, full: Any, runs: int) -> tuple[dict[tuple[str, s
             t = time.perf_counter()
             con = await asyncio.gather(*(model.adecide(s, questions) for s in con_states))
             rates[label, "con"].append(N / (time.perf_counter() - t))
-            answers[label, "seq"], answers[label, "con"] = [_labels(x) for x in seq], [_labels(x) for x in con]
+            answers[label, "seq"], answers[label, "con"] = [_answers(x) for x in seq], [_answers(x) for x in con]
         a, b = models
         identical &= answers[a, "seq"] == answers[b, "con"] and answers[a, "con"] == answers[b, "seq"]
     return rates, identical
 
 
-def _labels(resp: Any) -> dict[str, Any]:
-    return {qid: read.labels for qid, read in resp.reads.items()}
+def _answers(resp: Any) -> dict[str, Any]:
+    return {qid: read.answer for qid, read in resp.reads.items()}
