@@ -116,7 +116,7 @@ class DecisionNode(Runnable[Any, Command]):
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command:
         """Decide synchronously (`graph.invoke`): one read for all questions, then route."""
-        config = ensure_config(config)
+        config = _complete(config)
         job = self._prepare(input, config)
         if self.shadow is not None:
             model = self.shadow.canvas_only(job.call.model)
@@ -131,7 +131,7 @@ class DecisionNode(Runnable[Any, Command]):
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command:
         """Decide asynchronously (`graph.ainvoke`): one read for all questions, then route."""
-        config = ensure_config(config)
+        config = _complete(config)
         job = self._prepare(input, config)
         if self.shadow is not None:
             model = self.shadow.canvas_only(job.call.model)
@@ -245,6 +245,12 @@ class _Job:
     def shadow_request(self) -> dict[str, Any]:
         """The request a shadow read sends: no budget (the shadow never escalates)."""
         return {**self.request, "budget_meter": None}
+
+
+def _complete(config: RunnableConfig | None) -> RunnableConfig:
+    """A graph step's config as it comes (it carries the run's callbacks); anything else,
+    `None` included, completed from the current runnable context by `ensure_config`."""
+    return config if config is not None and "callbacks" in config else ensure_config(config)
 
 
 def _unobserved(config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> bool:

@@ -253,14 +253,14 @@ class CanvasDecisionModel(BaseDecisionModel):
             reports = [done[qid] for qid in specs]
             span.set_attribute(tm.CANVAS_READS, canvas_reads)
             tm.record_reports(span, reports, latency, model_name, policy, attrs)
-        response = CanvasResponse(
-            model=model_name,
-            answers={r.question_id: _answer(specs[r.question_id], r) for r in reports if r.path != "skipped"},
-            reads={r.question_id: r for r in reports},
-            usage=usage,
-            canvas_reads=canvas_reads,
-            latency_s=latency,
-        )
+        response = CanvasResponse.model_validate({
+            "model": model_name,
+            "answers": {r.question_id: _answer(specs[r.question_id], r) for r in reports if r.path != "skipped"},
+            "reads": {r.question_id: r for r in reports},
+            "usage": usage,
+            "canvas_reads": canvas_reads,
+            "latency_s": latency,
+        })
         if cache_key is not None and not any(r.error for r in reports):
             self.cache.put(cache_key, response)  # a faulted decision is never replayed
         return response
@@ -410,14 +410,15 @@ async def _check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk
 
 
 def _answer(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
-    """The langchain-core answer for one report."""
+    """The langchain-core answer for one report (validated as one mapping, like the reports)."""
     probs = report.probabilities
     if spec.kind == "noul":
-        return NoulAnswer(type="noul", noul=min(1.0, max(0.0, probs.get("yes", 0.0))))
+        return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
     confidence = min(1.0, max(0.0, probs.get(report.answer, 0.0)))
     if spec.kind == "choice":
-        return ChoiceAnswer(type="choice", choice=report.answer, probabilities=dict(probs), confidence=confidence)
+        return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
+                                            "confidence": confidence})
     by_level = {int(k): v for k, v in probs.items()}
-    return ScoreAnswer(type="score", score=sum(i * p for i, p in by_level.items()),
-                       legend=dict(enumerate(spec.question.criteria)), probabilities=by_level,
-                       confidence=confidence)
+    return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
+                                       "legend": dict(enumerate(spec.question.criteria)),
+                                       "probabilities": by_level, "confidence": confidence})

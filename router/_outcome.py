@@ -120,8 +120,8 @@ class Outcomes:
         if escalated is not None and spec.id in escalated.answers:
             answer = escalated.answers[spec.id]
             probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in options}
-            return ReadReport(answer=answer, probabilities=probs, path="abstained" if r.abstained else "escalated",
-                              confident=False, escalation_model=escalated.model, **base)
+            return _report(base, answer, probs, "abstained" if r.abstained else "escalated",
+                           escalation_model=escalated.model)
         over_budget = base["over_budget"] and self.budget is not None and self.budget.when_spent == "fallback"
         if r.abstained:  # not escalated: the fallback option, or past the budget ("keep") the best real option
             if r.on_abstain == "fallback" or over_budget:
@@ -129,12 +129,10 @@ class Outcomes:
                     raise BudgetExhausted(f"question {spec.id!r} abstained, could not escalate (budget spent) "
                                           "and has no fallback option", hint="add it to fallback=")
                 answer = self.fallback[spec.id]
-                return ReadReport(answer=answer, probabilities={o: float(o == answer) for o in options},
-                                  path="abstained", confident=False, **base)
+                return _report(base, answer, {o: float(o == answer) for o in options}, "abstained")
             assert st is not None
             probs = answer_probs(spec, st)
-            return ReadReport(answer=max(probs, key=probs.__getitem__), probabilities=probs, path="abstained",
-                              confident=False, **base)
+            return _report(base, max(probs, key=probs.__getitem__), probs, "abstained")
         if st is None or over_budget or (r.fault is not None and self.on_engine_error == "fallback"):
             if spec.id not in self.fallback:
                 if over_budget:
@@ -143,12 +141,18 @@ class Outcomes:
                 assert r.fault is not None
                 raise r.fault  # an engine fault never becomes a cheap answer
             answer = self.fallback[spec.id]
-            return ReadReport(answer=answer, probabilities={o: float(o == answer) for o in options},
-                              path="fallback", confident=False, **base)
-        path = "reread" if len(r.runs) > 1 else "canvas"
+            return _report(base, answer, {o: float(o == answer) for o in options}, "fallback")
         probs = answer_probs(spec, st) if spec.abstain else canvas  # (validation copies each dict)
-        return ReadReport(answer=spec.options[st.top], probabilities=probs, path=path, confident=not r.crossed,
-                          **base)
+        return _report(base, spec.options[st.top], probs, "reread" if len(r.runs) > 1 else "canvas",
+                       confident=not r.crossed)
+
+
+def _report(base: dict[str, Any], answer: str, probabilities: Mapping[str, float], path: str, *,
+            confident: bool = False, **more: Any) -> ReadReport:
+    """`base` completed and validated as one mapping (`model_validate`: the constructor's
+    checks without its keyword-argument call)."""
+    base.update(answer=answer, probabilities=probabilities, path=path, confident=confident, **more)
+    return ReadReport.model_validate(base)
 
 
 def named(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:

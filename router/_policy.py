@@ -132,15 +132,18 @@ class GatePolicy:
 
     def crossed(self, stats: SlotStats) -> list[str]:
         """Names of the thresholds this distribution crosses (empty: confident)."""
-        checks = [
-            ("max_normalized_entropy", self.max_normalized_entropy, stats.normalized_entropy, True),
-            ("max_entropy", self.max_entropy, stats.entropy, True),
-            ("min_confidence", self.min_confidence, stats.confidence, False),
-            ("min_margin", self.min_margin, stats.margin, False),
-            ("min_label_mass", self.min_label_mass, stats.label_mass, False),
-        ]
-        return [name for name, limit, value, upper in checks
-                if limit is not None and (value > limit if upper else value < limit)]
+        out = []
+        if self.max_normalized_entropy is not None and stats.normalized_entropy > self.max_normalized_entropy:
+            out.append("max_normalized_entropy")
+        if self.max_entropy is not None and stats.entropy > self.max_entropy:
+            out.append("max_entropy")
+        if self.min_confidence is not None and stats.confidence < self.min_confidence:
+            out.append("min_confidence")
+        if self.min_margin is not None and stats.margin < self.min_margin:
+            out.append("min_margin")
+        if self.min_label_mass is not None and stats.label_mass < self.min_label_mass:
+            out.append("min_label_mass")
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
