@@ -27,6 +27,7 @@ from ._lanes import Answer, HttpxLane, Origin, SocketLane
 from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineTimeout, EngineUnavailable
 
 try:  # optional: decodes the large read responses ~3x faster than the json module
+    from orjson import OPT_NON_STR_KEYS
     from orjson import dumps as _fast_dumps
     from orjson import loads as _fast_loads
 except ImportError:  # pragma: no cover - depends on the environment
@@ -116,7 +117,6 @@ class Connection:
         self._replicas = [_Replica(u) for u in urls]
         self._next = 0
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeouts = (timeout, connect)
         self._timeout = httpx.Timeout(timeout, connect=connect)
         self.deadline = timeout + connect
         """Seconds one attempt may take as a whole."""
@@ -192,8 +192,8 @@ class Connection:
             self._ssl = httpx.create_ssl_context()  # one TLS context for every lane (each costs ~20 ms)
         lane: Lane
         if self._transport is None:
-            timeout, connect = self._timeouts
-            lane = SocketLane(connect_timeout=connect, timeout=timeout, ssl_context=self._ssl)
+            lane = SocketLane(connect_timeout=self._timeout.connect, timeout=self._timeout.read,
+                              ssl_context=self._ssl)
         else:
             n = len(self._replicas)
             lane = HttpxLane(httpx.AsyncClient(timeout=self._timeout, verify=self._ssl or True,
@@ -246,7 +246,9 @@ class Connection:
     async def _send(self, lane: Lane, method: str, path: str, content: bytes | None,
                     on_attempt: Callable[[], None] | None, affinity: str | None = None,
                     extra: Mapping[str, str] | None = None) -> Reply:
-        headers = {**self._headers, "content-type": "application/json"} if content is not None else dict(self._headers)
+        headers = dict(self._headers)
+        if content is not None:
+            headers["content-type"] = "application/json"
         if extra:
             headers.update(extra)
         if otel_context.get_current():  # traceparent, baggage: nothing to inject from an empty context
@@ -296,7 +298,7 @@ class Connection:
 def dumps(body: Any) -> bytes:
     """Compact UTF-8 JSON of a request body (orjson when installed)."""
     if _fast_dumps is not None:
-        return _fast_dumps(body)
+        return _fast_dumps(body, option=OPT_NON_STR_KEYS)  # int keys become strings, as with json
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
