@@ -4,7 +4,8 @@ One place for replicas with cool-down, per-request lanes, retries with exponenti
 backoff and jitter (408, 429, 5xx, 529, connection errors, timeouts), `Retry-After`
 (capped), a whole-attempt deadline, `traceparent` injection and the mapping of HTTP
 statuses to the errors in `engine.errors`. The callers speak their wire on top of it
-(the model/provider split of pydantic-ai).
+(the model/provider split of pydantic-ai). Requests go out through lanes (engine/_lanes.py):
+HTTP/1.1 over asyncio streams, or httpx when a custom transport is given.
 """
 
 from __future__ import annotations
@@ -19,14 +20,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
+from ._lanes import Answer, HttpxLane, Origin, SocketLane
 from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineTimeout, EngineUnavailable
 
 try:  # optional: decodes the large read responses ~3x faster than the json module
+    from orjson import OPT_NON_STR_KEYS
+    from orjson import dumps as _fast_dumps
     from orjson import loads as _fast_loads
 except ImportError:  # pragma: no cover - depends on the environment
-    _fast_loads = None
+    _fast_dumps = _fast_loads = None
+
+Lane = HttpxLane | SocketLane
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504, 529})
 """Transient statuses. 501 (the server cannot do this at all) is not among them."""
@@ -42,34 +49,34 @@ class Reply:
     data: Any
     url: str
     """Replica base URL that answered."""
-    headers: httpx.Headers
+    headers: Mapping[str, str]
+    """Response headers, names in lower case."""
 
 
 class _Lanes:
-    """Per event loop: the bound on requests in flight and idle one-connection clients.
+    """Per event loop: the bound on requests in flight and the idle lanes.
 
-    Each request borrows one client (a "lane": one keep-alive connection per replica)
-    instead of sharing one big pool: httpcore scans every pooled connection on each
-    request, so one pool of `max_concurrency` connections costs O(n) per request, while
-    n one-connection pools cost O(1). Lanes are reused last-in first-out, so a light load
-    keeps few connections open.
+    Each request borrows one lane (one keep-alive connection per replica) instead of
+    sharing one big pool, so finding a connection costs O(1) whatever the concurrency.
+    Lanes are reused last-in first-out, so a light load keeps few connections open.
     """
 
-    __slots__ = ("slots", "idle", "clients")
+    __slots__ = ("slots", "idle", "open")
 
     def __init__(self, max_concurrency: int) -> None:
         self.slots = asyncio.Semaphore(max_concurrency)
-        self.idle: list[httpx.AsyncClient] = []
-        self.clients: list[httpx.AsyncClient] = []
+        self.idle: list[Lane] = []
+        self.open: list[Lane] = []
 
 
 class _Replica:
     """One base URL and when it may be tried again after a connection failure."""
 
-    __slots__ = ("url", "down_until")
+    __slots__ = ("url", "origin", "down_until")
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
+        self.origin = Origin.parse(self.url)
         self.down_until = 0.0
 
 
@@ -88,7 +95,9 @@ class Connection:
         max_retries: retries after the first attempt on transient faults.
         backoff: first retry delay, doubled per retry, with jitter (x0.5-1.5).
         replica_cooldown: seconds a replica that failed to connect or timed out is skipped.
-        transport: an `httpx.AsyncBaseTransport` (e.g. `httpx.MockTransport` in tests).
+        transport: an `httpx.AsyncBaseTransport` (e.g. `httpx.MockTransport` in tests, or
+            `httpx.AsyncHTTPTransport(proxy=...)`): requests then go through httpx. Without
+            one they go straight to the replicas (env proxies are not used).
         service: what the URLs serve, for error hints ("vLLM server").
     """
 
@@ -136,9 +145,9 @@ class Connection:
 
     @property
     def lanes(self) -> tuple[int, int]:
-        """(idle, open) HTTP clients on the current event loop; open never exceeds `max_concurrency`."""
+        """(idle, open) lanes on the current event loop; open never exceeds `max_concurrency`."""
         lanes = self._loops.get(asyncio.get_running_loop())
-        return (len(lanes.idle), len(lanes.clients)) if lanes else (0, 0)
+        return (len(lanes.idle), len(lanes.open)) if lanes else (0, 0)
 
     async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None, *,
                       on_attempt: Callable[[], None] | None = None, affinity: str | None = None,
@@ -149,21 +158,22 @@ class Connection:
         `affinity` routes by rendezvous hashing instead of round-robin (see `rendezvous`);
         `headers` are sent with every attempt.
         """
+        content = None if body is None else dumps(body)
         lanes = self._lanes()
         async with lanes.slots:
-            client = lanes.idle.pop() if lanes.idle else self._new_client(lanes)
+            lane = lanes.idle.pop() if lanes.idle else self._new_lane(lanes)
             try:
-                return await self._send(client, method, path, body, on_attempt, affinity, headers)
+                return await self._send(lane, method, path, content, on_attempt, affinity, headers)
             finally:
-                lanes.idle.append(client)
+                lanes.idle.append(lane)
 
     async def aclose(self) -> None:
-        """Close every pooled client."""
+        """Close every lane's connections."""
         loops, self._loops = self._loops, {}
         for lanes in loops.values():
-            for client in lanes.clients:
+            for lane in lanes.open:
                 try:
-                    await client.aclose()
+                    await lane.aclose()
                 except RuntimeError:  # client bound to a loop that is already closed
                     pass
 
@@ -177,15 +187,20 @@ class Connection:
             self._loops[loop] = _Lanes(self.max_concurrency)
         return self._loops[loop]
 
-    def _new_client(self, lanes: _Lanes) -> httpx.AsyncClient:
-        if self._ssl is None:  # one TLS context for every lane (each costs ~20 ms to build)
-            self._ssl = httpx.create_ssl_context()
-        n = len(self._replicas)
-        client = httpx.AsyncClient(timeout=self._timeout, headers=self._headers, verify=self._ssl,
-                                   limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-                                   transport=self._transport)
-        lanes.clients.append(client)
-        return client
+    def _new_lane(self, lanes: _Lanes) -> Lane:
+        if self._ssl is None and any(r.origin.tls for r in self._replicas):
+            self._ssl = httpx.create_ssl_context()  # one TLS context for every lane (each costs ~20 ms)
+        lane: Lane
+        if self._transport is None:
+            lane = SocketLane(connect_timeout=self._timeout.connect, timeout=self._timeout.read,
+                              ssl_context=self._ssl)
+        else:
+            n = len(self._replicas)
+            lane = HttpxLane(httpx.AsyncClient(timeout=self._timeout, verify=self._ssl or True,
+                                               limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+                                               transport=self._transport), self.deadline)
+        lanes.open.append(lane)
+        return lane
 
     def _pick(self) -> _Replica:
         """Round-robin over replicas that are not cooling down (the soonest back if none is)."""
@@ -207,6 +222,9 @@ class Connection:
         return [r.url for r in self._ranked(key)]
 
     def _ranked(self, key: str) -> list[_Replica]:
+        if len(self._replicas) == 1:
+            return self._replicas
+
         def weight(replica: _Replica) -> bytes:
             return hashlib.blake2b(f"{replica.url}\n{key}".encode(), digest_size=8).digest()
 
@@ -225,11 +243,16 @@ class Connection:
                 return replica
         return min(ranked, key=lambda r: r.down_until)
 
-    async def _send(self, client: httpx.AsyncClient, method: str, path: str, body: Mapping[str, Any] | None,
+    async def _send(self, lane: Lane, method: str, path: str, content: bytes | None,
                     on_attempt: Callable[[], None] | None, affinity: str | None = None,
                     extra: Mapping[str, str] | None = None) -> Reply:
-        headers: dict[str, str] = dict(extra or {})
-        propagate.inject(headers)  # traceparent, when a trace is active
+        headers = dict(self._headers)
+        if content is not None:
+            headers["content-type"] = "application/json"
+        if extra:
+            headers.update(extra)
+        if otel_context.get_current():  # traceparent, baggage: nothing to inject from an empty context
+            propagate.inject(headers)
         tried: set[str] = set()
         last: Exception | None = None
         wait = 0.0
@@ -244,8 +267,7 @@ class Connection:
             if on_attempt is not None:
                 on_attempt()
             try:
-                async with asyncio.timeout(self.deadline):
-                    resp = await client.request(method, replica.url + path, json=body, headers=headers)
+                resp = await lane.exchange(replica.origin, method, path, headers, content)
             except (httpx.TimeoutException, TimeoutError) as exc:
                 last = EngineTimeout(f"{where} timed out ({type(exc).__name__})",
                                      hint="raise timeout= or check the server's load")
@@ -255,7 +277,7 @@ class Connection:
                 last = EngineUnavailable(f"{where} failed: {exc!r}", hint=f"is the {self._service} running at this URL?")
                 replica.down_until = time.monotonic() + self.replica_cooldown
                 continue
-            status = resp.status_code
+            status = resp.status
             if status in RETRY_STATUS:
                 kind = EngineOverloaded if status in OVERLOAD_STATUS else EngineUnavailable
                 last = kind(f"{where} -> HTTP {status}: {error_message(resp)}")
@@ -267,10 +289,17 @@ class Connection:
             try:
                 data = loads(resp.content)
             except ValueError as exc:
-                raise EngineResponseError(f"{replica.url}{path} answered non-JSON: {resp.text[:200]!r}") from exc
+                raise EngineResponseError(f"{replica.url}{path} answered non-JSON: {text(resp)[:200]!r}") from exc
             return Reply(data, replica.url, resp.headers)
         assert last is not None
         raise last
+
+
+def dumps(body: Any) -> bytes:
+    """Compact UTF-8 JSON of a request body (orjson when installed)."""
+    if _fast_dumps is not None:
+        return _fast_dumps(body, option=OPT_NON_STR_KEYS)  # int keys become strings, as with json
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 def loads(content: bytes) -> Any:
@@ -284,12 +313,17 @@ def loads(content: bytes) -> Any:
     return json.loads(content)
 
 
-def error_message(resp: httpx.Response) -> str:
+def text(resp: Answer) -> str:
+    """The body as text (UTF-8, undecodable bytes replaced)."""
+    return resp.content.decode("utf-8", "replace")
+
+
+def error_message(resp: Answer) -> str:
     """The server's error message: OpenAI's `{"error": {"message"}}`, `message`, `detail`, or the text."""
     try:
-        body = resp.json()
+        body = loads(resp.content)
     except ValueError:
-        return resp.text[:500] or f"HTTP {resp.status_code}"
+        return text(resp)[:500] or f"HTTP {resp.status}"
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
@@ -300,7 +334,7 @@ def error_message(resp: httpx.Response) -> str:
     return json.dumps(body)[:500]
 
 
-def retry_after(resp: httpx.Response) -> float:
+def retry_after(resp: Answer) -> float:
     """Seconds the server asked us to wait (capped at `MAX_RETRY_AFTER`), 0 when it did not say."""
     raw = resp.headers.get("retry-after")
     try:

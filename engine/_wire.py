@@ -72,13 +72,17 @@ def parse_rows(data: Mapping[str, Any], endpoint: str, width: int,
         positions = logprobs["content"] if endpoint == "chat" else logprobs["top_logprobs"]
         check_row_count(len(positions), width)
         if endpoint == "chat":
-            return tuple(
-                {token_id(e["token"]): float(e["logprob"]) for e in [*positions[s]["top_logprobs"], positions[s]]}
-                for s in slots
-            )
+            return tuple(chat_row(positions[s]) for s in slots)
         return tuple({token_id(t): float(lp) for t, lp in positions[s].items()} for s in slots)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise EngineResponseError(f"the read response has no readable logprob rows ({exc!r})") from exc
+
+
+def chat_row(position: Mapping[str, Any]) -> dict[int, float]:
+    """One chat row: its `top_logprobs` (the label ids) plus the emitted token."""
+    row = {token_id(e["token"]): float(e["logprob"]) for e in position["top_logprobs"]}
+    row[token_id(position["token"])] = float(position["logprob"])
+    return row
 
 
 def chat_messages(read: CanvasRead) -> list[dict[str, Any]]:

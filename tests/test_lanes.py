@@ -1,0 +1,169 @@
+"""`Connection` over real sockets (engine/_lanes.py `SocketLane`): HTTP/1.1 framing,
+keep-alive reuse, connections closed by either side, cancellation and timeouts, against a
+raw TCP server that answers each request with scripted bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import re
+
+import pytest
+
+from engine import Connection, EngineTimeout, EngineUnavailable
+
+
+def ok(body: bytes = b'{"ok": 1}', *headers: str) -> bytes:
+    head = "".join(f"{h}\r\n" for h in headers)
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), head.encode(), body)
+
+
+def closes(reply: bytes) -> bool:
+    """Whether the server hangs up after this reply."""
+    return b"connection: close" in reply.lower() or reply.startswith(b"HTTP/1.0")
+
+
+CLOSE = None
+"""Script entry: close the connection without answering."""
+SILENT = b""
+"""Script entry: answer nothing, wait for the client to hang up."""
+
+
+class RawServer:
+    """Answers the n-th request with the n-th scripted reply; keeps every request head."""
+
+    def __init__(self, *replies: bytes | None) -> None:
+        self.replies = list(replies)
+        self.heads: list[bytes] = []
+        self.bodies: list[bytes] = []
+        self.connections = 0
+        self.hangups = 0
+
+    async def __aenter__(self) -> RawServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = "http://127.0.0.1:%d" % self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"content-length: (\d+)", head, re.IGNORECASE)
+                self.heads.append(head)
+                self.bodies.append(await reader.readexactly(int(length.group(1)) if length else 0))
+                reply = self.replies.pop(0)
+                if reply is CLOSE:
+                    return
+                if reply == SILENT:
+                    await reader.read()
+                    self.hangups += 1
+                    return
+                writer.write(reply)
+                await writer.drain()
+                if closes(reply):
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.hangups += 1
+        finally:
+            writer.close()
+
+
+def connection(url: str, **kwargs) -> Connection:
+    return Connection(url, backoff=0, replica_cooldown=0, **{"max_retries": 0, **kwargs})
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_a_json_post():
+    async with RawServer(ok(), ok(b'{"n": 2}', "x-request-id: r2")) as server:
+        conn = connection(server.url + "/prefix/", api_key="k")
+        assert (await conn.request("POST", "/v1/x", {"a": "é"}, headers={"x-session-id": "s"})).data == {"ok": 1}
+        reply = await conn.request("GET", "/v1/models")
+        assert reply.data == {"n": 2} and reply.headers["x-request-id"] == "r2"
+        await conn.aclose()
+    assert server.connections == 1
+    post = server.heads[0].decode().lower()
+    assert post.startswith("post /prefix/v1/x http/1.1\r\n")
+    for header in ("host: 127.0.0.1:", "authorization: bearer k", "content-type: application/json",
+                   "x-session-id: s", f"content-length: {len(server.bodies[0])}"):
+        assert header in post
+    assert server.bodies[0] == '{"a":"é"}'.encode()
+    get = server.heads[1]
+    assert get.startswith(b"GET /prefix/v1/models HTTP/1.1\r\n") and b"content-length" not in get
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"3;ext=1\r\n{\"o\r\n5\r\nk\": 1\r\n1\r\n}\r\n0\r\nx-trailer: t\r\n\r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\n" + ok(),
+    ok(gzip.compress(b'{"ok": 1}'), "content-encoding: gzip"),
+    b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 9\r\n\r\n{\"ok\": 1}",
+    b"HTTP/1.0 200 OK\r\n\r\n{\"ok\": 1}",
+], ids=["chunked", "interim-100", "gzip", "connection-close", "until-eof"])
+async def test_reply_framings(reply):
+    async with RawServer(reply, ok()) as server:
+        conn = connection(server.url)
+        assert (await conn.request("GET", "/")).data == {"ok": 1}
+        assert (await conn.request("GET", "/")).data == {"ok": 1}
+        await conn.aclose()
+    assert server.connections == (2 if closes(reply) else 1)
+
+
+@pytest.mark.parametrize("reply", [CLOSE, b"garbage\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n",
+                                   b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 50\r\n\r\n{}"],
+                         ids=["hang-up", "status-line", "header-line", "truncated"])
+async def test_broken_replies_are_unavailable_and_retried_on_a_new_connection(reply):
+    async with RawServer(reply, ok()) as server:
+        conn = connection(server.url)
+        with pytest.raises(EngineUnavailable) as info:
+            await conn.request("GET", "/")
+        assert not isinstance(info.value, EngineTimeout)
+        conn.max_retries = 1
+        server.replies[:0] = [reply]
+        assert (await conn.request("GET", "/")).data == {"ok": 1}
+        await conn.aclose()
+
+
+async def test_a_connection_the_server_closed_while_idle_is_replaced():
+    async with RawServer(ok(), ok(b'{"ok": 1}', "connection: close"), ok()) as server:
+        conn = connection(server.url)
+        await conn.request("GET", "/")
+        await conn.request("GET", "/")  # the server closes after this reply
+        await asyncio.sleep(0.05)
+        assert (await conn.request("GET", "/")).data == {"ok": 1}
+        await conn.aclose()
+    assert server.connections == 2
+
+
+async def test_read_timeout_and_cancellation_close_the_connection():
+    async with RawServer(SILENT, SILENT, ok()) as server:
+        conn = connection(server.url, timeout=0.2, connect_timeout=1.0)
+        with pytest.raises(EngineTimeout, match="ReadTimeout"):
+            await conn.request("GET", "/")
+        task = asyncio.create_task(conn.request("GET", "/"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await conn.request("GET", "/")).data == {"ok": 1}
+        assert conn.in_flight == 0
+        await conn.aclose()
+    assert server.connections == 3 and server.hangups == 2
+
+
+async def test_connection_refused_is_unavailable():
+    async with RawServer() as server:
+        url = server.url
+    with pytest.raises(EngineUnavailable, match="ConnectError"):
+        await connection(url).request("GET", "/")
+
+
+async def test_a_header_that_could_split_the_request_is_refused():
+    async with RawServer(ok()) as server:
+        conn = connection(server.url)
+        with pytest.raises(ValueError, match="invalid HTTP header"):
+            await conn.request("GET", "/", headers={"x-a": "1\r\nx-injected: 2"})
+        assert server.heads == []
+        await conn.aclose()
