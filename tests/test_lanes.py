@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import re
+import shutil
+import ssl
+import subprocess
 
 import pytest
 
@@ -32,7 +35,8 @@ SILENT = b""
 class RawServer:
     """Answers the n-th request with the n-th scripted reply; keeps every request head."""
 
-    def __init__(self, *replies: bytes | None) -> None:
+    def __init__(self, *replies: bytes | None, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
         self.replies = list(replies)
         self.heads: list[bytes] = []
         self.bodies: list[bytes] = []
@@ -40,8 +44,9 @@ class RawServer:
         self.hangups = 0
 
     async def __aenter__(self) -> RawServer:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = "http://127.0.0.1:%d" % self._server.sockets[0].getsockname()[1]
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
+        scheme = "https" if self.tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -166,4 +171,32 @@ async def test_a_header_that_could_split_the_request_is_refused():
         with pytest.raises(ValueError, match="invalid HTTP header"):
             await conn.request("GET", "/", headers={"x-a": "1\r\nx-injected: 2"})
         assert server.heads == []
+        await conn.aclose()
+
+
+def self_signed(folder) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, made by the openssl CLI."""
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a certificate")
+async def test_https_verifies_the_server_and_reuses_the_tls_connection(tmp_path, monkeypatch):
+    cert, key = self_signed(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    async with RawServer(ok(), ok(b'{"n": 2}'), tls=tls) as server:
+        untrusted = connection(server.url)  # the default trust store does not know this certificate
+        with pytest.raises(EngineUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            await untrusted.request("GET", "/v1/models")
+        await untrusted.aclose()
+        monkeypatch.setenv("SSL_CERT_FILE", cert)  # trusted the way httpx trusts a private CA
+        conn = connection(server.url)
+        assert (await conn.request("GET", "/v1/models")).data == {"ok": 1}
+        assert (await conn.request("POST", "/v1/x", {"a": 1})).data == {"n": 2}
+        assert server.connections == 1  # one kept-alive TLS connection (the refused handshake never got one)
+        assert server.heads[0].startswith(b"GET /v1/models HTTP/1.1\r\n")
         await conn.aclose()
