@@ -11,7 +11,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, Literal
@@ -103,9 +103,7 @@ class CanvasDecisionModel(BaseDecisionModel):
     """A `DecisionCache`: an identical decision set about an identical state (same policy
     and seed) is answered from it without a read (None: every call reads)."""
 
-    _plans: OrderedDict[Any, Plan] = PrivateAttr(default_factory=OrderedDict)
-    _parsed: OrderedDict[str, dict[str, QuestionSpec]] = PrivateAttr(default_factory=OrderedDict)
-    _outcomes: Outcomes = PrivateAttr()
+    _memo: _Memo = PrivateAttr()
 
     @field_validator("escalate_to")
     @classmethod
@@ -126,9 +124,14 @@ class CanvasDecisionModel(BaseDecisionModel):
         if self.budget is None and self.budget_meter is not None:
             raise ValueError("budget_meter needs budget= (its when_spent decides what a refusal does)")
         meter = self.budget_meter or (InMemoryBudgetMeter(self.budget) if self.budget else None)
-        self._outcomes = Outcomes(escalate_to=self.escalate_to, budget=self.budget, meter=meter,
-                                  on_engine_error=self.on_engine_error, fallback=dict(self.fallback),
-                                  escalation_timeout=self.escalation_timeout)
+        self._memo = _Memo(Outcomes(escalate_to=self.escalate_to, budget=self.budget, meter=meter,
+                                    on_engine_error=self.on_engine_error, fallback=dict(self.fallback),
+                                    escalation_timeout=self.escalation_timeout))
+
+    @property
+    def _outcomes(self) -> Outcomes:
+        # a plain slot read: pydantic's lookup of a private attribute costs ~2 us, on every decision
+        return self.__pydantic_private__["_memo"].outcomes  # type: ignore[index]
 
     @property
     def _provider(self) -> str:
@@ -317,7 +320,7 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
-        key, parsed = question_set_key(questions), self._parsed  # (a private attribute costs a lookup)
+        key, parsed = question_set_key(questions), self.__pydantic_private__["_memo"].parsed  # type: ignore[index]
         if key is None or key not in parsed:
             specs = parse_questions(questions)
             key = key or json.dumps({qid: s.question.model_dump(mode="json") for qid, s in specs.items()})
@@ -326,7 +329,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         return key, parsed[key]
 
     async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None) -> Plan:
-        plans = self._plans
+        plans = self.__pydantic_private__["_memo"].plans  # type: ignore[index]
         if key not in plans:
             _remember(plans, key, await plan(self.engine, specs, views))
         plans.move_to_end(key)
@@ -339,6 +342,15 @@ class CanvasDecisionModel(BaseDecisionModel):
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Memo:
+    """What a model keeps between decisions: its outcome rules, parsed question sets and plans."""
+
+    outcomes: Outcomes
+    parsed: OrderedDict[str, dict[str, QuestionSpec]] = field(default_factory=OrderedDict)
+    plans: OrderedDict[Any, Plan] = field(default_factory=OrderedDict)
 
 
 def _options(request: Any) -> dict[str, Any]:

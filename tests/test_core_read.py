@@ -69,7 +69,7 @@ async def test_one_invoke_is_one_read_on_the_served_canvas(vllm_url, endpoint):
     assert body["vllm_xargs"]["diffusion_max_steps"] == 1 and body["vllm_xargs"]["diffusion_read_only"] == 1
     assert body["return_tokens_as_token_ids"] is True
     # every non-slot position holds the template, padded; slots hold non-label noise
-    plan = next(iter(model._plans.values()))
+    plan = next(iter(model._memo.plans.values()))
     (chunk,) = plan.chunks
     slots = {s.position: s for s in chunk.slots}
     # the canvas: template + 1 rounded up to 16, within the served width (narrower is cheaper)
