@@ -101,27 +101,27 @@ def decision_seed(namespace: str, site: str, questions: Mapping[str, Any], state
     the same engine. The thread id is deliberately left out: it would make identical
     inputs in different threads read differently.
     """
-    # = json.dumps([namespace, site, asked, render_state(state)], sort_keys=True, default=str),
-    # with the questions' part cached per question set
-    blob = f"[{json.dumps(namespace)}, {json.dumps(site)}, {_asked_json(questions)}, {json.dumps(render_state(state))}]"
-    return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
-
-
-_ASKED: dict[str, str] = {}
-"""`question_set_key` -> the questions' sorted JSON in the seed (bounded: cleared when full)."""
-
-
-def _asked_json(questions: Mapping[str, Any]) -> str:
+    # = sha256(json.dumps([namespace, site, asked, render_state(state)], sort_keys=True, default=str)),
+    # the hash of everything before the state kept per node and question set
     key = question_set_key(questions)
-    if key is not None and (known := _ASKED.get(key)) is not None:
-        return known
-    asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
-    text = json.dumps(asked, sort_keys=True, default=str)
-    if key is not None:
-        if len(_ASKED) >= 256:
-            _ASKED.clear()
-        _ASKED[key] = text
-    return text
+    prefix = _PREFIXES.get((namespace, site, key)) if key is not None else None
+    if prefix is None:
+        asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
+        prefix = hashlib.sha256(
+            f"[{_quote(namespace)}, {_quote(site)}, {json.dumps(asked, sort_keys=True, default=str)}, ".encode())
+        if key is not None:
+            if len(_PREFIXES) >= 256:  # bounded: a graph has few nodes and question sets
+                _PREFIXES.clear()
+            _PREFIXES[namespace, site, key] = prefix
+    digest = prefix.copy()
+    digest.update(f"{_quote(render_state(state))}]".encode())
+    return int.from_bytes(digest.digest()[:4], "big")
+
+
+_quote = json.encoder.encode_basestring_ascii
+"""`json.dumps` of one str."""
+_PREFIXES: dict[tuple[str, str, str], Any] = {}
+"""(namespace, site, `question_set_key`) -> sha256 of the seed's JSON up to the state."""
 
 
 def select_inputs(state: Any, inputs: Inputs, exclude: str | None = None) -> Any:

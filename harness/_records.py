@@ -22,6 +22,8 @@ DECISION_EVENT = "canvasroute.decision"
 RECORD_KEYS = frozenset({"answer", "path", "result", "read", "timing", "shadow"})
 """The keys of one decision record in graph state (`shadow` only in shadow mode)."""
 _STABLE_KEYS = RECORD_KEYS - {"timing", "shadow"}
+_UNSTABLE = frozenset({"latency_s"})
+"""The report field a replay does not reproduce (kept under `timing`)."""
 
 
 def entries(response: CanvasResponse, human: Mapping[str, str]) -> dict[str, dict[str, Any]]:
@@ -34,12 +36,12 @@ def entries(response: CanvasResponse, human: Mapping[str, str]) -> dict[str, dic
     """
     out = {}
     for qid, report in response.reads.items():
-        read = report.model_dump(mode="json", exclude={"latency_s"})
+        answer = response.answers.get(qid)
         out[qid] = {
             "answer": human.get(qid, report.answer),
             "path": "human" if qid in human else report.path,
-            "result": response.answers[qid].model_dump(mode="json") if qid in response.answers else None,
-            "read": read,
+            "result": None if answer is None else answer.__pydantic_serializer__.to_python(answer, mode="json"),
+            "read": report.__pydantic_serializer__.to_python(report, mode="json", exclude=_UNSTABLE),
             "timing": {"latency_s": report.latency_s},
         }
     return out
