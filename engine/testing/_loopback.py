@@ -454,8 +454,10 @@ class LoopbackProcess:
 def spawn(*, port: int = 0, canvas_width: int = 64, answer: str = "ranked",
           model: str = "loopback") -> Iterator[LoopbackProcess]:
     """Run a loopback server in a child process for the duration of the block."""
-    cmd = [sys.executable, "-m", "engine.testing._loopback", "--port", str(port), "--canvas-width",
-           str(canvas_width), "--answer", answer, "--model", model]
+    # `-c`, not `-m engine.testing._loopback`: the package already imports this module, and
+    # running it again as __main__ makes runpy warn
+    cmd = [sys.executable, "-c", "import sys; from engine.testing._loopback import main; sys.exit(main())",
+           "--port", str(port), "--canvas-width", str(canvas_width), "--answer", answer, "--model", model]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()  # type: ignore[union-attr]
