@@ -5,7 +5,9 @@ On the embedded SmolLM2-135M-Instruct (CPU, float32): the canvas path is a full
 the canvas, reading k slots); the AR path is `generate` of the JSON answer
 (`{"q1": "A", ...}`), greedy, forced to exactly the answer's token count, from the same
 system prompt (its last line asks for JSON instead of `id: label` lines) and state.
-Each run uses a fresh state so neither path reuses a cached prompt.
+Each run uses a fresh state. Cold, neither path reuses any cached prompt: the canvas runs on
+an engine without a prompt cache (`prompt_cache_size=0`), since the default engine would
+reuse the node's system prompt from earlier runs while `generate` prefills it in full.
 """
 
 from __future__ import annotations
@@ -38,18 +40,20 @@ def run_canvas_vs_ar(quick: bool) -> Section:
     try:
         import torch
 
-        from engine import embedded_engine
+        from engine import TransformersEngine, embedded_engine
         engine = embedded_engine()
+        cold = TransformersEngine(engine.model, engine.tokenizer, name="no-cache", prompt_cache_size=0)
     except Exception as exc:  # wheel or torch missing: say so
         section.skipped = f"embedded model unavailable: {type(exc).__name__}: {exc}"
         return section
     section.extra["torch_threads"] = torch.get_num_threads()
     try:
-        asyncio.run(_case(engine, 1, NODES[CASES[1]], 1, tag="warm-up"))  # torch, tokenizer, generate
+        asyncio.run(_case(engine, cold, 1, NODES[CASES[1]], 1, tag="warm-up"))  # torch, tokenizer, generate
         for k, node in cases.items():
-            section.rows.append(asyncio.run(_case(engine, k, NODES[node], runs)))
+            section.rows.append(asyncio.run(_case(engine, cold, k, NODES[node], runs)))
     finally:
         asyncio.run(engine.aclose())
+        asyncio.run(cold.aclose())
     k3 = next((r for r in section.rows if r["k questions"] == 3), None)
     if k3:
         verdict = {key: f"{k3[key]:.3f} ({'met' if k3[key] <= TARGET_RATIO_K3 else 'NOT met'})"
@@ -59,8 +63,9 @@ def run_canvas_vs_ar(quick: bool) -> Section:
     section.notes += [
         "canvas = decide() with re-reads off: prefill + ONE forward pass over the canvas, all k slots read at once",
         "AR = model.generate of the JSON answer, greedy, min_new_tokens = max_new_tokens = its token count",
-        "cold: a prompt never seen (both prefill it); cached: the prompt's KV cache is ready (the engine's LRU "
-        "for the canvas, a prefilled DynamicCache for generate), so one pass is compared with the AR decode steps",
+        "cold: both prefill the whole prompt (the canvas on an engine without a prompt cache); cached: the "
+        "prompt's KV cache is ready (the engine's LRU for the canvas, a prefilled DynamicCache for generate), so "
+        "one pass is compared with the AR decode steps",
         f"torch threads: {section.extra['torch_threads']}; float32; a fresh state per run"
         + ("; --quick: k=8 skipped" if quick else ""),
         "SmolLM2-135M is near chance at these decisions: latency only, never accuracy",
@@ -68,15 +73,19 @@ def run_canvas_vs_ar(quick: bool) -> Section:
     return section
 
 
-async def _case(engine: Any, k: int, questions: dict[str, Any], runs: int, tag: str = "") -> dict[str, Any]:
-    """Median latencies of both paths for k questions, with a cold prompt and a cached one."""
+async def _case(engine: Any, cold: Any, k: int, questions: dict[str, Any], runs: int,
+                tag: str = "") -> dict[str, Any]:
+    """Median latencies of both paths for k questions, with a cold prompt (`cold`: an engine
+    without a prompt cache) and a cached one (`engine`, after a first read of the prompt)."""
     import copy
 
     import torch
     from transformers import DynamicCache
 
     recorder = Recorder(engine)
-    model = CanvasDecisionModel(engine=recorder, policy=GatePolicy(max_normalized_entropy=None, rereads=0))
+    policy = GatePolicy(max_normalized_entropy=None, rereads=0)
+    model = CanvasDecisionModel(engine=recorder, policy=policy)
+    cold_model = CanvasDecisionModel(engine=cold, policy=policy)
     tokenizer, hf = engine.tokenizer, engine.model
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # transformers 5.2x renamed `past_key_values` to `cache`; use what this version takes
@@ -86,10 +95,11 @@ async def _case(engine: Any, k: int, questions: dict[str, Any], runs: int, tag: 
     for i in range(runs):
         state = f"{TICKETS[i % len(TICKETS)]} (ticket {tag}#{1000 + k * 100 + i})"  # never seen before
         t = time.perf_counter()
-        resp = await model.adecide(state, questions)  # cold: this prompt was never seen
+        resp = await cold_model.adecide(state, questions)  # cold: the whole prompt is prefilled
         canvas = time.perf_counter() - t
+        await model.adecide(state, questions)  # fills the engine's prompt KV cache
         t = time.perf_counter()
-        await model.adecide(state, questions)  # the engine's prompt KV cache now holds it
+        await model.adecide(state, questions)
         canvas_cached = time.perf_counter() - t
         read = recorder.reads[-1]
         labels = [resp.reads[qid].labels[0] for qid in questions]
