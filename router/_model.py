@@ -103,7 +103,7 @@ class CanvasDecisionModel(BaseDecisionModel):
     """A `DecisionCache`: an identical decision set about an identical state (same policy
     and seed) is answered from it without a read (None: every call reads)."""
 
-    _memo: _Memo = PrivateAttr()
+    _kept: _Memo = PrivateAttr()
 
     @field_validator("escalate_to")
     @classmethod
@@ -124,14 +124,14 @@ class CanvasDecisionModel(BaseDecisionModel):
         if self.budget is None and self.budget_meter is not None:
             raise ValueError("budget_meter needs budget= (its when_spent decides what a refusal does)")
         meter = self.budget_meter or (InMemoryBudgetMeter(self.budget) if self.budget else None)
-        self._memo = _Memo(Outcomes(escalate_to=self.escalate_to, budget=self.budget, meter=meter,
+        self._kept = _Memo(Outcomes(escalate_to=self.escalate_to, budget=self.budget, meter=meter,
                                     on_engine_error=self.on_engine_error, fallback=dict(self.fallback),
                                     escalation_timeout=self.escalation_timeout))
 
     @property
-    def _outcomes(self) -> Outcomes:
+    def _memo(self) -> _Memo:
         # a plain slot read: pydantic's lookup of a private attribute costs ~2 us, on every decision
-        return self.__pydantic_private__["_memo"].outcomes  # type: ignore[index]
+        return self.__pydantic_private__["_kept"]  # type: ignore[index]
 
     @property
     def _provider(self) -> str:
@@ -140,7 +140,7 @@ class CanvasDecisionModel(BaseDecisionModel):
     @property
     def budget_counters(self) -> dict[str, int]:
         """Escalations granted and refused by the budget (empty without a budget)."""
-        meter = self._outcomes.meter
+        meter = self._memo.outcomes.meter
         return meter.snapshot() if meter else {}
 
     # -- BaseDecisionModel --------------------------------------------------------------
@@ -195,7 +195,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                 raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
         self._check_abstain(specs, policy)
         deps = parse_depends_on(depends_on, specs)
-        outcomes = self._outcomes
+        outcomes = self._memo.outcomes
         if budget_meter is not None:
             if self.budget is None:
                 raise ValueError("budget_meter needs the model's budget= (its when_spent decides what a refusal does)")
@@ -279,7 +279,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         plan_key: Any = key
         if len(asked) != len(specs) or views or any(s.abstain for s in shaped.values()):
             plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()))
-        absorbs = self._outcomes.absorbs
+        absorbs = self._memo.outcomes.absorbs
         if info is not None and fault is None:
             try:
                 the_plan = await self._plan(plan_key, shaped, views)
@@ -320,7 +320,7 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
-        key, parsed = question_set_key(questions), self.__pydantic_private__["_memo"].parsed  # type: ignore[index]
+        key, parsed = question_set_key(questions), self._memo.parsed
         if key is None or key not in parsed:
             specs = parse_questions(questions)
             key = key or json.dumps({qid: s.question.model_dump(mode="json") for qid, s in specs.items()})
@@ -329,7 +329,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         return key, parsed[key]
 
     async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None) -> Plan:
-        plans = self.__pydantic_private__["_memo"].plans  # type: ignore[index]
+        plans = self._memo.plans
         if key not in plans:
             _remember(plans, key, await plan(self.engine, specs, views))
         plans.move_to_end(key)
