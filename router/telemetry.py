@@ -279,7 +279,7 @@ class Call:
     outer: Span | None = None
     """The enclosing `escalate` span of an escalation's `chat` call (None for reads)."""
     idle: bool = False
-    """Nothing records this call (no SDK): `usage` and `read_output` do nothing."""
+    """Nothing records this call (no SDK): `usage` returns without looking up the meter provider."""
 
     def usage(self, input_tokens: int, output_tokens: int, results: Sequence[Any] = ()) -> None:
         """Record token usage (span attributes and `gen_ai.client.token.usage`) and the server."""
@@ -300,7 +300,7 @@ class Call:
         """`output.value` of a canvas read: per canvas, each question's distribution over its
         options (softmax of the slot row over the question's labels, temperature 1; keyed by
         label where a slot reads groups of options rather than the options)."""
-        if self.idle or not self.span.is_recording():
+        if not self.span.is_recording():
             return
         out = []
         for chunk, result in zip(chunks, results):
