@@ -11,7 +11,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
+
+from engine import CanvasRead, FunctionEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -207,6 +209,17 @@ def fresh_tracer_provider(*exporters: SpanExporter) -> Iterator[TracerProvider]:
     finally:
         provider.shutdown()
         trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+
+
+def label_rows(engine: FunctionEngine, logprobs: Mapping[str, float], read: CanvasRead) -> list[dict[int, float]]:
+    """The same row at every slot of `read`: each label's logprob, keyed by `engine`'s token id."""
+    return [{engine.token_id(label): lp for label, lp in logprobs.items()}] * len(read.slots)
+
+
+def fixed_engine(logprobs: Mapping[str, float]) -> FunctionEngine:
+    """A FunctionEngine whose every slot reads `logprobs` (label -> logprob), whatever the noise."""
+    engine = FunctionEngine(lambda read: label_rows(engine, logprobs, read))
+    return engine
 
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import pytest
-from conftest import fresh_tracer_provider, unavailable
+from conftest import fresh_tracer_provider, label_rows, unavailable
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -292,7 +292,7 @@ def _graph_run(spans_file: Path):
         sure = "refund" in read.messages[-1]["content"]
         lp = {"A": -0.01, "B": -6.0, "yes": -0.01, "no": -6.0} if sure else \
              {"A": -0.69, "B": -0.70, "yes": -0.69, "no": -0.70}
-        return [{engine.token_id(k): v for k, v in lp.items()}] * len(read.slots)
+        return label_rows(engine, lp, read)
 
     engine = FunctionEngine(rows)
     reply = AIMessage('{"urgent": "yes"}', usage_metadata={"input_tokens": 50, "output_tokens": 5, "total_tokens": 55})

@@ -9,6 +9,7 @@ from langchain_core.decisions import Choice, Noul
 from langgraph.cache.memory import InMemoryCache
 from langgraph.graph import END, START, StateGraph
 
+from conftest import fixed_engine
 from engine import EngineUnavailable, FunctionEngine
 from router import CanvasDecisionModel, DecisionCache, GatePolicy
 from router.telemetry import CACHE_HIT
@@ -19,11 +20,7 @@ URGENT = Noul(instructions="Is it urgent?")
 
 
 def _engine() -> FunctionEngine:
-    def rows(read):
-        sure = {"A": -0.05, "B": -4.0, "yes": -0.05, "no": -4.0}  # confident: one read per question
-        return [{fake.token_id(x): lp for x, lp in sure.items()} for _ in read.slots]
-    fake = FunctionEngine(rows)
-    return fake
+    return fixed_engine({"A": -0.05, "B": -4.0, "yes": -0.05, "no": -4.0})  # confident: one read per question
 
 
 class Clock:

@@ -22,7 +22,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, RetryPolicy, interrupt
 from typing_extensions import TypedDict
 
-from conftest import assert_snapshot
+from conftest import assert_snapshot, fixed_engine, label_rows
 from engine import (
     BudgetExhausted,
     DecisionError,
@@ -61,16 +61,6 @@ class State(TypedDict, total=False):
     ticket: str
     decisions: Annotated[dict, merge_decisions]
     lane: str
-
-
-def fixed_engine(logprobs: dict[str, float]) -> FunctionEngine:
-    """Every slot reads the same row, whatever the noise."""
-
-    def rows(read):
-        return [{engine.token_id(label): lp for label, lp in logprobs.items()}] * len(read.slots)
-
-    engine = FunctionEngine(rows)
-    return engine
 
 
 def noise_engine() -> FunctionEngine:
@@ -577,7 +567,7 @@ def flaky_engine(error: Exception) -> FunctionEngine:
     def rows(read):
         if engine.calls == 1:
             raise error
-        return [{engine.token_id(label): lp for label, lp in SURE_TECH.items()}] * len(read.slots)
+        return label_rows(engine, SURE_TECH, read)
 
     engine = FunctionEngine(rows)
     return engine
@@ -658,7 +648,7 @@ async def test_parallel_decision_nodes_read_concurrently(mode):
 
     async def rows(read):
         await asyncio.wait_for(barrier.wait(), 20)  # passes only if both reads are in flight at once
-        return [{engine.token_id(label): lp for label, lp in SURE_TECH.items()}] * len(read.slots)
+        return label_rows(engine, SURE_TECH, read)
 
     engine = FunctionEngine(rows)
     model = CanvasDecisionModel(engine=engine)

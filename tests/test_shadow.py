@@ -13,7 +13,7 @@ import itertools
 from typing import Annotated, Any
 
 import pytest
-from conftest import smollm2_ar_server
+from conftest import fixed_engine, smollm2_ar_server
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -38,14 +38,6 @@ class State(TypedDict, total=False):
     ticket: str
     decisions: Annotated[dict, merge_decisions]
     lane: str
-
-
-def fixed_engine(logprobs: dict[str, float]) -> FunctionEngine:
-    def rows(read):
-        return [{engine.token_id(label): lp for label, lp in logprobs.items()}] * len(read.slots)
-
-    engine = FunctionEngine(rows)
-    return engine
 
 
 def failing_engine() -> FunctionEngine:
