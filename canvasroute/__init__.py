@@ -1,22 +1,25 @@
 """canvasroute: LangGraph branch decisions as one DiffusionGemma canvas read.
 
-The one import surface. Names live in three layers (`harness` → `router` → `engine`,
-the data flow) and are re-exported here, so users need not know which layer holds what:
+The one import surface. The library is one package whose layers follow the data flow,
+applications → `canvasroute.harness` → `canvasroute.router` → `canvasroute.engine`; the
+public API of the three layers is re-exported here, so users need not know which holds what:
 
 ```python
 from canvasroute import CanvasDecisionModel, GatePolicy, VLLMServerEngine, decision_node, retry_on
 ```
 
 Names are imported on first use: `import canvasroute` loads neither LangGraph nor torch.
-Import from here: the layer packages' generic top-level names (`engine`, `router`,
-`harness`) would clash with another distribution installing the same names.
+The applications (CLI, `serve`, `bench`, `eval`, `calibrate`, `dashboard`, `demo`) live in
+`canvasroute.apps` and use the library as a user would.
 """
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
+
 if TYPE_CHECKING:
-    from engine import (
+    from canvasroute.engine import (
         BudgetExhausted,
         CalibrationError,
         CanvasRead,
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
         VLLMServerEngine,
         embedded_engine,
     )
-    from harness import (
+    from canvasroute.harness import (
         DecisionEdge,
         DecisionNode,
         ReviewPolicy,
@@ -53,7 +56,7 @@ if TYPE_CHECKING:
         retry_on,
         route_on,
     )
-    from router import (
+    from canvasroute.router import (
         CanvasDecisionModel,
         CanvasResponse,
         DecisionCache,
@@ -84,12 +87,57 @@ _LAYERS = {
 }
 _HOME = {name: layer for layer, names in _LAYERS.items() for name in names}
 
-__all__ = sorted(_HOME)
+__all__ = [
+    "BudgetExhausted",
+    "CalibrationError",
+    "CanvasDecisionModel",
+    "CanvasRead",
+    "CanvasResponse",
+    "CanvasRouteError",
+    "DecisionCache",
+    "DecisionEdge",
+    "DecisionError",
+    "DecisionNode",
+    "EmbeddedModelMissing",
+    "Engine",
+    "EngineInfo",
+    "EngineOverloaded",
+    "EngineRequestError",
+    "EngineResponseError",
+    "EngineTimeout",
+    "EngineUnavailable",
+    "EscalationBudget",
+    "EscalationError",
+    "FunctionEngine",
+    "GatePolicy",
+    "ImagesUnsupported",
+    "InputTooLong",
+    "LabelError",
+    "ReadReport",
+    "ReadResult",
+    "ReviewPolicy",
+    "StoreBudgetMeter",
+    "SystemOneDecisionModel",
+    "TraceFileError",
+    "TransformersEngine",
+    "UnsupportedQuestion",
+    "VLLMEngine",
+    "VLLMServerEngine",
+    "__version__",
+    "decision_node",
+    "embedded_engine",
+    "load_policy",
+    "merge_decisions",
+    "retry_on",
+    "route_on",
+    "save_policy",
+]
+"""Literal, so type checkers see the re-exports; `_LAYERS` says where each name lives."""
 
 
 def __getattr__(name: str) -> Any:
     if name in _HOME:
-        value = getattr(import_module(_HOME[name]), name)
+        value = getattr(import_module(f"canvasroute.{_HOME[name]}"), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'canvasroute' has no attribute {name!r}")

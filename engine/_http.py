@@ -3,7 +3,7 @@
 One place for replicas with cool-down, per-request lanes, retries with exponential
 backoff and jitter (408, 429, 5xx, 529, connection errors, timeouts), `Retry-After`
 (capped), a whole-attempt deadline, `traceparent` injection and the mapping of HTTP
-statuses to the errors in `engine.errors`. The callers speak their wire on top of it
+statuses to the errors in `canvasroute.engine.errors`. The callers speak their wire on top of it
 (the model/provider split of pydantic-ai). Requests go out through lanes (engine/_lanes.py):
 HTTP/1.1 over asyncio streams, or httpx when a custom transport is given.
 """

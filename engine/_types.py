@@ -38,7 +38,7 @@ class EngineInfo:
     end_of_turn: str = "<turn|>"
     """Text that closes the answer (Gemma 4's end of turn)."""
     special_tokens: tuple[str, ...] = ()
-    """Special and added token texts of the engine's tokenizer: `engine.defuse` breaks them
+    """Special and added token texts of the engine's tokenizer: `canvasroute.engine.defuse` breaks them
     in user text so a state or an instruction cannot forge template tokens."""
     accepts_images: bool = False
     """Whether reads may carry images (`CanvasRead.images`); the router refuses a state

@@ -23,7 +23,7 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 retryable (a server that is down, slow or shedding load; an escalation target that
 timed out or could not be reached). A malformed engine answer, a refused request, a spent
 budget and misuse are not: retrying them costs reads and escalations and cannot help.
-`harness.retry_on` gives LangGraph exactly this rule.
+`canvasroute.harness.retry_on` gives LangGraph exactly this rule.
 
 (`canvasroute serve` turns these into HTTP answers; its `Refusal` is such an answer and its
 `ClientGone` is control flow inside the server: neither reaches a caller as an exception.)

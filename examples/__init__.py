@@ -1,7 +1,7 @@
 """Runnable example scripts: LangGraph graphs whose branches are canvas-read decisions.
 
 - `examples.triage`: support-ticket triage (the graph `canvasroute demo` runs, from
-  `harness.demo.triage`).
+  `canvasroute.apps.demo.triage`).
 - `examples.rag_relevance`: grade every retrieved document in one read.
 - `examples.tool_routing`: pick a tool for the user's message.
 
@@ -11,6 +11,6 @@ CPU model (SmolLM2-135M, near-chance decisions: it shows the plumbing, not accur
 These scripts live in the repository only; they are not part of the installed package.
 """
 
-from harness.demo.model import EMBEDDED_NOTE, make_model
+from canvasroute.apps.demo.model import EMBEDDED_NOTE, make_model
 
 __all__ = ["EMBEDDED_NOTE", "make_model"]

@@ -20,8 +20,7 @@ from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import RetryPolicy
 from typing_extensions import TypedDict
 
-from harness import decision_node, merge_decisions, retry_on
-from router import CanvasDecisionModel
+from canvasroute import CanvasDecisionModel, decision_node, merge_decisions, retry_on
 
 from . import EMBEDDED_NOTE, make_model
 

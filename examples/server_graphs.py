@@ -32,9 +32,8 @@ from typing import Any
 
 from langgraph.graph import END, START, StateGraph
 
-from harness import ReviewPolicy, decision_node
-from harness.demo import triage as _triage
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute import CanvasDecisionModel, GatePolicy, ReviewPolicy, decision_node
+from canvasroute.apps.demo import triage as _triage
 
 from . import rag_relevance as _rag
 from . import tool_routing as _tools
@@ -51,18 +50,18 @@ def make_engine() -> Any:
     if kind == "function":
         return make_function_engine()
     if url and kind in ("", "vllm"):
-        from engine import VLLMServerEngine
+        from canvasroute import VLLMServerEngine
 
         return VLLMServerEngine([u.strip() for u in url.split(",") if u.strip()])
     if kind in ("", "embedded"):
-        from engine import embedded_engine
+        from canvasroute import embedded_engine
 
         return embedded_engine()
     raise ValueError(f"CANVASROUTE_ENGINE={kind!r}: use embedded, vllm (with CANVASROUTE_ENGINE_URL) or function")
 
 
 class LazyEngine:
-    """An `engine.Engine` that builds the real one on first use (`make_engine` by default)."""
+    """An `canvasroute.engine.Engine` that builds the real one on first use (`make_engine` by default)."""
 
     def __init__(self, factory: Any = make_engine) -> None:
         self._factory = factory
@@ -102,7 +101,7 @@ def make_function_engine() -> Any:
     Per slot, the labels are ranked by a hash of (prompt, slot) and 3 nats apart, so the
     same prompt always gives the same confident answers; `[unsure]` gives flat rows.
     """
-    from engine import FunctionEngine
+    from canvasroute import FunctionEngine
 
     def rows(read: Any) -> list[dict[int, float]]:
         prompt = "".join(m["content"] for m in read.messages)

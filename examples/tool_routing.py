@@ -22,8 +22,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import RetryPolicy
 
-from harness import decision_node, merge_decisions, retry_on
-from router import CanvasDecisionModel
+from canvasroute import CanvasDecisionModel, decision_node, merge_decisions, retry_on
 
 from . import EMBEDDED_NOTE, make_model
 

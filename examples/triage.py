@@ -4,7 +4,7 @@
 START -> triage -.-> billing | technical | account | on_call -> END
 ```
 
-The graph ships with the package as `harness.demo.triage` (it is what `canvasroute demo`
+The graph ships with the package as `canvasroute.apps.demo.triage` (it is what `canvasroute demo`
 runs); this script runs it. Run it: `python -m examples.triage [vLLM URL]`.
 """
 
@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import sys
 
-from harness.demo.triage import QUESTIONS, SAMPLE_TICKETS, TEAMS, TicketState, build_graph, main, route, run_samples
+from canvasroute.apps.demo.triage import (
+    QUESTIONS,
+    SAMPLE_TICKETS,
+    TEAMS,
+    TicketState,
+    build_graph,
+    main,
+    route,
+    run_samples,
+)
 
 __all__ = ["QUESTIONS", "SAMPLE_TICKETS", "TEAMS", "TicketState", "build_graph", "main", "route", "run_samples"]
 

@@ -10,8 +10,8 @@
 - `StoreBudgetMeter`: escalation budgets counted in a LangGraph store, shared by workers
   (a node whose graph has a store uses one for its model's budget).
 
-What stands apart lives in subpackages behind the CLI (`harness.cli`): `observability`
-(trace files, dashboard), `calibration`, `bench`, `demo`, `server`.
+The applications built on this layer (CLI, server, bench, eval, calibrate, dashboard,
+demo) live above it, in `canvasroute.apps`.
 
 Names are imported on first use, so `canvasroute --help` does not load LangGraph.
 """
@@ -63,4 +63,4 @@ def __getattr__(name: str) -> Any:
         value = getattr(import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'harness' has no attribute {name!r}")
+    raise AttributeError(f"module 'canvasroute.harness' has no attribute {name!r}")

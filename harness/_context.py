@@ -16,8 +16,8 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import get_runtime
 
-from router import CanvasDecisionModel, GatePolicy, question_set_key, render_state
-from router.telemetry import GRAPH_NODE, GRAPH_THREAD
+from canvasroute.router import CanvasDecisionModel, GatePolicy, question_set_key, render_state
+from canvasroute.router.telemetry import GRAPH_NODE, GRAPH_THREAD
 
 from ._records import answers_only
 from ._store_budget import StoreBudgetMeter, store_meter

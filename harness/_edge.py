@@ -8,8 +8,7 @@ from typing import Any
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 
-from router import CanvasDecisionModel, CanvasResponse
-from router import parse_questions
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, parse_questions
 
 from ._context import Inputs, child_config, decision_seed, graph_call, select_inputs
 from ._records import emit, entries, trace_route

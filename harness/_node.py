@@ -16,13 +16,14 @@ label the edges.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from types import MethodType
-from typing import Any, Literal
+from typing import Any
 
 from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import Runnable, RunnableConfig
@@ -33,19 +34,24 @@ from langchain_core.runnables.config import (
 )
 from langgraph.types import CachePolicy, Command
 
-from router import CanvasDecisionModel, CanvasResponse
-from router import QuestionSpec, parse_questions
+from canvasroute.router import (
+    CanvasDecisionModel,
+    CanvasResponse,
+    QuestionSpec,
+    image_digests,
+    parse_questions,
+    render_state,
+    state_images,
+)
 
-from ._cache import node_cache_key
 from ._context import GraphCall, Inputs, child_config, decision_seed, graph_call, select_inputs
 from ._records import emit, entries, trace_route
 from ._review import ReviewPolicy, review
+from ._routes import Route, annotated_call, parse_route, route_destinations
 from ._shadow import ExistingRouter, Shadow, ShadowOutcome
 
 Questions = Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]
 """Static `{question_id: Noul | Choice | Score}`, or a function of the graph state."""
-Route = tuple[str, Mapping[Any, str]] | Callable[[dict[str, dict[str, Any]]], str] | None
-"""`(question_id, {option: node})`, a function of the decisions returning a node, or None."""
 
 _PENDING_MAX = 1024
 
@@ -75,8 +81,8 @@ class DecisionNode(Runnable[Any, Command]):
         self.inputs = inputs
         self.output_key = output_key
         self.review = review
-        self.route_question, self.route_map, self.route_fn = _parse_route(route)
-        self.destinations = _destinations(self.route_map, self.route_fn, destinations)
+        self.route_question, self.route_map, self.route_fn = parse_route(route)
+        self.destinations = route_destinations(self.route_map, self.route_fn, destinations)
         """The nodes this node can go to (what the graph drawing shows)."""
         self.name = name or (f"decide_{self.route_question}" if self.route_question else "decide")
         self.depends_on = dict(depends_on) if depends_on else None
@@ -93,7 +99,7 @@ class DecisionNode(Runnable[Any, Command]):
         self.shadow = Shadow(shadow, self.destinations) if shadow is not None else None
         """The existing router this node shadows (None: the canvas routes)."""
         if self.destinations:
-            self.__call__ = MethodType(_annotated_call(self.destinations), self)
+            self.__call__ = MethodType(annotated_call(self.destinations), self)
 
     def __repr__(self) -> str:
         route = self.route_question or ("callable" if self.route_fn else None)
@@ -108,9 +114,33 @@ class DecisionNode(Runnable[Any, Command]):
 
         `builder.add_node("triage", node, cache_policy=node.cache_policy(ttl=300))` with
         `builder.compile(cache=InMemoryCache())`: an identical decision about an identical
-        decision state is not read again (see `harness._cache.node_cache_key`).
+        decision state is not read again (the key is `cache_key`).
         """
-        return CachePolicy(key_func=partial(node_cache_key, self), ttl=ttl)
+        return CachePolicy(key_func=self.cache_key, ttl=ttl)
+
+    def cache_key(self, state: Any) -> str:
+        """The node cache's key for deciding on `state`: a SHA-256 (hex) of what the node asks
+        (its name, its questions, resolved from the state when they are a function of it,
+        and their conditions), what it reads (`inputs`, rendered as the model sees it,
+        images by digest) and its model's gate (policy, served name, constrained flag).
+
+        The rest of the graph state does not enter the key, so an unrelated key changing
+        does not cause a re-read. The key is the same in every process and Python run
+        (no hash-randomised ordering), so workers sharing a cache share its hits.
+        LangGraph calls it with the node's input only, not its config: a run-scoped
+        `Runtime.context` override (`decision_model`, `gate`) is not part of the key, so do
+        not combine a node cache with per-run overrides. A hit replays the node's `Command`
+        without running it (LangGraph marks it `{"__metadata__": {"cached": True}}` in the
+        `updates` stream) and emits no decide span.
+        """
+        questions = self.questions(state) if callable(self.questions) else self.questions
+        asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
+        decision_state = select_inputs(state, self.inputs, self.output_key)
+        model = self.model
+        blob = json.dumps([self.name, asked, self.depends_on, render_state(decision_state),
+                           list(image_digests(state_images(decision_state))), repr(model.policy), model.model,
+                           model.constrained], sort_keys=True, default=_stable_json)
+        return hashlib.sha256(blob.encode()).hexdigest()
 
     # -- Runnable -----------------------------------------------------------------------
 
@@ -304,7 +334,7 @@ def decision_node(
             returning a node, sync or async, or a Runnable) keeps routing the graph while the
             canvas reads the questions beside it without escalating. Each record gets a
             `shadow` entry (agreement, would-escalate, both latencies), and a `shadow <node>`
-            span and the custom-stream event carry the same. See `harness._shadow`.
+            span and the custom-stream event carry the same. See `canvasroute.harness._shadow`.
         depends_on: `{child: (parent, answers)}`: ask a child only when its parent's final
             answer is one of `answers` (in a second read of the same call); a skipped child's
             record has `answer=None` and path `skipped`. The route question cannot be a child.
@@ -330,40 +360,11 @@ def decision_node(
                         review=review, destinations=destinations, shadow=shadow, depends_on=depends_on)
 
 
-def _parse_route(route: Route) -> tuple[str | None, dict[str, str] | None, Callable[..., str] | None]:
-    if route is None:
-        return None, None, None
-    if callable(route):
-        return None, None, route
-    if (isinstance(route, tuple) and len(route) == 2 and isinstance(route[0], str)
-            and isinstance(route[1], Mapping) and route[1]):
-        paths = {str(option): target for option, target in route[1].items()}
-        bad = [t for t in paths.values() if not isinstance(t, str) or not t]
-        if bad:
-            raise ValueError(f"route targets must be node names, got {bad}")
-        return route[0], paths, None
-    raise TypeError("route must be (question_id, {option: node}), a function of the decisions, or None")
-
-
-def _destinations(route_map: dict[str, str] | None, route_fn: Callable[..., str] | None,
-                  declared: Sequence[str] | None) -> tuple[str, ...]:
-    if route_fn is not None:
-        if not declared or isinstance(declared, str):
-            raise ValueError("a route function needs destinations=(node, ...) naming every node it may return")
-        return tuple(dict.fromkeys(declared))
-    if declared is not None:
-        raise ValueError("destinations= is only for route functions; a route mapping declares its own")
-    return tuple(dict.fromkeys(route_map.values())) if route_map else ()
-
-
-def _annotated_call(destinations: tuple[str, ...]) -> Callable[..., Command]:
-    """A `__call__` whose return annotation is `Command[Literal[destinations]]` (read by `add_node`)."""
-
-    def __call__(self: DecisionNode, state: Any, config: RunnableConfig | None = None) -> Command:
-        return self.invoke(state, config)
-
-    __call__.__annotations__ = {"return": Command[Literal[destinations]]}  # type: ignore[valid-type]
-    return __call__
-
-
 __all__ = ["DecisionNode", "decision_node"]
+
+
+def _stable_json(value: Any) -> Any:
+    """JSON for what `json` cannot write, the same in every process: sets in sorted order."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=lambda v: (type(v).__name__, repr(v)))
+    return str(value)

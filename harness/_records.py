@@ -13,8 +13,8 @@ from typing import Any
 
 from langgraph.config import get_stream_writer
 
-from router import CanvasResponse
-from router import telemetry as tm
+from canvasroute.router import CanvasResponse
+from canvasroute.router import telemetry as tm
 
 DECISION_EVENT = "canvasroute.decision"
 

@@ -7,14 +7,14 @@ skips `ValueError`, `TypeError`, `ArithmeticError`, `ImportError`, `LookupError`
 `StopAsyncIteration` and `OSError`. For canvasroute errors that is wrong both ways (a
 malformed engine answer, a spent budget or a garbled escalation would be retried), so
 `retry_on` decides every canvasroute error by its `retryable` flag (set per class in
-`engine.errors`) and leaves other exceptions to LangGraph's default.
+`canvasroute.engine.errors`) and leaves other exceptions to LangGraph's default.
 """
 
 from __future__ import annotations
 
 from langgraph.types import RetryPolicy
 
-from engine.errors import CanvasRouteError
+from canvasroute.engine.errors import CanvasRouteError
 
 _DEFAULT = RetryPolicy().retry_on
 

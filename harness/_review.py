@@ -13,8 +13,8 @@ from typing import Any
 
 from langgraph.types import interrupt
 
-from engine import DecisionError
-from router import CanvasResponse, ReadReport
+from canvasroute.engine import DecisionError
+from canvasroute.router import CanvasResponse, ReadReport
 
 REVIEW_EVENT = "canvasroute.review"
 

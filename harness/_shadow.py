@@ -10,7 +10,7 @@ three places:
   `canvas_destination`, `agrees`, `would_escalate` (this question), `canvas_alone` (no
   question of the set would have escalated) and `latency_s: {router, canvas}`;
 - a `shadow <node>` span (the canvas `decide` span under it) with the
-  `canvasroute.shadow.*` attributes of `router.telemetry`;
+  `canvasroute.shadow.*` attributes of `canvasroute.router.telemetry`;
 - the `canvasroute.decision` custom-stream event, under `shadow`.
 
 The canvas reads without escalating (a copy of the model with no escalation target and
@@ -34,8 +34,8 @@ from typing import Any
 
 from langchain_core.runnables import Runnable, RunnableConfig
 
-from router import CanvasDecisionModel, CanvasResponse
-from router import telemetry as tm
+from canvasroute.router import CanvasDecisionModel, CanvasResponse
+from canvasroute.router import telemetry as tm
 
 from ._context import child_config
 

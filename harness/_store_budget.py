@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import threading
+import time
 import uuid
 import weakref
 from collections import defaultdict
@@ -41,7 +41,7 @@ from typing import Any
 
 from langgraph.store.base import BaseStore, PutOp
 
-from router import EscalationBudget
+from canvasroute.router import EscalationBudget
 
 _PAGE = 10_000
 _ATTEMPTS = 8
@@ -49,7 +49,7 @@ _NO_THREAD = ""
 
 
 class StoreBudgetMeter:
-    """A `router.BudgetMeter` whose counts live in a LangGraph `BaseStore` (e.g. `PostgresStore`).
+    """A `canvasroute.router.BudgetMeter` whose counts live in a LangGraph `BaseStore` (e.g. `PostgresStore`).
 
     Args:
         store: the store every worker shares (sync or async implementation).

@@ -15,10 +15,21 @@ _model       CanvasDecisionModel: the BaseDecisionModel that connects them
 systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
 ```
 
-Public modules beside this surface: `router.telemetry` (span and attribute names) and
-`router.calibration` (the math).
+Public modules beside this surface: `canvasroute.router.telemetry` (span and attribute names) and
+`canvasroute.router.calibration` (the math).
 """
 
+from ._budget import BudgetMeter, InMemoryBudgetMeter
+from ._cache import DecisionCache
+from ._distribution import SlotStats, aggregate, slot_stats
+from ._escalation import Escalated, escalate, target_name
+from ._images import image_digests, state_images
+from ._model import CanvasDecisionModel
+from ._policy import EscalationBudget, GatePolicy
+from ._policy_file import load_policy, save_policy
+from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
+from ._state import render_state
+from ._types import CanvasResponse, ReadReport
 from .calibration import (
     Calibration,
     Labelled,
@@ -26,18 +37,7 @@ from .calibration import (
     calibrate,
     expected_calibration_error,
     fit_temperature,
-    load_policy,
-    save_policy,
 )
-from ._distribution import SlotStats, aggregate, slot_stats
-from ._escalation import Escalated, escalate, target_name
-from ._images import image_digests, state_images
-from ._budget import BudgetMeter, InMemoryBudgetMeter
-from ._cache import DecisionCache
-from ._model import CanvasDecisionModel, render_state
-from ._policy import EscalationBudget, GatePolicy
-from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
-from ._types import CanvasResponse, ReadReport
 from .systemone import SystemOneDecisionModel
 
 __all__ = [

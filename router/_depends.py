@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine import DecisionError
+from canvasroute.engine import DecisionError
 
 from ._questions import QuestionSpec
 

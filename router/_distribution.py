@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine import EngineResponseError
+from canvasroute.engine import EngineResponseError
 
 
 @dataclass(frozen=True, slots=True)

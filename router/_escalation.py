@@ -21,10 +21,9 @@ from langchain_core.decisions import BaseDecisionModel, ChoiceAnswer, NoulAnswer
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 
-from engine.errors import CanvasRouteError, EscalationError
+from canvasroute.engine.errors import CanvasRouteError, EscalationError
 
-from ._prompts import _text
-from ._questions import QuestionSpec, parse_questions
+from ._questions import QuestionSpec, option_text, parse_questions
 
 
 @dataclass(slots=True)
@@ -125,7 +124,7 @@ def _request(state_text: str, specs: Sequence[QuestionSpec],
     for spec in specs:
         options = ", ".join(f'"{o}"' + (f" ({d})" if d else "")
                             for o, d in zip(spec.options, spec.descriptions, strict=True))
-        line = f'Question "{spec.id}": {_text(spec.question.instructions)} Options: {options}.'
+        line = f'Question "{spec.id}": {option_text(spec.question.instructions)} Options: {options}.'
         if hint := canvas.get(spec.id):
             line += " Fast model's probabilities: " + json.dumps({k: round(v, 3) for k, v in hint.items()})
         lines.append(line)

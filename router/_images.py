@@ -15,13 +15,13 @@ text keeps only the text blocks, so the images take part in the cache key by dig
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from langchain_core.messages import BaseMessage
 
-from engine import DecisionError, ImagesUnsupported
+from canvasroute.engine import DecisionError, ImagesUnsupported
 
 __all__ = ["ImageEngine", "check_images", "image_digests", "state_images"]
 

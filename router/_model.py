@@ -7,42 +7,42 @@ the escalation, budget, fallback and fault rules.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
 
-from langchain_core.decisions import BaseDecisionModel, ChoiceAnswer, ClassifierRequest, NoulAnswer, ScoreAnswer
-from langchain_core.messages import BaseMessage
+from langchain_core.decisions import BaseDecisionModel, ClassifierRequest
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
-from engine import (
-    SPECIAL_CANDIDATES,
+if TYPE_CHECKING:
+    from langchain_core.runnables import RunnableConfig
+
+from canvasroute.engine import (
     CanvasRouteError,
     DecisionError,
     Engine,
     EngineInfo,
     InputTooLong,
-    defuse,
     run_sync,
 )
 
 from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache, decision_key, replay
-from ._images import ImageEngine, check_images, image_digests, state_images
-from ._escalation import is_target
 from ._depends import parse_depends_on
+from ._escalation import is_target
+from ._images import ImageEngine, check_images, image_digests, state_images
 from ._outcome import Outcomes, skipped_report
 from ._plan import Chunk, Plan, plan
 from ._policy import EscalationBudget, GatePolicy
 from ._questions import QuestionSpec, parse_questions, question_set_key, with_abstain
 from ._reading import QuestionRead, Reading, messages
-from ._types import CanvasResponse, ReadReport
+from ._state import default_seed, render_state
+from ._types import CanvasResponse, ReadReport, answer_of
 
 _REQUEST_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("canvasroute_request_options", default={})
 """Request keys beyond state and questions, from `invoke` to `_classify` (the hooks take only those two)."""
@@ -167,6 +167,13 @@ class CanvasDecisionModel(BaseDecisionModel):
         finally:
             _REQUEST_OPTIONS.reset(token)
 
+    if TYPE_CHECKING:  # the inherited calls, typed with the response they return
+        def invoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
+                   **kwargs: Any) -> CanvasResponse: ...
+
+        async def ainvoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
+                          **kwargs: Any) -> CanvasResponse: ...
+
     # -- the decision ------------------------------------------------------------------
 
     def decide(self, state: Any, questions: Mapping[str, Any], **options: Any) -> CanvasResponse:
@@ -181,7 +188,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         """Answer every question about `state`: read, gate, re-read, escalate.
 
         `depends_on={child: (parent, answers)}` asks `child` only when `parent`'s final
-        answer is one of `answers` (`router._depends`): parents are read (and escalated)
+        answer is one of `answers` (`canvasroute.router._depends`): parents are read (and escalated)
         first, children in a second read of the same call; a child not asked is reported
         with path `skipped` and has no entry in `answers`. `budget_meter` counts this
         decision's escalations against the model's `budget` instead of the model's own meter
@@ -258,7 +265,7 @@ class CanvasDecisionModel(BaseDecisionModel):
             tm.record_reports(span, reports, latency, model_name, policy, attrs)
         response = CanvasResponse.model_validate({
             "model": model_name,
-            "answers": {r.question_id: _answer(specs[r.question_id], r) for r in reports if r.path != "skipped"},
+            "answers": {r.question_id: answer_of(specs[r.question_id], r) for r in reports if r.path != "skipped"},
             "reads": {r.question_id: r for r in reports},
             "usage": usage,
             "canvas_reads": canvas_reads,
@@ -297,7 +304,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         assert info is not None
         reading = Reading(engine=ImageEngine(self.engine, images) if images else self.engine, info=info,
                           plan=the_plan, state_text=state_text,
-                          seed=_default_seed(state_text, the_plan) if seed is None else seed,
+                          seed=default_seed(state_text, the_plan) if seed is None else seed,
                           policy=policy, constrained=self.constrained, absorbs=absorbs,
                           member_plan=self._member_plan, usage=usage)
         reads = await reading.run()
@@ -360,45 +367,10 @@ def _options(request: Any) -> dict[str, Any]:
     return {k: request[k] for k in _OPTION_KEYS if request.get(k) is not None}
 
 
-def render_state(state: Any, special_tokens: Sequence[str] | None = None) -> str:
-    """The user message: a string as is, messages as a transcript, anything else as JSON.
-
-    Every special-token text of the engine's tokenizer (`EngineInfo.special_tokens`;
-    default: the texts `engine` probes servers for) is defused with a zero-width space, so
-    a state cannot close the turn or forge template tokens.
-    """
-    if isinstance(state, str):
-        text = state
-    elif isinstance(state, BaseMessage):
-        text = f"{state.type}: {state.text}"
-    elif isinstance(state, Sequence) and state and all(isinstance(m, BaseMessage) for m in state):
-        text = "\n".join(f"{m.type}: {m.text}" for m in state)
-    else:
-        text = json.dumps(state, ensure_ascii=False, default=_jsonable, sort_keys=False)
-    return defuse(text, special_tokens or SPECIAL_CANDIDATES)
-
-
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any, size: int = 256) -> None:
     cache[key] = value
     while len(cache) > size:
         cache.popitem(last=False)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, BaseMessage):
-        return {"role": value.type, "content": value.text}
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    raise TypeError(f"state holds a {type(value).__name__}, which is not JSON")
-
-
-
-
-def _default_seed(state_text: str, the_plan: Plan) -> int:
-    blob = state_text + "\x00" + "\x00".join(c.system for c in the_plan.chunks)
-    return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
-
-
 
 
 async def _check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk],
@@ -417,20 +389,3 @@ async def _check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk
             raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width} exceed the model's "
                                f"{info.max_model_len}-token context",
                                hint="shorten the state or ask fewer questions per node")
-
-
-
-
-def _answer(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
-    """The langchain-core answer for one report (validated as one mapping, like the reports)."""
-    probs = report.probabilities
-    if spec.kind == "noul":
-        return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
-    confidence = min(1.0, max(0.0, probs.get(report.answer, 0.0)))
-    if spec.kind == "choice":
-        return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
-                                            "confidence": confidence})
-    by_level = {int(k): v for k, v in probs.items()}
-    return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
-                                       "legend": dict(enumerate(spec.question.criteria)),
-                                       "probabilities": by_level, "confidence": confidence})

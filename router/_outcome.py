@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from engine import BudgetExhausted, CanvasRouteError, DecisionError, EscalationError
+from canvasroute.engine import BudgetExhausted, CanvasRouteError, DecisionError, EscalationError
 
 from . import telemetry as tm
 from ._budget import BudgetMeter

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field, replace
 
 from langchain_core.decisions import Choice
 
-from engine import MAX_LABEL_IDS, Engine, EngineInfo, InputTooLong, LabelError
+from canvasroute.engine import MAX_LABEL_IDS, Engine, EngineInfo, InputTooLong, LabelError
 
 from ._labels import one_token_labels
 from ._prompts import system_prompt, template_text
 from ._questions import QuestionSpec, rotated, view_shifts
-
 
 GROUP_LISTING_CHARS = 300
 """Longest member listing in a group question's prompt; longer groups name their ends."""

@@ -2,37 +2,27 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from langchain_core.decisions import Choice, Noul
 
-from engine import SPECIAL_CANDIDATES, EngineInfo, defuse
+from canvasroute.engine import SPECIAL_CANDIDATES, EngineInfo, defuse
 
-if TYPE_CHECKING:
-    from ._questions import QuestionSpec
-
-
-def _text(content: Any) -> str:
-    return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
-
-
-ABSTAIN_TEXT = "none of these / can't tell"
-"""How an abstain label is described in the prompt."""
+from ._questions import ABSTAIN_TEXT, QuestionSpec, option_text
 
 
 def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]],
                   special_tokens: Sequence[str] | None = None) -> str:
     """The question list for one chunk. Caller ids are hidden behind q1, q2, ...
 
-    Instructions, option names and criteria are defused like the state (`engine.defuse`
+    Instructions, option names and criteria are defused like the state (`canvasroute.engine.defuse`
     with the engine's special tokens): a question built from state cannot forge tokens.
     """
     specials = special_tokens or SPECIAL_CANDIDATES
 
     def text(content: Any) -> str:
-        return defuse(_text(content), specials)
+        return defuse(option_text(content), specials)
 
     parts = ["Read the input and answer every question below."]
     for n, (spec, alphabet) in enumerate(zip(specs, labels, strict=True), 1):

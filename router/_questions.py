@@ -7,6 +7,7 @@ names in label order and candidate label alphabets).
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -15,9 +16,16 @@ from typing import Any
 from langchain_core.decisions import Box, Choice, Noul, Question, Score
 from pydantic import TypeAdapter, ValidationError
 
-from engine import DecisionError, LabelError, UnsupportedQuestion
+from canvasroute.engine import DecisionError, LabelError, UnsupportedQuestion
 
-from ._prompts import ABSTAIN_TEXT, _text
+
+def option_text(content: Any) -> str:
+    """A criterion or instruction as prompt text (JSON when it is not text)."""
+    return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+
+
+ABSTAIN_TEXT = "none of these / can't tell"
+"""How an abstain label is described in the prompt."""
 
 MAX_OPTIONS = 255
 """Options one Choice or Score may have (the Jev limit); past one read's labels, two reads."""
@@ -111,11 +119,11 @@ class QuestionSpec:
         extra = (ABSTAIN_TEXT,) if self.abstain else ()
         if isinstance(q, Noul):
             crit = q.criteria
-            return (_text(crit.true) if crit and crit.true is not None else "",
-                    _text(crit.false) if crit and crit.false is not None else "", *extra)
+            return (option_text(crit.true) if crit and crit.true is not None else "",
+                    option_text(crit.false) if crit and crit.false is not None else "", *extra)
         if isinstance(q, Choice):
-            return (*(_text(d) if d not in (None, "") else "" for d in q.criteria.values()), *extra)
-        return (*(_text(d) for d in q.criteria), *extra)
+            return (*(option_text(d) if d not in (None, "") else "" for d in q.criteria.values()), *extra)
+        return (*(option_text(d) for d in q.criteria), *extra)
 
     @property
     def answer_options(self) -> tuple[str, ...]:
@@ -196,7 +204,7 @@ def _alphabets(qid: str, k: int, *, letters_first: bool) -> tuple[tuple[str, ...
     """Fixed label alphabets for k options: letters (A.., a..) and digits (1.., 0..).
 
     Past 52 options there is no fixed alphabet: the planner finds one-token labels in
-    the served tokenizer (`router._labels`).
+    the served tokenizer (`canvasroute.router._labels`).
     """
     if k > MAX_OPTIONS:
         raise LabelError(f"question {qid!r} has {k} options; a question has at most {MAX_OPTIONS}")

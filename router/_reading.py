@@ -13,7 +13,7 @@ import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine import CanvasRead, CanvasRouteError, EngineInfo, EngineResponseError
+from canvasroute.engine import CanvasRead, CanvasRouteError, EngineInfo, EngineResponseError
 
 from . import telemetry as tm
 from ._distribution import SlotStats, aggregate, slot_stats

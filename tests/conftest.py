@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -20,14 +21,40 @@ import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
 
-from engine import CanvasRead, FunctionEngine
-
 ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"engine": "engine", "router": "router", "harness": "harness", "apps": "apps"}
+"""`canvasroute.<name>` -> its folder in the repository (pyproject.toml's `package-dir`)."""
+
+
+def _import_root() -> Path:
+    """A folder in which `canvasroute` is this checkout, laid out as the wheel installs it.
+
+    The layer folders sit at the top of the repository and are mapped beneath `canvasroute`
+    by `package-dir`. Put first on `sys.path` (here and in every child process, whatever its
+    venv), it makes `canvasroute` mean this checkout's code, never another install of it.
+    """
+    root = ROOT / ".canvasroute" / "import-root"
+    package = root / "canvasroute"
+    package.mkdir(parents=True, exist_ok=True)
+    links = {entry.name: entry for entry in (ROOT / "canvasroute").iterdir() if entry.name != "__pycache__"}
+    links |= {name: ROOT / folder for name, folder in LAYERS.items()}
+    for name, target in links.items():
+        link = package / name
+        if not (link.is_symlink() and link.resolve() == target.resolve()):
+            link.unlink(missing_ok=True)
+            link.symlink_to(target)
+    return root
+
+
+IMPORT_ROOT = _import_root()
+sys.path.insert(0, str(IMPORT_ROOT))
+
+from canvasroute.engine import CanvasRead, FunctionEngine  # noqa: E402 - after the import root
+
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -116,7 +143,7 @@ def smollm2_ar_server(max_new_tokens: int) -> Iterator[Any]:
     """An OpenAI-compatible AR server on the embedded SmolLM2 (greedy) on a loopback port."""
     from ar_server import ARServer, create_app, load_smollm2
 
-    from engine import EmbeddedModelMissing
+    from canvasroute.engine import EmbeddedModelMissing
 
     try:
         model, tokenizer = load_smollm2()

@@ -29,10 +29,10 @@ from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.graph import END, START, StateGraph
 from typing_extensions import TypedDict
 
-from engine import FunctionEngine
-from engine._types import CanvasRead
-from harness import decision_node, merge_decisions
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute.engine import FunctionEngine
+from canvasroute.engine._types import CanvasRead
+from canvasroute.harness import decision_node, merge_decisions
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 QUESTIONS = {
     "team": Choice(instructions="Which team handles this ticket?",

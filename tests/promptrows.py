@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine import CanvasRead, FunctionEngine
+from canvasroute.engine import CanvasRead, FunctionEngine
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from conftest import ROOT, _free_port, unavailable
+from conftest import IMPORT_ROOT, ROOT, _free_port, unavailable
 
 PYTHON = sys.executable
 PHOENIX_VENV = Path(os.environ.get("CANVASROUTE_PHOENIX_VENV",
@@ -32,9 +31,10 @@ PHOENIX_VENV = Path(os.environ.get("CANVASROUTE_PHOENIX_VENV",
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a child process: this worktree first on PYTHONPATH, no proxies."""
+    """The environment of a child process: this checkout first on PYTHONPATH (`canvasroute` from
+    its import root, `examples` and the test helpers from the repository), no proxies."""
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(IMPORT_ROOT), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
     env.update(extra)
     return env

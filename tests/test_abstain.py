@@ -15,8 +15,8 @@ from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 from promptrows import PromptRows, blocks, by_instructions, pick
 
-from engine import BudgetExhausted, DecisionError
-from router import CanvasDecisionModel, EscalationBudget, GatePolicy
+from canvasroute.engine import BudgetExhausted, DecisionError
+from canvasroute.router import CanvasDecisionModel, EscalationBudget, GatePolicy
 
 TEAM = Choice(instructions="Which team owns this?", criteria={"billing": None, "tech": None})
 URGENT = Noul(instructions="Is it urgent?")

@@ -14,10 +14,10 @@ import httpx
 import pytest
 from langchain_core.decisions import Choice
 
-from engine import VLLMServerEngine
-from engine._server import session_key
-from engine.testing import LoopbackVLLM
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute.engine import VLLMServerEngine
+from canvasroute.engine._server import session_key
+from canvasroute.engine.testing import LoopbackVLLM
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
 REREADS = 2

@@ -14,8 +14,8 @@ from langchain_core.decisions import ChoiceAnswer
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, HumanMessage
 
-from engine import FunctionEngine
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute.engine import FunctionEngine
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 TASK = "Prove that there are infinitely many primes, step by step."
 

@@ -10,7 +10,7 @@ import pytest
 from langchain_core.decisions import Box, Choice, Noul, Score
 from langchain_core.messages import AIMessage, HumanMessage
 
-from engine import (
+from canvasroute.engine import (
     DecisionError,
     FunctionEngine,
     InputTooLong,
@@ -18,8 +18,8 @@ from engine import (
     UnsupportedQuestion,
     VLLMServerEngine,
 )
-from engine.testing import LoopbackVLLM
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute.engine.testing import LoopbackVLLM
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 QUESTIONS = {
     "team": Choice(instructions="Which team should handle this ticket?",

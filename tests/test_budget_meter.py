@@ -12,8 +12,8 @@ from langchain_core.decisions import Choice, Noul
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 
-from engine import BudgetExhausted, EscalationError, FunctionEngine
-from router import BudgetMeter, CanvasDecisionModel, EscalationBudget, GatePolicy, InMemoryBudgetMeter
+from canvasroute.engine import BudgetExhausted, EscalationError, FunctionEngine
+from canvasroute.router import BudgetMeter, CanvasDecisionModel, EscalationBudget, GatePolicy, InMemoryBudgetMeter
 
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
 URGENT = Noul(instructions="Urgent?")

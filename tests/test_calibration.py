@@ -12,16 +12,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, fresh_tracer_provider
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 
-from conftest import fresh_tracer_provider
-from engine import CalibrationError, FunctionEngine, VLLMServerEngine, run_sync
-from harness import calibration as cal_cli
-from harness.cli import main
-from harness.observability.traces import JsonlSpanExporter, read_spans
-from router import (
+from canvasroute.apps import calibration as cal_cli
+from canvasroute.apps.cli import main
+from canvasroute.apps.observability.traces import JsonlSpanExporter, read_spans
+from canvasroute.engine import CalibrationError, FunctionEngine, VLLMServerEngine, run_sync
+from canvasroute.router import (
     CanvasDecisionModel,
     GatePolicy,
     Labelled,
@@ -32,9 +32,9 @@ from router import (
     save_policy,
     slot_stats,
 )
-from router import calibration as cm
+from canvasroute.router import calibration as cm
 
-BIGBENCH = Path("/work/shared/data/bigbench")
+BIGBENCH = ROOT / "data" / "bigbench"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

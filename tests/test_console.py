@@ -7,12 +7,12 @@ import json
 import re
 
 import pytest
-
 from conftest import fresh_tracer_provider
-from engine import FunctionEngine
-from harness._console import print_table, progress
-from harness.cli import main
-from router import CanvasDecisionModel
+
+from canvasroute.apps._console import print_table, progress
+from canvasroute.apps.cli import main
+from canvasroute.engine import FunctionEngine
+from canvasroute.router import CanvasDecisionModel
 
 
 class Terminal(io.StringIO):
@@ -57,7 +57,7 @@ def instant_model(engine_url=None, **kwargs):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_the_demo_prints_plain_lines_off_a_terminal_and_rich_tables_on_one(terminal, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr("harness.demo.model.make_model", instant_model)
+    monkeypatch.setattr("canvasroute.apps.demo.model.make_model", instant_model)
     if terminal:
         monkeypatch.setattr("sys.stdout", Terminal())
         monkeypatch.setattr("sys.stderr", Terminal())

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from langchain_core.decisions import Choice, ChoiceAnswer, Noul, NoulAnswer, Score, ScoreAnswer
 
-from engine import EngineRequestError, EngineUnavailable, InputTooLong, VLLMServerEngine
-from router import CanvasDecisionModel, CanvasResponse, GatePolicy
+from canvasroute.engine import EngineRequestError, EngineUnavailable, InputTooLong, VLLMServerEngine
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, GatePolicy
 
 pytestmark = pytest.mark.vllm
 

@@ -16,23 +16,22 @@ from pathlib import Path
 from typing import Annotated
 
 import pytest
-from conftest import fresh_tracer_provider, label_rows, unavailable
+from conftest import ROOT, fresh_tracer_provider, label_rows, unavailable
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from typing_extensions import TypedDict
 
-from engine import FunctionEngine, VLLMServerEngine, run_sync
-from harness import merge_decisions
-from harness.cli import main
-from harness.observability.dashboard import build_report, near_chance, percentile, render
-from engine import TraceFileError
-from harness.observability.traces import JsonlSpanExporter, SpanRecord, read_spans, span_record
-from router import CanvasDecisionModel, GatePolicy
-from router import telemetry as tm
+from canvasroute.apps.cli import main
+from canvasroute.apps.observability.dashboard import build_report, near_chance, percentile, render
+from canvasroute.apps.observability.traces import JsonlSpanExporter, SpanRecord, read_spans, span_record
+from canvasroute.engine import FunctionEngine, TraceFileError, VLLMServerEngine, run_sync
+from canvasroute.harness import merge_decisions
+from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import telemetry as tm
 
-BIGBENCH = Path("/work/shared/data/bigbench")
+BIGBENCH = ROOT / "data" / "bigbench"
 
 
 @contextmanager
@@ -285,8 +284,8 @@ def _graph_run(spans_file: Path):
     to a scripted chat model when unsure); both decision nodes' traffic goes to the trace."""
     from langgraph.graph import END, START, StateGraph
 
-    from harness import decision_node
-    from harness.observability.graph import record_graph
+    from canvasroute.apps.observability.graph import record_graph
+    from canvasroute.harness import decision_node
 
     def rows(read):  # tickets with "refund" read sure billing/yes; the others unsure
         sure = "refund" in read.messages[-1]["content"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from langchain_core.decisions import Choice, Noul
 
-from engine import VLLMServerEngine
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute.engine import VLLMServerEngine
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 pytestmark = pytest.mark.vllm
 

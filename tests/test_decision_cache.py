@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import TypedDict
 
 import pytest
+from conftest import fixed_engine
 from langchain_core.decisions import Choice, Noul
 from langgraph.cache.memory import InMemoryCache
 from langgraph.graph import END, START, StateGraph
 
-from conftest import fixed_engine
-from engine import EngineUnavailable, FunctionEngine
-from router import CanvasDecisionModel, DecisionCache, GatePolicy
-from router.telemetry import CACHE_HIT
-from harness import decision_node
+from canvasroute.engine import EngineUnavailable, FunctionEngine
+from canvasroute.harness import decision_node
+from canvasroute.router import CanvasDecisionModel, DecisionCache, GatePolicy
+from canvasroute.router.telemetry import CACHE_HIT
 
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
 URGENT = Noul(instructions="Is it urgent?")

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 from langchain_core.decisions import Box, Choice, Noul
 
-import router
-from engine import DecisionError, FunctionEngine, UnsupportedQuestion
-from router import (
+from canvasroute import router
+from canvasroute.engine import DecisionError, FunctionEngine, UnsupportedQuestion
+from canvasroute.router import (
     CanvasDecisionModel,
     EscalationBudget,
     GatePolicy,
     SystemOneDecisionModel,
     validate_questions,
 )
-from router.systemone import _wire_questions
+from canvasroute.router.systemone import _wire_questions
 
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
 URGENT = Noul(instructions="Urgent?")

@@ -16,11 +16,12 @@ from conftest import smollm2_ar_server
 from opentelemetry import trace
 from opentelemetry.util._once import Once
 
-from engine.testing import spawn
-from harness.cli import main
-from harness.observability.dashboard import build_report
-from harness.observability.traces import read_spans
-from router import telemetry as tm
+from canvasroute.apps.cli import main
+from canvasroute.apps.observability.dashboard import build_report
+from canvasroute.apps.observability.traces import read_spans
+from canvasroute.engine.testing import spawn
+from canvasroute.router import telemetry as tm
+
 
 @contextmanager
 def unset_tracer_provider() -> Iterator[None]:

@@ -16,10 +16,10 @@ from langchain_core.runnables import RunnableLambda
 from promptrows import PromptRows, blocks, by_instructions, pick
 from typing_extensions import TypedDict
 
-from engine import DecisionError
-from harness import merge_decisions
-from harness._records import entries
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute.engine import DecisionError
+from canvasroute.harness import merge_decisions
+from canvasroute.harness._records import entries
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 TEAM = Choice(instructions="Which team owns this?", criteria={"billing": None, "tech": None, "sales": None})
 REASON = Choice(instructions="Why a refund?", criteria={"double charge": None, "cancelled": None})
@@ -151,7 +151,7 @@ async def test_bad_conditions_are_decision_errors_before_any_read(depends_on, me
 def test_a_decision_node_asks_a_child_only_when_its_parent_calls_for_it(team, reason):
     from langgraph.graph import END, START, StateGraph
 
-    from harness import decision_node
+    from canvasroute.harness import decision_node
 
     rows = scripted(team)
     model = CanvasDecisionModel(engine=rows.engine, policy=SURE)
@@ -172,7 +172,7 @@ def test_a_decision_node_asks_a_child_only_when_its_parent_calls_for_it(team, re
 
 
 def test_the_route_question_of_a_node_cannot_be_a_child():
-    from harness import decision_node
+    from canvasroute.harness import decision_node
 
     model = CanvasDecisionModel(engine=scripted("billing").engine, policy=SURE)
     with pytest.raises(ValueError, match="cannot depend"):

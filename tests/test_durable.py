@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from langgraph.checkpoint.postgres import PostgresSaver
-
-from services import PYTHON, child_env, postgres_dsn  # noqa: F401 - fixture
 from conftest import ROOT
+from langgraph.checkpoint.postgres import PostgresSaver
+from services import PYTHON, child_env, postgres_dsn  # noqa: F401 - fixture
 
 WORKER = str(ROOT / "tests" / "durable_worker.py")
 

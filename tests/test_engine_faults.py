@@ -25,10 +25,16 @@ from langchain_core.decisions import Choice, Noul
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 
-from engine import CanvasRouteError, EngineTimeout, EngineUnavailable, VLLMServerEngine
-from engine import BudgetExhausted, EscalationError
-from engine.testing import FailingPaths, SleepingTransport
-from router import CanvasDecisionModel, CanvasResponse, EscalationBudget
+from canvasroute.engine import (
+    BudgetExhausted,
+    CanvasRouteError,
+    EngineTimeout,
+    EngineUnavailable,
+    EscalationError,
+    VLLMServerEngine,
+)
+from canvasroute.engine.testing import FailingPaths, SleepingTransport
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, EscalationBudget
 
 N = 8
 QUESTIONS = {

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from langchain_core.decisions import Choice, Noul
 
-from engine import (
+from canvasroute.engine import (
     THOUGHT_SCAFFOLD,
     CanvasRead,
     EngineResponseError,
@@ -25,9 +25,9 @@ from engine import (
     check_rows,
     defuse,
 )
-from engine.testing import LoopbackVLLM
-from router import CanvasDecisionModel, GatePolicy
-from router._distribution import slot_stats
+from canvasroute.engine.testing import LoopbackVLLM
+from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router._distribution import slot_stats
 
 QUESTIONS = {
     "team": Choice(instructions="Which team owns this ticket?", criteria={"billing": "charges", "tech": None}),
@@ -284,7 +284,7 @@ async def test_real_server_specials_are_discovered_and_inert(vllm_url):
 
 @pytest.mark.smollm
 async def test_embedded_smollm_added_tokens_are_inert():
-    import engine as engine_pkg
+    import canvasroute.engine as engine_pkg
 
     smol = engine_pkg.embedded_engine()
     info = await smol.info()

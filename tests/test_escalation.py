@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import smollm2_ar_server
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
@@ -23,11 +24,8 @@ from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 from pydantic import BaseModel
 
-from engine import CanvasRouteError, EngineUnavailable, FunctionEngine
-from engine import EscalationError
-from router import CanvasDecisionModel, GatePolicy
-
-from conftest import smollm2_ar_server
+from canvasroute.engine import CanvasRouteError, EngineUnavailable, EscalationError, FunctionEngine
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 STATE = "I was charged twice for my subscription, please refund me now!"
 TEAM = Choice(instructions="Which team should handle this ticket?",

@@ -12,12 +12,12 @@ from langchain_core.decisions import Choice
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 
-from engine import FunctionEngine
-from harness.calibration.rows import Row
-from harness.cli import main
-from harness.eval import auroc, evaluate, figures, mix_accuracy, risk_coverage
-from harness.eval.metrics import Item
-from router import GatePolicy
+from canvasroute.apps.calibration.rows import Row
+from canvasroute.apps.cli import main
+from canvasroute.apps.eval import auroc, evaluate, figures, mix_accuracy, risk_coverage
+from canvasroute.apps.eval.metrics import Item
+from canvasroute.engine import FunctionEngine
+from canvasroute.router import GatePolicy
 
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
 #            state                         gold       canvas rows (A=billing, B=tech)
@@ -120,7 +120,7 @@ async def test_a_failing_target_scores_wrong_never_as_an_answer():
 
 
 def test_the_cli_prints_json_and_writes_the_plot(tmp_path, monkeypatch, capsys):
-    import harness.eval.command as command
+    import canvasroute.apps.eval.command as command
 
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps({"state": s, "questions": {"team": TEAM.model_dump(mode="json")},
@@ -141,8 +141,8 @@ def test_the_cli_prints_json_and_writes_the_plot(tmp_path, monkeypatch, capsys):
 
 
 def test_measured_escalation_curve_uses_the_targets_answers():
-    from harness.calibration.plots import measured_curve
-    from router import Labelled
+    from canvasroute.apps.calibration.plots import measured_curve
+    from canvasroute.router import Labelled
 
     rows = [Labelled(question_id="q", probabilities=p, gold=g)
             for p, g in [((0.99, 0.01), 0), ((0.98, 0.02), 1), ((0.5, 0.5), 0), ((0.55, 0.45), 1)]]
@@ -154,9 +154,9 @@ def test_measured_escalation_curve_uses_the_targets_answers():
 
 
 def test_calibrate_with_a_target_draws_the_measured_curve(tmp_path, monkeypatch, capsys):
-    import harness.calibration.command as command
-    import harness.calibration.plots as plots
-    import harness.eval.target as target_mod
+    import canvasroute.apps.calibration.command as command
+    import canvasroute.apps.calibration.plots as plots
+    import canvasroute.apps.eval.target as target_mod
 
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps({"state": s, "questions": {"team": TEAM.model_dump(mode="json")},

@@ -19,8 +19,15 @@ from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 
-from engine import BudgetExhausted, DecisionError, EngineResponseError, EngineUnavailable, FunctionEngine, ReadResult
-from router import (
+from canvasroute.engine import (
+    BudgetExhausted,
+    DecisionError,
+    EngineResponseError,
+    EngineUnavailable,
+    FunctionEngine,
+    ReadResult,
+)
+from canvasroute.router import (
     CanvasDecisionModel,
     EscalationBudget,
     GatePolicy,
@@ -405,7 +412,7 @@ class Clock:
 
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
-    import router._budget as policy_module
+    import canvasroute.router._budget as policy_module
 
     c = Clock()
     monkeypatch.setattr(policy_module.time, "monotonic", c)

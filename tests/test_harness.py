@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import pytest
+from conftest import assert_snapshot, fixed_engine, label_rows
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models import GenericFakeChatModel
@@ -22,8 +23,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, RetryPolicy, interrupt
 from typing_extensions import TypedDict
 
-from conftest import assert_snapshot, fixed_engine, label_rows
-from engine import (
+from canvasroute.engine import (
     BudgetExhausted,
     DecisionError,
     EngineRequestError,
@@ -32,7 +32,7 @@ from engine import (
     EngineUnavailable,
     FunctionEngine,
 )
-from harness import (
+from canvasroute.harness import (
     DECISION_EVENT,
     REVIEW_EVENT,
     ReviewPolicy,
@@ -42,9 +42,9 @@ from harness import (
     retry_on,
     route_on,
 )
-from harness._context import strip_task_ids
-from router import CanvasDecisionModel, EscalationBudget, GatePolicy, render_state
-from router.telemetry import GRAPH_NODE, GRAPH_THREAD
+from canvasroute.harness._context import strip_task_ids
+from canvasroute.router import CanvasDecisionModel, EscalationBudget, GatePolicy, render_state
+from canvasroute.router.telemetry import GRAPH_NODE, GRAPH_THREAD
 
 TEAM = Choice(instructions="Which team should handle the ticket?", criteria={"billing": "payments", "tech": "bugs"})
 URGENT = Noul(instructions="Is the ticket urgent?")
@@ -423,7 +423,7 @@ def test_downstream_decisions_replay_identically_from_every_checkpoint_and_in_fr
 
 
 def test_earlier_decisions_reach_later_inputs_as_answers_only():
-    from harness._records import answers_only
+    from canvasroute.harness._records import answers_only
 
     record = {"answer": "tech", "path": "canvas", "result": {}, "read": {"entropy": 0.1}, "timing": {"latency_s": 1.0}}
     old_record = {k: v for k, v in record.items() if k != "timing"}  # checkpoints written before `timing`

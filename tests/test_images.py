@@ -6,10 +6,10 @@ import pytest
 from langchain_core.decisions import Choice
 from langchain_core.messages import HumanMessage
 
-from engine import DecisionError, FunctionEngine, ImagesUnsupported, VLLMServerEngine
-from engine.testing import LoopbackVLLM
-from router import CanvasDecisionModel, DecisionCache
-from router._images import state_images
+from canvasroute.engine import DecisionError, FunctionEngine, ImagesUnsupported, VLLMServerEngine
+from canvasroute.engine.testing import LoopbackVLLM
+from canvasroute.router import CanvasDecisionModel, DecisionCache
+from canvasroute.router._images import state_images
 
 TEAM = Choice(instructions="Which team owns the screenshot's error?", criteria={"billing": None, "tech": None})
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from engine import Connection, EngineTimeout, EngineUnavailable
+from canvasroute.engine import Connection, EngineTimeout, EngineUnavailable
 
 
 def ok(body: bytes = b'{"ok": 1}', *headers: str) -> bytes:

@@ -11,7 +11,6 @@ import json
 from langgraph.pregel.remote import RemoteGraph
 from langgraph.types import Command
 from langgraph_sdk import get_sync_client
-
 from services import SLOW_IMPORT_WARNING, LangGraphServer, langgraph_server  # noqa: F401 - fixture
 
 TICKET = "I was charged twice for my subscription this month. Please refund one payment."
@@ -46,8 +45,8 @@ def test_decisions_come_back_in_state_through_the_sdk(langgraph_server: LangGrap
 
 
 def test_remote_graph_takes_the_same_branch_as_the_local_graph(langgraph_server: LangGraphServer) -> None:
+    from canvasroute.router import CanvasDecisionModel
     from examples import server_graphs, triage
-    from router import CanvasDecisionModel
 
     local = triage.build_graph(CanvasDecisionModel(engine=server_graphs.make_function_engine()))
     remote = RemoteGraph("triage", url=langgraph_server.url)

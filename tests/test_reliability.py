@@ -30,7 +30,7 @@ from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine import (
+from canvasroute.engine import (
     CanvasRouteError,
     EngineOverloaded,
     EngineRequestError,
@@ -39,8 +39,8 @@ from engine import (
     EngineUnavailable,
     VLLMServerEngine,
 )
-from engine.testing import Fault, LoopbackVLLM, spawn
-from router import CanvasDecisionModel, CanvasResponse, GatePolicy
+from canvasroute.engine.testing import Fault, LoopbackVLLM, spawn
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, GatePolicy
 
 QUESTIONS = {
     "team": Choice(instructions="Which team should handle this ticket?",

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from langchain_core.decisions import Choice, Noul
 
-from engine import VLLMServerEngine
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute.engine import VLLMServerEngine
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 QUESTIONS = {"team": Choice(instructions="Which team owns this?", criteria={"billing": None, "tech": None}),
              "urgent": Noul(instructions="Is it urgent?")}

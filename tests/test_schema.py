@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from langchain_core.decisions import Box, Choice, Noul, Score
 
-from engine import DecisionError, EngineInfo, FunctionEngine, InputTooLong, LabelError, UnsupportedQuestion
-from router import CanvasDecisionModel, GatePolicy
-from router._plan import MAX_LABEL_IDS, canvas_width, plan
-from router._prompts import template_text
-from router._questions import MAX_OPTIONS, parse_questions
+from canvasroute.engine import DecisionError, EngineInfo, FunctionEngine, InputTooLong, LabelError, UnsupportedQuestion
+from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router._plan import MAX_LABEL_IDS, canvas_width, plan
+from canvasroute.router._prompts import template_text
+from canvasroute.router._questions import MAX_OPTIONS, parse_questions
 
 TRIAGE = {
     "urgent": Noul(instructions="Urgent?"),

@@ -19,11 +19,12 @@ from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 from opentelemetry.trace import SpanKind, StatusCode
+from services import child_env
 
-from engine import EngineOverloaded, EngineUnavailable, FunctionEngine, VLLMServerEngine
-from harness.server import cli as serve
-from harness.server import create_app, run_in_thread
-from router import CanvasDecisionModel, GatePolicy
+from canvasroute.apps.server import cli as serve
+from canvasroute.apps.server import create_app, run_in_thread
+from canvasroute.engine import EngineOverloaded, EngineUnavailable, FunctionEngine, VLLMServerEngine
+from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-key"
@@ -63,9 +64,11 @@ def client(app) -> httpx.AsyncClient:
 
 @pytest.mark.vllm
 def test_typesafe_sdk_gets_typed_answers_from_our_server_on_real_vllm(vllm_url):
-    from typesafe_sdk import (Choice as TSChoice, Noul as TSNoul, RetryPolicy, Score as TSScore,
-                              TypeSafeAuthenticationError, TypeSafeBadRequestError, TypeSafeClient)
     from typesafe_sdk import Box as TSBox
+    from typesafe_sdk import Choice as TSChoice
+    from typesafe_sdk import Noul as TSNoul
+    from typesafe_sdk import RetryPolicy, TypeSafeAuthenticationError, TypeSafeBadRequestError, TypeSafeClient
+    from typesafe_sdk import Score as TSScore
 
     model = CanvasDecisionModel(engine=VLLMServerEngine(vllm_url), policy=GatePolicy(rereads=1))
     app = create_app(model, api_key=KEY, aliases=("jev-latest",))
@@ -477,7 +480,7 @@ def test_serve_flags_build_the_model_and_app(tmp_path):
 
 
 def test_serve_loads_a_policy_file_and_flags_override_it(tmp_path):
-    from router import save_policy
+    from canvasroute.router import save_policy
 
     path = save_policy(tmp_path / "policy.json", GatePolicy(
         max_normalized_entropy=0.2, min_margin=0.1, rereads=2,
@@ -500,7 +503,7 @@ def test_serve_reads_canvasroute_environment_variables(monkeypatch):
 
 
 def test_serve_embedded_engine_says_it_is_near_chance(monkeypatch, caplog):
-    import engine
+    from canvasroute import engine
 
     stand_in = FunctionEngine(lambda read: [], model="SmolLM2-135M-Instruct")
     monkeypatch.setattr(engine, "embedded_engine", lambda: stand_in)  # the real one loads weights (tested elsewhere)
@@ -528,8 +531,8 @@ def _free_port() -> int:
 @pytest.mark.vllm
 def test_canvasroute_serve_answers_over_http(vllm_url):
     port = _free_port()
-    env = {**os.environ, "CANVASROUTE_API_KEY": KEY, "CANVASROUTE_REREADS": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--engine-url", vllm_url,
+    env = child_env(CANVASROUTE_API_KEY=KEY, CANVASROUTE_REREADS="0")
+    proc = subprocess.Popen([sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine-url", vllm_url,
                              "--port", str(port), "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from engine import (
+from canvasroute.engine import (
     CanvasRead,
     EngineOverloaded,
     EngineRequestError,
@@ -22,7 +22,7 @@ from engine import (
     VLLMServerEngine,
     run_sync,
 )
-from engine.testing import LoopbackVLLM, read_response, tokenize
+from canvasroute.engine.testing import LoopbackVLLM, read_response, tokenize
 
 MODEL = "fake-dgemma"
 VOCAB = 1024
@@ -418,7 +418,7 @@ async def test_a_shared_failure_reaches_every_caller_and_is_not_cached():
 
 @pytest.mark.parametrize("decoder", ["fast", "json module"])
 async def test_responses_decode_the_same_with_or_without_orjson(decoder, monkeypatch):
-    from engine import _http
+    from canvasroute.engine import _http
 
     if decoder == "json module":
         monkeypatch.setattr(_http, "_fast_loads", None)

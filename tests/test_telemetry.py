@@ -28,9 +28,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from opentelemetry.util._once import Once
 
-from engine import EngineUnavailable, FunctionEngine, VLLMServerEngine
-from router import CanvasDecisionModel, GatePolicy
-from router import telemetry as tm
+from canvasroute.engine import EngineUnavailable, FunctionEngine, VLLMServerEngine
+from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import telemetry as tm
 
 QUESTIONS = {
     "team": Choice(instructions="Which team should handle this?",

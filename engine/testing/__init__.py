@@ -16,17 +16,9 @@ Example:
 
 from .._function import FunctionEngine
 from ._faults import FailingPaths, SleepingTransport
-from ._loopback import (
-    SPECIAL_IDS,
-    Fault,
-    LoopbackProcess,
-    LoopbackVLLM,
-    chat_text,
-    read_response,
-    spawn,
-    token_id,
-    tokenize,
-)
+from ._loopback import Fault, LoopbackVLLM, read_response
+from ._process import LoopbackProcess, spawn
+from ._tokens import SPECIAL_IDS, chat_text, token_id, tokenize
 
 __all__ = [
     "FailingPaths",

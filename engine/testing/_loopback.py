@@ -28,78 +28,28 @@ In-process (tests), over a socket or with no socket at all:
     engine = VLLMServerEngine("http://vllm.test", transport=LoopbackVLLM().transport())
     ```
 In its own process (the bench, kill tests): `with spawn() as proc: proc.url; proc.kill()`,
-or `python -m engine.testing._loopback --port 8000`.
+or `python -m canvasroute.engine.testing._process --port 8000`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import json
-import re
-import subprocess
-import sys
-import threading
-import zlib
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
 
-__all__ = ["ANSWERS", "SPECIAL_IDS", "Fault", "LoopbackProcess", "LoopbackVLLM", "chat_text", "pieces",
-           "read_response", "spawn", "token_id", "tokenize"]
+from ._tokens import FIRST_ID, chat_text, pieces, token_id
 
-SPECIAL_IDS: Mapping[str, int] = {
-    "<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|think|>": 98, "<|channel>": 100,
-    "<channel|>": 101, "<|turn>": 105, "<turn|>": 106,
-}
-"""Special-token text and its id (Gemma 4's ids for turn and channel markers)."""
-_FIRST_ID = 256
-_PIECES = re.compile(r"<\|?[a-z_]+\|?>|\w+|\s|[^\w\s]")
-_PLAIN = re.compile(r"\w+|\s|[^\w\s]")
+__all__ = ["ANSWERS", "Fault", "LoopbackVLLM", "read_response"]
+
 _READS = ("/v1/chat/completions", "/v1/completions")
 ANSWERS = ("ranked", "uniform", "argmax")
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
             500: "Internal Server Error", 503: "Service Unavailable"}
-
-
-def token_id(piece: str, vocab_size: int = 262144) -> int:
-    """The id of one piece: a special id, else a stable hash into `[256, vocab_size)`."""
-    if piece in SPECIAL_IDS:
-        return SPECIAL_IDS[piece]
-    return _FIRST_ID + zlib.crc32(piece.encode()) % (vocab_size - _FIRST_ID)
-
-
-def pieces(text: str) -> list[str]:
-    """The loopback tokenizer's pieces: specials whole, else words, spaces, punctuation."""
-    out: list[str] = []
-    for piece in _PIECES.findall(text):
-        out.extend([piece] if piece in SPECIAL_IDS or piece[0] != "<" or len(piece) == 1 else _PLAIN.findall(piece))
-    return out
-
-
-def tokenize(text: str, vocab_size: int = 262144) -> list[int]:
-    """Ids of `text` under the loopback tokenizer (words, spaces, punctuation, specials)."""
-    return [token_id(p, vocab_size) for p in pieces(text)]
-
-
-def chat_text(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
-              enable_thinking: bool = False) -> str:
-    """The loopback chat template, shaped like the released DiffusionGemma one (version 2)."""
-    text, msgs = "<bos>", list(messages)
-    system = msgs[0].get("content", "") if msgs and msgs[0].get("role") == "system" else None
-    if enable_thinking or system is not None:
-        text += "<|turn>system\n" + ("<|think|>\n" if enable_thinking else "") + (system or "") + "<turn|>\n"
-        msgs = msgs[1:] if system is not None else msgs
-    for m in msgs:
-        role = "model" if m.get("role") == "assistant" else m.get("role", "")
-        text += f"<|turn>{role}\n{m.get('content', '')}<turn|>\n"
-    if add_generation_prompt:
-        text += "<|turn>model\n" + ("" if enable_thinking else "<|channel>thought\n<channel|>")
-    return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -393,7 +343,7 @@ def read_response(chat: bool, model: str, width: int, labels: Sequence[int], ans
         lps = [-5.0] * len(labels)
     else:
         lps = [-0.1 - 3.0 * i for i in range(len(labels))]
-    top_id, top_lp = (labels[0], lps[0]) if labels else (_FIRST_ID, -0.1)
+    top_id, top_lp = (labels[0], lps[0]) if labels else (FIRST_ID, -0.1)
     if answer == "argmax":
         labels, lps = [top_id], [-0.02]
         top_lp = -0.02
@@ -414,93 +364,3 @@ def read_response(chat: bool, model: str, width: int, labels: Sequence[int], ans
         obj = "text_completion"
     return json.dumps({"id": "loopback", "object": obj, "created": 0, "model": model, "choices": [choice],
                        "usage": usage}, allow_nan=True).encode()
-
-
-# -- its own process --------------------------------------------------------------------
-
-
-class LoopbackProcess:
-    """A loopback server in a child process; it exits when killed or when its parent dies."""
-
-    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
-        self.proc = proc
-        self.url = url
-
-    def __repr__(self) -> str:
-        return f"LoopbackProcess({self.url!r}, pid={self.proc.pid})"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would (no graceful close of open connections)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        """Close stdin (the server exits by itself), else kill."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-@contextlib.contextmanager
-def spawn(*, port: int = 0, canvas_width: int = 64, answer: str = "ranked",
-          model: str = "loopback") -> Iterator[LoopbackProcess]:
-    """Run a loopback server in a child process for the duration of the block."""
-    # `-c`, not `-m engine.testing._loopback`: the package already imports this module, and
-    # running it again as __main__ makes runpy warn
-    cmd = [sys.executable, "-c", "import sys; from engine.testing._loopback import main; sys.exit(main())",
-           "--port", str(port), "--canvas-width", str(canvas_width), "--answer", answer, "--model", model]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline().strip()  # type: ignore[union-attr]
-        if not line.startswith("http://"):
-            raise RuntimeError(f"the loopback server did not start (exit {proc.poll()})")
-        handle = LoopbackProcess(proc, line)
-        yield handle
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.testing._loopback", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--canvas-width", type=int, default=64)
-    parser.add_argument("--answer", choices=list(ANSWERS), default="ranked")
-    parser.add_argument("--model", default="loopback")
-    args = parser.parse_args(argv)
-
-    async def serve() -> None:
-        server = LoopbackVLLM(model=args.model, canvas_width=args.canvas_width, answer=args.answer)
-        print(await server.start(args.port), flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def watch_stdin() -> None:  # parent gone or stdin closed: exit
-            sys.stdin.read()
-            loop.call_soon_threadsafe(stop.set)
-
-        threading.Thread(target=watch_stdin, daemon=True).start()
-        await stop.wait()
-        await server.close()
-
-    asyncio.run(serve())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

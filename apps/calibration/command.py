@@ -1,0 +1,153 @@
+"""`canvasroute calibrate DATA -o policy.json`: temperatures and thresholds from labelled decisions.
+
+DATA is JSONL of `{"state": ..., "questions": {id: question}, "gold": {id: option}}`, or
+a BIG-bench `task.json` (or its folder): intent_recognition and emojis_emotion_prediction
+become a Choice over the `target_scores` keys, strategyqa a Noul; the gold option is the
+top-scored key. `--from-traces TRACES` uses escalated questions in exported spans instead
+(canvas distribution + the escalation's answer as the label; these rows are the uncertain
+ones only, so the fit describes that region).
+
+The canvas is read with the gate off (no re-reads, no escalation); then, per question,
+`canvasroute.router.calibrate` fits a temperature on one split and keeps it only if the other split's
+NLL and ECE do not get worse, and picks a `max_normalized_entropy` for `--target-accuracy`
+or `--target-escalation`. Writes the policy file (`canvasroute.router.load_policy` reads it), a
+reliability diagram and an accuracy-vs-escalation curve (PNG, next to the policy). With
+an escalation target (`--escalate-url/--escalate-model`, `--escalate-systemone`,
+`--escalate-embedded`) the target answers every row on its own and the curve's overall
+accuracy is measured with its answers, instead of the bound "if escalations were right".
+
+Example:
+    ```bash
+    canvasroute calibrate data/bigbench/intent_recognition --limit 40 \\
+        --engine-url http://127.0.0.1:8000 --target-escalation 0.3 -o policy.json
+    ```
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from canvasroute.engine import CalibrationError, CanvasRouteError, TraceFileError
+from canvasroute.router import GatePolicy, Labelled, calibrate, save_policy, target_name
+from canvasroute.router import calibration as cm
+
+from .._console import plain_table, print_table, progress
+from .._engine_options import add_engine_options, open_engine
+from ..observability.report import near_chance
+from ..observability.traces import read_spans
+from .plots import plot_escalation, plot_reliability
+from .reading import collect, labelled_from_spans
+from .rows import load_rows
+
+__all__ = ["configure", "run"]
+
+# -- CLI ----------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("data", nargs="?", help="JSONL of {state, questions, gold}, or a BIG-bench task.json / folder")
+    parser.add_argument("-o", "--output", required=True, help="policy file to write (JSON)")
+    parser.add_argument("--from-traces", nargs="+", metavar="TRACES",
+                        help="use escalated questions in exported spans as labelled rows instead of DATA")
+    parser.add_argument("--limit", type=int, help="read at most N rows (a seeded random sample)")
+    add_engine_options(parser)
+    targets = parser.add_mutually_exclusive_group()
+    targets.add_argument("--target-accuracy", type=float,
+                         help="threshold so canvas-answered questions reach this accuracy")
+    targets.add_argument("--target-escalation", type=float, help="threshold so this share of questions escalates")
+    parser.add_argument("--holdout", type=float, default=0.5, help="share of rows that checks the fit (default 0.5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for sampling and splitting (default 0)")
+    parser.add_argument("--rereads", type=int, default=0,
+                        help="re-reads in the written policy (default 0: thresholds are measured on single reads)")
+    parser.add_argument("--concurrency", type=int, default=4, help="decisions in flight (default 4)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    from ..eval.target import add_target_options
+
+    add_target_options(parser)  # with a target, the escalation plot's overall curve is measured
+
+
+
+async def _read(args: argparse.Namespace,
+                target: Any = None) -> tuple[list[Labelled], str, str, dict[int, bool] | None]:
+    rows = load_rows(args.data, limit=args.limit, seed=args.seed)
+    engine = open_engine(args)
+    try:
+        info = await engine.info()
+        with progress(len(rows), f"calibrate {info.model}") as advance:
+            samples = await collect(engine, rows, concurrency=args.concurrency, progress=advance)
+    finally:
+        await engine.aclose()
+    measured = None
+    if target is not None:
+        from ..eval.measure import target_correct
+
+        ok = await target_correct(target, rows, concurrency=args.concurrency)
+        measured = {id(s): good for s, good in zip(samples, ok, strict=True)}
+    return samples, info.model, info.provider, measured
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.data is None) == (args.from_traces is None):
+        print("canvasroute calibrate: give DATA or --from-traces TRACES (one of them)", file=sys.stderr)
+        return 2
+    measured, target_label = None, ""
+    try:
+        if args.from_traces:
+            spans = read_spans(*args.from_traces)
+            samples = labelled_from_spans(spans)
+            models = sorted({s.name[len("decide "):] for s in spans if s.name.startswith("decide ")})
+            model, provider, source = ", ".join(models) or "unknown", "", " ".join(args.from_traces)
+            if not samples:
+                raise CalibrationError("the traces hold no escalated question with a canvas distribution",
+                                       hint="export spans from a model with escalate_to set")
+        else:
+            from ..eval.target import open_target
+
+            with open_target(args) as target:
+                samples, model, provider, measured = asyncio.run(_read(args, target))
+                target_label = target_name(target) if target is not None else ""
+            source = str(args.data)
+        cal = calibrate(samples, base=GatePolicy(rereads=args.rereads), holdout=args.holdout, seed=args.seed,
+                        target_accuracy=args.target_accuracy, target_escalation=args.target_escalation)
+    except (CanvasRouteError, TraceFileError, ValueError) as exc:
+        print(f"canvasroute calibrate: {exc}", file=sys.stderr)
+        return 2
+    chance = near_chance(model, provider)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"model": model, "provider": provider, "source": source, "rows": len(samples),
+            "near_chance": chance, "holdout": args.holdout, "seed": args.seed,
+            "target_accuracy": args.target_accuracy, "target_escalation": args.target_escalation,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "questions": cal.summary()}
+    subtitle = f"{model}" + (" (near chance: not the product's accuracy)" if chance else "")
+    if not args.no_plots:
+        try:
+            plots = [plot_reliability(cal, out.with_suffix(".reliability.png"), subtitle),
+                     plot_escalation(cal, out.with_suffix(".escalation.png"), subtitle, measured, target_label)]
+            meta["plots"] = [p.name for p in plots]
+        except ImportError:
+            print("canvasroute calibrate: matplotlib is not installed; skipping plots", file=sys.stderr)
+    save_policy(out, cal.policy, meta)
+    _print_summary(cal, model, chance, out, meta.get("plots", []))
+    return 0
+
+
+def _print_summary(cal: cm.Calibration, model: str, chance: str | None, out: Path, plots: Sequence[str]) -> None:
+    columns = ["question", "rows", "T", "kept", "acc", "ECE before", "ECE after", "threshold", "escalate"]
+    rows = []
+    for q, c in cal.questions.items():
+        t = c.temperature
+        thr = cal.policy.for_question(q).max_normalized_entropy
+        rows.append([q, str(c.rows), f"{t.fitted if t else 1.0:.3f}", "yes" if t and t.accepted else "no",
+                     f"{c.accuracy:.1%}", f"{c.ece_before:.3f}", f"{c.ece_after:.3f}",
+                     f"{thr:.3f}" if thr is not None else "-",
+                     f"{c.check_escalation_rate:.0%}" if c.check_escalation_rate is not None else "-"])
+    title = f"model {model}" + (f"  ** {chance}: these figures are not the product's **" if chance else "")
+    print_table(title, columns, rows, plain="\n".join([title, *plain_table(columns, rows, indent="")]))
+    print(f"wrote {out}" + "".join(f", {out.parent / p}" for p in plots))

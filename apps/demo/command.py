@@ -1,0 +1,153 @@
+"""`canvasroute demo`: the support-triage agent end to end, traced.
+
+Runs the triage graph (`canvasroute.apps.demo.triage`) on the embedded SmolLM2 engine (offline)
+or on a DiffusionGemma server (`--engine-url`), prints every decision, a summary, and writes the spans to a
+JSONL trace file that `canvasroute dashboard` renders.
+
+The whole loop: decisions the gate is unsure about go to any OpenAI-compatible
+autoregressive server (`--escalate-url URL --escalate-model M`, through langchain-openai's
+`ChatOpenAI`). Without a target the output says, per decision, which ones would have
+escalated at the threshold, and how to add one. The summary gives the share answered
+from the canvas, after re-reads, and by the escalation model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+STAND_IN = ("note: the embedded engine is SmolLM2-135M, a small stand-in read at each slot; its answers are "
+            "near chance. For real decisions point it at DiffusionGemma on vLLM: "
+            "canvasroute demo --engine-url http://HOST:8000")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-url", default=os.environ.get("CANVASROUTE_ENGINE_URL"),
+                        help="vLLM DiffusionGemma server (default: the embedded CPU model); env CANVASROUTE_ENGINE_URL")
+    parser.add_argument("--trace", default="canvasroute-demo.jsonl", help="trace file to write (JSONL spans)")
+    parser.add_argument("--ticket", action="append", help="a ticket to triage (repeatable; default: samples)")
+    parser.add_argument("--escalate-url", default=os.environ.get("CANVASROUTE_ESCALATE_URL"),
+                        help="OpenAI-compatible server (vLLM, llama.cpp, OpenAI...) that answers the uncertain "
+                             "decisions, e.g. http://HOST:8001/v1; env CANVASROUTE_ESCALATE_URL")
+    parser.add_argument("--escalate-model", default=os.environ.get("CANVASROUTE_ESCALATE_MODEL"),
+                        help="model name on that server; env CANVASROUTE_ESCALATE_MODEL")
+    parser.add_argument("--threshold", type=float, default=None, metavar="H",
+                        help="escalate when the canvas normalized entropy H/lnK exceeds H (default 0.5)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from canvasroute.engine import EscalationError
+    from canvasroute.router import GatePolicy
+    from canvasroute.router.telemetry import add_otlp_exporter
+
+    from .._console import print_table, progress
+    from ..observability.graph import record_graph
+    from ..observability.traces import JsonlSpanExporter
+    from . import triage
+    from .model import make_model
+
+    trace_path = Path(args.trace)
+    trace_path.unlink(missing_ok=True)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(str(trace_path))))
+    if add_otlp_exporter(provider):  # OTEL_EXPORTER_OTLP_ENDPOINT set: also to Phoenix, Langfuse, a collector...
+        print(f"exporting spans over OTLP to {os.environ.get('OTEL_EXPORTER_OTLP_TRACES_ENDPOINT') or os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}")
+    trace.set_tracer_provider(provider)
+
+    if bool(args.escalate_url) != bool(args.escalate_model):
+        print("canvasroute demo: --escalate-url and --escalate-model go together", file=sys.stderr)
+        return 2
+    where = args.engine_url or "the embedded engine (SmolLM2-135M-Instruct, CPU)"
+    print(f"canvasroute demo: support-ticket triage on {where}")
+    if not args.engine_url:
+        print(STAND_IN)
+    target = escalation_target(args.escalate_url, args.escalate_model) if args.escalate_url else None
+    policy = GatePolicy() if args.threshold is None else GatePolicy(max_normalized_entropy=args.threshold)
+    print(f"gate: answer from the canvas when H/lnK <= {policy.max_normalized_entropy}, else re-read up to "
+          f"{policy.rereads} times, then " + (f"escalate to {args.escalate_model} at {args.escalate_url}"
+                                              if target else "escalate (no target set: reported, not sent)"))
+    start = time.perf_counter()
+    model = make_model(args.engine_url, policy=policy, escalate_to=target)
+    record_graph(triage.build_graph(model), "triage")  # the dashboard draws it
+    loaded = time.perf_counter() - start
+    tickets = args.ticket or triage.SAMPLE_TICKETS
+    results: list[dict[str, Any]] = []
+    with progress(len(tickets), "triage", unit="tickets") as advance:
+        for ticket in tickets:
+            try:
+                results += triage.run_samples(model, [ticket])
+            except EscalationError as exc:  # a target that answers badly is a finding, not a crash
+                results.append({"ticket": ticket, "error": f"{type(exc).__name__}: {exc}"})
+            advance(1)
+    elapsed = time.perf_counter() - start - loaded
+    provider.shutdown()
+
+    paths: Counter[str] = Counter()
+    unsure = 0
+    columns = ["question", "answer", "path", "H/lnK", "gate", "probabilities"]
+    for n, result in enumerate(results, 1):
+        if "error" in result:
+            paths["failed"] += len(triage.QUESTIONS)
+            print(f"\n[{n}] {result['ticket']}\n    escalation failed: {result['error']}")
+            continue
+        rows, lines = [], [f"\n[{n}] {result['ticket']}"]
+        for qid, d in result["decisions"].items():
+            paths[d["path"]] += 1
+            gate = _gate(d, args.escalate_model)
+            unsure += gate.startswith("would escalate")
+            probs = "  ".join(f"{k}={v:.2f}" for k, v in d["probabilities"].items())
+            rows.append([qid, d["answer"], d["path"], _fmt(d["normalized_entropy"]), gate, probs])
+            lines.append(f"    {qid:<9} {d['answer']:<10} path={d['path']:<9} "
+                         f"H/lnK={_fmt(d['normalized_entropy'])}  {gate:<15} {probs}")
+        lines.append(f"    -> routed to {result['handled_by']}")
+        print_table(f"[{n}] {result['ticket']}", columns, rows, notes=[f"-> routed to {result['handled_by']}"],
+                    plain="\n".join(lines))
+    decisions = sum(paths.values())
+    shares = ", ".join(f"{label} {paths[p]}/{decisions} ({paths[p] / max(1, decisions):.0%})"
+                       for p, label in (("canvas", "canvas"), ("reread", "re-read"), ("escalated", "escalated"),
+                                        ("fallback", "fallback"), ("failed", "escalation failed")) if
+                       paths[p] or p in ("canvas", "reread", "escalated"))
+    print(f"\nsummary: {len(results)} tickets, {decisions} decisions in {len(results)} decision sets; "
+          f"answered: {shares}; model load {loaded:.1f}s, decisions {elapsed:.2f}s "
+          f"({1000 * elapsed / max(1, len(results)):.0f} ms per ticket)")
+    if target is None:
+        print(f"would have escalated at H/lnK > {policy.max_normalized_entropy}: {unsure}/{decisions} decisions "
+              f"(answered from the canvas instead: no escalation target). {ADD_TARGET}")
+    print(f"trace: {trace_path} (render it: canvasroute dashboard {trace_path} -o report.html)")
+    return 0
+
+
+ADD_TARGET = ("To escalate them, add an OpenAI-compatible AR server: canvasroute demo --escalate-url "
+              "http://HOST:8001/v1 --escalate-model MODEL")
+
+
+def escalation_target(url: str, model: str) -> Any:
+    """`ChatOpenAI` on an OpenAI-compatible server (`/v1` is added when the URL lacks it)."""
+    from langchain_openai import ChatOpenAI
+
+    base = url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    return ChatOpenAI(base_url=base, model=model, api_key=os.environ.get("CANVASROUTE_ESCALATE_API_KEY", "EMPTY"),
+                      logprobs=True, top_logprobs=5, temperature=0, max_retries=1, timeout=120)
+
+
+def _gate(d: dict[str, Any], target: str | None) -> str:
+    """What the gate did with one decision, in words."""
+    if d["path"] == "escalated":
+        return f"escalated to {d['escalation_model'] or target}"
+    if d["confident"]:
+        return "sure"
+    return "unsure (kept)" if target else "would escalate"
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "-"

@@ -1,0 +1,74 @@
+"""The escalation target of `canvasroute eval` (and `calibrate`): from command-line options.
+
+- `--escalate-url URL --escalate-model NAME`: any OpenAI-compatible chat server
+  (`langchain_openai.ChatOpenAI`; key from `--escalate-api-key-env`).
+- `--escalate-systemone URL`: a decision model behind `/v1/systemone`.
+- `--escalate-embedded`: an AR model served from the embedded SmolLM2 weights on a
+  loopback port (`canvasroute.apps.eval.ar_server`), for offline runs: near chance, plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from canvasroute.engine import CalibrationError
+
+__all__ = ["add_target_options", "open_target"]
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("escalation target")
+    which = group.add_mutually_exclusive_group()
+    which.add_argument("--escalate-url", metavar="URL", help="OpenAI-compatible base URL (…/v1) of the AR target")
+    which.add_argument("--escalate-systemone", metavar="URL", help="a /v1/systemone decision server as the target")
+    which.add_argument("--escalate-embedded", action="store_true",
+                       help="serve the embedded SmolLM2 as an AR target on a loopback port (near chance; needs the "
+                            "local, serve and openai extras)")
+    group.add_argument("--escalate-model", metavar="NAME", help="model name at --escalate-url / --escalate-systemone")
+    group.add_argument("--escalate-api-key-env", default="CANVASROUTE_ESCALATE_API_KEY", metavar="VAR",
+                       help="environment variable holding the target's API key")
+    group.add_argument("--escalate-timeout", type=float, default=120.0, help="seconds per target call (default 120)")
+
+
+def wants_target(args: argparse.Namespace) -> bool:
+    return bool(args.escalate_url or args.escalate_systemone or args.escalate_embedded)
+
+
+@contextlib.contextmanager
+def open_target(args: argparse.Namespace) -> Iterator[Any]:
+    """The target the options name (None when none is named); a served one stops on exit."""
+    key = os.environ.get(args.escalate_api_key_env)
+    if args.escalate_systemone:
+        from canvasroute.router import SystemOneDecisionModel
+
+        yield SystemOneDecisionModel(base_url=args.escalate_systemone, model=args.escalate_model or "canvas",
+                                     api_key=key, timeout=args.escalate_timeout)
+        return
+    if args.escalate_url:
+        if not args.escalate_model:
+            raise CalibrationError("--escalate-url needs --escalate-model")
+        yield _chat(args.escalate_url, args.escalate_model, key or "EMPTY", args.escalate_timeout)
+        return
+    if not args.escalate_embedded:
+        yield None
+        return
+    from .ar_server import ARServer, create_app, load_smollm2
+
+    model, tokenizer = load_smollm2()
+    with ARServer(create_app(model, tokenizer)) as server:
+        # a JSON object of a few short answers fits in 32 tokens; a CPU model should not write more
+        yield _chat(server.url + "/v1", "smollm2", "x", args.escalate_timeout, max_tokens=32)
+
+
+def _chat(base_url: str, model: str, api_key: str, timeout: float, **extra: Any) -> Any:
+    try:
+        from langchain_openai import ChatOpenAI
+    except ImportError as exc:
+        raise CalibrationError("an OpenAI-compatible target needs langchain-openai",
+                               hint="pip install 'canvasroute[openai]'") from exc
+    return ChatOpenAI(base_url=base_url, model=model, api_key=api_key, logprobs=True, top_logprobs=5,
+                      temperature=0, max_retries=1, timeout=timeout, **extra)

@@ -1,0 +1,361 @@
+"""The decision server: `POST /v1/systemone` (the Jev wire) over a gated decision model.
+
+Any Jev client (TypeSafe's `typesafe-sdk`, OpenJev clients, `SystemOneDecisionModel`)
+can point its base URL here; `jev-latest` (the SDK's default `model`) is accepted and
+answered by the served model. Answers carry the Jev fields, the fields vLLM's own gateway
+adds (`probabilities` and `confidence` on a noul; `id`, `object`, `created`), and a
+`canvasroute` object per answer (entropy, path, reads, ...) that plain clients ignore.
+
+A request costs the server nothing but a socket until its body has arrived (within
+`Limits.body_timeout`) and passed every check in `parse` (`Limits`). Then it takes one of
+`max_in_flight + max_queue` places (else 529 at once) and has `request_timeout` seconds to
+be answered; a client that goes away has its work cancelled. Errors are
+`{"error": {"type", "message", "code", "param"?}}` (plus FastAPI's `detail` list on
+415/422), with a stable `type` and a short message; details go to the log and the span:
+
+| status | when |
+|---|---|
+| 400 | a question that cannot be asked (Box, empty options, labels, too long), or over a bound |
+| 401 | missing or wrong bearer key, when a key is configured |
+| 404 | a `model` this server does not serve (nor an alias of it) |
+| 408 | the body did not arrive within `body_timeout` |
+| 413 | the body or the state is too large |
+| 415 | not `application/json`, or an unknown content encoding |
+| 422 | a malformed body or field (bad JSON, too deep, lone surrogates, NaN, null state, ...) |
+| 429 | over the request rate, or the escalation budget is spent |
+| 502 | the escalation target or the engine answered garbage or refused |
+| 503 | the engine is unreachable (when the model's policy does not escalate) |
+| 504 | the engine (or the whole decision) did not finish within `request_timeout` |
+| 529 | every place is taken, no slot freed in time, or the engine itself shed load |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from datetime import date
+from typing import Any
+
+from langchain_core.decisions import BaseDecisionModel
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive
+
+from canvasroute.router import telemetry as tm
+
+from .body import ClientGone, read_body
+from .gate import Gate, RateLimit
+from .limits import Limits
+from .openapi import openapi
+from .parse import Parsed, parse_request
+from .wire import Refusal, from_exception, public_name
+
+__all__ = ["JEV_ALIASES", "create_app", "run_in_thread"]
+
+JEV_ALIASES = ("jev-latest",)
+"""Model names Jev clients send by default (typesafe-sdk's `DEFAULT_MODEL`), served by the engine's model."""
+
+# OpenTelemetry HTTP server semantic conventions (standard names, not canvasroute's own)
+HTTP_METHOD = "http.request.method"
+HTTP_ROUTE = "http.route"
+HTTP_STATUS = "http.response.status_code"
+URL_PATH = "url.path"
+
+log = logging.getLogger("canvasroute.server")
+
+_EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "margin", "label_mass", "confidence",
+                     "reads", "agreement", "stderr", "crossed", "canvas_probabilities", "labels",
+                     "escalation_model", "over_budget", "error")
+
+
+def _answer_json(answer: Any, report: Any) -> dict[str, Any]:
+    out = answer.model_dump(mode="json")
+    if out["type"] == "noul":  # vLLM's gateway also reports these for a noul
+        p = out["noul"]
+        out["probabilities"] = {"yes": p, "no": 1.0 - p}
+        out["confidence"] = max(p, 1.0 - p)
+    if report is not None:
+        figures = report.model_dump(mode="json")
+        out["canvasroute"] = {k: figures[k] for k in _EXTENSION_FIELDS}
+    return out
+
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone (the body was already read, so nothing else listens)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(work: Awaitable[Any], receive: Receive) -> Any:
+    """`await work`, cancelled (and awaited until it stops) if the client disconnects first."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # the slot stays held until the work has really stopped
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+def create_app(
+    model: BaseDecisionModel,
+    *,
+    api_key: str | None = None,
+    max_in_flight: int = 64,
+    max_queue: int = 256,
+    request_timeout: float = 120.0,
+    rate_limit: float | None = None,
+    rate_burst: int | None = None,
+    limits: Limits | None = None,
+    max_body_bytes: int | None = None,
+    aliases: Sequence[str] = JEV_ALIASES,
+    close_engine: bool = False,
+) -> Starlette:
+    """An ASGI app serving `model` at `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /openapi.json`.
+
+    Args:
+        model: A `CanvasDecisionModel` (answers carry its read reports), or any
+            `BaseDecisionModel`.
+        api_key: When set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
+            `/health` and `/openapi.json` stay open.
+        max_in_flight: Decisions running at once.
+        max_queue: Requests allowed to wait for a running slot; beyond it, 529 at once.
+        request_timeout: Seconds from admission to answer (queue wait included).
+        rate_limit: Requests per second over all clients (None: no limit; over it, 429).
+        rate_burst: Bucket size for `rate_limit` (default: one second's worth).
+        limits: Bounds on what one request may carry (default `Limits()`).
+        max_body_bytes: Shorthand for `limits.max_body_bytes`.
+        aliases: Other names accepted in the request's `model`, answered by the served
+            model (default: `jev-latest`, what Jev clients send).
+        close_engine: Close the model's engine when the app shuts down.
+
+    Example:
+        ```python
+        app = create_app(CanvasDecisionModel(engine=VLLMServerEngine(url)), api_key="secret")
+        uvicorn.run(app, port=8000)
+        ```
+    """
+    if max_in_flight < 1 or max_queue < 0:
+        raise ValueError("max_in_flight must be >= 1 and max_queue >= 0")
+    if request_timeout <= 0:
+        raise ValueError("request_timeout must be positive")
+    if rate_limit is not None and rate_limit <= 0:
+        raise ValueError("rate_limit must be > 0 requests per second")
+    limits = limits or Limits()
+    if max_body_bytes is not None:
+        limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
+    aliases = tuple(dict.fromkeys(aliases))
+    gate = Gate(max_in_flight, max_queue)
+    limiter = RateLimit(rate_limit, rate_burst or max(1, round(rate_limit))) if rate_limit else None
+    key = api_key.encode() if api_key else None
+    started = int(time.time())
+    today = date.today().isoformat()
+    description = openapi(limits)
+
+    def authorize(request: Request) -> None:
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(errors="replace"), key):
+            raise Refusal(401, "authentication_error", "missing or invalid API key; send "
+                          "'Authorization: Bearer <key>'", headers={"www-authenticate": "Bearer"})
+
+    async def served_name() -> str:
+        engine = getattr(model, "engine", None)
+        return public_name((await engine.info()).model if engine is not None else model.model)
+
+    async def decide(parsed: Parsed) -> tuple[Any, dict[str, Any]]:
+        if getattr(model, "engine", None) is not None:  # a canvas model: seed and thread reach it
+            resp = await model.adecide(parsed.state, parsed.questions, seed=parsed.seed, thread_id=parsed.thread_id)
+        else:
+            resp = await model.ainvoke({"state": parsed.state, "questions": parsed.questions})
+        return resp, getattr(resp, "reads", {}) or {}
+
+    async def systemone(request: Request) -> Response:
+        request_id = f"decision-{uuid.uuid4().hex}"
+        attrs = {HTTP_METHOD: "POST", HTTP_ROUTE: "/v1/systemone", URL_PATH: request.url.path}
+        tracer = trace.get_tracer("canvasroute.server")
+        with tracer.start_as_current_span("POST /v1/systemone", context=propagate.extract(request.headers),
+                                          kind=SpanKind.SERVER, attributes=attrs,
+                                          record_exception=False, set_status_on_exception=False) as span:
+            try:
+                payload = await answer(request, request_id, span)
+                response: Response = JSONResponse(payload, headers={"x-request-id": request_id})
+            except ClientGone:
+                log.info("request %s: the client disconnected before its answer; its work (if any) was cancelled",
+                         request_id)
+                span.set_attribute(tm.ERROR_TYPE, "client_disconnected")
+                return Response(status_code=499)  # nobody reads it
+            except Exception as exc:  # noqa: BLE001 - every fault becomes a typed answer
+                refusal = exc if isinstance(exc, Refusal) else from_exception(exc)
+                if not isinstance(exc, Refusal):
+                    log.error("request %s: unexpected %s", request_id, type(exc).__name__, exc_info=exc)
+                    span.record_exception(exc)
+                response = refusal.response(request_id)
+                span.set_attribute(tm.ERROR_TYPE, refusal.kind)
+                if refusal.status >= 500:
+                    span.set_status(Status(StatusCode.ERROR, refusal.kind))
+            span.set_attribute(HTTP_STATUS, response.status_code)
+            return response
+
+    async def answer(request: Request, request_id: str, span: trace.Span) -> dict[str, Any]:
+        authorize(request)
+        if limiter is not None:
+            limiter.take()
+        parsed = parse_request(await read_body(request, limits), limits)  # no slot is held yet
+        span.set_attribute(tm.QUESTIONS, len(parsed.questions))
+        with gate.admission():
+            resp, reads, name = await _unless_gone(admitted(parsed, request_id, span), request.receive)
+        usage = resp.usage or {}
+        return {
+            "id": request_id,
+            "object": "structured_decision",
+            "created": int(time.time()),
+            "model": public_name(resp.model or name),
+            "answers": {qid: _answer_json(resp.answers[qid], reads.get(qid)) for qid in parsed.questions},
+            "usage": {"input_tokens": int(usage.get("input_tokens", 0)),
+                      "output_tokens": int(usage.get("output_tokens", 0))},
+        }
+
+    async def admitted(parsed: Parsed, request_id: str, span: trace.Span) -> tuple[Any, dict[str, Any], str]:
+        waiting = False
+        deadline = asyncio.timeout(request_timeout)
+        try:
+            async with deadline:
+                name = await served_name()
+                if parsed.model and parsed.model not in (name, *aliases):
+                    raise Refusal(404, "model_not_found", f"model {parsed.model[:80]!r} is not served here; "
+                                  f"served: {[name, *aliases]}", loc=("model",))
+                span.set_attribute(tm.DECISION_SET, ",".join(parsed.questions))
+                waiting = True
+                async with gate.slot():
+                    waiting = False
+                    resp, reads = await decide(parsed)
+                    return resp, reads, name
+        except Refusal:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every fault becomes a typed answer; details to the log
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                if waiting:
+                    raise Refusal(529, "overloaded", f"no slot freed within {request_timeout:g}s; retry later",
+                                  headers={"retry-after": "1"}) from exc
+                raise Refusal(504, "timeout", f"the decision took over {request_timeout:g}s") from exc
+            refusal = from_exception(exc)
+            level = {500: logging.ERROR}.get(refusal.status, logging.WARNING if refusal.status >= 500 else logging.INFO)
+            log.log(level, "request %s: %s (%s): %s", request_id, refusal.kind, type(exc).__name__, exc,
+                    exc_info=exc if refusal.status == 500 else None)
+            span.record_exception(exc)
+            raise refusal from exc
+
+    async def models(request: Request) -> JSONResponse:
+        try:
+            authorize(request)
+            name = await asyncio.wait_for(served_name(), request_timeout)
+        except Refusal as exc:
+            return exc.response()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("/v1/models: the engine is not ready: %s: %s", type(exc).__name__, exc)
+            return (from_exception(exc) if not isinstance(exc, TimeoutError) else
+                    Refusal(504, "timeout", "the engine did not answer in time")).response()
+        names = [name, *(a for a in aliases if a != name)]
+        return JSONResponse({
+            "object": "list",
+            "data": [{"id": n, "object": "model", "created": started, "owned_by": "canvasroute", "root": name}
+                     for n in names],
+            # the Jev shape; release_date is the day this server started serving it
+            "models": [{"name": n, "description": f"canvasroute gated canvas reads on {name}",
+                        "release_date": today} for n in names],
+        })
+
+    async def health(request: Request) -> JSONResponse:
+        load = gate.snapshot()
+        try:
+            name = await asyncio.wait_for(served_name(), 5.0)
+        except Exception as exc:  # noqa: BLE001 - health reports, never raises; details only to the log
+            log.warning("/health: the engine is not ready: %s: %s", type(exc).__name__, exc)
+            return JSONResponse({"status": "unavailable", "error": "engine_unavailable", **load}, status_code=503)
+        return JSONResponse({"status": "ok", "model": name, **load})
+
+    async def spec(request: Request) -> JSONResponse:
+        return JSONResponse(description)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        status = getattr(exc, "status_code", 500)
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+        return Refusal(status, kind, f"{request.method} {request.url.path[:200]}: {getattr(exc, 'detail', '')}",
+                       headers=getattr(exc, "headers", None)).response()
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            await asyncio.wait_for(served_name(), 30.0)  # warm up: learn the model before traffic
+        except Exception as exc:  # noqa: BLE001 - the engine may come up after the server
+            log.warning("engine not ready at startup: %s", exc)
+        yield
+        engine = getattr(model, "engine", None)
+        if close_engine and engine is not None:
+            await engine.aclose()
+
+    app = Starlette(
+        routes=[Route("/v1/systemone", systemone, methods=["POST"]),
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/health", health, methods=["GET"]),
+                Route("/openapi.json", spec, methods=["GET"])],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.router.redirect_slashes = False  # a redirect is built from the Host header, which the client forges
+    app.state.gate = gate
+    app.state.model = model
+    app.state.limits = limits
+    return app
+
+
+@contextmanager
+def run_in_thread(app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                  startup_timeout: float = 60.0) -> Iterator[str]:
+    """Serve `app` with uvicorn on a background thread; yields the base URL.
+
+    For tests and notebooks: `port=0` picks a free port. The server stops when the
+    block exits.
+
+    Example:
+        ```python
+        with run_in_thread(create_app(model)) as url:
+            SystemOneDecisionModel(url, model="tiny-dgemma").invoke(...)
+        ```
+    """
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, name="canvasroute-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,0 +1,215 @@
+"""`canvasroute serve`: gated decisions over HTTP at `/v1/systemone` (the Jev wire).
+
+Point any Jev client (`typesafe-sdk`, OpenJev clients, `SystemOneDecisionModel`) at it;
+`jev-latest`, the SDK's default model, is answered by the served model without flags.
+Every flag also reads a `CANVASROUTE_*` environment variable (the flag wins):
+
+```
+canvasroute serve --engine-url http://127.0.0.1:8000 --max-normalized-entropy 0.4 \\
+    --escalate-url http://127.0.0.1:8001/v1 --escalate-model Qwen/Qwen3-8B --api-key $KEY
+CANVASROUTE_ENGINE=embedded canvasroute serve      # offline SmolLM2-135M: near-chance decisions
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any
+
+from .limits import Limits
+
+__all__ = ["build_app", "build_model", "configure", "run"]
+
+_EPILOG = """\
+Every flag also reads the environment variable named in its help.
+
+Checked before a request takes a slot or reaches the engine: the body must arrive within
+--body-timeout (else 408) and fit --max-body-bytes (413); bad JSON, nesting over 32 levels,
+lone surrogates, NaN/Infinity, or a null/number state are 422; over --max-questions,
+--max-options, --max-levels, --max-text-chars or 256-character names is 400; a state over
+--max-state-chars is 413.
+
+Status codes: 400 unaskable question or over a bound; 401 bad key; 404 unknown model
+(jev-latest is always served); 408 slow body; 413 too large; 415 not application/json;
+422 malformed; 429 over --rate-limit or the escalation budget; 502 the engine or the
+escalation model refused or answered garbage; 503 the engine is unreachable; 504 the
+engine did not answer within --request-timeout; 529 at capacity (--max-in-flight running
++ --max-queue waiting) or the engine shed load. Error bodies are
+{"error": {"type", "message", "code", "param"}}; 415/422 add FastAPI's "detail" list.
+The API description is at GET /openapi.json.
+"""
+
+_LIMIT_FLAGS = {
+    "max_body_bytes": (int, "largest request body, raw and decoded; beyond it, 413"),
+    "body_timeout": (float, "seconds for the whole body to arrive, before any slot is taken; beyond it, 408"),
+    "max_questions": (int, "questions per request; beyond it, 400"),
+    "max_options": (int, "options of one Choice; beyond it, 400"),
+    "max_levels": (int, "levels of one Score; beyond it, 400"),
+    "max_state_chars": (int, "characters of the state (compact JSON for objects); beyond it, 413"),
+    "max_text_chars": (int, "characters of one question's instructions or criterion; beyond it, 400"),
+}
+
+log = logging.getLogger("canvasroute.serve")
+
+_ENV = {
+    "engine": "CANVASROUTE_ENGINE",
+    "engine_url": "CANVASROUTE_ENGINE_URL",
+    "engine_model": "CANVASROUTE_ENGINE_MODEL",
+    "engine_api_key": "CANVASROUTE_ENGINE_API_KEY",
+    "policy": "CANVASROUTE_POLICY",
+    "max_normalized_entropy": "CANVASROUTE_MAX_NORMALIZED_ENTROPY",
+    "rereads": "CANVASROUTE_REREADS",
+    "escalate_url": "CANVASROUTE_ESCALATE_URL",
+    "escalate_model": "CANVASROUTE_ESCALATE_MODEL",
+    "escalate_api_key": "CANVASROUTE_ESCALATE_API_KEY",
+    "on_engine_error": "CANVASROUTE_ON_ENGINE_ERROR",
+    "host": "CANVASROUTE_HOST",
+    "port": "CANVASROUTE_PORT",
+    "api_key": "CANVASROUTE_API_KEY",
+    "max_in_flight": "CANVASROUTE_MAX_IN_FLIGHT",
+    "max_queue": "CANVASROUTE_MAX_QUEUE",
+    "request_timeout": "CANVASROUTE_REQUEST_TIMEOUT",
+    "rate_limit": "CANVASROUTE_RATE_LIMIT",
+    "model_alias": "CANVASROUTE_MODEL_ALIAS",
+    **{name: f"CANVASROUTE_{name.upper()}" for name in _LIMIT_FLAGS},
+    "log_level": "CANVASROUTE_LOG_LEVEL",
+}
+
+
+def _env(dest: str, default: Any = None) -> Any:
+    value = os.environ.get(_ENV[dest], "").strip()
+    return value if value else default
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the `serve` flags."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _EPILOG
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--engine", choices=("vllm", "embedded"), default=_env("engine"),
+                        help="vllm: a vLLM server (--engine-url); embedded: SmolLM2-135M in-process, near-chance "
+                             "decisions, for plumbing only (default: vllm when a URL is set) [CANVASROUTE_ENGINE]")
+    engine.add_argument("--engine-url", default=_env("engine_url"),
+                        help="vLLM server URL, comma-separated for replicas [CANVASROUTE_ENGINE_URL]")
+    engine.add_argument("--engine-model", default=_env("engine_model"),
+                        help="served model name (default: the server's first) [CANVASROUTE_ENGINE_MODEL]")
+    engine.add_argument("--engine-api-key", default=_env("engine_api_key"),
+                        help="bearer key for the vLLM server [CANVASROUTE_ENGINE_API_KEY]")
+    gate = parser.add_argument_group("gate")
+    gate.add_argument("--policy", default=_env("policy"),
+                      help="policy file from `canvasroute calibrate` [CANVASROUTE_POLICY]")
+    gate.add_argument("--max-normalized-entropy", type=float, default=_env("max_normalized_entropy"),
+                      help="uncertain above this entropy / ln K (overrides the policy file) "
+                           "[CANVASROUTE_MAX_NORMALIZED_ENTROPY]")
+    gate.add_argument("--rereads", type=int, default=_env("rereads"),
+                      help="extra reads of uncertain questions (overrides the policy file) [CANVASROUTE_REREADS]")
+    esc = parser.add_argument_group("escalation")
+    esc.add_argument("--escalate-url", default=_env("escalate_url"),
+                     help="OpenAI-compatible base URL of the escalation model [CANVASROUTE_ESCALATE_URL]")
+    esc.add_argument("--escalate-model", default=_env("escalate_model"),
+                     help="escalation model name [CANVASROUTE_ESCALATE_MODEL]")
+    esc.add_argument("--escalate-api-key", default=_env("escalate_api_key", "EMPTY"),
+                     help="key for the escalation endpoint [CANVASROUTE_ESCALATE_API_KEY]")
+    esc.add_argument("--on-engine-error", choices=("escalate", "raise"), default=_env("on_engine_error", "escalate"),
+                     help="engine faults escalate (when a target is set) or answer 503 [CANVASROUTE_ON_ENGINE_ERROR]")
+    srv = parser.add_argument_group("server")
+    srv.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address [CANVASROUTE_HOST]")
+    srv.add_argument("--port", type=int, default=_env("port", "8000"), help="bind port [CANVASROUTE_PORT]")
+    srv.add_argument("--api-key", default=_env("api_key"),
+                     help="require 'Authorization: Bearer <key>' on /v1/* [CANVASROUTE_API_KEY]")
+    srv.add_argument("--max-in-flight", type=int, default=_env("max_in_flight", "64"),
+                     help="decisions running at once [CANVASROUTE_MAX_IN_FLIGHT]")
+    srv.add_argument("--max-queue", type=int, default=_env("max_queue", "256"),
+                     help="requests waiting for a slot; beyond it, 529 [CANVASROUTE_MAX_QUEUE]")
+    srv.add_argument("--request-timeout", type=float, default=_env("request_timeout", "120"),
+                     help="seconds from admission to answer; beyond it, 504 (529 if still queued) "
+                          "[CANVASROUTE_REQUEST_TIMEOUT]")
+    srv.add_argument("--rate-limit", type=float, default=_env("rate_limit"),
+                     help="requests per second over all clients; beyond it, 429 [CANVASROUTE_RATE_LIMIT]")
+    srv.add_argument("--model-alias", action="append",
+                     default=[a for a in (_env("model_alias") or "").split(",") if a],
+                     help="another name clients may send as `model`, besides jev-latest (repeatable) "
+                          "[CANVASROUTE_MODEL_ALIAS, comma-separated]")
+    bounds = parser.add_argument_group("request bounds")
+    defaults = Limits()
+    for name, (kind, text) in _LIMIT_FLAGS.items():
+        bounds.add_argument(f"--{name.replace('_', '-')}", type=kind, default=_env(name, getattr(defaults, name)),
+                            help=f"{text} (default: %(default)s) [{_ENV[name]}]")
+    srv.add_argument("--log-level", default=_env("log_level", "info"),
+                     choices=("critical", "error", "warning", "info", "debug"), help="[CANVASROUTE_LOG_LEVEL]")
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    kind = args.engine or ("vllm" if args.engine_url else None)
+    if kind is None:
+        raise ValueError("no engine: pass --engine-url URL (or CANVASROUTE_ENGINE_URL), or --engine embedded")
+    if kind == "vllm":
+        if not args.engine_url:
+            raise ValueError("--engine vllm needs --engine-url (or CANVASROUTE_ENGINE_URL)")
+        from canvasroute.engine import VLLMServerEngine
+
+        urls = [u.strip() for u in args.engine_url.split(",") if u.strip()]
+        return VLLMServerEngine(urls, model=args.engine_model, api_key=args.engine_api_key,
+                                max_concurrency=args.max_in_flight)
+    from canvasroute.engine import embedded_engine
+
+    log.warning("embedded engine: SmolLM2-135M decides near chance; use it for plumbing, never for accuracy")
+    return embedded_engine()
+
+
+def _policy(args: argparse.Namespace) -> Any:
+    from canvasroute.router import GatePolicy, load_policy
+
+    policy = load_policy(args.policy) if args.policy else GatePolicy()
+    changes = {k: v for k, v in (("max_normalized_entropy", args.max_normalized_entropy),
+                                 ("rereads", args.rereads)) if v is not None}
+    return policy.with_overrides(**changes) if changes else policy
+
+
+def _escalation(args: argparse.Namespace) -> Any:
+    if not args.escalate_url and not args.escalate_model:
+        return None
+    if not (args.escalate_url and args.escalate_model):
+        raise ValueError("escalation needs both --escalate-url and --escalate-model")
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(base_url=args.escalate_url, model=args.escalate_model, api_key=args.escalate_api_key,
+                      temperature=0, max_retries=2, timeout=60)
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    """The `CanvasDecisionModel` the flags describe."""
+    from canvasroute.router import CanvasDecisionModel
+
+    return CanvasDecisionModel(engine=_engine(args), policy=_policy(args), escalate_to=_escalation(args),
+                               on_engine_error=args.on_engine_error)
+
+
+def build_app(args: argparse.Namespace) -> Any:
+    """The ASGI app the flags describe (what `run` serves)."""
+    from .app import JEV_ALIASES, create_app
+
+    limits = dataclasses.replace(Limits(), **{name: getattr(args, name) for name in _LIMIT_FLAGS})
+    return create_app(build_model(args), api_key=args.api_key, max_in_flight=args.max_in_flight,
+                      max_queue=args.max_queue, request_timeout=args.request_timeout, rate_limit=args.rate_limit,
+                      limits=limits, aliases=(*JEV_ALIASES, *args.model_alias), close_engine=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; 2 on a configuration error."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = build_app(args)
+    except (ValueError, ImportError) as exc:
+        print(f"canvasroute serve: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    auth = "bearer key required" if args.api_key else "no key (open)"
+    log.info("serving /v1/systemone on http://%s:%d (%s)", args.host, args.port, auth)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

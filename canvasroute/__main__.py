@@ -1,0 +1,5 @@
+"""`python -m canvasroute ...` is the `canvasroute` command."""
+
+from canvasroute.apps.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""OpenTelemetry spans and metrics (API only: the application installs the SDK).
+
+Every attribute name the library writes is defined here. Spans:
+
+```
+decide <model>                      INTERNAL CHAIN  one decision set; per-question figures
+├── canvas_read <model>             CLIENT   LLM    one engine call (first reads, then re-reads)
+└── escalate <target model>         INTERNAL CHAIN  the uncertain questions, sent on
+    └── chat <target model>         CLIENT   LLM    the escalation model's call
+```
+
+Around them `harness/` writes `route <node>` (where a decision node sent the graph),
+`shadow <node>` (shadow mode: the existing router and a canvas-only `decide` side by side)
+and `graph <name>` (the graph's nodes and edges, for the dashboard's drawing).
+
+Spans nest under the current span, so a graph run traced by the application (a span
+around `graph.invoke`, or an OpenInference/LangSmith instrumentor) holds its decisions.
+Beside the GenAI conventions, every span carries the OpenInference attributes that
+trace viewers (Phoenix, Langfuse, LangSmith's OTel ingest) lay out by:
+`openinference.span.kind` (CHAIN or LLM), `input.value`/`output.value` (JSON: the
+questions and options in, the answers out; state text only under the content switch),
+`session.id` (the LangGraph thread), `llm.model_name`/`llm.provider`/`llm.token_count.*`;
+status OK, or ERROR with `error.type`.
+
+Engine reads and escalations carry the GenAI semantic conventions
+(`gen_ai.operation.name`, `gen_ai.provider.name`, the older `gen_ai.system`,
+`gen_ai.request.model`, `gen_ai.usage.*`, `server.*`, `error.type`) and record the
+GenAI client metrics (`gen_ai.client.operation.duration`, `gen_ai.client.token.usage`).
+A canvas read uses the operation name `canvas_read`: no well-known operation fits one
+denoising pass that returns distributions. Routing figures live under `canvasroute.*`,
+never under `gen_ai.*`. The decide span carries no `gen_ai.*`, so token counts are
+never double-counted by backends that sum them over a trace.
+
+State and prompt content are recorded only when `CANVASROUTE_RECORD_CONTENT=1`;
+secrets (API keys, headers) never.
+
+The tracer and meter are looked up from the global providers when used (not at import),
+so an SDK installed after `import router` is honoured.
+"""
+
+
+from ._decision import mark_error, record_reports
+from ._export import add_otlp_exporter
+from ._names import (
+    CACHE_HIT,
+    CANVAS_READS,
+    DECISION_PREFIX,
+    DECISION_SET,
+    ERROR_TYPE,
+    ESCALATED_QUESTIONS,
+    FIGURES,
+    GEN_AI_INPUT_MESSAGES,
+    GEN_AI_INPUT_TOKENS,
+    GEN_AI_MODEL,
+    GEN_AI_OPERATION,
+    GEN_AI_OUTPUT_TOKENS,
+    GEN_AI_PROVIDER,
+    GEN_AI_SYSTEM,
+    GEN_AI_TOKEN_TYPE,
+    GRAPH_NODE,
+    GRAPH_STRUCTURE,
+    GRAPH_THREAD,
+    INPUT_MIME,
+    INPUT_VALUE,
+    JSON_MIME,
+    LLM_COMPLETION_TOKENS,
+    LLM_MODEL_NAME,
+    LLM_PROMPT_TOKENS,
+    LLM_PROVIDER,
+    LLM_SYSTEM,
+    LLM_TOTAL_TOKENS,
+    METRIC_KIND,
+    METRIC_PATH,
+    METRIC_QUESTION,
+    OI_CHAIN,
+    OI_LLM,
+    OI_SPAN_KIND,
+    OPERATION_CANVAS_READ,
+    OPERATION_CHAT,
+    OPERATION_ESCALATE,
+    OPERATION_GRAPH,
+    OPERATION_ROUTE,
+    OPERATION_SHADOW,
+    OUTPUT_MIME,
+    OUTPUT_VALUE,
+    PROMPTS_CONTENT,
+    QUESTIONS,
+    READ_BATCH,
+    READ_KIND,
+    REMOTE_PROVIDERS,
+    ROUTE_DESTINATION,
+    SCOPE,
+    SERVER_ADDRESS,
+    SERVER_PORT,
+    SESSION_ID,
+    SHADOW_AGREES,
+    SHADOW_CANVAS_ALONE,
+    SHADOW_CANVAS_DESTINATION,
+    SHADOW_CANVAS_ERROR,
+    SHADOW_CANVAS_LATENCY,
+    SHADOW_DESTINATION,
+    SHADOW_ROUTER_LATENCY,
+    SHADOW_WOULD_ESCALATE,
+    STATE_CONTENT,
+    record_content,
+)
+from ._spans import (
+    Call,
+    engine_call,
+    escalation_call,
+    genai_attributes,
+    model_call,
+    provider_of,
+    set_io,
+    set_usage,
+    span,
+)
+
+__all__ = [
+    "CACHE_HIT",
+    "CANVAS_READS",
+    "Call",
+    "DECISION_PREFIX",
+    "DECISION_SET",
+    "ERROR_TYPE",
+    "ESCALATED_QUESTIONS",
+    "FIGURES",
+    "GEN_AI_INPUT_MESSAGES",
+    "GEN_AI_INPUT_TOKENS",
+    "GEN_AI_MODEL",
+    "GEN_AI_OPERATION",
+    "GEN_AI_OUTPUT_TOKENS",
+    "GEN_AI_PROVIDER",
+    "GEN_AI_SYSTEM",
+    "GEN_AI_TOKEN_TYPE",
+    "GRAPH_NODE",
+    "GRAPH_STRUCTURE",
+    "GRAPH_THREAD",
+    "INPUT_MIME",
+    "INPUT_VALUE",
+    "JSON_MIME",
+    "LLM_COMPLETION_TOKENS",
+    "LLM_MODEL_NAME",
+    "LLM_PROMPT_TOKENS",
+    "LLM_PROVIDER",
+    "LLM_SYSTEM",
+    "LLM_TOTAL_TOKENS",
+    "METRIC_KIND",
+    "METRIC_PATH",
+    "METRIC_QUESTION",
+    "OI_CHAIN",
+    "OI_LLM",
+    "OI_SPAN_KIND",
+    "OPERATION_CANVAS_READ",
+    "OPERATION_CHAT",
+    "OPERATION_ESCALATE",
+    "OPERATION_GRAPH",
+    "OPERATION_ROUTE",
+    "OPERATION_SHADOW",
+    "OUTPUT_MIME",
+    "OUTPUT_VALUE",
+    "PROMPTS_CONTENT",
+    "QUESTIONS",
+    "READ_BATCH",
+    "READ_KIND",
+    "REMOTE_PROVIDERS",
+    "ROUTE_DESTINATION",
+    "SCOPE",
+    "SERVER_ADDRESS",
+    "SERVER_PORT",
+    "SESSION_ID",
+    "SHADOW_AGREES",
+    "SHADOW_CANVAS_ALONE",
+    "SHADOW_CANVAS_DESTINATION",
+    "SHADOW_CANVAS_ERROR",
+    "SHADOW_CANVAS_LATENCY",
+    "SHADOW_DESTINATION",
+    "SHADOW_ROUTER_LATENCY",
+    "SHADOW_WOULD_ESCALATE",
+    "STATE_CONTENT",
+    "add_otlp_exporter",
+    "engine_call",
+    "escalation_call",
+    "genai_attributes",
+    "mark_error",
+    "model_call",
+    "provider_of",
+    "record_content",
+    "record_reports",
+    "set_io",
+    "set_usage",
+    "span",
+]

@@ -1,0 +1,168 @@
+"""Every attribute, span and metric name canvasroute writes (one module, a fixed key set)."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "CACHE_HIT",
+    "CANVAS_READS",
+    "DECISION_PREFIX",
+    "DECISION_SET",
+    "ERROR_TYPE",
+    "ESCALATED_QUESTIONS",
+    "FIGURES",
+    "GEN_AI_INPUT_MESSAGES",
+    "GEN_AI_INPUT_TOKENS",
+    "GEN_AI_MODEL",
+    "GEN_AI_OPERATION",
+    "GEN_AI_OUTPUT_TOKENS",
+    "GEN_AI_PROVIDER",
+    "GEN_AI_SYSTEM",
+    "GEN_AI_TOKEN_TYPE",
+    "GRAPH_NODE",
+    "GRAPH_STRUCTURE",
+    "GRAPH_THREAD",
+    "INPUT_MIME",
+    "INPUT_VALUE",
+    "JSON_MIME",
+    "LLM_COMPLETION_TOKENS",
+    "LLM_MODEL_NAME",
+    "LLM_PROMPT_TOKENS",
+    "LLM_PROVIDER",
+    "LLM_SYSTEM",
+    "LLM_TOTAL_TOKENS",
+    "METRIC_KIND",
+    "METRIC_PATH",
+    "METRIC_QUESTION",
+    "OI_CHAIN",
+    "OI_LLM",
+    "OI_SPAN_KIND",
+    "OPERATION_CANVAS_READ",
+    "OPERATION_CHAT",
+    "OPERATION_ESCALATE",
+    "OPERATION_GRAPH",
+    "OPERATION_ROUTE",
+    "OPERATION_SHADOW",
+    "OUTPUT_MIME",
+    "OUTPUT_VALUE",
+    "PROMPTS_CONTENT",
+    "QUESTIONS",
+    "READ_BATCH",
+    "READ_KIND",
+    "REMOTE_PROVIDERS",
+    "ROUTE_DESTINATION",
+    "SCOPE",
+    "SERVER_ADDRESS",
+    "SERVER_PORT",
+    "SESSION_ID",
+    "SHADOW_AGREES",
+    "SHADOW_CANVAS_ALONE",
+    "SHADOW_CANVAS_DESTINATION",
+    "SHADOW_CANVAS_ERROR",
+    "SHADOW_CANVAS_LATENCY",
+    "SHADOW_DESTINATION",
+    "SHADOW_ROUTER_LATENCY",
+    "SHADOW_WOULD_ESCALATE",
+    "STATE_CONTENT",
+    "record_content",
+]
+
+# -- GenAI semantic conventions ---------------------------------------------------------
+GEN_AI_OPERATION = "gen_ai.operation.name"
+GEN_AI_PROVIDER = "gen_ai.provider.name"
+GEN_AI_SYSTEM = "gen_ai.system"
+"""Older name of `gen_ai.provider.name`, still mapped by LangSmith; written alongside."""
+GEN_AI_MODEL = "gen_ai.request.model"
+GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_TOKEN_TYPE = "gen_ai.token.type"
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
+"""Opt-in content: the prompt of a canvas read (only with CANVASROUTE_RECORD_CONTENT=1)."""
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+ERROR_TYPE = "error.type"
+OPERATION_CANVAS_READ = "canvas_read"
+OPERATION_CHAT = "chat"
+OPERATION_ESCALATE = "escalate"
+REMOTE_PROVIDERS = frozenset({"vllm"})
+"""Engine providers reached over the network (their read spans are CLIENT spans)."""
+
+# -- OpenInference semantic conventions (what Phoenix and similar viewers lay out by) ---
+OI_SPAN_KIND = "openinference.span.kind"
+OI_CHAIN = "CHAIN"
+OI_LLM = "LLM"
+INPUT_VALUE = "input.value"
+INPUT_MIME = "input.mime_type"
+OUTPUT_VALUE = "output.value"
+OUTPUT_MIME = "output.mime_type"
+JSON_MIME = "application/json"
+SESSION_ID = "session.id"
+"""The LangGraph thread id (viewers group a thread's traces into one session)."""
+LLM_MODEL_NAME = "llm.model_name"
+LLM_PROVIDER = "llm.provider"
+LLM_SYSTEM = "llm.system"
+LLM_PROMPT_TOKENS = "llm.token_count.prompt"
+LLM_COMPLETION_TOKENS = "llm.token_count.completion"
+LLM_TOTAL_TOKENS = "llm.token_count.total"
+
+# -- canvasroute's own namespace -------------------------------------------------------
+DECISION_SET = "canvasroute.decision_set"
+QUESTIONS = "canvasroute.questions"
+CANVAS_READS = "canvasroute.canvas_reads"
+GRAPH_NODE = "canvasroute.graph.node"
+GRAPH_THREAD = "canvasroute.graph.thread_id"
+READ_BATCH = "canvasroute.read.batch_size"
+READ_KIND = "canvasroute.read.kind"
+"""`first` or `reread`."""
+ESCALATED_QUESTIONS = "canvasroute.escalation.questions"
+STATE_CONTENT = "canvasroute.content.state"
+CACHE_HIT = "canvasroute.cache.hit"
+"""On a decide span when the model has a `DecisionCache`: True when answered from it (no read)."""
+"""Opt-in content: the rendered state (only with CANVASROUTE_RECORD_CONTENT=1)."""
+PROMPTS_CONTENT = "canvasroute.content.prompts"
+"""Opt-in content: every distinct prompt of a read batch that holds more than one."""
+DECISION_PREFIX = "canvasroute.decision"
+"""Per-question figures on the decide span: `canvasroute.decision.<question id>.<figure>`."""
+FIGURES = ("answer", "canvas_answer", "options", "canvas_probabilities", "temperature", "entropy",
+           "normalized_entropy", "confidence", "margin", "label_mass", "path", "escalated",
+           "escalation_model", "over_budget", "reads", "agreement", "kind")
+"""Figures recorded per question (`canvas_*`: the canvas read before escalation, with
+`canvas_probabilities` in `options` order, at `temperature`)."""
+# the graph around the decisions (written by harness/, read by the dashboard)
+OPERATION_ROUTE = "route"
+"""Span `route <node>`: where one decision node sent the graph (one per decision set)."""
+ROUTE_DESTINATION = "canvasroute.route.destination"
+"""The node the graph went to (in shadow mode: the existing router's choice)."""
+GRAPH_STRUCTURE = "canvasroute.graph.structure"
+"""JSON `{"nodes": [...], "edges": [{"source", "target", "conditional"}]}` of `graph.get_graph()`,
+on a `graph <name>` span (`canvasroute.apps.observability.graph.record_graph`)."""
+OPERATION_GRAPH = "graph"
+CACHE_HIT = "canvasroute.cache.hit"
+"""True on a decide or route span answered from a decision cache (read by the dashboard)."""
+OPERATION_SHADOW = "shadow"
+"""Span `shadow <node>`: the existing router and a canvas-only read side by side."""
+SHADOW_DESTINATION = "canvasroute.shadow.destination"
+"""What the existing router chose (the graph went there)."""
+SHADOW_CANVAS_DESTINATION = "canvasroute.shadow.canvas_destination"
+"""Where the canvas answers would have routed (absent when the canvas read failed)."""
+SHADOW_AGREES = "canvasroute.shadow.agrees"
+SHADOW_WOULD_ESCALATE = "canvasroute.shadow.would_escalate"
+"""Question ids the gate would have escalated at the current thresholds (comma-separated)."""
+SHADOW_CANVAS_ALONE = "canvasroute.shadow.canvas_alone"
+"""True when no question would have escalated: the canvas would have taken the decision alone."""
+SHADOW_ROUTER_LATENCY = "canvasroute.shadow.router_latency_s"
+SHADOW_CANVAS_LATENCY = "canvasroute.shadow.canvas_latency_s"
+SHADOW_CANVAS_ERROR = "canvasroute.shadow.canvas_error"
+"""The exception type when the canvas read failed (the graph still follows the router)."""
+# metric attributes (low cardinality: developer-defined names only)
+METRIC_PATH = "canvasroute.path"
+METRIC_KIND = "canvasroute.question.kind"
+METRIC_QUESTION = "canvasroute.question.id"
+
+SCOPE = "canvasroute"
+
+
+def record_content() -> bool:
+    """Whether state and prompt content may be recorded (`CANVASROUTE_RECORD_CONTENT=1`)."""
+    return os.environ.get("CANVASROUTE_RECORD_CONTENT", "") == "1"

@@ -1,0 +1,345 @@
+"""Spans and metrics over the global OpenTelemetry providers (looked up when used, not at import)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry import metrics, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from ._names import (
+    DECISION_SET,
+    ERROR_TYPE,
+    ESCALATED_QUESTIONS,
+    GEN_AI_INPUT_MESSAGES,
+    GEN_AI_INPUT_TOKENS,
+    GEN_AI_MODEL,
+    GEN_AI_OPERATION,
+    GEN_AI_OUTPUT_TOKENS,
+    GEN_AI_PROVIDER,
+    GEN_AI_SYSTEM,
+    GEN_AI_TOKEN_TYPE,
+    GRAPH_THREAD,
+    INPUT_MIME,
+    INPUT_VALUE,
+    JSON_MIME,
+    LLM_COMPLETION_TOKENS,
+    LLM_MODEL_NAME,
+    LLM_PROMPT_TOKENS,
+    LLM_PROVIDER,
+    LLM_SYSTEM,
+    LLM_TOTAL_TOKENS,
+    OI_CHAIN,
+    OI_LLM,
+    OI_SPAN_KIND,
+    OPERATION_CANVAS_READ,
+    OPERATION_CHAT,
+    OPERATION_ESCALATE,
+    OUTPUT_MIME,
+    OUTPUT_VALUE,
+    PROMPTS_CONTENT,
+    READ_BATCH,
+    READ_KIND,
+    REMOTE_PROVIDERS,
+    SCOPE,
+    SERVER_ADDRESS,
+    SERVER_PORT,
+    SESSION_ID,
+    STATE_CONTENT,
+    record_content,
+)
+
+__all__ = ["Call", "engine_call", "escalation_call", "genai_attributes", "model_call", "provider_of", "set_io", "set_usage", "span"]
+
+# -- providers, looked up lazily -------------------------------------------------------
+
+
+class _Instruments:
+    """The metric instruments of one meter provider."""
+
+    def __init__(self, meter: metrics.Meter) -> None:
+        self.decision_duration = meter.create_histogram(
+            "canvasroute.decision.duration", unit="s", description="Time to answer one decision set")
+        self.decisions = meter.create_counter(
+            "canvasroute.decisions", unit="{question}", description="Answered questions, by path")
+        self.entropy = meter.create_histogram(
+            "canvasroute.decision.normalized_entropy", unit="1",
+            description="Canvas normalized entropy per question")
+        self.escalations = meter.create_counter(
+            "canvasroute.escalations", unit="{question}", description="Questions escalated to the AR model")
+        self.operation_duration = meter.create_histogram(
+            "gen_ai.client.operation.duration", unit="s", description="GenAI operation duration")
+        self.token_usage = meter.create_histogram(
+            "gen_ai.client.token.usage", unit="{token}", description="Measures number of input and output tokens used")
+
+
+_cache: dict[str, tuple[Any, Any]] = {}
+
+
+def _tracer() -> trace.Tracer | None:
+    """The global provider's tracer, or None while the API's own proxy or no-op provider
+    stands in (no SDK installed): its spans record nothing and leave the context as it was."""
+    provider = trace.get_tracer_provider()
+    cached = _cache.get("tracer")
+    if cached is None or cached[0] is not provider:
+        off = isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+        cached = _cache["tracer"] = (provider, None if off else provider.get_tracer(SCOPE))
+    return cached[1]
+
+
+def _instruments() -> _Instruments | None:
+    """The global meter provider's instruments, or None while the API's own proxy or no-op
+    provider stands in (no SDK installed: every point would be dropped)."""
+    provider = metrics.get_meter_provider()
+    cached = _cache.get("meter")
+    if cached is None or cached[0] is not provider:
+        off = type(provider).__module__.startswith("opentelemetry.metrics")  # the API's proxy or no-op
+        cached = _cache["meter"] = (provider, None if off else _Instruments(provider.get_meter(SCOPE)))
+    return cached[1]
+
+
+def _idle_span() -> Span:
+    """What a no-op tracer's span would be: the current span context, not recording."""
+    return trace.NonRecordingSpan(trace.get_current_span().get_span_context())
+
+
+class _Idle:
+    """The context of a span (or model call) nothing records: a plain object, not a
+    generator, since it runs on every decision of an app without an OTel SDK."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: bool) -> None:
+        self.call = call
+
+    def __enter__(self) -> Any:
+        s = _idle_span()
+        return Call(s, {}, idle=True) if self.call else s
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# -- spans -----------------------------------------------------------------------------
+
+
+def span(name: str, attributes: Mapping[str, Any],
+         kind: SpanKind = SpanKind.INTERNAL) -> AbstractContextManager[Span]:
+    """A span under the current one that records exceptions, `error.type` and an ERROR
+    status on failure, and an OK status otherwise (unless the body marked an error).
+
+    Spans are OpenInference CHAIN spans unless `attributes` say otherwise; a
+    `canvasroute.graph.thread_id` is mirrored to `session.id`. Without an SDK nothing is
+    built: the body gets the non-recording span a no-op tracer would give it.
+    """
+    tracer = _tracer()
+    return _IDLE_SPAN if tracer is None else _recording_span(tracer, name, attributes, kind)
+
+
+@contextmanager
+def _recording_span(tracer: trace.Tracer, name: str, attributes: Mapping[str, Any],
+                    kind: SpanKind) -> Iterator[Span]:
+    attrs = {OI_SPAN_KIND: OI_CHAIN, **attributes}
+    if GRAPH_THREAD in attrs:
+        attrs.setdefault(SESSION_ID, attrs[GRAPH_THREAD])
+    if DECISION_SET in attrs and INPUT_VALUE not in attrs:  # a decide span: what it was asked, even if it fails
+        state = attrs.get(STATE_CONTENT)
+        attrs[INPUT_VALUE] = json.dumps({"questions": str(attrs[DECISION_SET]).split(","),
+                                         **({"state": state} if state is not None else {})}, ensure_ascii=False)
+        attrs[INPUT_MIME] = JSON_MIME
+    with tracer.start_as_current_span(name, kind=kind, attributes=attrs,
+                                         record_exception=True, set_status_on_exception=True) as s:
+        try:
+            yield s
+        except BaseException as exc:
+            s.set_attribute(ERROR_TYPE, type(exc).__qualname__)
+            raise
+        status = getattr(s, "status", None)  # SDK spans: keep an ERROR set by mark_error
+        if status is not None and status.status_code is StatusCode.UNSET:
+            s.set_status(Status(StatusCode.OK))
+
+
+def set_io(s: Span, *, input: Any = None, output: Any = None) -> None:
+    """`input.value` / `output.value` as JSON (OpenInference), when given."""
+    for key, mime, value in ((INPUT_VALUE, INPUT_MIME, input), (OUTPUT_VALUE, OUTPUT_MIME, output)):
+        if value is not None and s.is_recording():
+            s.set_attribute(key, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                                                default=str))
+            s.set_attribute(mime, "text/plain" if isinstance(value, str) else JSON_MIME)
+
+
+@dataclass(slots=True)
+class Call:
+    """One model call in flight: its span and the metric attributes it reports under."""
+
+    span: Span
+    metric_attributes: dict[str, Any]
+    outer: Span | None = None
+    """The enclosing `escalate` span of an escalation's `chat` call (None for reads)."""
+    idle: bool = False
+    """Nothing records this call (no SDK): `usage` returns without looking up the meter provider."""
+
+    def usage(self, input_tokens: int, output_tokens: int, results: Sequence[Any] = ()) -> None:
+        """Record token usage (span attributes and `gen_ai.client.token.usage`) and the server."""
+        if self.idle:
+            return
+        inst, recording = _instruments(), self.span.is_recording()
+        if not (inst or recording):
+            return
+        set_usage(self.span, input_tokens, output_tokens)
+        server = _server(results)
+        self.span.set_attributes(server)
+        self.metric_attributes.update(server)
+        if inst is not None:
+            inst.token_usage.record(input_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "input"})
+            inst.token_usage.record(output_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "output"})
+
+    def read_output(self, chunks: Sequence[Any], results: Sequence[Any], specs: Mapping[str, Any]) -> None:
+        """`output.value` of a canvas read: per canvas, each question's distribution over its
+        options (softmax of the slot row over the question's labels, temperature 1; keyed by
+        label where a slot reads groups of options rather than the options)."""
+        if not self.span.is_recording():
+            return
+        out = []
+        for chunk, result in zip(chunks, results):
+            canvas = {}
+            for slot, row in zip(chunk.slots, result.rows):
+                lps = [row.get(i, -math.inf) for i in slot.label_ids]
+                top = max(lps)
+                if top == -math.inf:
+                    continue
+                ps = [math.exp(lp - top) for lp in lps]
+                options = specs[slot.question_id].options if slot.question_id in specs else ()
+                if len(options) != len(ps):
+                    options = slot.labels
+                shift = getattr(slot, "shift", 0)  # an order-bias view lists the options rotated
+                key = f"{slot.question_id}~{shift}" if shift else slot.question_id
+                options = tuple(options[shift:]) + tuple(options[:shift])
+                canvas[key] = {o: round(p / sum(ps), 4) for o, p in zip(options, ps)}
+            out.append(canvas)
+        self.output(out)
+
+    def output(self, value: Any) -> None:
+        """What the call answered, as `output.value` (on `escalate` too for an escalation)."""
+        set_io(self.span, output=value)
+        if self.outer is not None:
+            set_io(self.outer, output=value)
+
+
+@contextmanager
+def _call(name: str, attributes: dict[str, Any], kind: SpanKind) -> Iterator[Call]:
+    metric_attributes = {k: attributes[k] for k in (GEN_AI_OPERATION, GEN_AI_PROVIDER, GEN_AI_MODEL)}
+    start = time.perf_counter()
+    with span(name, attributes, kind) as s:
+        call = Call(s, metric_attributes)
+        try:
+            yield call
+        except BaseException as exc:
+            metric_attributes[ERROR_TYPE] = type(exc).__qualname__
+            raise
+        finally:
+            inst = _instruments()
+            if inst is not None:
+                inst.operation_duration.record(time.perf_counter() - start, metric_attributes)
+
+
+def model_call(operation: str, provider: str, model: str, attributes: Mapping[str, Any] | None = None,
+               kind: SpanKind = SpanKind.CLIENT) -> Any:
+    """Span `<operation> <model>` with GenAI attributes and metrics around any model call.
+
+    Example:
+        ```python
+        with model_call("chat", "openai", "gpt-4o") as call:
+            reply = await chat.ainvoke(messages)
+            call.usage(reply.usage_metadata["input_tokens"], reply.usage_metadata["output_tokens"])
+        ```
+    """
+    return _call(f"{operation} {model}", {**genai_attributes(operation, provider, model), **(attributes or {})}, kind)
+
+
+def set_usage(s: Span, input_tokens: int, output_tokens: int) -> None:
+    """Token usage as span attributes only (`Call.usage` also records the metric)."""
+    s.set_attributes({GEN_AI_INPUT_TOKENS: input_tokens, GEN_AI_OUTPUT_TOKENS: output_tokens,
+                      LLM_PROMPT_TOKENS: input_tokens, LLM_COMPLETION_TOKENS: output_tokens,
+                      LLM_TOTAL_TOKENS: input_tokens + output_tokens})
+
+
+def genai_attributes(operation: str, provider: str, model: str) -> dict[str, Any]:
+    """The GenAI attributes of one model call (`gen_ai.system` mirrors the provider), and
+    their OpenInference twins (an LLM span)."""
+    return {GEN_AI_OPERATION: operation, GEN_AI_PROVIDER: provider, GEN_AI_SYSTEM: provider, GEN_AI_MODEL: model,
+            OI_SPAN_KIND: OI_LLM, LLM_MODEL_NAME: model, LLM_PROVIDER: provider, LLM_SYSTEM: provider}
+
+
+def engine_call(info: Any, batch: Sequence[Any], kind: str) -> Any:
+    """Span `canvas_read <model>` around one engine call (`kind`: first or reread)."""
+    if _tracer() is None and _instruments() is None:  # no SDK: nothing to build
+        return _IDLE_CALL
+    attrs = {**genai_attributes(OPERATION_CANVAS_READ, info.provider, info.model),
+             READ_BATCH: len(batch), READ_KIND: kind}
+    if record_content():
+        prompts = list({json.dumps(_semconv_messages(r.messages), ensure_ascii=False): None for r in batch})
+        if len(prompts) == 1:
+            attrs[GEN_AI_INPUT_MESSAGES] = prompts[0]
+        else:
+            attrs[PROMPTS_CONTENT] = prompts
+        attrs[INPUT_VALUE] = prompts[0] if len(prompts) == 1 else json.dumps([json.loads(p) for p in prompts])
+    else:  # no prompt text (it holds the state): say what was read
+        attrs[INPUT_VALUE] = json.dumps({"kind": kind, "canvases": len(batch),
+                                         "slots": sum(len(r.slots) for r in batch)})
+    attrs[INPUT_MIME] = JSON_MIME
+    span_kind = SpanKind.CLIENT if info.provider in REMOTE_PROVIDERS else SpanKind.INTERNAL
+    return _call(f"{OPERATION_CANVAS_READ} {info.model}", attrs, span_kind)
+
+
+@contextmanager
+def escalation_call(target: Any, name: str, question_ids: Sequence[str]) -> Iterator[Call]:
+    """Spans `escalate <model>` (CHAIN) and, under it, `chat <model>` (LLM, GenAI `chat`
+    attributes and metrics) around one escalation call; `Call.usage`/`output` write the chat span."""
+    with span(f"{OPERATION_ESCALATE} {name}", {ESCALATED_QUESTIONS: ",".join(question_ids)}) as outer:
+        set_io(outer, input={"questions": list(question_ids)})
+        attrs = {**genai_attributes(OPERATION_CHAT, provider_of(target), name),
+                 ESCALATED_QUESTIONS: ",".join(question_ids)}
+        with _call(f"{OPERATION_CHAT} {name}", attrs, SpanKind.CLIENT) as call:
+            call.outer = outer
+            yield call
+
+
+def provider_of(target: Any) -> str:
+    """The escalation target's provider as LangChain reports it (`openai`, ...).
+
+    Chat models report `ls_provider`; a decision model its `_provider`; anything else
+    is `langchain`.
+    """
+    try:
+        provider = target._get_ls_params().get("ls_provider")
+    except Exception:  # not a LangChain model, or one that needs call arguments
+        provider = getattr(target, "_provider", None)
+    return provider if isinstance(provider, str) and provider else "langchain"
+
+
+_IDLE_SPAN, _IDLE_CALL = _Idle(call=False), _Idle(call=True)
+
+
+def _semconv_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
+    return [{"role": m["role"], "parts": [{"type": "text", "content": m["content"]}]} for m in messages]
+
+
+def _server(results: Sequence[Any]) -> dict[str, Any]:
+    """`server.address`/`server.port` from the first result's replica URL (credentials dropped)."""
+    for r in results:
+        url = (getattr(r, "attrs", None) or {}).get("server.address")
+        if url:
+            parts = urlsplit(str(url))
+            out: dict[str, Any] = {SERVER_ADDRESS: parts.hostname or str(url)}
+            if parts.port:
+                out[SERVER_PORT] = parts.port
+            return out
+    return {}

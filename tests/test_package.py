@@ -1,0 +1,265 @@
+"""The package a real project installs: one namespace, rooms that follow the data flow, a wheel.
+
+The layout checks read the source (imports as the AST has them, line counts); the install
+check builds the wheel, installs it into a fresh venv and uses it from a project folder
+that holds its own `router.py`, `engine.py` and `harness.py`, as a user's LangGraph app may.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from conftest import LAYERS, ROOT
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+ORDER = ("engine", "router", "harness", "apps")
+"""The rooms in data-flow order: each may import only the rooms before it."""
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the installed package, by dotted name, from the repository's folders."""
+    found = {"canvasroute" if p.stem == "__init__" else f"canvasroute.{p.stem}": p
+             for p in (ROOT / "canvasroute").glob("*.py")}
+    for name, folder in LAYERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join(("canvasroute", name, *parts))] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The canvasroute modules `module` imports (relative imports resolved), TYPE_CHECKING ones too."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in out if m in MODULES and m != module}
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ORDER else None
+
+
+def test_pyproject_maps_every_folder_and_ships_every_package():
+    setup = PYPROJECT["tool"]["setuptools"]
+    assert setup["package-dir"] == {"canvasroute": "canvasroute", **{f"canvasroute.{k}": v for k, v in LAYERS.items()}}
+    on_disk = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert set(setup["packages"]) == on_disk
+    assert PYPROJECT["project"]["scripts"]["canvasroute"] == "canvasroute.apps.cli:main"
+
+
+def test_the_rooms_import_one_way():
+    backwards = sorted(f"{m} imports {d}" for m, deps in GRAPH.items() if _room(m)
+                       for d in deps if _room(d) and ORDER.index(_room(d)) > ORDER.index(_room(m)))
+    assert not backwards, backwards
+
+
+def test_engine_and_router_do_not_import_langgraph():
+    for module, path in MODULES.items():
+        if _room(module) in ("engine", "router"):
+            tree = ast.parse(path.read_text())
+            names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+            assert not any(n.split(".")[0] == "langgraph" for n in names), module
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(GRAPH[node]):
+            # a package importing its own submodules is how a package re-exports, not a cycle
+            if dep.startswith(node + "."):
+                continue
+            if state.get(dep) == 1:
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, [*stack, dep])
+        state[node] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    # a submodule importing its parent package (for the parent's re-exports) closes no real loop
+    real = [c for c in cycles if not any(b.startswith(a + ".") or a.startswith(b + ".") for a, b in zip(c, c[1:]))]
+    assert not real, real
+
+
+def test_no_module_is_over_400_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_the_import_surface_lists_what_it_serves():
+    import canvasroute
+
+    assert set(canvasroute.__all__) == {*canvasroute._HOME, "__version__"}
+    assert canvasroute.__all__ == sorted(canvasroute.__all__)
+    for name in canvasroute.__all__:
+        assert getattr(canvasroute, name) is not None, name
+
+
+def test_errors_report_the_canvasroute_module():
+    import canvasroute
+
+    for name in ("CanvasRouteError", "EngineUnavailable", "InputTooLong", "EscalationError"):
+        assert getattr(canvasroute, name).__module__ == "canvasroute.engine.errors"
+
+
+def test_importing_everything_loads_no_generic_top_level_package():
+    code = ("import importlib, sys\n"
+            f"for m in {sorted(MODULES)!r}:\n"
+            "    if not m.endswith('__main__'):\n"
+            "        importlib.import_module(m)\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] in ('engine', 'router', 'harness', 'apps')))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / ".canvasroute" / "import-root")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
+
+
+# -- installed like a user ---------------------------------------------------------------------
+
+USER_ROUTER = '''"""The user's own router module, named as LangGraph apps often name theirs."""
+ROUTES = {"billing": "billing_desk"}
+'''
+USER_ENGINE = 'ENGINE = "the user\'s own engine module"\n'
+USER_HARNESS = 'HARNESS = "the user\'s own harness module"\n'
+USER_APP = '''"""A user's typed script: a decision on the FunctionEngine, then a graph that routes on it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from langchain_core.decisions import Choice, ChoiceAnswer
+from langgraph.graph import END, START, StateGraph
+from typing_extensions import TypedDict
+
+import engine
+import harness
+import router
+from canvasroute import CanvasDecisionModel, CanvasRead, FunctionEngine, GatePolicy, decision_node, merge_decisions
+
+
+def rows(read: CanvasRead) -> list[dict[int, float]]:
+    return [{fake.token_id("A"): -0.05, fake.token_id("B"): -3.0} for _ in read.slots]
+
+
+fake = FunctionEngine(rows)
+model = CanvasDecisionModel(engine=fake, policy=GatePolicy(max_normalized_entropy=0.9))
+team = Choice(instructions="Which team owns this?", criteria={"billing": None, "technical": None})
+resp = model.invoke({"state": "Refund me", "questions": {"team": team}})
+answer = resp.answers["team"]
+assert isinstance(answer, ChoiceAnswer) and answer.choice == "billing", resp.answers
+assert resp.reads["team"].path == "canvas"
+
+
+class State(TypedDict, total=False):
+    ticket: str
+    decisions: Annotated[dict[str, object], merge_decisions]
+    handled_by: str
+
+
+builder = StateGraph(State)
+builder.add_node("triage", decision_node(model, {"team": team}, inputs="ticket",
+                                         route=("team", {"billing": router.ROUTES["billing"], "technical": "tech"})))
+builder.add_node("billing_desk", lambda state: {"handled_by": "billing"})
+builder.add_node("tech", lambda state: {"handled_by": "tech"})
+builder.add_edge(START, "triage")
+builder.add_edge("billing_desk", END)
+builder.add_edge("tech", END)
+out = builder.compile().invoke({"ticket": "I was charged twice."})
+assert out["handled_by"] == "billing", out
+print("ok", engine.ENGINE, harness.HARNESS, type(resp).__module__)
+'''
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv holding the built wheel (and mypy), as a user's project would."""
+    work = tmp_path_factory.mktemp("install")
+    dist = work / "dist"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheel = next(dist.glob("canvasroute-*.whl"))
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                          str(wheel), "mypy"], capture_output=True, text=True, timeout=900)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    return venv
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A user's project folder with modules named like ours."""
+    (tmp_path / "router.py").write_text(USER_ROUTER)
+    (tmp_path / "engine.py").write_text(USER_ENGINE)
+    (tmp_path / "harness.py").write_text(USER_HARNESS)
+    (tmp_path / "app.py").write_text(USER_APP)
+    return tmp_path
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def test_the_wheel_installs_only_canvasroute(installed):
+    shown = subprocess.run([str(installed / "bin" / "python"), "-m", "pip", "show", "-f", "canvasroute"],
+                           capture_output=True, text=True, check=True, env=_clean_env()).stdout
+    files = [line.strip() for line in shown.split("Files:", 1)[1].splitlines() if line.strip()]
+    tops = {f.split("/")[0] for f in files if not f.startswith("..")}
+    assert tops == {"canvasroute", next(t for t in tops if t.endswith(".dist-info"))}, tops
+    for expected in ("canvasroute/py.typed", "canvasroute/engine/errors.py", "canvasroute/apps/cli.py",
+                     "canvasroute/harness/_node.py", "canvasroute/router/telemetry/__init__.py"):
+        assert expected in files, expected
+    assert not any(f.startswith(("tests/", "examples/", "engine/", "router/", "harness/")) for f in files)
+    meta = subprocess.run([str(installed / "bin" / "python"), "-c",
+                           "import importlib.metadata as m, canvasroute; d = m.metadata('canvasroute');"
+                           "print(d['License-Expression'], canvasroute.__version__ == d['Version'],"
+                           " bool(d.get_all('Classifier')), bool(d.get_all('Project-URL')))"],
+                          capture_output=True, text=True, check=True, env=_clean_env()).stdout.split()
+    assert meta == ["Apache-2.0", "True", "True", "True"]
+
+
+def test_a_project_with_its_own_router_engine_and_harness_modules_uses_the_package(installed, project):
+    run = subprocess.run([str(installed / "bin" / "python"), "app.py"], cwd=project, capture_output=True, text=True,
+                         env=_clean_env(), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[:1] == ["ok"] and "canvasroute.router._types" in run.stdout
+    cli = subprocess.run([str(installed / "bin" / "canvasroute"), "--help"], cwd=project, capture_output=True,
+                         text=True, env=_clean_env(), timeout=120)
+    assert cli.returncode == 0 and "dashboard" in cli.stdout
+
+
+def test_mypy_strict_passes_on_a_typed_user_script(installed, project):
+    run = subprocess.run([str(installed / "bin" / "python"), "-m", "mypy", "--strict", "--no-incremental",
+                          "app.py"], cwd=project, capture_output=True, text=True, env=_clean_env(), timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "missing library stubs or py.typed marker" not in run.stdout
