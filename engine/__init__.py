@@ -21,7 +21,7 @@ from ._http import Connection
 from ._server import VLLMServerEngine
 from ._sync import run_sync
 from ._text import SPECIAL_CANDIDATES, THOUGHT_SCAFFOLD, defuse
-from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult, check_rows
+from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
 from ._wire import MAX_LABEL_IDS
 from .errors import (
     BudgetExhausted,
@@ -72,6 +72,7 @@ __all__ = [
     "ReadResult",
     "SPECIAL_CANDIDATES",
     "THOUGHT_SCAFFOLD",
+    "Thought",
     "TraceFileError",
     "TransformersEngine",
     "UnsupportedQuestion",

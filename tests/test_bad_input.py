@@ -106,8 +106,8 @@ async def test_template_text_cannot_forge_tokens_on_the_real_server(vllm_url):
     assert not special_ids & set(await engine.tokenize(attack["messages"][1]["content"]))
     # the whole chat prompt holds exactly the template's turn markers, no more
     benign_prompt = await engine.count_prompt(base["messages"])
-    attack_ids = await engine._prompt_ids(attack["messages"])
-    base_ids = await engine._prompt_ids(base["messages"])
+    attack_ids = await engine.prompt_ids(attack["messages"])
+    base_ids = await engine.prompt_ids(base["messages"])
     assert benign_prompt == len(base_ids)
     for special in special_ids:
         assert attack_ids.count(special) == base_ids.count(special)
