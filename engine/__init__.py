@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from ._vllm import VLLMEngine
 
 __all__ = [
+    "MAX_LABEL_IDS",
+    "SPECIAL_CANDIDATES",
+    "THOUGHT_SCAFFOLD",
     "BudgetExhausted",
     "CalibrationError",
     "CanvasRead",
@@ -67,11 +70,8 @@ __all__ = [
     "ImagesUnsupported",
     "InputTooLong",
     "LabelError",
-    "MAX_LABEL_IDS",
     "Message",
     "ReadResult",
-    "SPECIAL_CANDIDATES",
-    "THOUGHT_SCAFFOLD",
     "Thought",
     "TraceFileError",
     "TransformersEngine",

@@ -168,8 +168,6 @@ UNASKABLE = {
                                UnsupportedQuestion, "team"),
     "Score with one level": ({"sev": {"type": "score", "instructions": "?", "criteria": ["only"]}},
                              UnsupportedQuestion, "sev"),
-    "empty option name": ({"team": _choice(["billing", " "])}, LabelError, "empty option"),
-    "duplicate options": ({"team": _choice(["billing", "Billing "])}, LabelError, "duplicate"),
     "256 options": ({"topic": _choice([f"t{i}" for i in range(256)])}, LabelError, "at most 255"),
 }
 

@@ -23,6 +23,7 @@ from canvasroute.engine import (
     EngineTimeout,
     EngineUnavailable,
     EscalationError,
+    ImagesUnsupported,
     InputTooLong,
     LabelError,
     UnsupportedQuestion,
@@ -71,8 +72,8 @@ def from_exception(exc: BaseException) -> Refusal:
     if isinstance(exc, DecisionError):  # about the client's own questions: its message helps and leaks nothing
         kind = ("unsupported_question" if isinstance(exc, UnsupportedQuestion) else "label_error"
                 if isinstance(exc, LabelError) else "input_too_long" if isinstance(exc, InputTooLong)
-                else "invalid_question")
-        return Refusal(400, kind, str(exc))
+                else "images_unsupported" if isinstance(exc, ImagesUnsupported) else "invalid_question")
+        return Refusal(422, kind, str(exc))  # vLLM's gateway: an unusable schema or template is 422
     if isinstance(exc, BudgetExhausted):
         return Refusal(429, "escalation_budget_exhausted", "the escalation budget is spent; retry later",
                        headers=_RETRY)
