@@ -194,3 +194,14 @@ async def test_many_questions_answer_compact_when_it_saves_reads(vllm_url, monke
     for r in resp.reads.values():
         assert sum(r.canvas_probabilities.values()) == pytest.approx(1.0)
     await engine.aclose()
+
+
+async def test_chunks_are_packed_with_the_labels_they_are_read_with(vllm_url):
+    """The tiny tokenizer splits `yes`, so Nouls are read as Y/N: six of them fit one 32-wide
+    canvas with those labels (packing with `yes`/`no` took two)."""
+    engine = VLLMServerEngine(vllm_url)
+    six = {f"p{i}": Noul(instructions=f"Is point {i} true?") for i in range(6)}
+    resp = await CanvasDecisionModel(engine=engine, policy=ONE).adecide(TICKET, six, seed=1)
+    assert resp.canvas_reads == 1 and resp.diagnostics.chunks == [list(six)]
+    assert {tuple(r.labels) for r in resp.reads.values()} == {("Y", "N")}
+    await engine.aclose()

@@ -13,6 +13,9 @@ Every figure is a ratio or a distribution measured side by side in one run:
                   round-robin (`--affinity-urls`; skipped without two).
 7. `inprocess`    embedded SmolLM2 decisions/s, 8 sequential vs 8 concurrent, with and
                   without the engine's prompt (prefix) cache.
+8. `gateway`      `canvasroute serve` vs vLLM's reference gateway (`--gateway-url`) in front of
+                  the same vLLM server (`--vllm-url`): latency, calls/s and vLLM reads per call
+                  at c=1 and c=8, interleaved; and the library path (skipped without both).
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -33,7 +36,7 @@ from .common import Section, loop_ns, machine
 
 __all__ = ["SECTIONS", "configure", "run"]
 
-SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess")
+SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "gateway")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--affinity-urls", default=os.environ.get("CANVASROUTE_AFFINITY_URLS", ""),
                         help="two vLLM DiffusionGemma servers, comma-separated, for the affinity section "
                              "(default $CANVASROUTE_AFFINITY_URLS); without two it is skipped")
+    parser.add_argument("--gateway-url", default=os.environ.get("CANVASROUTE_GATEWAY_URL"),
+                        help="a running vLLM reference gateway (structured_server.py) in front of --vllm-url, for "
+                             "the gateway section (default $CANVASROUTE_GATEWAY_URL); without one it is skipped")
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
 
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         "vllm": lambda: _vllm(args.vllm_url, args.quick),
         "affinity": lambda: _affinity(args.affinity_urls, args.quick),
         "inprocess": lambda: _inprocess(args.quick),
+        "gateway": lambda: _gateway(args.gateway_url, args.vllm_url, args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -126,3 +133,8 @@ def _affinity(urls: str, quick: bool) -> Section:
 def _inprocess(quick: bool) -> Section:
     from .inprocess import run_inprocess
     return run_inprocess(quick)
+
+
+def _gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Section:
+    from .gateway import run_gateway
+    return run_gateway(reference, vllm_url, quick)
