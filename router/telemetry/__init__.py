@@ -119,6 +119,7 @@ from ._spans import (
 __all__ = [
     "CACHE_HIT",
     "CANVAS_READS",
+    "Call",
     "DECISION_PREFIX",
     "DECISION_SET",
     "ERROR_TYPE",
@@ -177,7 +178,6 @@ __all__ = [
     "SHADOW_ROUTER_LATENCY",
     "SHADOW_WOULD_ESCALATE",
     "STATE_CONTENT",
-    "Call",
     "add_otlp_exporter",
     "engine_call",
     "escalation_call",
