@@ -80,7 +80,7 @@ def read_extensions(data: Mapping[str, Any], questions: Mapping[str, Mapping[str
     if data.get("chunk_prompt", "own") != "own":
         raise malformed(("chunk_prompt",), "only 'own' is supported: each chunk lists its own questions",
                         "unsupported_field")
-    if data.get("sequential", False) is not False:
+    if data.get("sequential"):
         raise malformed(("sequential",), "is not supported: chunks of one stage are read together; order "
                         "questions with depends_on", "unsupported_field")
     images = [*images, *_images(data.get("images"))]
