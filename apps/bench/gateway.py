@@ -51,8 +51,8 @@ _SUCCESS = re.compile(r'^vllm:request_success_total\{[^}]*\}\s+([0-9.e+]+)$', re
 
 def run_gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Section:
     section = Section("gateway", "8. canvasroute serve vs vLLM's reference gateway (same vLLM server, same requests, "
-                                 "interleaved)", ["path", "settings", "concurrency", "calls", "p50 ms", "calls/s",
-                                                  "vLLM reads/call"])
+                                 "interleaved)", ["path", "settings", "concurrency", "calls", "p50 ms", "p95 ms",
+                                                  "calls/s", "vLLM reads/call"])
     if not reference or not vllm_url:
         section.skipped = ("needs --gateway-url (a running reference gateway) and --vllm-url (the vLLM server it "
                            "reads from)")
@@ -67,7 +67,7 @@ def run_gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Sec
     for (path, settings, c), t in tallies.items():
         s = summary(t["latencies"], 1000)
         section.rows.append({"path": path, "settings": settings, "concurrency": c, "calls": len(t["latencies"]),
-                             "p50 ms": s["p50"], "calls/s": len(t["latencies"]) / t["wall"],
+                             "p50 ms": s["p50"], "p95 ms": s["p95"], "calls/s": len(t["latencies"]) / t["wall"],
                              "vLLM reads/call": t["reads"] / len(t["latencies"])})
     ratios = _ratios(section.rows)
     section.extra.update(ratios=ratios, request=REQUEST, settings=SETTINGS, reference=reference, vllm=vllm_url)
