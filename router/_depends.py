@@ -60,7 +60,8 @@ class Dependencies:
                  for p in specs if p in parents and answers.get(p) is not None]
         if not lines:
             return ""
-        return defuse("\n\nEarlier answers about this input:\n" + "\n".join(lines), special_tokens or SPECIAL_CANDIDATES)
+        text = "\n\nEarlier answers about this input:\n" + "\n".join(lines)
+        return defuse(text, special_tokens or SPECIAL_CANDIDATES)
 
 
 def _shown(spec: QuestionSpec, answer: str | None) -> str:

@@ -31,7 +31,8 @@ QUESTIONS = {
 }
 STATE = "I was charged twice for my subscription this month."
 OK = GATEWAY_CONTRACT["paths"]["/v1/systemone"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
-PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJ"
+                       "RU5ErkJggg==")
 
 
 @pytest.fixture

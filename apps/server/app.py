@@ -21,12 +21,12 @@ be answered; a client that goes away has its work cancelled. Errors are
 
 | status | when |
 |---|---|
-| 400 | a body that is not JSON (or a multipart body without its `request` part): bad JSON, too deep, lone surrogates, NaN |
+| 400 | a body that is not JSON (bad JSON, too deep, lone surrogates, NaN), or multipart without `request` |
 | 401 | missing or wrong bearer key, when a key is configured |
 | 408 | the body did not arrive within `body_timeout` |
 | 413 | the body or the state is too large |
 | 415 | not `application/json` or `multipart/form-data`, or an unknown content encoding |
-| 422 | a field, question, feature or answer template that cannot be used (null state, Box, labels, too long, over a bound, a `model` this server does not serve nor alias) |
+| 422 | a field, question, feature or template that cannot be used (null state, Box, labels, bounds, unknown model) |
 | 429 | over the request rate, or the escalation budget is spent |
 | 502 | the escalation target or the engine answered garbage or refused |
 | 503 | the engine is unreachable (when the model's policy does not escalate) |

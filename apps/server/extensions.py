@@ -76,7 +76,8 @@ def read_extensions(data: Mapping[str, Any], questions: Mapping[str, Mapping[str
     if not options.get("think", 1):
         del options["think"]
     if data.get("chunk_rows") is not None:
-        raise malformed(("chunk_rows",), "is not supported: chunks are packed to the served canvas", "unsupported_field")
+        raise malformed(("chunk_rows",), "is not supported: chunks are packed to the served canvas",
+                        "unsupported_field")
     if data.get("chunk_prompt", "own") != "own":
         raise malformed(("chunk_prompt",), "only 'own' is supported: each chunk lists its own questions",
                         "unsupported_field")

@@ -92,13 +92,16 @@ class SystemOneRequest(_Open):
     samples: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | Literal["auto"] | None = Field(
         None, description="1: one read per canvas; N: N fixed reads; \"auto\": one read, then up to auto_max in "
                           "all for uncertain questions (default: the server's policy) (vLLM gateway extension).")
-    auto_max: int | None = Field(None, ge=1, le=MAX_SAMPLES, description="Reads at most under samples \"auto\" (default 4).")
+    auto_max: int | None = Field(None, ge=1, le=MAX_SAMPLES,
+                                 description="Reads at most under samples \"auto\" (default 4).")
     auto_threshold: float | None = Field(None, ge=0, description="Under samples \"auto\": entropy in nats above "
                                                                 "which a question is uncertain (besides the "
                                                                 "server's gate).")
-    steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Denoising steps per read, the template held (default 1).")
-    think: int | None = Field(None, ge=0, le=MAX_THINK, description="Tokens the model may write in its thought channel before "
-                                                     "the read, which conditions on the thought (default 0).")
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS,
+                              description="Denoising steps per read, the template held (default 1).")
+    think: int | None = Field(None, ge=0, le=MAX_THINK,
+                              description="Tokens the model may write in its thought channel before the read, "
+                                          "which conditions on the thought (default 0).")
     ask: list[str] | None = Field(None, min_length=1, description="Answer only these question ids.")
     images: list[Annotated[str, Field(pattern="^data:image/")] | ImageObject] | None = Field(
         None, description="Images read with the state: data URLs or {content_type, base64}; or upload them as "
