@@ -43,17 +43,19 @@ def _check_content_type(value: str | None) -> None:
 def request_parts(body: bytes, content_type: str | None) -> tuple[bytes, list[str]]:
     """(the JSON request, image data URLs): a JSON body as it is, or a multipart body split
     into its `request` part and its `image/*` file parts, in order (400 for anything else)."""
-    if _media(content_type) != "multipart/form-data":
+    if content_type is None or _media(content_type) != "multipart/form-data":
         return body, []
     try:
         message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
         parts = list(message.iter_parts()) if message.is_multipart() else []
     except Exception as exc:  # noqa: BLE001 - any parser failure is the client's malformed body
         raise Refusal(400, "invalid_body", "the multipart body could not be parsed", loc=()) from exc
-    request, images = None, []
+    request: bytes | None = None
+    images: list[str] = []
     for part in parts:
         name = part.get_param("name", header="content-disposition")
-        data = part.get_payload(decode=True) or b""
+        payload = part.get_payload(decode=True)
+        data = payload if isinstance(payload, bytes) else b""
         if name == "request" and request is None:
             request = data
         elif part.get_content_type().startswith("image/"):
