@@ -42,7 +42,9 @@ class Dependencies:
     def asked_if(self, qid: str, answers: Mapping[str, str | None]) -> dict[str, Any] | None:
         """The condition that decides `qid` as a JSON-able record (the first that fails, else
         the first), with the parent's final answer; None when it has no condition."""
-        conditions = [(p, a) for p, a in self.parents.get(qid, {}).items() if a is not None]
+        if qid not in self.parents:
+            return None
+        conditions = [(p, a) for p, a in self.parents[qid].items() if a is not None]
         if not conditions:
             return None
         parent, wanted = next(((p, a) for p, a in conditions if answers.get(p) not in a), conditions[0])
@@ -50,11 +52,13 @@ class Dependencies:
 
     def applies(self, qid: str, answers: Mapping[str, str | None]) -> bool:
         """Whether `qid` is asked, given the final answers so far (None: skipped parent)."""
-        return all(answers.get(p) in a for p, a in self.parents.get(qid, {}).items() if a is not None)
+        return qid not in self.parents or all(answers.get(p) in a for p, a in self.parents.get(qid, {}).items() if a is not None)
 
     def restated(self, asked: Sequence[str], answers: Mapping[str, str | None], specs: Mapping[str, QuestionSpec],
                  special_tokens: Sequence[str] | None = None) -> str:
         """What a stage reads after the state: its questions' parents' final answers (defused)."""
+        if not self.parents:
+            return ""
         parents = {p for q in asked for p in self.parents.get(q, {})}
         lines = [f"- {option_text(specs[p].question.instructions)}: {_shown(specs[p], answers[p])}"
                  for p in specs if p in parents and answers.get(p) is not None]
