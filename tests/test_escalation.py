@@ -370,7 +370,8 @@ async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_structured_output_answers_three_questions_in_one_call(ar_server):
     before = len(ar_server.requests)
-    resp = await bounded(canvas_model(smollm2(ar_server)).adecide(STATE, ALL), 300)
+    model = canvas_model(smollm2(ar_server), escalation_timeout=240)  # a 2-core CI box: ~10 s per prefill
+    resp = await bounded(model.adecide(STATE, ALL), 300)
     (sent,) = _requests_since(ar_server, before)  # three questions, one guided answer
     for qid in ALL:
         assert f'Question "{qid}"' in sent["messages"][3]["content"]

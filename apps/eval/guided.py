@@ -47,13 +47,12 @@ def guided_tokens(model: Any, tokenizer: Any, prompt_ids: Any,
         out = model(prompt_ids, use_cache=True)
         cache, last = out.cache, out.logits[0, -1]
 
-        def feed(tokens: list[int]) -> None:  # commit tokens: extend the cache, keep their logits
+        def feed(tokens: list[int]) -> None:  # commit tokens: extend the cache, keep the rows predicting them
             nonlocal last
-            for token in tokens:
-                ids.append(token)
-                rows.append(last.unsqueeze(0))
-                step = model(torch.tensor([[token]]), cache=cache, use_cache=True)
-                last = step.logits[0, -1]
+            logits = model(torch.tensor([tokens]), cache=cache, use_cache=True).logits[0]
+            ids.extend(tokens)
+            rows.extend([last.unsqueeze(0), *(row.unsqueeze(0) for row in logits[:-1])])
+            last = logits[-1]
 
         def score(tokens: list[int]) -> float:  # total logprob of tokens after the committed text
             total = float(torch.log_softmax(last.float(), dim=-1)[tokens[0]])
