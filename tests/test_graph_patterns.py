@@ -44,6 +44,7 @@ from canvasroute.harness import DECISION_EVENT, REVIEW_EVENT
 RELEVANT = Noul(instructions="Is the passage about refunds?")
 TEAM = Choice(instructions="Which team handles the ticket?", criteria={"billing": "payments", "tech": "bugs"})
 URGENT = Noul(instructions="Is it urgent?")
+LANES = {"billing": "billing", "tech": "tech"}
 DOCS = ["Refunds are paid within 5 days.", "Shipping takes a week.", "Ask for a refund here.", "Our office hours."]
 
 
@@ -80,6 +81,17 @@ def fan_out(node: Any, checkpointer: Any = None) -> Any:
 
 def thread(tid: str) -> dict[str, Any]:
     return {"configurable": {"thread_id": tid}}
+
+
+def lanes_graph(node: Any, checkpointer: Any = None, state: type | None = None, **node_kwargs: Any) -> Any:
+    """START -> triage (`node`) -> billing | tech -> END (a node without a route ends the run)."""
+    builder = StateGraph(state or Ticket)
+    builder.add_node("triage", node, **node_kwargs)
+    builder.add_edge(START, "triage")
+    for lane in ("billing", "tech"):
+        builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
+        builder.add_edge(lane, END)
+    return builder.compile(checkpointer=checkpointer)
 
 
 # -- 1. fan-out: one record per branch -------------------------------------------------------
@@ -175,15 +187,8 @@ def review_graph(log: list[str], checkpointer: Any, engine: FunctionEngine) -> A
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0, max_normalized_entropy=0.5),
                                 escalate_to=counted_target(log),
                                 budget=EscalationBudget(max_per_thread=1, when_spent="keep"))
-    node = decision_node(model, {"team": TEAM, "urgent": URGENT}, inputs="ticket",
-                         route=("team", {"billing": "billing", "tech": "tech"}), review=ReviewPolicy())
-    builder = StateGraph(Ticket)
-    builder.add_node("triage", node)
-    builder.add_edge(START, "triage")
-    for lane in ("billing", "tech"):
-        builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
-        builder.add_edge(lane, END)
-    return builder.compile(checkpointer=checkpointer)
+    return lanes_graph(decision_node(model, {"team": TEAM, "urgent": URGENT}, inputs="ticket",
+                                     route=("team", LANES), review=ReviewPolicy()), checkpointer)
 
 
 UNSURE = {"A": -0.69, "B": -0.70, "yes": -0.69, "no": -0.70}
@@ -244,14 +249,8 @@ class NoDecisions(TypedDict, total=False):
 
 def test_a_state_without_the_decisions_key_warns_once_naming_key_and_reducer():
     node = decision_node(CanvasDecisionModel(engine=fixed_engine({"A": -0.01, "B": -6.0})), {"team": TEAM},
-                         inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
-    builder = StateGraph(NoDecisions)
-    builder.add_node("triage", node)
-    builder.add_edge(START, "triage")
-    for lane in ("billing", "tech"):
-        builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
-        builder.add_edge(lane, END)
-    graph = builder.compile()
+                         inputs="ticket", route=("team", LANES))
+    graph = lanes_graph(node, state=NoDecisions)
     with pytest.warns(UserWarning, match=r"'decisions'.*Annotated\[dict, merge_decisions\]"):
         assert graph.invoke({"ticket": "Refund"})["lane"] == "billing"
     with warnings.catch_warnings():
@@ -274,13 +273,11 @@ async def test_a_503_engine_costs_one_layers_attempts_not_their_product(vllm_url
     failing = FailingPaths({"/v1/chat/completions"}, status=503, message="overloaded (injected)")
     engine = VLLMServerEngine(vllm_url, transport=failing, max_retries=max_retries, backoff=0.001)
     node = decision_node(CanvasDecisionModel(engine=engine, on_engine_error="raise"), {"team": TEAM}, inputs="ticket")
-    builder = StateGraph(Ticket)
-    builder.add_node("triage", node, retry_policy=RetryPolicy(retry_on=retry_on, max_attempts=3,
-                                                               initial_interval=0.001, jitter=False))
-    builder.add_edge(START, "triage")
+    graph = lanes_graph(node, retry_policy=RetryPolicy(retry_on=retry_on, max_attempts=3, initial_interval=0.001,
+                                                       jitter=False))
     try:
         with pytest.raises(EngineOverloaded) as caught:
-            await builder.compile().ainvoke({"ticket": "Refund me"})
+            await graph.ainvoke({"ticket": "Refund me"})
     finally:
         await engine.aclose()
     assert failing.failed == requests and caught.value.attempts == max_retries + 1
@@ -332,16 +329,9 @@ async def test_astream_events_shows_the_review_event_before_the_interrupt():
 
 
 def inbox_graph(engine: FunctionEngine, questions: dict[str, Any], saver: Any) -> Any:
-    node = decision_node(CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0)), questions,
-                         inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}),
-                         review=ReviewPolicy(interrupt="human_interrupt"))
-    builder = StateGraph(Ticket)
-    builder.add_node("triage", node)
-    builder.add_edge(START, "triage")
-    for lane in ("billing", "tech"):
-        builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
-        builder.add_edge(lane, END)
-    return builder.compile(checkpointer=saver)
+    return lanes_graph(decision_node(CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0)), questions,
+                                     inputs="ticket", route=("team", LANES),
+                                     review=ReviewPolicy(interrupt="human_interrupt")), saver)
 
 
 def test_the_review_interrupt_is_langgraphs_human_interrupt():
@@ -406,11 +396,8 @@ def test_callback_tracers_see_the_served_model_name():
 
     engine = FunctionEngine(lambda read: label_rows(engine, {"A": -0.01, "B": -6.0}, read), model="dgemma-served")
     node = decision_node(CanvasDecisionModel(engine=engine), {"team": TEAM}, inputs="ticket")
-    builder = StateGraph(Ticket)
-    builder.add_node("triage", node)
-    builder.add_edge(START, "triage")
     seen = Runs()
-    builder.compile().invoke({"ticket": "Refund"}, {"callbacks": [seen]})
+    lanes_graph(node).invoke({"ticket": "Refund"}, {"callbacks": [seen]})
     assert seen.models == ["dgemma-served"]  # not "canvas"
     named = CanvasDecisionModel(engine=engine, model="my-router")  # an explicit name is kept
     assert named._traced_config(None)["metadata"]["ls_model_name"] == "my-router"
@@ -424,9 +411,6 @@ def test_escalation_messages_stay_off_the_messages_stream():
     model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=0),
                                 escalate_to=GenericFakeChatModel(messages=iter([AIMessage('{"team": "tech"}')])))
     node = decision_node(model, {"team": TEAM}, inputs="ticket")
-    builder = StateGraph(Ticket)
-    builder.add_node("triage", node)
-    builder.add_edge(START, "triage")
-    chunks = list(builder.compile().stream({"ticket": "Hm."}, stream_mode=["messages", "custom"]))
+    chunks = list(lanes_graph(node).stream({"ticket": "Hm."}, stream_mode=["messages", "custom"]))
     assert [mode for mode, _ in chunks] == ["custom"] and chunks[0][1]["paths"] == {"team": "escalated"}
 
