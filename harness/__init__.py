@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from ._records import merge_decisions
     from ._retry import retry_on
     from ._review import ReviewPolicy
-    from ._stream import DECISION_EVENT, REVIEW_EVENT
     from ._store_budget import StoreBudgetMeter
+    from ._stream import DECISION_EVENT, REVIEW_EVENT
 
 __all__ = [
     "DECISION_EVENT",

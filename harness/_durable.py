@@ -10,6 +10,12 @@ takes the branch the human reviewed. The task shows as `canvasroute_decision` in
 
 The task's input is a key into this process's table of pending calls (plain text: any
 stream serializer can write it), and its output the response as JSON.
+
+One case still pays twice: LangGraph numbers the tasks a node calls without resetting the
+count when its `RetryPolicy` re-runs the node, so a decision that failed, was retried by the
+node and then paused for review is read (and escalated) once more on resume. With the
+engine owning retries (`retry_on`, `canvasroute.harness._retry`) a node re-runs only for a
+fault no engine retried.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ which LangGraph drops without a word when the state schema has no such key.
 from __future__ import annotations
 
 import warnings
+
 from langchain_core.runnables import RunnableConfig
 from langgraph.constants import CONF, CONFIG_KEY_CHECKPOINTER
 

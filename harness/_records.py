@@ -15,7 +15,6 @@ from typing import Any
 from canvasroute.router import CanvasResponse
 from canvasroute.router import telemetry as tm
 
-
 RECORD_KEYS = frozenset({"answer", "path", "result", "read", "timing", "shadow"})
 """The keys of one decision record in graph state (`shadow` only in shadow mode)."""
 _STABLE_KEYS = RECORD_KEYS - {"timing", "shadow"}

@@ -37,7 +37,7 @@ from ._escalation import EscalationOutput, is_target
 from ._escalation_prompt import check_prompt
 from ._images import ImageEngine, check_images, image_digests, state_images
 from ._outcome import Outcomes, skipped_report
-from ._plan import Chunk, Plan, plan
+from ._plan import Plan, plan
 from ._policy import EscalationBudget, GatePolicy, check_abstain
 from ._questions import QuestionSpec, parse_questions, question_set_key, with_abstain
 from ._reading import QuestionRead, Reading, check_length, messages

@@ -357,7 +357,8 @@ async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
     (sent,) = _requests_since(ar_server, before)  # one HTTP call: structured output cannot be malformed
     assert sent["logprobs"] is True and sent["top_logprobs"] == 5
     schema = sent["response_format"]["json_schema"]["schema"]  # with_structured_output's JSON schema
-    assert sent["response_format"]["type"] == "json_schema" and schema["properties"]["team"]["enum"] == ["billing", "tech"]
+    assert sent["response_format"]["type"] == "json_schema"
+    assert schema["properties"]["team"]["enum"] == ["billing", "tech"]
     assert STATE in sent["messages"][-1]["content"] and '"billing" (payments' in sent["messages"][-1]["content"]
     # the distribution came from the server's logprobs, not a one-hot stand-in
     assert set(r.probabilities) == set(OPTIONS["team"]) and math.isclose(sum(r.probabilities.values()), 1.0)

@@ -157,7 +157,8 @@ async def test_decision_set_with_reread_and_escalation_spans_and_metrics(otel):
     assert math.isclose(sum(f["canvas_probabilities"]), 1.0)
     assert f["escalation_model"] == "GenericFakeChatModel"
     assert f["normalized_entropy"] > 0.9 and events["team"][tm.QUESTION_KIND] == "choice"
-    assert events["urgent"][tm.FIGURE_KEYS["path"]] == "canvas" and events["urgent"][tm.FIGURE_KEYS["escalated"]] is False
+    urgent = events["urgent"]
+    assert urgent[tm.FIGURE_KEYS["path"]] == "canvas" and urgent[tm.FIGURE_KEYS["escalated"]] is False
     # a bounded key set: no attribute or event key names a question
     keys = {k for s in spans for k in s.attributes} | {k for s in spans for e in s.events for k in e.attributes}
     assert not [k for k in keys if "team" in k or "urgent" in k], keys
