@@ -136,6 +136,27 @@ def test_merge_decisions_merges_branch_groups_and_replaces_records():
     assert merge_decisions({"q": rec, "p": rec}, {"q": other}) == {"q": other, "p": rec}
 
 
+def test_fan_out_with_review_pauses_each_unsure_branch_and_resumes_without_reading_again():
+    """Features together: Send branches, review, the durable task, per-branch records."""
+
+    def rows(read):  # sure about refunds, a toss-up about everything else
+        sure = "refund" in read.messages[-1]["content"].lower()
+        return label_rows(engine, {"yes": -0.01, "no": -6.0} if sure else {"yes": -0.69, "no": -0.70}, read)
+
+    engine = FunctionEngine(rows)
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
+    graph = fan_out(decision_node(model, {"relevant": RELEVANT}, inputs="doc", branch="doc_id",
+                                  review=ReviewPolicy(include_state=False)), InMemorySaver())
+    paused = graph.invoke({"docs": DOCS}, thread("fan-review"))
+    pending = paused["__interrupt__"]
+    assert len(pending) == 2 and engine.calls == 4  # "Shipping..." and "Our office..." wait for a human
+    done = graph.invoke(Command(resume={i.id: "no" for i in pending}), thread("fan-review"))
+    records = done["decisions"]["relevant"]
+    assert engine.calls == 4  # the resumed branches reused their reads
+    assert {k: (r["answer"], r["path"]) for k, r in records.items()} == {
+        "d0": ("yes", "canvas"), "d1": ("no", "human"), "d2": ("yes", "canvas"), "d3": ("no", "human")}
+
+
 async def test_concurrent_branches_share_the_in_process_engines_micro_batches(tiny_dgemma_dir):
     pytest.importorskip("torch")
     from canvasroute import TransformersEngine
