@@ -33,18 +33,18 @@ def check_review(config: RunnableConfig, node: str) -> None:
                               hint="compile with a checkpointer, e.g. builder.compile(checkpointer=InMemorySaver())")
 
 
-def state_lacks(config: RunnableConfig, key: str) -> bool:
-    """True when the running graph's state has no key `key` (False when it has, or when
-    this cannot be told, e.g. outside a graph run)."""
+def state_lacks(config: RunnableConfig, key: str) -> bool | None:
+    """True when the running graph's state has no key `key`, False when it has, None when
+    this cannot be told (outside a graph run, or a reader this LangGraph does not have)."""
     read = (config.get(CONF) or {}).get(_READ)
     if read is None:
-        return False
+        return None
     try:
         read(key, False)
     except KeyError:
         return True
-    except Exception:  # an empty channel, or a reader this version does not have: no warning
-        return False
+    except Exception:  # a reader that works differently: no warning rather than a wrong one
+        return None
     return False
 
 

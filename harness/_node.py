@@ -27,6 +27,7 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_async_callback_manager_for_config, get_callback_manager_for_config
 from langgraph.types import CachePolicy, Command
 
+from canvasroute.engine import DecisionError
 from canvasroute.router import (
     CanvasDecisionModel,
     CanvasResponse,
@@ -93,6 +94,7 @@ class DecisionNode(Runnable[Any, Command]):
         """What keys a fan-out branch's records (None: a `Send`'s position; no `Send`: flat records)."""
         self._branches = BranchKeys()
         self._schema_checked = False
+        self._node_cache = False
         if shadow is not None and review is not None:
             raise ValueError("shadow= and review= do not combine: in shadow mode the existing router decides")
         self.shadow = Shadow(shadow, self.destinations) if shadow is not None else None
@@ -115,6 +117,7 @@ class DecisionNode(Runnable[Any, Command]):
         `builder.compile(cache=InMemoryCache())`: an identical decision about an identical
         decision state is not read again (the key is `cache_key`).
         """
+        self._node_cache = True
         return CachePolicy(key_func=self.cache_key, ttl=ttl)
 
     def cache_key(self, state: Any) -> str:
@@ -123,6 +126,8 @@ class DecisionNode(Runnable[Any, Command]):
         and their conditions), what it reads (`inputs`, rendered as the model sees it,
         images by digest) and its model's gate (policy, served name, constrained flag).
 
+        With `branch=`, the branch's key enters it too (a fan-out hit replays its own
+        branch's records); a cached node in a `Send` fan-out needs `branch=`.
         The rest of the graph state does not enter the key, so an unrelated key changing
         does not cause a re-read. The key is the same in every process and Python run
         (no hash-randomised ordering), so workers sharing a cache share its hits.
@@ -136,9 +141,10 @@ class DecisionNode(Runnable[Any, Command]):
         asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
         decision_state = select_inputs(state, self.inputs, self.output_key)
         model = self.model
+        branch = branch_key(self.branch, state, {}) if self.branch is not None else None
         blob = json.dumps([self.name, asked, self.depends_on, render_state(decision_state),
                            list(image_digests(state_images(decision_state))), repr(model.policy), model.model,
-                           model.constrained], sort_keys=True, default=_stable_json)
+                           model.constrained, branch], sort_keys=True, default=_stable_json)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # -- Runnable -----------------------------------------------------------------------
@@ -187,9 +193,10 @@ class DecisionNode(Runnable[Any, Command]):
         call = graph_call(config, self.model, self.name)
         if self.review is not None:
             check_review(config, call.node)  # before any read: an interrupt nobody could resume
-        if not self._schema_checked:
-            self._schema_checked = True
-            if state_lacks(config, self.output_key):
+        if not self._schema_checked:  # once per node, at its first run in a graph
+            lacks = state_lacks(config, self.output_key)
+            self._schema_checked = lacks is not None
+            if lacks:
                 warn_dropped(call.node, self.output_key)
         questions = dict(self.questions(state) if callable(self.questions) else self.questions)
         specs: Mapping[str, QuestionSpec] = {}  # static questions were checked when the node was built
@@ -199,6 +206,10 @@ class DecisionNode(Runnable[Any, Command]):
             self._check(specs)
         branch = branch_key(self.branch, state, config)
         if branch is not None:
+            if self._node_cache and self.branch is None:  # a hit would replay another branch's key
+                raise DecisionError(f"decision node {call.node!r} has a node cache and runs in a Send fan-out: "
+                                    "its records need a key of the branch's input",
+                                    hint="pass decision_node(..., branch=<a key of the branch's input>)")
             self._branches.claim(call.node, call.checkpoint_id, branch, call.task_id)
         decision_state = select_inputs(state, self.inputs, self.output_key)
         seed = decision_seed(call.namespace, "node", questions, decision_state)

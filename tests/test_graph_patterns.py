@@ -128,6 +128,30 @@ def test_two_branches_with_one_key_fail_instead_of_overwriting():
         fan_out(node).invoke({"docs": [*DOCS, "Refunds again."]})
 
 
+def test_a_node_cache_in_a_fan_out_replays_each_branchs_own_records():
+    from langgraph.cache.memory import InMemoryCache
+
+    engine = refund_engine()
+    node = decision_node(CanvasDecisionModel(engine=engine), {"relevant": RELEVANT}, inputs="doc", branch="doc_id")
+    builder = StateGraph(Docs)
+    builder.add_node("grade", node, cache_policy=node.cache_policy())
+    builder.add_conditional_edges(START, lambda s: [Send("grade", {"doc": d, "doc_id": f"d{i}"})
+                                                   for i, d in enumerate(s["docs"])], ["grade"])
+    graph = builder.compile(cache=InMemoryCache())
+    twice = [DOCS[0], DOCS[0], DOCS[1]]  # two branches read the same passage
+    assert sorted(graph.invoke({"docs": twice})["decisions"]["relevant"]) == ["d0", "d1", "d2"]
+    calls = engine.calls
+    assert sorted(graph.invoke({"docs": twice})["decisions"]["relevant"]) == ["d0", "d1", "d2"]
+    assert engine.calls == calls  # all three from the cache, each under its own key
+
+    keyless = decision_node(CanvasDecisionModel(engine=engine), {"relevant": RELEVANT}, inputs="doc")
+    builder = StateGraph(Docs)
+    builder.add_node("grade", keyless, cache_policy=keyless.cache_policy())
+    builder.add_conditional_edges(START, lambda s: [Send("grade", {"doc": d}) for d in s["docs"]], ["grade"])
+    with pytest.raises(DecisionError, match="node cache and runs in a Send fan-out"):
+        builder.compile(cache=InMemoryCache()).invoke({"docs": twice})
+
+
 def test_merge_decisions_merges_branch_groups_and_replaces_records():
     rec = {"answer": "yes", "path": "canvas", "result": None, "read": {}, "timing": {}}
     other = {**rec, "answer": "no"}
