@@ -1,7 +1,8 @@
 """LangGraph integration: decisions as graph nodes and edges.
 
 - `decision_node`: a node that answers its questions in one canvas read and returns
-  `Command(goto=..., update={"decisions": ...})` (the primary shape).
+  `Command(goto=..., update={"decisions": ...})` (the primary shape); run by `Send`
+  branches it keeps one record per branch (`branch=`).
 - `route_on`: a path function for `add_conditional_edges` (for graphs that already
   route with edges).
 - `ReviewPolicy`: send unsure, unescalated answers to a human via `interrupt()` (canvasroute's
