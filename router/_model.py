@@ -26,7 +26,6 @@ from canvasroute.engine import (
     DecisionError,
     Engine,
     EngineInfo,
-    InputTooLong,
     run_sync,
 )
 
@@ -34,13 +33,14 @@ from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache, decision_key, replay
 from ._depends import parse_depends_on
-from ._escalation import is_target
+from ._escalation import EscalationOutput, is_target
+from ._escalation_prompt import check_prompt
 from ._images import ImageEngine, check_images, image_digests, state_images
 from ._outcome import Outcomes, skipped_report
-from ._plan import Chunk, Plan, plan
-from ._policy import EscalationBudget, GatePolicy
+from ._plan import Plan, plan
+from ._policy import EscalationBudget, GatePolicy, check_abstain
 from ._questions import QuestionSpec, parse_questions, question_set_key, with_abstain
-from ._reading import QuestionRead, Reading, messages
+from ._reading import QuestionRead, Reading, check_length, messages
 from ._state import default_seed, render_state
 from ._types import CanvasResponse, ReadReport, answer_of
 
@@ -80,7 +80,8 @@ class CanvasDecisionModel(BaseDecisionModel):
     engine: Any
     """The engine that reads canvases (`VLLMServerEngine`, `TransformersEngine`, ...)."""
     model: str = "canvas"
-    """Model name for LangSmith metadata; each response reports the engine's served model."""
+    """The name callback tracers see (`ls_model_name`) when set; by default the engine's served
+    model, once the engine has said it. Each response reports the served model."""
     policy: GatePolicy = Field(default_factory=GatePolicy)
     """Thresholds and re-reads."""
     escalate_to: Any = None
@@ -99,11 +100,22 @@ class CanvasDecisionModel(BaseDecisionModel):
     slots of a canvas): label mass is then 1 for a lone question, a share for several."""
     escalation_timeout: float = 60.0
     """Seconds one escalation call may take."""
+    escalation_prompt: Any = None
+    """A `ChatPromptTemplate` for escalations over `{state}`, `{questions}` and `{keys}`
+    (None: `ESCALATION_PROMPT`, instructions and a one-shot example)."""
+    escalation_output: EscalationOutput = "auto"
+    """How a chat-model target answers: `auto` (its structured output, `with_structured_output`;
+    a JSON reply in text when it has none), a `with_structured_output` method, or `text`."""
     cache: Any = None
     """A `DecisionCache`: an identical decision set about an identical state (same policy
     and seed) is answered from it without a read (None: every call reads)."""
 
     _kept: _Memo = PrivateAttr()
+
+    @field_validator("escalation_prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        return check_prompt(value)
 
     @field_validator("escalate_to")
     @classmethod
@@ -126,7 +138,9 @@ class CanvasDecisionModel(BaseDecisionModel):
         meter = self.budget_meter or (InMemoryBudgetMeter(self.budget) if self.budget else None)
         self._kept = _Memo(Outcomes(escalate_to=self.escalate_to, budget=self.budget, meter=meter,
                                     on_engine_error=self.on_engine_error, fallback=dict(self.fallback),
-                                    escalation_timeout=self.escalation_timeout))
+                                    escalation_timeout=self.escalation_timeout,
+                                    escalation_prompt=self.escalation_prompt,
+                                    escalation_output=self.escalation_output))
 
     @property
     def _memo(self) -> _Memo:
@@ -167,12 +181,32 @@ class CanvasDecisionModel(BaseDecisionModel):
         finally:
             _REQUEST_OPTIONS.reset(token)
 
-    if TYPE_CHECKING:  # the inherited calls, typed with the response they return
-        def invoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
-                   **kwargs: Any) -> CanvasResponse: ...
+    # Callback tracers (LangSmith, Langfuse) name the run by `ls_model_name`: the served model,
+    # once the engine has said it (the `model` field when set explicitly).
 
-        async def ainvoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
-                          **kwargs: Any) -> CanvasResponse: ...
+    def invoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
+               **kwargs: Any) -> CanvasResponse:
+        if self._memo.served is None:
+            run_sync(self._learn_served())
+        return super().invoke(input, config, **kwargs)  # type: ignore[return-value]
+
+    async def ainvoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
+                      **kwargs: Any) -> CanvasResponse:
+        if self._memo.served is None:
+            await self._learn_served()
+        return await super().ainvoke(input, config, **kwargs)  # type: ignore[return-value]
+
+    async def _learn_served(self) -> None:
+        try:
+            self._memo.served = (await self.engine.info()).model
+        except CanvasRouteError:  # the decision itself handles an engine that is down
+            pass
+
+    def _traced_config(self, config: RunnableConfig | None) -> RunnableConfig:
+        config = super()._traced_config(config)
+        if self._memo.served and "model" not in self.model_fields_set:
+            config["metadata"]["ls_model_name"] = self._memo.served
+        return config
 
     # -- the decision ------------------------------------------------------------------
 
@@ -200,7 +234,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         for qid, option in self.fallback.items():
             if qid in specs and option not in specs[qid].options:
                 raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
-        self._check_abstain(specs, policy)
+        check_abstain(specs, policy, self.escalate_to is not None, self.fallback)
         deps = parse_depends_on(depends_on, specs)
         outcomes = self._memo.outcomes
         if budget_meter is not None:
@@ -290,7 +324,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         if info is not None and fault is None:
             try:
                 the_plan = await self._plan(plan_key, shaped, views)
-                await _check_length(self.engine, info, the_plan.chunks,
+                await check_length(self.engine, info, the_plan.chunks,
                                     [messages(c, state_text) for c in the_plan.chunks])
             except CanvasRouteError as exc:
                 if not absorbs(exc):
@@ -309,21 +343,6 @@ class CanvasDecisionModel(BaseDecisionModel):
                           member_plan=self._member_plan, usage=usage)
         reads = await reading.run()
         return reads, reading.canvas_reads
-
-    def _check_abstain(self, specs: Mapping[str, QuestionSpec], policy: GatePolicy) -> None:
-        """An abstaining question needs somewhere to go: an escalation target or a fallback."""
-        if not policy.abstain and not policy.per_question:
-            return
-        for qid in specs:
-            p = policy.for_question(qid)
-            if not p.abstain:
-                continue
-            if p.on_abstain == "escalate" and self.escalate_to is None:
-                raise DecisionError(f"question {qid!r} may abstain and on_abstain='escalate', but the model "
-                                    "has no escalate_to", hint="set escalate_to, or on_abstain='fallback'")
-            if p.on_abstain == "fallback" and qid not in self.fallback:
-                raise DecisionError(f"question {qid!r} may abstain and on_abstain='fallback', but has no "
-                                    "fallback option", hint="add it to fallback=")
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
@@ -356,6 +375,8 @@ class _Memo:
     """What a model keeps between decisions: its outcome rules, parsed question sets and plans."""
 
     outcomes: Outcomes
+    served: str | None = None
+    """The engine's served model name, once known (for callback tracers)."""
     parsed: OrderedDict[str, dict[str, QuestionSpec]] = field(default_factory=OrderedDict)
     plans: OrderedDict[Any, Plan] = field(default_factory=OrderedDict)
 
@@ -371,21 +392,3 @@ def _remember(cache: OrderedDict[str, Any], key: str, value: Any, size: int = 25
     cache[key] = value
     while len(cache) > size:
         cache.popitem(last=False)
-
-
-async def _check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk],
-                        prompts: Sequence[tuple[Mapping[str, str], ...]]) -> None:
-    """Refuse before any read when prompt + canvas exceed the model's context.
-
-    A token covers at least one UTF-8 byte, so a byte count bounds the prompt cheaply;
-    only prompts near the limit are tokenized exactly.
-    """
-    for chunk, msgs in zip(chunks, prompts, strict=True):
-        budget = info.max_model_len - chunk.width
-        if info.chat_overhead + sum(len(m["content"].encode()) for m in msgs) <= budget:
-            continue
-        n = await engine.count_prompt(msgs)
-        if n > budget:
-            raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width} exceed the model's "
-                               f"{info.max_model_len}-token context",
-                               hint="shorten the state or ask fewer questions per node")
