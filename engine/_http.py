@@ -161,6 +161,7 @@ class Connection:
         # one TLS context for every lane (each costs ~20 ms), built now: a bad CA file fails here
         self._ssl = tls_context(verify, cert) if needs_tls or verify is not True or cert else None
         self._closed = False
+        self._lane_factory: Callable[[], Any] | None = None  # `canvasroute bench` measures other clients here
 
     def __repr__(self) -> str:
         return f"Connection({self.urls!r}, max_retries={self.max_retries}, max_concurrency={self.max_concurrency})"
@@ -237,7 +238,9 @@ class Connection:
 
     def _new_lane(self, lanes: _Lanes) -> Lane:
         lane: Lane
-        if self._transport is None:
+        if self._lane_factory is not None:
+            lane = self._lane_factory()
+        elif self._transport is None:
             lane = SocketLane(connect_timeout=self._timeout.connect, timeout=self._timeout.read,
                               ssl_context=self._ssl, keepalive_expiry=self.keepalive_expiry,
                               max_bytes=self.max_response_bytes)
