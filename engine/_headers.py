@@ -6,12 +6,13 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from types import MappingProxyType
 
 __all__ = ["forward_headers", "forwarded"]
 
 _NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
-_FORWARDED: ContextVar[Mapping[str, str]] = ContextVar("canvasroute_forwarded_headers", default={})
+_FORWARDED: ContextVar[Mapping[str, str]] = ContextVar("canvasroute_forwarded_headers", default=MappingProxyType({}))
 
 
 @contextmanager
