@@ -21,7 +21,9 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 
 `retryable` is decided per class, on purpose: only a fault that may pass by itself is
 retryable (a server that is down, slow or shedding load; an escalation target that
-timed out or could not be reached). A malformed engine answer, a refused request, a spent
+timed out or could not be reached). Two `EngineUnavailable` cannot pass by themselves and
+say so (`retryable=False`): a server certificate the client refused, and a request on an
+engine or client that was closed. A malformed engine answer, a refused request, a spent
 budget and misuse are not: retrying them costs reads and escalations and cannot help.
 `canvasroute.harness.retry_on` gives LangGraph exactly this rule.
 

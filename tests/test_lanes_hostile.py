@@ -281,3 +281,24 @@ async def test_aclose_is_final_even_for_a_request_in_flight():
         assert later.value.retryable is False
         await asyncio.sleep(0.05)
     assert server.connections == 1 and server.hangups == 1 and len(server.heads) == 1
+
+
+async def test_forwarded_headers_go_with_every_attempt_and_stay_in_their_own_task():
+    from canvasroute.engine import forward_headers
+
+    busy = b"HTTP/1.1 503 Busy\r\ncontent-length: 2\r\n\r\n{}"
+    async with RawServer(busy, ok(), ok()) as server:
+        conn = connection(server.url, max_retries=1)
+
+        async def one(rid: str) -> None:
+            with forward_headers({"X-Request-ID": rid}):
+                await conn.request("GET", "/")
+
+        await one("first")  # 503, then retried
+        await asyncio.gather(asyncio.create_task(one("second")))
+        await conn.aclose()
+    ids = [line for head in server.heads for line in head.decode().split("\r\n") if line.startswith("x-request-id")]
+    assert ids == ["x-request-id: first", "x-request-id: first", "x-request-id: second"]
+    with pytest.raises(ValueError, match="invalid header to forward"):
+        with forward_headers({"x-request-id": "a\r\nb"}):
+            pass

@@ -43,6 +43,12 @@ engine did not answer within --request-timeout; 529 at capacity (--max-in-flight
 + --max-queue waiting) or the engine shed load. Error bodies are
 {"error": {"type", "message", "code", "param"}}; 415/422 add FastAPI's "detail" list.
 The API description is at GET /openapi.json.
+
+Connections: past --max-connections a new one gets 503 and is closed; a request head must
+arrive within --head-timeout (408); on SIGTERM/SIGINT requests in flight get
+--shutdown-timeout seconds, then 503. A caller's X-Request-ID is logged, sent to vLLM with
+every read and returned. GET /metrics serves Prometheus metrics; --log-format json writes
+one JSON object per log line.
 """
 
 _LIMIT_FLAGS = {
