@@ -110,6 +110,7 @@ class Outcomes:
             question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
             reads=len(r.runs) + r.in_group_reads, error=r.error, latency_s=latency_s, asked_if=asked_if,
             crossed=[c for c in r.crossed if c != OVER_BUDGET], over_budget=OVER_BUDGET in r.crossed,
+            rereadable=r.rereadable,
         )
         if st is not None:
             base.update(entropy=st.entropy, normalized_entropy=st.normalized_entropy, margin=st.margin,

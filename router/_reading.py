@@ -47,6 +47,9 @@ class QuestionRead:
     """The abstain label won the final canvas distribution."""
     on_abstain: str = "escalate"
     """Where an abstained question goes: `escalate` or `fallback` (its policy's)."""
+    rereadable: bool = True
+    """False when a re-read could not have changed this question's read (a causal readout's
+    slot that sees no noisy position), so none was made for it."""
 
     def fail(self, exc: CanvasRouteError) -> None:
         self.error, self.fault = f"{type(exc).__name__}: {exc}", exc
@@ -135,6 +138,9 @@ class Reading:
         await self._jobs(first, msgs, reads, list(reads), "first")
         uncertain = {qid: self.policy.for_question(qid).rereads for qid, r in reads.items()
                      if r.error is None and r.crossed and self.policy.for_question(qid).rereads}
+        for qid in self._fixed().intersection(uncertain):
+            reads[qid].rereadable = False
+            del uncertain[qid]
         if uncertain:
             await self._jobs(self._reread_jobs(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
         await self._in_group(reads)
@@ -143,6 +149,18 @@ class Reading:
                 r.abstained = r.stats.top == len(r.spec.options) - 1
                 r.on_abstain = self.policy.for_question(qid).on_abstain
         return reads
+
+    def _fixed(self) -> set[str]:
+        """Questions a re-read cannot change. Noise sits at the slots, so under a causal readout
+        (`EngineInfo.causal_readout`) a slot sees fresh noise only from the slots before it in its
+        canvas: a question none of whose slots has one would read the same distribution again."""
+        if not self.info.causal_readout:
+            return set()
+        varies = set()
+        for chunk in self.plan.chunks:
+            first = min(s.position for s in chunk.slots)
+            varies.update(s.question_id for s in chunk.slots if s.position > first)
+        return {s.question_id for c in self.plan.chunks for s in c.slots} - varies
 
     @staticmethod
     def _reread_jobs(reads: Mapping[str, QuestionRead], uncertain: Mapping[str, int]) -> list[tuple[int, int]]:
