@@ -17,29 +17,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
+from .limits import ConnectionLimits
+
 __all__ = ["ConnectionLimits", "run_in_thread", "server"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ConnectionLimits:
-    """What the server grants a connection, and how long shutdown may take."""
-
-    max_connections: int = 1024
-    """Open client connections at once; past it a new one is answered 503 and closed."""
-    head_timeout: float = 10.0
-    """Seconds for a request head (request line and headers) to arrive in full; past it, 408 and closed."""
-    keep_alive: float = 5.0
-    """Seconds an idle kept-alive connection stays open (uvicorn's `timeout_keep_alive`)."""
-    shutdown_timeout: float = 10.0
-    """Seconds requests in flight may take to finish once shutdown begins; then they are answered 503."""
-
-    def __post_init__(self) -> None:
-        for name in self.__slots__:  # type: ignore[attr-defined]
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ConnectionLimits.{name} must be positive")
 
 
 _REFUSED = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n")
