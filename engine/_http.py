@@ -26,9 +26,10 @@ from opentelemetry import propagate
 
 from ._headers import forwarded
 from ._lanes import HttpxLane, SocketLane
-from ._origin import Origin
+from ._origin import Origin, shown
 from ._protocol import (
     CertificateRefused,
+    ConnectFailed,
     ConnectTimedOut,
     LaneFault,
     ReplyTimedOut,
@@ -129,13 +130,13 @@ class Connection:
             raise ValueError("a connection needs at least one base URL")
         for url in urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ValueError(f"base URLs must be http(s) URLs, got {url if not isinstance(url, str) else ''!r}")
+                raise ValueError(f"base URLs must be http(s) URLs, got {shown(url) if isinstance(url, str) else url!r}")
         if max_concurrency < 1 or max_retries < 0 or backoff < 0 or timeout <= 0:
             raise ValueError("max_concurrency must be >= 1, max_retries >= 0, backoff >= 0 and timeout > 0")
         if keepalive_expiry < 0 or max_response_bytes < 1:
             raise ValueError("keepalive_expiry must be >= 0 and max_response_bytes >= 1")
-        if api_key is not None and (not api_key or any(c < " " or c == "\x7f" for c in api_key)):
-            raise ValueError("api_key is empty or holds a control character (a newline?); the key is not shown")
+        if api_key and any(c < " " or c == "\x7f" for c in api_key):
+            raise ValueError("api_key holds a control character (a newline?); the key is not shown")
         connect = timeout if connect_timeout is None else connect_timeout
         self._replicas = [_Replica(u, trust_env and transport is None) for u in urls]
         if api_key and any(r.origin.authorization for r in self._replicas):
@@ -336,8 +337,9 @@ class Connection:
                 raise EngineResponseError(f"{where}: {exc}",
                                           hint="raise max_response_bytes= if such replies are expected") from exc
             except LaneFault as exc:
-                last = EngineUnavailable(f"{where} failed: {type(exc).__name__}: {exc}",
-                                         hint=f"is the {self._service} running at this URL?")
+                hint = (f"is the {self._service} running at this URL?" if isinstance(exc, ConnectFailed) else
+                        f"the {self._service} hung up or broke HTTP/1.1; is it what listens at this URL?")
+                last = EngineUnavailable(f"{where} failed: {type(exc).__name__}: {exc}", hint=hint)
                 replica.down_until = time.monotonic() + self.replica_cooldown
                 continue
             if self._closed:

@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
-__all__ = ["Origin"]
+__all__ = ["Origin", "shown"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -39,13 +39,13 @@ class Origin:
     def parse(cls, url: str, *, trust_env: bool = True) -> Origin:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"base URLs must be http(s) URLs, got {_shown(url)!r}")
+            raise ValueError(f"base URLs must be http(s) URLs, got {shown(url)!r}")
         if parts.fragment:
-            raise ValueError(f"a base URL cannot carry a #fragment: {_shown(url)!r}")
+            raise ValueError(f"a base URL cannot carry a #fragment: {shown(url)!r}")
         try:
             port = parts.port
         except ValueError:
-            raise ValueError(f"the base URL's port is not a number: {_shown(url)!r}") from None
+            raise ValueError(f"the base URL's port is not a number: {shown(url)!r}") from None
         tls = parts.scheme == "https"
         host_port = parts.netloc.rpartition("@")[2]
         authorization = None
@@ -76,7 +76,7 @@ def environment_proxy(scheme: str, host: str, port: int | None) -> str | None:
     return proxy if "://" in proxy else f"http://{proxy}"
 
 
-def _shown(url: str) -> str:
-    """A URL for a message: userinfo and query left out."""
+def shown(url: str) -> str:
+    """A URL as messages show it: userinfo and query left out."""
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
