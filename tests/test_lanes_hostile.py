@@ -161,6 +161,10 @@ async def test_environment_proxies_are_followed_and_no_proxy_bypasses_them(monke
         assert (await conn.request("GET", "/v1/models")).data == {"via": "direct"}
         await conn.aclose()
         assert connection("http://vllm.internal:8000", trust_env=False)._replicas[0].origin.proxy is None
+        monkeypatch.setenv("HTTPS_PROXY", "http://tls-proxy:3128")  # https origins: HTTPS_PROXY, before ALL_PROXY
+        assert connection("https://vllm.internal")._replicas[0].origin.proxy == "http://tls-proxy:3128"
+        monkeypatch.setenv("NO_PROXY", ".internal")
+        assert connection("https://vllm.internal")._replicas[0].origin.proxy is None
     assert [h.split(b"\r\n")[0] for h in proxy.heads] == [b"GET http://vllm.internal:8000/base/v1/models HTTP/1.1"] * 2
     assert direct.connections == 1
 

@@ -22,7 +22,7 @@ from services import child_env
 from test_server_hostile import BODY, KEY, _wait, model, recorded
 
 from canvasroute.apps.server import ConnectionLimits, create_app, run_in_thread
-from canvasroute.engine import VLLMServerEngine
+from canvasroute.engine import FunctionEngine, VLLMServerEngine
 from canvasroute.engine.testing import Fault, LoopbackVLLM
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
@@ -135,6 +135,19 @@ def test_metrics_count_requests_decisions_latency_and_rejections():
     assert seen[("canvasroute_server_requests_in_flight", ())] == 1  # the scrape itself
     assert seen[("canvasroute_server_decisions_running", ())] == 0
     assert seen[("canvasroute_server_connections", ())] >= 1
+
+
+def test_metrics_count_each_question_by_the_path_that_answered_it():
+    unsure = FunctionEngine(lambda read: [{i: -1.0 for i in read.label_ids}] * len(read.slots))
+    cascade = CanvasDecisionModel(engine=unsure, policy=GatePolicy(max_normalized_entropy=0.5, rereads=1),
+                                  escalate_to=model())  # the sure model answers what the unsure one cannot
+    with run_in_thread(create_app(cascade)) as url:
+        r = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10)
+        seen = _metrics(url)
+    assert r.status_code == 200
+    assert {a["canvasroute"]["path"] for a in r.json()["answers"].values()} == {"escalated"}
+    assert seen[("canvasroute_server_decisions_total", (("path", "escalated"),))] == 2
+    assert ("canvasroute_server_decisions_total", (("path", "canvas"),)) not in seen
 
 
 def _stuck(started: threading.Event):
