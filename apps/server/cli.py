@@ -231,14 +231,14 @@ def run(args: argparse.Namespace) -> int:
     from .logs import log_config
     from .serving import server
 
-    logging_config = log_config(args.log_format, args.log_level)
-    logging.config.dictConfig(logging_config)
-    try:
-        app = build_app(args)
+    try:  # a configuration error changes nothing in this process (its logging included)
         limits = ConnectionLimits(**{name: getattr(args, name) for name in _CONNECTION_FLAGS})
+        logging_config = log_config(args.log_format, args.log_level)
+        app = build_app(args)
     except (ValueError, ImportError) as exc:
         print(f"canvasroute serve: {exc}", file=sys.stderr)
         return 2
+    logging.config.dictConfig(logging_config)
     auth = "bearer key required" if args.api_key else "no key (open)"
     log.info("serving /v1/systemone on http://%s:%d (%s)", args.host, args.port, auth)
     server(app, host=args.host, port=args.port, limits=limits, log_level=args.log_level,
