@@ -223,7 +223,7 @@ def create_app(
                                           kind=SpanKind.SERVER, attributes=attrs,
                                           record_exception=False, set_status_on_exception=False) as span:
             try:
-                payload = await answer(request, decision_id, span)
+                payload = await answer(request, decision_id, request_id, span)
                 response: Response = JSONResponse(payload, headers={"x-request-id": request_id})
             except ClientGone:
                 log.info("request %s: the client disconnected before its answer; its work (if any) was cancelled",
@@ -243,7 +243,7 @@ def create_app(
             span.set_attribute(HTTP_STATUS, response.status_code)
             return response
 
-    async def answer(request: Request, request_id: str, span: trace.Span) -> dict[str, Any]:
+    async def answer(request: Request, decision_id: str, request_id: str, span: trace.Span) -> dict[str, Any]:
         if drain.draining:
             raise drain.refusal()
         authorize(request)
@@ -256,7 +256,7 @@ def create_app(
         metrics.decided(reads)
         usage = resp.usage or {}
         return {
-            "id": request_id,
+            "id": decision_id,
             "object": "structured_decision",
             "created": int(time.time()),
             "model": public_name(resp.model or name),
