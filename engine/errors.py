@@ -23,7 +23,9 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 
 `retryable` is decided per class, on purpose: only a fault that may pass by itself is
 retryable (a server that is down, slow or shedding load; an escalation target that
-timed out or could not be reached). A malformed engine answer, a refused request, a spent
+timed out or could not be reached). Two `EngineUnavailable` cannot pass by themselves and
+say so (`retryable=False`): a server certificate the client refused, and a request on an
+engine or client that was closed. A malformed engine answer, a refused request, a spent
 budget and misuse are not: retrying them costs reads and escalations and cannot help.
 `attempts` says how many calls the raising layer made before giving up (`VLLMServerEngine`
 retries itself, so its faults carry `max_retries + 1`): `canvasroute.harness.retry_on` gives

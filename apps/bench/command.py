@@ -13,6 +13,8 @@ Every figure is a ratio or a distribution measured side by side in one run:
                   round-robin (`--affinity-urls`; skipped without two).
 7. `inprocess`    embedded SmolLM2 decisions/s, 8 sequential vs 8 concurrent, with and
                   without the engine's prompt (prefix) cache.
+8. `clients`      the HTTP client candidates (llhttp lane, h11, aiohttp, httpx) side by side:
+                  reads/s and client CPU per read through the same engine.
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -33,7 +35,7 @@ from .common import Section, loop_ns, machine
 
 __all__ = ["SECTIONS", "configure", "run"]
 
-SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess")
+SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         "vllm": lambda: _vllm(args.vllm_url, args.quick),
         "affinity": lambda: _affinity(args.affinity_urls, args.quick),
         "inprocess": lambda: _inprocess(args.quick),
+        "clients": lambda: _clients(args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -126,3 +129,8 @@ def _affinity(urls: str, quick: bool) -> Section:
 def _inprocess(quick: bool) -> Section:
     from .inprocess import run_inprocess
     return run_inprocess(quick)
+
+
+def _clients(quick: bool) -> Section:
+    from .clients import run_clients
+    return run_clients(quick)
