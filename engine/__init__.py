@@ -9,7 +9,8 @@ one small protocol, `Engine`:
 - `FunctionEngine`: a test double driven by a function.
 
 Every error the library raises lives in `canvasroute.engine.errors`, re-exported here. Shared parts:
-`Connection` (HTTP with replicas, retries and typed errors), `MAX_LABEL_IDS` (vLLM's cap
+`Connection` (HTTP with replicas, retries and typed errors), `forward_headers` (headers every
+request inside a block carries, e.g. a caller's request id), `MAX_LABEL_IDS` (vLLM's cap
 per read), `check_rows` (every requested label id at every slot), `defuse` (special-token
 text made harmless). Test doubles and the vLLM-wire fake live in `canvasroute.engine.testing`.
 """
@@ -17,6 +18,7 @@ text made harmless). Test doubles and the vLLM-wire fake live in `canvasroute.en
 from typing import TYPE_CHECKING, Any
 
 from ._function import FunctionEngine
+from ._headers import forward_headers
 from ._http import Connection
 from ._server import VLLMServerEngine
 from ._sync import run_sync
@@ -35,6 +37,7 @@ from .errors import (
     EngineTimeout,
     EngineUnavailable,
     EscalationError,
+    GraphSetupError,
     ImagesUnsupported,
     InputTooLong,
     LabelError,
@@ -66,6 +69,7 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
     "EscalationError",
+    "GraphSetupError",
     "FunctionEngine",
     "ImagesUnsupported",
     "InputTooLong",
@@ -82,6 +86,7 @@ __all__ = [
     "defuse",
     "embedded_cache_dir",
     "embedded_engine",
+    "forward_headers",
     "run_sync",
 ]
 

@@ -5,15 +5,16 @@ backoff and jitter (408, 429, 5xx, 529, connection errors, timeouts), `Retry-Aft
 (capped), a whole-attempt deadline, `traceparent` injection and the mapping of HTTP
 statuses to the errors in `canvasroute.engine.errors`. The callers speak their wire on top of it
 (the model/provider split of pydantic-ai). Requests go out through lanes (engine/_lanes.py):
-HTTP/1.1 over asyncio streams, or httpx when a custom transport is given.
+keep-alive HTTP/1.1 connections whose replies llhttp parses, or httpx for a custom transport
+or a proxy. `aclose()` is final.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import random
+import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,23 +24,35 @@ import httpx
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
-from ._lanes import Answer, HttpxLane, Origin, SocketLane
-from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineTimeout, EngineUnavailable
-
-try:  # optional: decodes the large read responses ~3x faster than the json module
-    from orjson import OPT_NON_STR_KEYS
-    from orjson import dumps as _fast_dumps
-    from orjson import loads as _fast_loads
-except ImportError:  # pragma: no cover - depends on the environment
-    _fast_dumps = _fast_loads = None
+from ._headers import forwarded
+from ._lanes import HttpxLane, SocketLane
+from ._origin import Origin, shown
+from ._protocol import (
+    CertificateRefused,
+    ConnectFailed,
+    ConnectTimedOut,
+    LaneFault,
+    ReplyTimedOut,
+    ReplyTooLarge,
+)
+from ._replies import dumps, error_message, loads, retry_after, text
+from ._tls import tls_context
+from .errors import (
+    CanvasRouteError,
+    EngineOverloaded,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeout,
+    EngineUnavailable,
+)
 
 Lane = HttpxLane | SocketLane
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504, 529})
 """Transient statuses. 501 (the server cannot do this at all) is not among them."""
 OVERLOAD_STATUS = frozenset({429, 503, 529})
-MAX_RETRY_AFTER = 30.0
-"""Longest `Retry-After` honoured, in seconds."""
+MAX_RESPONSE_BYTES = 32 << 20
+"""Default cap on one reply, raw and decoded (32 MiB; a read of 64 rows x 128 labels is ~1 MiB)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +87,10 @@ class _Replica:
 
     __slots__ = ("url", "origin", "down_until")
 
-    def __init__(self, url: str) -> None:
-        self.url = url.rstrip("/")
-        self.origin = Origin.parse(self.url)
+    def __init__(self, url: str, trust_env: bool) -> None:
+        self.origin = Origin.parse(url.rstrip("/"), trust_env=trust_env)
+        self.url = self.origin.url
+        """The base URL as messages show it (no userinfo, no query)."""
         self.down_until = 0.0
 
 
@@ -85,8 +99,10 @@ class Connection:
 
     Args:
         base_urls: replica roots; requests go round-robin over those not cooling down, or,
-            with an `affinity` key, to the key's rendezvous replica (`rendezvous`).
-        api_key: sent as `Authorization: Bearer <key>`.
+            with an `affinity` key, to the key's rendezvous replica (`rendezvous`). A URL's
+            userinfo (`http://user:pass@host`) is sent as Basic auth, its query string with
+            every request.
+        api_key: sent as `Authorization: Bearer <key>` (not together with URL userinfo).
         timeout: seconds per HTTP operation (read, write, pool).
         connect_timeout: seconds to connect (default `timeout`). One attempt as a whole
             is bounded by `timeout + connect_timeout` (a trickling reply or a custom
@@ -95,26 +111,46 @@ class Connection:
         max_retries: retries after the first attempt on transient faults.
         backoff: first retry delay, doubled per retry, with jitter (x0.5-1.5).
         replica_cooldown: seconds a replica that failed to connect or timed out is skipped.
-        transport: an `httpx.AsyncBaseTransport` (e.g. `httpx.MockTransport` in tests, or
-            `httpx.AsyncHTTPTransport(proxy=...)`): requests then go through httpx. Without
-            one they go straight to the replicas (env proxies are not used).
+        verify: TLS verification: True (certifi, or `SSL_CERT_FILE`/`SSL_CERT_DIR`), False
+            (none), a CA bundle file or folder, or an `ssl.SSLContext`.
+        cert: a client certificate: a PEM file holding certificate and key, or
+            (certificate file, key file), or (certificate file, key file, password).
+        keepalive_expiry: seconds an idle connection is kept for reuse (below uvicorn's 5 s
+            keep-alive, so the server never closes one as it is reused).
+        max_response_bytes: cap on one reply, raw and decoded; past it, `EngineResponseError`.
+        trust_env: follow `HTTP(S)_PROXY`, `ALL_PROXY` and `NO_PROXY` (a proxied replica is
+            reached through httpx).
+        transport: an `httpx.AsyncBaseTransport` (e.g. `httpx.MockTransport` in tests):
+            every request then goes through httpx and that transport.
         service: what the URLs serve, for error hints ("vLLM server").
     """
 
     def __init__(self, base_urls: str | Sequence[str], *, api_key: str | None = None, timeout: float = 30.0,
                  connect_timeout: float | None = None, max_concurrency: int = 64, max_retries: int = 3,
                  backoff: float = 0.2, replica_cooldown: float = 5.0,
-                 transport: httpx.AsyncBaseTransport | None = None, service: str = "server") -> None:
+                 verify: bool | str | ssl.SSLContext = True, cert: str | tuple[str, ...] | None = None,
+                 keepalive_expiry: float = 4.0, max_response_bytes: int = MAX_RESPONSE_BYTES,
+                 trust_env: bool = True, transport: httpx.AsyncBaseTransport | None = None,
+                 service: str = "server") -> None:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("a connection needs at least one base URL")
         for url in urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ValueError(f"base URLs must be http(s) URLs, got {url!r}")
+                raise ValueError(f"base URLs must be http(s) URLs, got {shown(url) if isinstance(url, str) else url!r}")
         if max_concurrency < 1 or max_retries < 0 or backoff < 0 or timeout <= 0:
             raise ValueError("max_concurrency must be >= 1, max_retries >= 0, backoff >= 0 and timeout > 0")
+        if keepalive_expiry < 0 or max_response_bytes < 1:
+            raise ValueError("keepalive_expiry must be >= 0 and max_response_bytes >= 1")
+        if api_key and any(c < " " or c == "\x7f" for c in api_key):
+            raise ValueError("api_key holds a control character (a newline?); the key is not shown")
         connect = timeout if connect_timeout is None else connect_timeout
-        self._replicas = [_Replica(u) for u in urls]
+        self._replicas = [_Replica(u, trust_env and transport is None) for u in urls]
+        if api_key and any(r.origin.authorization for r in self._replicas):
+            raise ValueError("pass either api_key or credentials in the URL (user:password@), not both")
+        for replica in self._replicas:
+            if replica.origin.proxy is not None:
+                _check_proxy(replica.origin.proxy)
         self._next = 0
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = httpx.Timeout(timeout, connect=connect)
@@ -124,17 +160,23 @@ class Connection:
         self.max_retries = max_retries
         self.backoff = backoff
         self.replica_cooldown = replica_cooldown
+        self.keepalive_expiry = keepalive_expiry
+        self.max_response_bytes = max_response_bytes
         self._transport = transport
         self._service = service
         self._loops: dict[asyncio.AbstractEventLoop, _Lanes] = {}
-        self._ssl: Any = None
+        needs_tls = any(r.origin.tls for r in self._replicas)
+        # one TLS context for every lane (each costs ~20 ms), built now: a bad CA file fails here
+        self._ssl = tls_context(verify, cert) if needs_tls or verify is not True or cert else None
+        self._closed = False
+        self._lane_factory: Callable[[], Any] | None = None  # `canvasroute bench` measures other clients here
 
     def __repr__(self) -> str:
         return f"Connection({self.urls!r}, max_retries={self.max_retries}, max_concurrency={self.max_concurrency})"
 
     @property
     def urls(self) -> tuple[str, ...]:
-        """The replica base URLs."""
+        """The replica base URLs (as messages show them: no userinfo, no query)."""
         return tuple(r.url for r in self._replicas)
 
     @property
@@ -149,6 +191,11 @@ class Connection:
         lanes = self._loops.get(asyncio.get_running_loop())
         return (len(lanes.idle), len(lanes.open)) if lanes else (0, 0)
 
+    @property
+    def closed(self) -> bool:
+        """Whether `aclose()` was called: no request is sent after it."""
+        return self._closed
+
     async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None, *,
                       on_attempt: Callable[[], None] | None = None, affinity: str | None = None,
                       headers: Mapping[str, str] | None = None) -> Reply:
@@ -156,8 +203,10 @@ class Connection:
 
         `on_attempt` is called before every attempt (retries included), e.g. to count.
         `affinity` routes by rendezvous hashing instead of round-robin (see `rendezvous`);
-        `headers` are sent with every attempt.
+        `headers` are sent with every attempt, after those of `forward_headers`.
         """
+        if self._closed:
+            raise self._closed_error()
         content = None if body is None else dumps(body)
         lanes = self._lanes()
         async with lanes.slots:
@@ -165,10 +214,14 @@ class Connection:
             try:
                 return await self._send(lane, method, path, content, on_attempt, affinity, headers)
             finally:
-                lanes.idle.append(lane)
+                if self._closed:  # closed meanwhile: this lane's connections go, not back
+                    await lane.aclose()
+                else:
+                    lanes.idle.append(lane)
 
     async def aclose(self) -> None:
-        """Close every lane's connections."""
+        """Close every lane's connections, for good: requests in flight fail, later ones are refused."""
+        self._closed = True
         loops, self._loops = self._loops, {}
         for lanes in loops.values():
             for lane in lanes.open:
@@ -179,6 +232,10 @@ class Connection:
 
     # -- internals ------------------------------------------------------------------
 
+    def _closed_error(self) -> EngineUnavailable:
+        return EngineUnavailable(f"the connection to {', '.join(self.urls)} was closed (aclose)",
+                                 hint="make a new engine or client; a closed one stays closed", retryable=False)
+
     def _lanes(self) -> _Lanes:
         loop = asyncio.get_running_loop()
         if loop not in self._loops:
@@ -188,17 +245,20 @@ class Connection:
         return self._loops[loop]
 
     def _new_lane(self, lanes: _Lanes) -> Lane:
-        if self._ssl is None and any(r.origin.tls for r in self._replicas):
-            self._ssl = httpx.create_ssl_context()  # one TLS context for every lane (each costs ~20 ms)
         lane: Lane
-        if self._transport is None:
+        if self._lane_factory is not None:
+            lane = self._lane_factory()
+        elif self._transport is None:
             lane = SocketLane(connect_timeout=self._timeout.connect, timeout=self._timeout.read,
-                              ssl_context=self._ssl)
+                              ssl_context=self._ssl, keepalive_expiry=self.keepalive_expiry,
+                              max_bytes=self.max_response_bytes)
         else:
             n = len(self._replicas)
-            lane = HttpxLane(httpx.AsyncClient(timeout=self._timeout, verify=self._ssl or True,
-                                               limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-                                               transport=self._transport), self.deadline)
+            limits = httpx.Limits(max_connections=n, max_keepalive_connections=n,
+                                  keepalive_expiry=self.keepalive_expiry)
+            lane = HttpxLane(httpx.AsyncClient(timeout=self._timeout, verify=self._ssl or True, limits=limits,
+                                               transport=self._transport, trust_env=False),
+                             self.deadline, self.max_response_bytes)
         lanes.open.append(lane)
         return lane
 
@@ -246,7 +306,7 @@ class Connection:
     async def _send(self, lane: Lane, method: str, path: str, content: bytes | None,
                     on_attempt: Callable[[], None] | None, affinity: str | None = None,
                     extra: Mapping[str, str] | None = None) -> Reply:
-        headers = dict(self._headers)
+        headers = {**forwarded(), **self._headers}
         if content is not None:
             headers["content-type"] = "application/json"
         if extra:
@@ -254,12 +314,14 @@ class Connection:
         if otel_context.get_current():  # traceparent, baggage: nothing to inject from an empty context
             propagate.inject(headers)
         tried: set[str] = set()
-        last: Exception | None = None
+        last: CanvasRouteError | None = None
         wait = 0.0
         for attempt in range(self.max_retries + 1):
             if attempt:
                 backoff = self.backoff * 2 ** (attempt - 1) * (0.5 + random.random())
                 await asyncio.sleep(max(wait, backoff))
+            if self._closed:
+                raise self._closed_error()
             wait = 0.0
             replica = self._pick() if affinity is None else self._pick_for(affinity, tried)
             tried.add(replica.url)
@@ -268,15 +330,27 @@ class Connection:
                 on_attempt()
             try:
                 resp = await lane.exchange(replica.origin, method, path, headers, content)
-            except (httpx.TimeoutException, TimeoutError) as exc:
-                last = EngineTimeout(f"{where} timed out ({type(exc).__name__})",
+            except (ConnectTimedOut, ReplyTimedOut) as exc:
+                last = EngineTimeout(f"{where} timed out ({type(exc).__name__}: {exc})",
                                      hint="raise timeout= or check the server's load")
                 replica.down_until = time.monotonic() + self.replica_cooldown
                 continue
-            except httpx.TransportError as exc:
-                last = EngineUnavailable(f"{where} failed: {exc!r}", hint=f"is the {self._service} running at this URL?")
+            except CertificateRefused as exc:  # not transient: no retry, no cool-down
+                raise EngineUnavailable(
+                    f"{where}: {exc}", retryable=False,
+                    hint="the server's TLS certificate is not trusted: pass verify= a CA bundle (or set "
+                         "SSL_CERT_FILE), or a client certificate with cert= if the server asks for one") from exc
+            except ReplyTooLarge as exc:
+                raise EngineResponseError(f"{where}: {exc}",
+                                          hint="raise max_response_bytes= if such replies are expected") from exc
+            except LaneFault as exc:
+                hint = (f"is the {self._service} running at this URL?" if isinstance(exc, ConnectFailed) else
+                        f"the {self._service} hung up or broke HTTP/1.1; is it what listens at this URL?")
+                last = EngineUnavailable(f"{where} failed: {type(exc).__name__}: {exc}", hint=hint)
                 replica.down_until = time.monotonic() + self.replica_cooldown
                 continue
+            if self._closed:
+                raise self._closed_error()
             status = resp.status
             if status in RETRY_STATUS:
                 kind = EngineOverloaded if status in OVERLOAD_STATUS else EngineUnavailable
@@ -292,52 +366,22 @@ class Connection:
                 raise EngineResponseError(f"{replica.url}{path} answered non-JSON: {text(resp)[:200]!r}") from exc
             return Reply(data, replica.url, resp.headers)
         assert last is not None
+        last.attempts = self.max_retries + 1  # retried here: `retry_on` leaves it to this layer
         raise last
 
 
-def dumps(body: Any) -> bytes:
-    """Compact UTF-8 JSON of a request body (orjson when installed)."""
-    if _fast_dumps is not None:
-        return _fast_dumps(body, option=OPT_NON_STR_KEYS)  # int keys become strings, as with json
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-
-
-def loads(content: bytes) -> Any:
-    """JSON from bytes: orjson when installed, the json module otherwise (and for the
-    NaN/Infinity literals orjson refuses, so both decode exactly the same documents)."""
-    if _fast_loads is not None:
-        try:
-            return _fast_loads(content)
-        except ValueError:
-            pass
-    return json.loads(content)
-
-
-def text(resp: Answer) -> str:
-    """The body as text (UTF-8, undecodable bytes replaced)."""
-    return resp.content.decode("utf-8", "replace")
-
-
-def error_message(resp: Answer) -> str:
-    """The server's error message: OpenAI's `{"error": {"message"}}`, `message`, `detail`, or the text."""
+def _check_proxy(proxy: str) -> None:
+    """Refuse at construction a proxy httpx cannot use (the message shows no credentials)."""
     try:
-        body = loads(resp.content)
-    except ValueError:
-        return text(resp)[:500] or f"HTTP {resp.status}"
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-        for value in (err, body.get("message"), body.get("detail")):
-            if isinstance(value, str):
-                return value
-    return json.dumps(body)[:500]
+        url = httpx.URL(proxy)
+    except httpx.InvalidURL:
+        raise ValueError("the environment's proxy URL is not a URL; fix HTTP(S)_PROXY / ALL_PROXY") from None
+    if url.scheme not in ("http", "https", "socks5", "socks5h"):
+        raise ValueError(f"unsupported proxy scheme {url.scheme!r} in the environment (HTTP(S)_PROXY / ALL_PROXY); "
+                         "use http, https or socks5, set NO_PROXY for this host, or pass trust_env=False")
+    if url.scheme.startswith("socks"):
+        import importlib.util
 
-
-def retry_after(resp: Answer) -> float:
-    """Seconds the server asked us to wait (capped at `MAX_RETRY_AFTER`), 0 when it did not say."""
-    raw = resp.headers.get("retry-after")
-    try:
-        return min(MAX_RETRY_AFTER, max(0.0, float(raw))) if raw else 0.0
-    except ValueError:
-        return 0.0
+        if importlib.util.find_spec("socksio") is None:
+            raise ValueError("the environment names a SOCKS proxy: pip install 'httpx[socks]', "
+                             "or set NO_PROXY for this host, or pass trust_env=False")

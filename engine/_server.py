@@ -7,13 +7,14 @@ import dataclasses
 import hashlib
 import json
 import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import httpx
 
-from ._http import Connection
+from ._http import MAX_RESPONSE_BYTES, Connection
 from ._prompts import EMPTY_CHAT, PromptCache, template_kwargs
 from ._text import SPECIAL_CANDIDATES, THOUGHT_SCAFFOLD, scaffold_prefix
 from ._thought import thought_prompt, write_thought
@@ -49,6 +50,12 @@ class VLLMServerEngine:
     down: a convenience for a handful of replicas, not a replacement for those routers
     (no load awareness, no shared view between clients beyond the same URL list).
 
+    HTTP (`Connection`'s arguments): `verify=` (True, False, a CA bundle, an `ssl.SSLContext`)
+    and `cert=` (a client certificate) for TLS; idle connections are reused for
+    `keepalive_expiry` seconds; a reply over `max_response_bytes` is an
+    `EngineResponseError`; `HTTP(S)_PROXY`/`ALL_PROXY`/`NO_PROXY` are followed unless
+    `trust_env=False`; URL userinfo is sent as Basic auth; `transport=` sends through httpx.
+
     `enable_thinking` goes to the chat template (default False, the read mode). A server
     that refuses `diffusion_canvas_length` below its served width gets the full width from
     then on (`narrow_canvases` turns False).
@@ -77,6 +84,11 @@ class VLLMServerEngine:
         vocab_size: int | None = None,
         enable_thinking: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        verify: bool | str | ssl.SSLContext = True,
+        cert: str | tuple[str, ...] | None = None,
+        keepalive_expiry: float = 4.0,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+        trust_env: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
         session_header: str | None = "x-session-id",
         affinity: bool = True,
@@ -92,8 +104,9 @@ class VLLMServerEngine:
             raise ValueError(f"session_header must be an HTTP header name or None, not {session_header!r}")
         self.connection = Connection(urls, api_key=api_key, timeout=timeout, connect_timeout=connect_timeout,
                                      max_concurrency=max_concurrency, max_retries=max_retries, backoff=backoff,
-                                     replica_cooldown=replica_cooldown, transport=transport,
-                                     service="vLLM server")
+                                     replica_cooldown=replica_cooldown, verify=verify, cert=cert,
+                                     keepalive_expiry=keepalive_expiry, max_response_bytes=max_response_bytes,
+                                     trust_env=trust_env, transport=transport, service="vLLM server")
         """The HTTP connection (replicas, lanes, retries)."""
         self.session_header = session_header
         """Header carrying each read's `session_key` (None: not sent)."""

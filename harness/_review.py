@@ -1,22 +1,26 @@
 """The human review lane: uncertain answers that were not escalated go to a person.
 
 The node calls LangGraph's `interrupt()` with the pending answers; the graph pauses
-(a checkpointer is required) and resumes with `Command(resume=<option>)`, or
-`Command(resume={question_id: option})` when several questions are under review.
+(a checkpointer is required: without one the node refuses to run) and resumes with
+`Command(resume=<option>)`, or `Command(resume={question_id: option})` when several
+questions are under review. With `interrupt="human_interrupt"` the payload and the
+resume are LangGraph's prebuilt `HumanInterrupt` / `HumanResponse` (Agent Inbox's
+shape; see `canvasroute.harness._inbox`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from langgraph.types import interrupt
 
 from canvasroute.engine import DecisionError
 from canvasroute.router import CanvasResponse, ReadReport
 
-REVIEW_EVENT = "canvasroute.review"
+from ._inbox import human_interrupt, human_response
+from ._stream import REVIEW_EVENT
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +46,11 @@ class ReviewPolicy:
     include_state: bool = True
     """Put the decision state into the interrupt payload, so the reviewer sees what was asked."""
 
+    interrupt: Literal["canvasroute", "human_interrupt"] = "canvasroute"
+    """The interrupt's shape: canvasroute's own payload (resume with an option or
+    `{question_id: option}`), or LangGraph's prebuilt `HumanInterrupt` that Agent Inbox reads
+    (resume with a `HumanResponse`: accept, edit with another option, response, ignore)."""
+
     def __post_init__(self) -> None:
         if self.questions is not None and not (
                 isinstance(self.questions, frozenset) and all(isinstance(q, str) for q in self.questions)):
@@ -49,6 +58,8 @@ class ReviewPolicy:
                             f"not {type(self.questions).__name__}")
         if not isinstance(self.include_state, bool):
             raise TypeError(f"ReviewPolicy.include_state is a bool, not {type(self.include_state).__name__}")
+        if self.interrupt not in ("canvasroute", "human_interrupt"):
+            raise ValueError(f"ReviewPolicy.interrupt is 'canvasroute' or 'human_interrupt', not {self.interrupt!r}")
 
     def needs_review(self, report: ReadReport) -> bool:
         """Whether one answer goes to a human."""
@@ -64,9 +75,13 @@ def review(policy: ReviewPolicy, node: str, response: CanvasResponse, options: M
     Raises LangGraph's `GraphInterrupt` on the first run (never catch it); on resume,
     returns the validated resume value.
     """
-    pending = [qid for qid, r in response.reads.items() if policy.needs_review(r)]
+    pending = pending_review(policy, response)
     if not pending:
         return {}
+    if policy.interrupt == "human_interrupt":
+        request = human_interrupt(node, response, pending, options, questions,
+                                  state if policy.include_state else None)
+        return human_response(interrupt(request), response, pending, options)
     payload: dict[str, Any] = {
         "type": REVIEW_EVENT,
         "node": node,
@@ -75,6 +90,11 @@ def review(policy: ReviewPolicy, node: str, response: CanvasResponse, options: M
     if policy.include_state:
         payload["state"] = state
     return _validate(interrupt(payload), pending, options)
+
+
+def pending_review(policy: ReviewPolicy, response: CanvasResponse) -> list[str]:
+    """The questions of `response` that go to a human."""
+    return [qid for qid, r in response.reads.items() if policy.needs_review(r)]
 
 
 def _item(report: ReadReport, options: tuple[str, ...], question: Any) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,21 +33,17 @@ from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache, decision_key, replay
 from ._depends import parse_depends_on
 from ._diagnostics import DiagnosticsLog
-from ._escalation import is_target
+from ._escalation import EscalationOutput, is_target
+from ._escalation_prompt import check_prompt
 from ._images import ImageEngine, check_images, image_digests, state_images
-from ._options import ReadOptions, read_options
+from ._options import REQUEST_OPTIONS, ReadOptions, read_options, request_options
 from ._outcome import Outcomes, skipped_report
-from ._plan import Plan, check_length, plan
-from ._policy import EscalationBudget, GatePolicy
+from ._plan import Plan, plan
+from ._policy import EscalationBudget, GatePolicy, check_abstain
 from ._questions import QuestionSpec, parse_questions, question_set_key, with_abstain
-from ._reading import QuestionRead, Reading, messages
+from ._reading import QuestionRead, Reading, check_length, messages
 from ._state import default_seed, render_state
 from ._types import CanvasResponse, ReadReport, answer_of
-
-_REQUEST_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("canvasroute_request_options", default={})
-"""Request keys beyond state and questions, from `invoke` to `_classify` (the hooks take only those two)."""
-_OPTION_KEYS = ("seed", "thread_id", "policy", "attributes", "depends_on", "budget_meter", "instructions", "alone",
-                "steps", "think", "images")
 
 
 class CanvasDecisionModel(BaseDecisionModel):
@@ -64,9 +59,8 @@ class CanvasDecisionModel(BaseDecisionModel):
     Request keys beyond `state` and `questions`: `seed` (int, the noise seed; default a
     hash of state and questions, so identical requests read identically), `thread_id`
     (for per-thread escalation budgets), `policy` (a `GatePolicy` for this request),
-    `attributes` (extra span attributes, e.g. the graph node), `depends_on`
-    (`{child: (parent, answers)}`: ask a question only when another's answer matches) and
-    `instructions`, `alone`, `steps`, `think`, `images` (how the canvases are read: `adecide`).
+    `attributes` (extra span attributes, e.g. the graph node), and the keywords of `adecide`
+    (`depends_on`, `instructions`, `alone`, `steps`, `think`, `images`).
 
     Example:
         ```python
@@ -83,7 +77,8 @@ class CanvasDecisionModel(BaseDecisionModel):
     engine: Any
     """The engine that reads canvases (`VLLMServerEngine`, `TransformersEngine`, ...)."""
     model: str = "canvas"
-    """Model name for LangSmith metadata; each response reports the engine's served model."""
+    """The name callback tracers see (`ls_model_name`) when set; by default the engine's served
+    model, once the engine has said it. Each response reports the served model."""
     policy: GatePolicy = Field(default_factory=GatePolicy)
     """Thresholds and re-reads."""
     escalate_to: Any = None
@@ -104,11 +99,22 @@ class CanvasDecisionModel(BaseDecisionModel):
     unless the policy gates on `min_label_mass`; True: always; False: never."""
     escalation_timeout: float = 60.0
     """Seconds one escalation call may take."""
+    escalation_prompt: Any = None
+    """A `ChatPromptTemplate` for escalations over `{state}`, `{questions}` and `{keys}`
+    (None: `ESCALATION_PROMPT`, instructions and a one-shot example)."""
+    escalation_output: EscalationOutput = "auto"
+    """How a chat-model target answers: `auto` (its structured output, `with_structured_output`;
+    a JSON reply in text when it has none), a `with_structured_output` method, or `text`."""
     cache: Any = None
     """A `DecisionCache`: an identical decision set about an identical state (same policy
     and seed) is answered from it without a read (None: every call reads)."""
 
     _kept: _Memo = PrivateAttr()
+
+    @field_validator("escalation_prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        return check_prompt(value)
 
     @field_validator("escalate_to")
     @classmethod
@@ -131,7 +137,9 @@ class CanvasDecisionModel(BaseDecisionModel):
         meter = self.budget_meter or (InMemoryBudgetMeter(self.budget) if self.budget else None)
         self._kept = _Memo(Outcomes(escalate_to=self.escalate_to, budget=self.budget, meter=meter,
                                     on_engine_error=self.on_engine_error, fallback=dict(self.fallback),
-                                    escalation_timeout=self.escalation_timeout))
+                                    escalation_timeout=self.escalation_timeout,
+                                    escalation_prompt=self.escalation_prompt,
+                                    escalation_output=self.escalation_output))
 
     @property
     def _memo(self) -> _Memo:
@@ -153,31 +161,51 @@ class CanvasDecisionModel(BaseDecisionModel):
     # own request hooks (and their LangSmith usage recording) run unchanged.
 
     def _classify(self, state: Any, questions: dict[str, Any]) -> CanvasResponse:
-        return run_sync(self.adecide(state, questions, **_REQUEST_OPTIONS.get()))
+        return run_sync(self.adecide(state, questions, **REQUEST_OPTIONS.get()))
 
     async def _aclassify(self, state: Any, questions: dict[str, Any]) -> CanvasResponse:
-        return await self.adecide(state, questions, **_REQUEST_OPTIONS.get())
+        return await self.adecide(state, questions, **REQUEST_OPTIONS.get())
 
     def _classify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
-        token = _REQUEST_OPTIONS.set(_options(request))
+        token = REQUEST_OPTIONS.set(request_options(request))
         try:
             return super()._classify_and_record(request)  # type: ignore[return-value]
         finally:
-            _REQUEST_OPTIONS.reset(token)
+            REQUEST_OPTIONS.reset(token)
 
     async def _aclassify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
-        token = _REQUEST_OPTIONS.set(_options(request))
+        token = REQUEST_OPTIONS.set(request_options(request))
         try:
             return await super()._aclassify_and_record(request)  # type: ignore[return-value]
         finally:
-            _REQUEST_OPTIONS.reset(token)
+            REQUEST_OPTIONS.reset(token)
 
-    if TYPE_CHECKING:  # the inherited calls, typed with the response they return
-        def invoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
-                   **kwargs: Any) -> CanvasResponse: ...
+    # Callback tracers (LangSmith, Langfuse) name the run by `ls_model_name`: the served model,
+    # once the engine has said it (the `model` field when set explicitly).
 
-        async def ainvoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
-                          **kwargs: Any) -> CanvasResponse: ...
+    def invoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
+               **kwargs: Any) -> CanvasResponse:
+        if self._memo.served is None:
+            run_sync(self._learn_served())
+        return super().invoke(input, config, **kwargs)  # type: ignore[return-value]
+
+    async def ainvoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
+                      **kwargs: Any) -> CanvasResponse:
+        if self._memo.served is None:
+            await self._learn_served()
+        return await super().ainvoke(input, config, **kwargs)  # type: ignore[return-value]
+
+    async def _learn_served(self) -> None:
+        try:
+            self._memo.served = (await self.engine.info()).model
+        except CanvasRouteError:  # the decision itself handles an engine that is down
+            pass
+
+    def _traced_config(self, config: RunnableConfig | None) -> RunnableConfig:
+        config = super()._traced_config(config)
+        if self._memo.served and "model" not in self.model_fields_set:
+            config["metadata"]["ls_model_name"] = self._memo.served
+        return config
 
     # -- the decision ------------------------------------------------------------------
 
@@ -194,19 +222,12 @@ class CanvasDecisionModel(BaseDecisionModel):
                       images: Sequence[str] = ()) -> CanvasResponse:
         """Answer every question about `state`: read, gate, re-read, escalate.
 
-        `depends_on={child: (parent, answers)}` asks `child` only when `parent`'s final
-        answer is one of `answers`; `{child: {parent: answers or None, ...}}` names several
-        parents (None: read after it, whatever it answers) (`canvasroute.router._depends`).
-        Parents are read (and escalated) first, children in a later read of the same call
-        with their parents' answers restated after the state; a child not asked is reported
-        with path `skipped` and has no entry in `answers`. `budget_meter` counts this
-        decision's escalations against the model's `budget` instead of the model's own meter
-        (e.g. a `StoreBudgetMeter` shared by every worker of a graph). `instructions`: context
-        for every question (head of each system prompt); `alone`: questions read in a canvas
-        of their own; `steps`: denoising steps per read, the template held between them;
-        `think`: tokens the model may write in its thought channel before each canvas is
-        read, which its reads then continue (`VLLMServerEngine`); `images`: image URLs read
-        with the state (`canvasroute.router._options`).
+        `depends_on`: questions asked after others, and only when their answers match
+        (`canvasroute.router._depends`: a child not asked has path `skipped` and no answer).
+        `budget_meter` counts this decision's escalations against the model's `budget` instead
+        of its own meter (e.g. a `StoreBudgetMeter` shared by every worker of a graph).
+        `instructions`, `alone`, `steps`, `think`, `images`: how the canvases are read
+        (`canvasroute.router._options`).
         """
         start = time.perf_counter()
         policy = policy or self.policy
@@ -214,7 +235,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         for qid, option in self.fallback.items():
             if qid in specs and option not in specs[qid].options:
                 raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
-        self._check_abstain(specs, policy)
+        check_abstain(specs, policy, self.escalate_to is not None, self.fallback)
         deps = parse_depends_on(depends_on, specs)
         outcomes = self._memo.outcomes
         if budget_meter is not None:
@@ -229,8 +250,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                 raise
             info, fault = None, exc
         specials = info.special_tokens if info is not None else None
-        opts = read_options(specs, constrained=not policy.uses_label_mass if self.constrained is None
-                            else self.constrained, instructions=instructions, alone=alone, steps=steps,
+        opts = read_options(specs, policy, self.constrained, instructions=instructions, alone=alone, steps=steps,
                             think=think, images=images, special_tokens=specials)
         images = (*state_images(state), *opts.images)
         if info is not None:
@@ -300,8 +320,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                           info: EngineInfo | None, fault: CanvasRouteError | None, state_text: str,
                           seed: int | None, policy: GatePolicy, usage: dict[str, int],
                           opts: ReadOptions, images: Sequence[str] = ()) -> tuple[dict[str, QuestionRead], Any]:
-        """Read and gate the asked questions of one layer; returns their state and its `Reading`
-        (None when a fault kept it from reading)."""
+        """Read and gate one layer's asked questions: their state, and its `Reading` (None on a fault)."""
         policies = {qid: policy.for_question(qid) for qid in asked}
         shaped = {qid: with_abstain(specs[qid]) if p.abstain else specs[qid] for qid, p in policies.items()}
         views = {qid: p.order_views for qid, p in policies.items() if p.order_views}
@@ -332,21 +351,6 @@ class CanvasDecisionModel(BaseDecisionModel):
                           policy=policy, options=opts, absorbs=absorbs,
                           member_plan=self._member_plan, usage=usage)
         return await reading.run(), reading
-
-    def _check_abstain(self, specs: Mapping[str, QuestionSpec], policy: GatePolicy) -> None:
-        """An abstaining question needs somewhere to go: an escalation target or a fallback."""
-        if not policy.abstain and not policy.per_question:
-            return
-        for qid in specs:
-            p = policy.for_question(qid)
-            if not p.abstain:
-                continue
-            if p.on_abstain == "escalate" and self.escalate_to is None:
-                raise DecisionError(f"question {qid!r} may abstain and on_abstain='escalate', but the model "
-                                    "has no escalate_to", hint="set escalate_to, or on_abstain='fallback'")
-            if p.on_abstain == "fallback" and qid not in self.fallback:
-                raise DecisionError(f"question {qid!r} may abstain and on_abstain='fallback', but has no "
-                                    "fallback option", hint="add it to fallback=")
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
@@ -380,15 +384,10 @@ class _Memo:
     """What a model keeps between decisions: its outcome rules, parsed question sets and plans."""
 
     outcomes: Outcomes
+    served: str | None = None
+    """The engine's served model name, once known (for callback tracers)."""
     parsed: OrderedDict[str, dict[str, QuestionSpec]] = field(default_factory=OrderedDict)
     plans: OrderedDict[Any, Plan] = field(default_factory=OrderedDict)
-
-
-def _options(request: Any) -> dict[str, Any]:
-    """The request keys beyond state and questions; a malformed request is refused here."""
-    if not isinstance(request, Mapping) or "state" not in request or "questions" not in request:
-        raise DecisionError("a decision request is {'state': ..., 'questions': {...}}")
-    return {k: request[k] for k in _OPTION_KEYS if request.get(k) is not None}
 
 
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any, size: int = 256) -> None:

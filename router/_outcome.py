@@ -19,7 +19,7 @@ from canvasroute.engine import BudgetExhausted, CanvasRouteError, DecisionError,
 from . import telemetry as tm
 from ._budget import BudgetMeter
 from ._distribution import SlotStats
-from ._escalation import Escalated, escalate, target_name
+from ._escalation import Escalated, EscalationOutput, escalate, target_name
 from ._policy import EscalationBudget
 from ._questions import QuestionSpec
 from ._reading import QuestionRead
@@ -38,6 +38,8 @@ class Outcomes:
     on_engine_error: Literal["escalate", "raise", "fallback"]
     fallback: Mapping[str, str]
     escalation_timeout: float
+    escalation_prompt: Any = None
+    escalation_output: EscalationOutput = "auto"
 
     def absorbs(self, exc: CanvasRouteError) -> bool:
         """Whether an engine fault goes to escalation or the fallback label instead of raising.
@@ -92,13 +94,14 @@ class Outcomes:
         with tm.escalation_call(self.escalate_to, name, list(canvas)) as call:
             try:
                 result = await asyncio.wait_for(
-                    escalate(self.escalate_to, state_text, state, [plain(r.spec) for r in wanted], canvas),
+                    escalate(self.escalate_to, state_text, state, [plain(r.spec) for r in wanted], canvas,
+                             prompt=self.escalation_prompt, output=self.escalation_output),
                     self.escalation_timeout)
             except TimeoutError as exc:
-                raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s",
-                                      retryable=True) from exc
+                raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s (network)",
+                                      failure="network", retryable=True) from exc
             call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
-            call.output(result.answers)
+            call.output(result.answers, result.response_model)
         return result
 
     def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,

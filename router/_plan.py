@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from langchain_core.decisions import Choice
 
-from canvasroute.engine import MAX_LABEL_IDS, Engine, EngineInfo, InputTooLong, LabelError, Message
+from canvasroute.engine import MAX_LABEL_IDS, Engine, EngineInfo, InputTooLong, LabelError
 
 from ._labels import one_token_labels
 from ._prompts import system_prompt, template_text
@@ -276,20 +276,3 @@ async def _slot(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpec],
             return f"{alphabet[0]!r} merges with the question id in the compact format"
     return Slot(specs[i].id, position, tuple(alphabet), tuple(ids), specs[i].shift)
 
-
-async def check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk],
-                       prompts: Sequence[Sequence[Message]], extra: int = 0) -> None:
-    """Refuse before any read when prompt + canvas (+ `extra` tokens, a thought's) exceed the context.
-
-    A token covers at least one UTF-8 byte, so a byte count bounds the prompt cheaply;
-    only prompts near the limit are tokenized exactly.
-    """
-    for chunk, msgs in zip(chunks, prompts, strict=True):
-        budget = info.max_model_len - chunk.width - extra
-        if info.chat_overhead + sum(len(m["content"].encode()) for m in msgs) <= budget:
-            continue
-        n = await engine.count_prompt(msgs)
-        if n > budget:
-            raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width}" + (f" + thought of {extra}"
-                               if extra else "") + f" exceed the model's {info.max_model_len}-token context",
-                               hint="shorten the state or ask fewer questions per node")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
+
+from canvasroute.engine import DecisionError
 
 from ._distribution import SlotStats
 
@@ -197,3 +199,19 @@ class EscalationBudget:
             raise ValueError("window_s must be > 0")
         if self.when_spent not in ("keep", "fallback", "raise"):
             raise ValueError(f"when_spent must be keep, fallback or raise, not {self.when_spent!r}")
+
+
+def check_abstain(specs: Mapping[str, Any], policy: GatePolicy, has_target: bool, fallback: Mapping[str, str]) -> None:
+    """An abstaining question needs somewhere to go: an escalation target or a fallback."""
+    if not policy.abstain and not policy.per_question:
+        return
+    for qid in specs:
+        p = policy.for_question(qid)
+        if not p.abstain:
+            continue
+        if p.on_abstain == "escalate" and not has_target:
+            raise DecisionError(f"question {qid!r} may abstain and on_abstain='escalate', but the model "
+                                "has no escalate_to", hint="set escalate_to, or on_abstain='fallback'")
+        if p.on_abstain == "fallback" and qid not in fallback:
+            raise DecisionError(f"question {qid!r} may abstain and on_abstain='fallback', but has no "
+                                "fallback option", hint="add it to fallback=")

@@ -14,7 +14,15 @@ import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from canvasroute.engine import CanvasRead, CanvasRouteError, EngineInfo, EngineResponseError, Thought
+from canvasroute.engine import (
+    CanvasRead,
+    CanvasRouteError,
+    Engine,
+    EngineInfo,
+    EngineResponseError,
+    InputTooLong,
+    Thought,
+)
 
 from . import telemetry as tm
 from ._distribution import SlotStats, aggregate, slot_stats
@@ -272,7 +280,7 @@ class Reading:
     async def _read(self, batch: Sequence[CanvasRead], chunks: Sequence[Chunk], kind: str) -> list[list[SlotStats]]:
         """One engine call; returns stats per canvas, in slot order."""
         self.canvas_reads += len(batch)  # sent, whether or not the engine answers
-        with tm.engine_call(self.info, batch, kind) as call:
+        with tm.engine_call(self.info, batch, kind, self.seed) as call:
             results = await self.engine.read(batch)  # type: ignore[attr-defined]
             if len(results) != len(batch):
                 raise EngineResponseError(f"the engine returned {len(results)} results for {len(batch)} canvases")
@@ -280,6 +288,7 @@ class Reading:
             tokens_out = sum(r.completion_tokens for r in results)
             call.usage(tokens_in, tokens_out, results)
             call.read_output(chunks, results, self.plan.specs)
+            call.response_model(self.info.model)
         self.usage["input_tokens"] += tokens_in
         self.usage["output_tokens"] += tokens_out
         self.prompt_tokens = self.prompt_tokens or results[0].prompt_tokens
@@ -291,3 +300,21 @@ class Reading:
             out.append([slot_stats(row, s.label_ids, self.policy.for_question(s.question_id).temperature)
                         for row, s in zip(result.rows, chunk.slots, strict=True)])
         return out
+
+
+async def check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk],
+                       prompts: Sequence[tuple[Mapping[str, str], ...]], extra: int = 0) -> None:
+    """Refuse before any read when prompt + canvas (+ `extra` tokens, a thought's) exceed the context.
+
+    A token covers at least one UTF-8 byte, so a byte count bounds the prompt cheaply;
+    only prompts near the limit are tokenized exactly.
+    """
+    for chunk, msgs in zip(chunks, prompts, strict=True):
+        budget = info.max_model_len - chunk.width - extra
+        if info.chat_overhead + sum(len(m["content"].encode()) for m in msgs) <= budget:
+            continue
+        n = await engine.count_prompt(msgs)
+        if n > budget:
+            raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width}" + (f" + thought of {extra}"
+                               if extra else "") + f" exceed the model's {info.max_model_len}-token context",
+                               hint="shorten the state or ask fewer questions per node")

@@ -63,6 +63,10 @@ class SystemOneDecisionModel(BaseDecisionModel):
     """First backoff delay in seconds, doubled per retry (with jitter)."""
     max_connections: int = Field(default=64, ge=1)
     """Pooled connections per event loop."""
+    verify: Any = True
+    """TLS verification: True (certifi or `SSL_CERT_FILE`), False, a CA bundle path, or an `ssl.SSLContext`."""
+    cert: Any = None
+    """A client certificate: a PEM path, or (certificate, key[, password])."""
     transport: Any = None
     """An `httpx.AsyncBaseTransport` (e.g. `httpx.MockTransport` in tests)."""
     extra_body: dict[str, Any] = Field(default_factory=dict)
@@ -125,7 +129,7 @@ class SystemOneDecisionModel(BaseDecisionModel):
             self._connection = Connection(
                 self.base_url, api_key=self.api_key.get_secret_value() if self.api_key else None,
                 timeout=self.timeout, max_concurrency=self.max_connections, max_retries=self.max_retries,
-                backoff=self.backoff, transport=self.transport)
+                backoff=self.backoff, verify=self.verify, cert=self.cert, transport=self.transport)
         return self._connection
 
     async def _post(self, body: Mapping[str, Any]) -> tuple[Any, str | None]:

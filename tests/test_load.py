@@ -137,3 +137,18 @@ def test_the_bench_command_reports_its_figures_as_json(capsys):
     assert packing["triage: Choice5+Noul+Score4"]["reads"] == 1  # three questions, one canvas
     assert packing["16 Nouls"]["reads"] == 2 and packing["16 Nouls"]["questions/read"] == 8
     assert "--vllm-url" in " ".join(report["sections"]["packing"]["notes"])
+
+
+def test_the_bench_measures_every_http_client_candidate_through_the_same_engine(capsys):
+    """`canvasroute bench --quick --only clients` (issue #23): each candidate at each level, CPU beside the choice."""
+    from canvasroute.apps.bench.lanes import CLIENTS
+    from canvasroute.apps.cli import main
+
+    assert main(["bench", "--quick", "--json", "--only", "clients", "--vllm-url", ""]) == 0
+    section = json.loads(capsys.readouterr().out)["sections"]["clients"]
+    rows = {(row["client"], row["concurrency"]): row for row in section["rows"]}
+    assert {client for client, _ in rows} == set(CLIENTS) and {c for _, c in rows} == {1, 16, 64}
+    assert all(row["reads/s"] > 0 and row["client CPU us/read"] > 0 for row in rows.values())
+    assert all(rows[("llhttp", c)]["CPU vs llhttp"] == 1 for c in (1, 16, 64))
+    assert set(section["best"]) == set(CLIENTS)
+    assert any(note.startswith("goal: >= 3,000 reads/s") for note in section["notes"])

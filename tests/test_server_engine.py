@@ -418,12 +418,12 @@ async def test_a_shared_failure_reaches_every_caller_and_is_not_cached():
 
 @pytest.mark.parametrize("decoder", ["fast", "json module"])
 async def test_responses_decode_the_same_with_or_without_orjson(decoder, monkeypatch):
-    from canvasroute.engine import _http
+    from canvasroute.engine import _replies
 
     if decoder == "json module":
-        monkeypatch.setattr(_http, "_fast_loads", None)
-    assert _http.loads(b'{"a": [1, -2.5, "x"]}') == {"a": [1, -2.5, "x"]}
-    special = _http.loads(b'{"lp": -Infinity, "bad": NaN}')  # literals only the json module accepts
+        monkeypatch.setattr(_replies, "_fast_loads", None)
+    assert _replies.loads(b'{"a": [1, -2.5, "x"]}') == {"a": [1, -2.5, "x"]}
+    special = _replies.loads(b'{"lp": -Infinity, "bad": NaN}')  # literals only the json module accepts
     assert special["lp"] == -math.inf and math.isnan(special["bad"])
     engine = engine_for(FakeVLLM())
     [result] = await engine.read([canvas_read(slots=(1, 4), labels=(300, 301, 302))])

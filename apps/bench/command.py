@@ -13,7 +13,9 @@ Every figure is a ratio or a distribution measured side by side in one run:
                   round-robin (`--affinity-urls`; skipped without two).
 7. `inprocess`    embedded SmolLM2 decisions/s, 8 sequential vs 8 concurrent, with and
                   without the engine's prompt (prefix) cache.
-8. `gateway`      `canvasroute serve` vs vLLM's reference gateway (`--gateway-url`) in front of
+8. `clients`      the HTTP client candidates (llhttp lane, h11, aiohttp, httpx) side by side:
+                  reads/s and client CPU per read through the same engine.
+9. `gateway`      `canvasroute serve` vs vLLM's reference gateway (`--gateway-url`) in front of
                   the same vLLM server (`--vllm-url`): latency, calls/s and vLLM reads per call
                   at c=1 and c=8, interleaved; and the library path (skipped without both).
 
@@ -36,7 +38,8 @@ from .common import Section, loop_ns, machine
 
 __all__ = ["SECTIONS", "configure", "run"]
 
-SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "gateway")
+SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
+            "gateway")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         "vllm": lambda: _vllm(args.vllm_url, args.quick),
         "affinity": lambda: _affinity(args.affinity_urls, args.quick),
         "inprocess": lambda: _inprocess(args.quick),
+        "clients": lambda: _clients(args.quick),
         "gateway": lambda: _gateway(args.gateway_url, args.vllm_url, args.quick),
     }
     start = time.perf_counter()
@@ -133,6 +137,11 @@ def _affinity(urls: str, quick: bool) -> Section:
 def _inprocess(quick: bool) -> Section:
     from .inprocess import run_inprocess
     return run_inprocess(quick)
+
+
+def _clients(quick: bool) -> Section:
+    from .clients import run_clients
+    return run_clients(quick)
 
 
 def _gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Section:

@@ -1,4 +1,4 @@
-"""Figure 8: `canvasroute serve` beside vLLM's reference gateway, in front of the same vLLM server.
+"""Figure 9: `canvasroute serve` beside vLLM's reference gateway, in front of the same vLLM server.
 
 The reference gateway (`examples/features/structured_diffusion/structured_server.py` in
 vllm-project/vllm) runs wherever you started it (`--gateway-url`); this section starts
@@ -50,7 +50,7 @@ _SUCCESS = re.compile(r'^vllm:request_success_total\{[^}]*\}\s+([0-9.e+]+)$', re
 
 
 def run_gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Section:
-    section = Section("gateway", "8. canvasroute serve vs vLLM's reference gateway (same vLLM server, same requests, "
+    section = Section("gateway", "9. canvasroute serve vs vLLM's reference gateway (same vLLM server, same requests, "
                                  "interleaved)", ["path", "settings", "concurrency", "calls", "p50 ms", "p95 ms",
                                                   "calls/s", "vLLM reads/call"])
     if not reference or not vllm_url:

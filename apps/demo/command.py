@@ -47,11 +47,10 @@ def run(args: argparse.Namespace) -> int:
 
     from canvasroute.engine import EscalationError
     from canvasroute.router import GatePolicy
-    from canvasroute.router.telemetry import add_otlp_exporter
+    from canvasroute.router.telemetry import JsonlSpanExporter, add_otlp_exporter
 
     from .._console import print_table, progress, say
     from ..observability.graph import record_graph
-    from ..observability.traces import JsonlSpanExporter
     from . import triage
     from .model import make_model
 

@@ -3,10 +3,13 @@
 `create_app` builds the ASGI app, `Limits` bounds what one request may carry, and
 `canvasroute.apps.server.cli` is `canvasroute serve`. Modules: `app` (routes, admission, timeouts),
 `body` (reading the body), `parse` (validation and bounds), `wire` (error answers),
-`gate` (load control), `openapi` (the API description).
+`gate` (load control, the shutdown drain), `openapi` (the API description), `serving` (uvicorn
+with `ConnectionLimits`: connection cap, head timeout, bounded shutdown), `metrics`
+(Prometheus at `/metrics`), `logs` (text or JSON lines with the request id).
 """
 
-from .app import JEV_ALIASES, create_app, run_in_thread
+from .app import JEV_ALIASES, create_app
 from .limits import Limits
+from .serving import ConnectionLimits, run_in_thread
 
-__all__ = ["JEV_ALIASES", "Limits", "create_app", "run_in_thread"]
+__all__ = ["JEV_ALIASES", "ConnectionLimits", "Limits", "create_app", "run_in_thread"]

@@ -40,11 +40,10 @@ import asyncio
 import dataclasses
 import hmac
 import logging
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
 from datetime import date
 from typing import Any
 
@@ -53,23 +52,27 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive
 
+from canvasroute.engine import forward_headers
 from canvasroute.router import telemetry as tm
 
 from .body import ClientGone, read_body, request_parts
 from .diagnostics import diagnostics
 from .extensions import request_policy
-from .gate import Gate, RateLimit
+from .gate import Drain, Gate, RateLimit
 from .limits import Limits
+from .logs import caller_request_id, request_scope
+from .metrics import Metrics, MetricsMiddleware
 from .openapi import openapi
 from .parse import Parsed, parse_request
 from .wire import Refusal, from_exception, public_name
 
-__all__ = ["JEV_ALIASES", "create_app", "run_in_thread"]
+__all__ = ["JEV_ALIASES", "create_app"]
 
 JEV_ALIASES = ("jev-latest",)
 """Model names Jev clients send by default (typesafe-sdk's `DEFAULT_MODEL`), served by the engine's model."""
@@ -81,6 +84,7 @@ HTTP_STATUS = "http.response.status_code"
 URL_PATH = "url.path"
 
 log = logging.getLogger("canvasroute.server")
+access = logging.getLogger("canvasroute.server.access")
 
 _EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "margin", "label_mass", "confidence",
                      "reads", "agreement", "stderr", "crossed", "canvas_probabilities", "labels",
@@ -106,17 +110,22 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _unless_gone(work: Awaitable[Any], receive: Receive) -> Any:
-    """`await work`, cancelled (and awaited until it stops) if the client disconnects first."""
-    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(receive))
+async def _unless_gone(work: Awaitable[Any], receive: Receive, drain: Drain) -> Any:
+    """`await work`, cancelled (and awaited until it stops) if the client disconnects first,
+    or answered 503 when a shutdown's grace period ends first."""
+    task, gone, stop = (asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(receive)),
+                        asyncio.ensure_future(drain.wait()))
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        stop.cancel()
         if not task.done():
             task.cancel()
             await asyncio.wait({task})  # the slot stays held until the work has really stopped
     if task.cancelled():
+        if drain.expired:
+            raise drain.refusal()
         raise ClientGone
     return task.result()
 
@@ -135,13 +144,19 @@ def create_app(
     aliases: Sequence[str] = JEV_ALIASES,
     close_engine: bool = False,
 ) -> Starlette:
-    """An ASGI app serving `model` at `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /openapi.json`.
+    """An ASGI app serving `model` at `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /metrics`
+    (Prometheus) and `GET /openapi.json`. Serve it with `serving.server` or `run_in_thread` (they add
+    the connection cap, the head timeout and the bounded shutdown), or any ASGI server.
+
+    A caller's `X-Request-ID` (1-128 visible ASCII characters) is kept: logged with every record
+    of the request, sent to the engine with each of its reads, returned; without one, the
+    decision's `id` is the request id.
 
     Args:
         model: A `CanvasDecisionModel` (answers carry its read reports), or any
             `BaseDecisionModel`.
         api_key: When set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
-            `/health` and `/openapi.json` stay open.
+            `/health`, `/metrics` and `/openapi.json` stay open.
         max_in_flight: Decisions running at once.
         max_queue: Requests allowed to wait for a running slot; beyond it, 529 at once.
         request_timeout: Seconds from admission to answer (queue wait included).
@@ -170,6 +185,7 @@ def create_app(
         limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
     aliases = tuple(dict.fromkeys(aliases))
     gate = Gate(max_in_flight, max_queue)
+    metrics, drain = Metrics(gate), Drain()
     limiter = RateLimit(rate_limit, rate_burst or max(1, round(rate_limit))) if rate_limit else None
     key = api_key.encode() if api_key else None
     started = int(time.time())
@@ -202,14 +218,25 @@ def create_app(
         return resp, getattr(resp, "reads", {}) or {}
 
     async def systemone(request: Request) -> Response:
-        request_id = f"decision-{uuid.uuid4().hex}"
+        decision_id = f"decision-{uuid.uuid4().hex}"
+        request_id = caller_request_id(request.headers.get("x-request-id")) or decision_id
+        started = time.perf_counter()
+        with request_scope(request_id), forward_headers({"x-request-id": request_id}):
+            response = await traced(request, decision_id, request_id)
+        access.info("POST %s %d %.1f ms (request %s)", request.url.path[:200], response.status_code,
+                    (time.perf_counter() - started) * 1000, request_id,
+                    extra={"request_id": request_id, "status": response.status_code, "decision_id": decision_id,
+                           "duration_ms": round((time.perf_counter() - started) * 1000, 2)})
+        return response
+
+    async def traced(request: Request, decision_id: str, request_id: str) -> Response:
         attrs = {HTTP_METHOD: "POST", HTTP_ROUTE: "/v1/systemone", URL_PATH: request.url.path}
         tracer = trace.get_tracer("canvasroute.server")
         with tracer.start_as_current_span("POST /v1/systemone", context=propagate.extract(request.headers),
                                           kind=SpanKind.SERVER, attributes=attrs,
                                           record_exception=False, set_status_on_exception=False) as span:
             try:
-                payload = await answer(request, request_id, span)
+                payload = await answer(request, decision_id, request_id, span)
                 response: Response = JSONResponse(payload, headers={"x-request-id": request_id})
             except ClientGone:
                 log.info("request %s: the client disconnected before its answer; its work (if any) was cancelled",
@@ -222,13 +249,16 @@ def create_app(
                     log.error("request %s: unexpected %s", request_id, type(exc).__name__, exc_info=exc)
                     span.record_exception(exc)
                 response = refusal.response(request_id)
+                metrics.refused(refusal.status, refusal.kind)
                 span.set_attribute(tm.ERROR_TYPE, refusal.kind)
                 if refusal.status >= 500:
                     span.set_status(Status(StatusCode.ERROR, refusal.kind))
             span.set_attribute(HTTP_STATUS, response.status_code)
             return response
 
-    async def answer(request: Request, request_id: str, span: trace.Span) -> dict[str, Any]:
+    async def answer(request: Request, decision_id: str, request_id: str, span: trace.Span) -> dict[str, Any]:
+        if drain.draining:
+            raise drain.refusal()
         authorize(request)
         if limiter is not None:
             limiter.take()
@@ -236,11 +266,12 @@ def create_app(
         parsed = parse_request(body, limits, images)  # no slot is held yet
         span.set_attribute(tm.QUESTIONS, len(parsed.questions))
         with gate.admission():
-            resp, reads, name = await _unless_gone(admitted(parsed, request_id, span), request.receive)
+            resp, reads, name = await _unless_gone(admitted(parsed, request_id, span), request.receive, drain)
+        metrics.decided(reads)
         usage = resp.usage or {}
         engine = getattr(model, "engine", None)
         return {
-            "id": request_id,
+            "id": decision_id,
             "object": "structured_decision",
             "created": int(time.time()),
             "model": public_name(resp.model or name),
@@ -262,9 +293,10 @@ def create_app(
                     raise Refusal(422, "model_not_found", f"model {parsed.model[:80]!r} is not served here; "
                                   f"served: {[name, *aliases]}", loc=("model",))
                 span.set_attribute(tm.DECISION_SET, ",".join(parsed.questions))
-                waiting = True
+                waiting, queued = True, time.perf_counter()
                 async with gate.slot():
                     waiting = False
+                    metrics.queue_wait.observe(time.perf_counter() - queued)
                     resp, reads = await decide(parsed)
                     return resp, reads, name
         except Refusal:
@@ -335,45 +367,16 @@ def create_app(
         routes=[Route("/v1/systemone", systemone, methods=["POST"]),
                 Route("/v1/models", models, methods=["GET"]),
                 Route("/health", health, methods=["GET"]),
+                Route("/metrics", metrics.endpoint, methods=["GET"]),
                 Route("/openapi.json", spec, methods=["GET"])],
         exception_handlers={HTTPException: http_error},
+        middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
         lifespan=lifespan,
     )
     app.router.redirect_slashes = False  # a redirect is built from the Host header, which the client forges
     app.state.gate = gate
     app.state.model = model
     app.state.limits = limits
+    app.state.metrics = metrics
+    app.state.drain = drain
     return app
-
-
-@contextmanager
-def run_in_thread(app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                  startup_timeout: float = 60.0) -> Iterator[str]:
-    """Serve `app` with uvicorn on a background thread; yields the base URL.
-
-    For tests and notebooks: `port=0` picks a free port. The server stops when the
-    block exits.
-
-    Example:
-        ```python
-        with run_in_thread(create_app(model)) as url:
-            SystemOneDecisionModel(url, model="tiny-dgemma").invoke(...)
-        ```
-    """
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
-    thread = threading.Thread(target=server.run, name="canvasroute-serve", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
-        time.sleep(0.01)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://{host}:{bound}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import logging.config
 import os
 import sys
 from typing import Any
 
 from .limits import Limits
+from .serving import ConnectionLimits
 
 __all__ = ["build_app", "build_model", "configure", "run"]
 
@@ -45,6 +47,12 @@ engine or the escalation model refused or answered garbage; 503 the engine is un
 running + --max-queue waiting) or the engine shed load. Error bodies are
 {"error": {"type", "message", "code", "param"}}; 415/422 add FastAPI's "detail" list.
 The API description is at GET /openapi.json.
+
+Connections: past --max-connections a new one gets 503 and is closed; a request head must
+arrive within --head-timeout (408); on SIGTERM/SIGINT requests in flight get
+--shutdown-timeout seconds, then 503. A caller's X-Request-ID is logged, sent to vLLM with
+every read and returned. GET /metrics serves Prometheus metrics; --log-format json writes
+one JSON object per log line.
 """
 
 _LIMIT_FLAGS = {
@@ -80,7 +88,18 @@ _ENV = {
     "rate_limit": "CANVASROUTE_RATE_LIMIT",
     "model_alias": "CANVASROUTE_MODEL_ALIAS",
     **{name: f"CANVASROUTE_{name.upper()}" for name in _LIMIT_FLAGS},
+    "max_connections": "CANVASROUTE_MAX_CONNECTIONS",
+    "head_timeout": "CANVASROUTE_HEAD_TIMEOUT",
+    "keep_alive": "CANVASROUTE_KEEP_ALIVE",
+    "shutdown_timeout": "CANVASROUTE_SHUTDOWN_TIMEOUT",
     "log_level": "CANVASROUTE_LOG_LEVEL",
+    "log_format": "CANVASROUTE_LOG_FORMAT",
+}
+_CONNECTION_FLAGS = {
+    "max_connections": (int, "open client connections at once; past it a new one is answered 503 and closed"),
+    "head_timeout": (float, "seconds for a request head to arrive in full; past it, 408 and closed"),
+    "keep_alive": (float, "seconds an idle kept-alive connection stays open"),
+    "shutdown_timeout": (float, "seconds requests in flight may take once shutdown (SIGTERM) begins; then 503"),
 }
 
 
@@ -143,8 +162,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for name, (kind, text) in _LIMIT_FLAGS.items():
         bounds.add_argument(f"--{name.replace('_', '-')}", type=kind, default=_env(name, getattr(defaults, name)),
                             help=f"{text} (default: %(default)s) [{_ENV[name]}]")
+    conns = parser.add_argument_group("connections")
+    conn_defaults = ConnectionLimits()
+    for name, (kind, text) in _CONNECTION_FLAGS.items():
+        conns.add_argument(f"--{name.replace('_', '-')}", type=kind, default=_env(name, getattr(conn_defaults, name)),
+                           help=f"{text} (default: %(default)s) [{_ENV[name]}]")
     srv.add_argument("--log-level", default=_env("log_level", "info"),
                      choices=("critical", "error", "warning", "info", "debug"), help="[CANVASROUTE_LOG_LEVEL]")
+    srv.add_argument("--log-format", default=_env("log_format", "text"), choices=("text", "json"),
+                     help="text lines, or one JSON object per line with the request id (default: %(default)s) "
+                          "[CANVASROUTE_LOG_FORMAT]")
 
 
 def _engine(args: argparse.Namespace) -> Any:
@@ -204,16 +231,20 @@ def build_app(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until interrupted; 2 on a configuration error."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    """Serve until interrupted (SIGINT/SIGTERM: a bounded graceful shutdown); 2 on a configuration error."""
+    from .logs import log_config
+    from .serving import server
+
+    try:  # a configuration error changes nothing in this process (its logging included)
+        limits = ConnectionLimits(**{name: getattr(args, name) for name in _CONNECTION_FLAGS})
+        logging_config = log_config(args.log_format, args.log_level)
         app = build_app(args)
     except (ValueError, ImportError) as exc:
         print(f"canvasroute serve: {exc}", file=sys.stderr)
         return 2
-    import uvicorn
-
+    logging.config.dictConfig(logging_config)
     auth = "bearer key required" if args.api_key else "no key (open)"
     log.info("serving /v1/systemone on http://%s:%d (%s)", args.host, args.port, auth)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server(app, host=args.host, port=args.port, limits=limits, log_level=args.log_level,
+           log_config=logging_config).run()
     return 0

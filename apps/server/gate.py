@@ -1,4 +1,4 @@
-"""Load control: admission (running + waiting <= capacity), running slots, and a request-rate bucket."""
+"""Load control: admission (running + waiting <= capacity), running slots, a request-rate bucket, the shutdown drain."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager, contextmanager
 
 from .wire import Refusal
 
-__all__ = ["Gate", "RateLimit"]
+__all__ = ["Drain", "Gate", "RateLimit"]
 
 
 class Gate:
@@ -78,3 +78,34 @@ class RateLimit:
                       headers={"retry-after": str(max(1, round(wait)))})
         self.tokens -= 1
 
+
+
+class Drain:
+    """Graceful shutdown: once `begin(grace)` is called, new requests are refused (503) and
+    those running have `grace` seconds before they are cancelled and answered 503."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._expired: asyncio.Event | None = None
+
+    def begin(self, grace: float) -> None:
+        if not self.draining:
+            self.draining = True
+            asyncio.get_running_loop().call_later(grace, self._event().set)
+
+    @property
+    def expired(self) -> bool:
+        return self._expired is not None and self._expired.is_set()
+
+    async def wait(self) -> None:
+        """Returns when the grace period is over."""
+        await self._event().wait()
+
+    def refusal(self) -> Refusal:
+        return Refusal(503, "shutting_down", "the server is shutting down; retry on another replica",
+                       headers={"retry-after": "1", "connection": "close"})
+
+    def _event(self) -> asyncio.Event:
+        if self._expired is None:
+            self._expired = asyncio.Event()
+        return self._expired

@@ -1,10 +1,11 @@
-"""The server's input bounds: decided from the body alone, before a slot is taken or the engine is asked."""
+"""The server's bounds: what one request may carry (`Limits`, decided from the body alone, before a slot is
+taken or the engine is asked) and what a connection is granted (`ConnectionLimits`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Limits"]
+__all__ = ["ConnectionLimits", "Limits"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,10 +33,31 @@ class Limits:
     """Characters of a question id, an option name, `model` or `thread_id` (422 `name_too_long`)."""
 
     def __post_init__(self) -> None:
-        for name in self.__slots__:  # type: ignore[attr-defined]
-            if getattr(self, name) <= 0:
-                raise ValueError(f"Limits.{name} must be positive")
+        _check_positive(self)
 
     def describe(self) -> str:
         """One line per bound (for `--help` and docs)."""
         return "; ".join(f"{name}={getattr(self, name):g}" for name in self.__slots__)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConnectionLimits:
+    """What the server grants a connection, and how long shutdown may take."""
+
+    max_connections: int = 1024
+    """Open client connections at once; past it a new one is answered 503 and closed."""
+    head_timeout: float = 10.0
+    """Seconds for a request head (request line and headers) to arrive in full; past it, 408 and closed."""
+    keep_alive: float = 5.0
+    """Seconds an idle kept-alive connection stays open (uvicorn's `timeout_keep_alive`)."""
+    shutdown_timeout: float = 10.0
+    """Seconds requests in flight may take to finish once shutdown begins; then they are answered 503."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+
+
+def _check_positive(bounds: object) -> None:
+    for name in bounds.__slots__:  # type: ignore[attr-defined]
+        if getattr(bounds, name) <= 0:
+            raise ValueError(f"{type(bounds).__name__}.{name} must be positive")

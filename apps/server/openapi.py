@@ -195,6 +195,9 @@ def openapi(limits: Limits) -> dict[str, Any]:
             "/health": {"get": {"operationId": "health", "summary": "Liveness and load (no key needed)",
                                 "responses": {"200": {"description": "ready", **plain},
                                               "503": {"description": "the engine is not ready", **plain}}}},
+            "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics (no key needed)",
+                                 "responses": {"200": {"description": "the Prometheus text format", "content": {
+                                     "text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"operationId": "openapi", "summary": "This description (no key needed)",
                                       "responses": {"200": {"description": "OpenAPI 3.1", **plain}}}},
         },

@@ -4,7 +4,7 @@ For tests and `canvasroute bench`: it answers `GET /v1/models`, `POST /tokenize`
 structured reads on `POST /v1/chat/completions` and `POST /v1/completions` the way
 vLLM 0.32 does (see docs/wire-format.md), with no model behind it, so what is measured
 against it is the client. Raw asyncio streams, HTTP/1.1 keep-alive, one response body
-cached per (endpoint, width, label ids).
+cached per (endpoint, width, label ids). Requests are parsed by llhttp (`httptools`).
 
 Rows: the read's label ids (`logprob_token_ids`, sorted) get falling logprobs
 (`-0.1, -3.1, -6.1, ...`), so every slot confidently picks its lowest label id
@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import httptools
 import httpx
 
 from ._tokens import FIRST_ID, chat_text, pieces, token_id
@@ -178,17 +179,15 @@ class LoopbackVLLM:
         assert task is not None
         self._tasks.add(task)
         self._writers.add(writer)
+        requests = _Requests()
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ", 2)
-                headers = {}
-                for line in lines[1:]:
-                    if ":" in line:
-                        name, value = line.split(":", 1)
-                        headers[name.strip().lower()] = value.strip()
-                body = await reader.readexactly(int(headers.get("content-length") or 0))
+                while not requests.done:
+                    data = await reader.read(65536)
+                    if not data:
+                        return
+                    requests.parser.feed_data(data)
+                method, target, headers, body, keep = requests.done.popleft()
                 path = target.split("?", 1)[0]
                 self.requests[path] += 1
                 self.headers.append(headers)
@@ -198,12 +197,13 @@ class LoopbackVLLM:
                     writer.transport.abort()
                     return
                 status, payload = reply
-                writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                             % (status, _REASONS.get(status, "Error").encode(), len(payload)) + payload)
+                writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
+                             % (status, _REASONS.get(status, "Error").encode(), len(payload),
+                                b"" if keep else b"connection: close\r\n") + payload)
                 await writer.drain()
-                if headers.get("connection", "").lower() == "close":
+                if not keep:
                     break
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
+        except (httptools.HttpParserError, ConnectionError):
             pass
         except asyncio.CancelledError:
             writer.transport.abort()
@@ -317,6 +317,33 @@ class LoopbackVLLM:
                 self._cache.clear()
             self._cache[key] = read_response(chat, self.model, width, labels, self.answer, None)
         return 200, self._cache[key]
+
+
+class _Requests:
+    """llhttp callbacks for one connection: the complete requests, in order."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpRequestParser(self)
+        self.done: deque[tuple[str, str, dict[str, str], bytes, bool]] = deque()
+        self._target = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+
+    def on_message_begin(self) -> None:
+        self._target, self._headers, self._body = b"", {}, []
+
+    def on_url(self, url: bytes) -> None:
+        self._target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done.append((self.parser.get_method().decode(), self._target.decode("latin-1"), self._headers,
+                          b"".join(self._body), self.parser.should_keep_alive()))
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError") -> tuple[int, bytes]:

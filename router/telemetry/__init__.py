@@ -23,13 +23,24 @@ questions and options in, the answers out; state text only under the content swi
 status OK, or ERROR with `error.type`.
 
 Engine reads and escalations carry the GenAI semantic conventions
-(`gen_ai.operation.name`, `gen_ai.provider.name`, the older `gen_ai.system`,
-`gen_ai.request.model`, `gen_ai.usage.*`, `server.*`, `error.type`) and record the
-GenAI client metrics (`gen_ai.client.operation.duration`, `gen_ai.client.token.usage`).
-A canvas read uses the operation name `canvas_read`: no well-known operation fits one
-denoising pass that returns distributions. Routing figures live under `canvasroute.*`,
-never under `gen_ai.*`. The decide span carries no `gen_ai.*`, so token counts are
-never double-counted by backends that sum them over a trace.
+(`gen_ai.operation.name`, `gen_ai.provider.name`, `gen_ai.request.model`,
+`gen_ai.response.model`, `gen_ai.request.seed` on canvas reads, `gen_ai.usage.*`,
+`server.*`, `error.type`) and record the GenAI client metrics
+(`gen_ai.client.operation.duration`, `gen_ai.client.token.usage`). The deprecated
+`gen_ai.system` is not written: no consumer the suite runs reads it (Phoenix and the
+dashboard read `gen_ai.provider.name`). A canvas read uses the operation name
+`canvas_read`: no well-known operation fits one denoising pass that returns
+distributions. Every span of a decision made in a LangGraph thread carries
+`gen_ai.conversation.id` (and OpenInference's `session.id`). Routing figures live under
+`canvasroute.*`, never under `gen_ai.*`; the decide span carries no GenAI usage, so token
+counts are never double-counted by backends that sum them over a trace.
+
+The key set is fixed: a question id is always a value (`canvasroute.question.id` on one
+`canvasroute.question` event per question of a decide span), never part of a key.
+
+`JsonlSpanExporter` writes finished spans as JSONL (the file `canvasroute dashboard`
+reads); `add_otlp_exporter` adds the standard OTLP/HTTP exporter when
+`OTEL_EXPORTER_OTLP_ENDPOINT` is set. Both are exported from `canvasroute` too.
 
 State and prompt content are recorded only when `CANVASROUTE_RECORD_CONTENT=1`;
 secrets (API keys, headers) never.
@@ -38,6 +49,8 @@ The tracer and meter are looked up from the global providers when used (not at i
 so an SDK installed after `import router` is honoured.
 """
 
+
+from typing import TYPE_CHECKING, Any
 
 from . import _names
 from ._decision import mark_error, record_reports
@@ -55,8 +68,12 @@ from ._spans import (
     span,
 )
 
+if TYPE_CHECKING:
+    from ._jsonl import JsonlSpanExporter, span_json
+
 __all__ = [
     "Call",
+    "JsonlSpanExporter",
     "add_otlp_exporter",
     "engine_call",
     "escalation_call",
@@ -68,5 +85,14 @@ __all__ = [
     "set_io",
     "set_usage",
     "span",
+    "span_json",
 ]
 __all__ += _names.__all__
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("JsonlSpanExporter", "span_json"):  # loads the OTel SDK: only when asked for
+        from . import _jsonl
+
+        return getattr(_jsonl, name)
+    raise AttributeError(f"module 'canvasroute.router.telemetry' has no attribute {name!r}")

@@ -1,0 +1,123 @@
+"""Prometheus metrics of the decision server, served at `GET /metrics` (`prometheus-client`).
+
+One registry per app (never the process-global one), so several apps in one process keep
+their own counts. What it holds:
+
+| metric | kind | labels |
+|---|---|---|
+| `canvasroute_server_requests_total` | counter | `route`, `method`, `status` |
+| `canvasroute_server_request_duration_seconds` | histogram | `route` |
+| `canvasroute_server_requests_in_flight` | gauge | |
+| `canvasroute_server_queue_wait_seconds` | histogram (admission to a running slot) | |
+| `canvasroute_server_decisions_total` | counter: questions answered | `path` (canvas, reread, escalated, fallback, ...) |
+| `canvasroute_server_rejections_total` | counter: requests and connections turned away | `reason` (the error `type`) |
+| `canvasroute_server_connections` | gauge: open client connections | |
+| `canvasroute_server_decisions_running`, `..._queued` | gauges, read from the gate at scrape | |
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .gate import Gate
+
+__all__ = ["Metrics", "MetricsMiddleware"]
+
+ROUTES = frozenset({"/v1/systemone", "/v1/models", "/health", "/metrics", "/openapi.json"})
+"""Routes counted by name; any other path is counted as `other` (no unbounded label values)."""
+REJECTED = frozenset({400, 401, 404, 408, 413, 415, 422, 429, 529})
+"""Statuses that turn a request away before or instead of decision work (engine faults are not among them)."""
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _GateCollector:
+    """Running and queued decisions, read from the gate when scraped."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        load = self.gate.snapshot()
+        yield GaugeMetricFamily("canvasroute_server_decisions_running", "Decisions holding a running slot",
+                                value=load["in_flight"])
+        yield GaugeMetricFamily("canvasroute_server_decisions_queued", "Admitted decisions waiting for a slot",
+                                value=load["queued"])
+
+
+class Metrics:
+    """The server's metrics in their own registry."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("canvasroute_server_requests", "HTTP requests answered",
+                                ["route", "method", "status"], registry=r)
+        self.duration = Histogram("canvasroute_server_request_duration_seconds",
+                                  "Seconds from a request's start to its answer", ["route"], buckets=_BUCKETS,
+                                  registry=r)
+        self.in_flight = Gauge("canvasroute_server_requests_in_flight", "HTTP requests being answered", registry=r)
+        self.queue_wait = Histogram("canvasroute_server_queue_wait_seconds",
+                                    "Seconds an admitted decision waited for a running slot", buckets=_BUCKETS,
+                                    registry=r)
+        self.decisions = Counter("canvasroute_server_decisions", "Questions answered, by the path that answered",
+                                 ["path"], registry=r)
+        self.rejections = Counter("canvasroute_server_rejections", "Requests and connections turned away",
+                                  ["reason"], registry=r)
+        self.connections = Gauge("canvasroute_server_connections", "Open client connections", registry=r)
+        r.register(_GateCollector(gate))  # type: ignore[arg-type]
+
+    def decided(self, reads: Mapping[str, Any]) -> None:
+        """Count each question of an answered decision set by its path."""
+        for report in reads.values():
+            self.decisions.labels(str(getattr(report, "path", "unknown"))).inc()
+
+    def refused(self, status: int, kind: str) -> None:
+        """Count a refusal that turned the request away (see `REJECTED`)."""
+        if status in REJECTED:
+            self.rejections.labels(kind).inc()
+
+    def rejected(self, reason: str) -> None:
+        """Count a connection turned away before any request (cap, slow head)."""
+        self.rejections.labels(reason).inc()
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by route, method and status, with its duration and the in-flight gauge."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = 500
+        started = time.perf_counter()
+
+        async def sent(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            self.metrics.duration.labels(route).observe(time.perf_counter() - started)
