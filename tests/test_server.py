@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -26,7 +25,6 @@ from canvasroute.apps.server import create_app, run_in_thread
 from canvasroute.engine import EngineOverloaded, EngineUnavailable, FunctionEngine, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-key"
 LABELS = ("yes", "no", "A", "B", "C", "1", "2", "3")
 QUESTIONS = {
@@ -583,12 +581,12 @@ def _free_port() -> int:
 
 
 @pytest.mark.vllm
-def test_canvasroute_serve_answers_over_http(vllm_url):
+def test_canvasroute_serve_answers_over_http(vllm_url, tmp_path):
     port = _free_port()
     env = child_env(CANVASROUTE_API_KEY=KEY, CANVASROUTE_REREADS="0")
     proc = subprocess.Popen([sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine-url", vllm_url,
                              "--port", str(port), "--log-level", "warning"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

