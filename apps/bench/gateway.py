@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -112,9 +113,11 @@ class _serve:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        # started outside any checkout, so `-m canvasroute` is the package this bench runs from
         self.proc = subprocess.Popen([sys.executable, "-m", "canvasroute", "serve", "--engine-url", self.vllm_url,
                                       "--port", str(port), "--log-level", "warning", "--request-timeout", "600"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     cwd=tempfile.gettempdir())
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
