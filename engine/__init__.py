@@ -23,7 +23,7 @@ from ._http import Connection
 from ._server import VLLMServerEngine
 from ._sync import run_sync
 from ._text import SPECIAL_CANDIDATES, THOUGHT_SCAFFOLD, defuse
-from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult, check_rows
+from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
 from ._wire import MAX_LABEL_IDS
 from .errors import (
     BudgetExhausted,
@@ -51,6 +51,9 @@ if TYPE_CHECKING:
     from ._vllm import VLLMEngine
 
 __all__ = [
+    "MAX_LABEL_IDS",
+    "SPECIAL_CANDIDATES",
+    "THOUGHT_SCAFFOLD",
     "BudgetExhausted",
     "CalibrationError",
     "CanvasRead",
@@ -71,11 +74,9 @@ __all__ = [
     "ImagesUnsupported",
     "InputTooLong",
     "LabelError",
-    "MAX_LABEL_IDS",
     "Message",
     "ReadResult",
-    "SPECIAL_CANDIDATES",
-    "THOUGHT_SCAFFOLD",
+    "Thought",
     "TraceFileError",
     "TransformersEngine",
     "UnsupportedQuestion",

@@ -17,7 +17,8 @@ import httpx
 from ._http import MAX_RESPONSE_BYTES, Connection
 from ._prompts import EMPTY_CHAT, PromptCache, template_kwargs
 from ._text import SPECIAL_CANDIDATES, THOUGHT_SCAFFOLD, scaffold_prefix
-from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows
+from ._thought import thought_prompt, write_thought
+from ._types import CanvasRead, EngineInfo, Message, ReadResult, Thought, check_rows
 from ._wire import NARROW_REFUSED, chat_messages, check_read, images_refused, parse_rows, read_xargs, seed_canvas
 from .errors import EngineRequestError, EngineResponseError, ImagesUnsupported
 
@@ -161,7 +162,7 @@ class VLLMServerEngine:
         vocab = self._vocab_size or await self._discover_vocab()
         width = self._canvas_width or await self._discover_canvas(max_len)
         prompt, scaffold, specials = await asyncio.gather(
-            self._prompt_ids(EMPTY_CHAT), self.tokenize(THOUGHT_SCAFFOLD), self._discover_specials())
+            self.prompt_ids(EMPTY_CHAT), self.tokenize(THOUGHT_SCAFFOLD), self._discover_specials())
         return EngineInfo(model=self._model, provider="vllm", canvas_width=width, max_model_len=max_len,
                           vocab_size=vocab, pad_id=0, chat_overhead=len(prompt),
                           canvas_prefix=scaffold_prefix(prompt, scaffold), special_tokens=specials,
@@ -176,10 +177,15 @@ class VLLMServerEngine:
         return list(ids)
 
     async def count_prompt(self, messages: Sequence[Message]) -> int:
-        return len(await self._prompt_ids(messages))
+        return len(await self.prompt_ids(messages))
 
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
         return list(await asyncio.gather(*(self._read_one(r) for r in batch)))
+
+    async def think(self, messages: Sequence[Message], budget: int) -> Thought:
+        """What the model writes in its thought channel after `messages`, up to `budget` tokens
+        (`engine._thought`); a `CanvasRead(thought=thought.ids)` then reads after it."""
+        return await write_thought(self, messages, budget)
 
     async def aclose(self) -> None:
         await self.connection.aclose()
@@ -229,14 +235,18 @@ class VLLMServerEngine:
             "max_tokens": width,
             "logprob_token_ids": sorted(read.label_ids),
             "return_tokens_as_token_ids": True,
-            "vllm_xargs": read_xargs(canvas, info.canvas_width, constrained=read.constrained),
+            "vllm_xargs": read_xargs(canvas, info.canvas_width, constrained=read.constrained, steps=read.steps,
+                                     slots=read.slots),
         }
-        if self.endpoint == "chat":
+        endpoint = "completions" if read.thought is not None else self.endpoint
+        if endpoint == "chat":
             body.update(messages=chat_messages(read), logprobs=True, top_logprobs=1,
                         chat_template_kwargs=self._template_kwargs)
             path = "/v1/chat/completions"
         else:
-            body.update(prompt=list(await self._prompt_ids(read.messages)), logprobs=1)
+            prompt = (await thought_prompt(self, read.messages, read.thought) if read.thought is not None
+                      else await self.prompt_ids(read.messages))
+            body.update(prompt=list(prompt), logprobs=1)
             path = "/v1/completions"
         key = session_key(read.messages)
         headers = {self.session_header: key} if self.session_header else None
@@ -245,7 +255,7 @@ class VLLMServerEngine:
                                               affinity=key if self.affinity else None)
         latency = time.perf_counter() - start
         data = _object(reply.data, path)
-        rows = parse_rows(data, self.endpoint, width, read.slots)
+        rows = parse_rows(data, endpoint, width, read.slots)
         check_rows(read, rows)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         try:
@@ -259,12 +269,15 @@ class VLLMServerEngine:
     def _count(self) -> None:
         self.requests_sent += 1
 
-    async def _prompt_ids(self, messages: Sequence[Message]) -> tuple[int, ...]:
-        key = PromptCache.chat_key(messages)
+    async def prompt_ids(self, messages: Sequence[Message], *, thinking: bool = False) -> tuple[int, ...]:
+        """The chat prompt's token ids (the server's template, generation prompt included;
+        `thinking`: with `enable_thinking=True`), cached."""
+        key = PromptCache.chat_key(messages) + (":thinking" if thinking else "")
         ids = self._tokens.get(key)
         if ids is None:
+            kwargs = {**self._template_kwargs, "enable_thinking": True} if thinking else self._template_kwargs
             body = {"model": await self._model_name(), "messages": [dict(m) for m in messages],
-                    "add_generation_prompt": True, "chat_template_kwargs": self._template_kwargs}
+                    "add_generation_prompt": True, "chat_template_kwargs": kwargs}
             ids = self._tokens.put(key, await self._once(key, lambda: self._tokenize_request(body)))
         return ids
 
@@ -289,6 +302,10 @@ class VLLMServerEngine:
 
             task.add_done_callback(done)
         return await asyncio.shield(task)
+
+    async def post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST a JSON body to the server (retries and typed errors as for reads); its JSON object."""
+        return await self._request("POST", path, body)
 
     async def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
         return _object((await self.connection.request(method, path, body)).data, path)

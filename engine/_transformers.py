@@ -37,7 +37,7 @@ from ._batching import MicroBatcher
 from ._prompts import EMPTY_CHAT, ChatPrompts, template_kwargs
 from ._readouts import MAX_MODEL_LEN_CAP, CausalLM, DiffusionGemma
 from ._text import THOUGHT_SCAFFOLD, scaffold_prefix, tokenizer_specials
-from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows, refuse_images
+from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows, refuse_images, refuse_thoughts
 from .errors import EngineRequestError
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -182,6 +182,7 @@ class TransformersEngine:
 
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
         refuse_images(batch, "TransformersEngine")
+        refuse_thoughts(batch, "TransformersEngine", steps=False)
         if self._closed:
             raise EngineRequestError("the engine is closed", hint="create a new engine")
         jobs = [self._job(read) for read in batch]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from ._text import THOUGHT_SCAFFOLD
-from .errors import EngineResponseError, ImagesUnsupported
+from .errors import DecisionError, EngineResponseError, ImagesUnsupported
 
 Message = Mapping[str, str]
 """A chat message: `{"role": ..., "content": ...}`."""
@@ -67,6 +67,26 @@ class CanvasRead:
     images: tuple[str, ...] = ()
     """Image URLs (data URLs for inline images) sent with the last user message, as
     OpenAI image parts; only engines whose `EngineInfo.accepts_images` take them."""
+    steps: int = 1
+    """Denoising steps before the canvas is read; past 1 every position but the slots is
+    held at its seed (vLLM's `diffusion_pinned`), so the template survives the steps."""
+    thought: tuple[int, ...] | None = None
+    """A thought the model wrote (`Thought.ids`): the read's prompt is the chat prompt with
+    thinking on and its thought channel holding these ids, closed; the canvas then starts
+    at the answers. Only engines with a `think` method take it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Thought:
+    """What the model wrote in its thought channel before a read (`VLLMServerEngine.think`)."""
+
+    ids: tuple[int, ...]
+    """The thought's token ids, without the channel's open and close tags."""
+    text: str
+    closed: bool
+    """Whether the model closed the channel itself (else the budget cut it)."""
+    prompt_tokens: int = 0
+    latency_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,6 +139,15 @@ def refuse_images(batch: Sequence[CanvasRead], engine: str) -> None:
     if any(read.images for read in batch):
         raise ImagesUnsupported(f"{engine} reads text only; this read carries images",
                                 hint="read images with VLLMServerEngine (chat endpoint) on a vision-capable server")
+
+
+def refuse_thoughts(batch: Sequence[CanvasRead], engine: str, *, steps: bool = True) -> None:
+    """`DecisionError` before any read when an engine is handed a thought (or, unless
+    `steps`, more than one denoising step) it cannot read."""
+    if any(read.thought is not None for read in batch):
+        raise DecisionError(f"{engine} cannot read a thought", hint="think with VLLMServerEngine")
+    if not steps and any(read.steps != 1 for read in batch):
+        raise DecisionError(f"{engine} reads one denoising step only", hint="steps > 1 needs a vLLM engine")
 
 
 @runtime_checkable

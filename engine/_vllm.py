@@ -17,7 +17,7 @@ from typing import Any
 
 from ._prompts import EMPTY_CHAT, ChatPrompts, template_kwargs
 from ._text import THOUGHT_SCAFFOLD, scaffold_prefix, tokenizer_specials
-from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows, refuse_images
+from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows, refuse_images, refuse_thoughts
 from ._wire import check_read, check_row_count, read_xargs
 from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
 
@@ -94,6 +94,7 @@ class VLLMEngine:
 
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
         refuse_images(batch, "VLLMEngine")
+        refuse_thoughts(batch, "VLLMEngine")
         return list(await asyncio.gather(*(self._read_one(r) for r in batch)))
 
     async def aclose(self) -> None:
@@ -134,7 +135,8 @@ class VLLMEngine:
 
         check_read(read, info.canvas_width)
         width = len(read.canvas)
-        xargs = read_xargs(read.canvas, info.canvas_width, constrained=read.constrained)
+        xargs = read_xargs(read.canvas, info.canvas_width, constrained=read.constrained, steps=read.steps,
+                           slots=read.slots)
         labels = sorted(read.label_ids)
         params = SamplingParams(max_tokens=width, logprobs=None if labels else 0, logprob_token_ids=labels or None,
                                 extra_args=xargs, output_kind=RequestOutputKind.FINAL_ONLY)

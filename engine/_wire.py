@@ -20,8 +20,10 @@ NARROW_REFUSED = "diffusion_canvas_length"
 
 
 def check_read(read: CanvasRead, served_width: int) -> None:
-    """Refuse a read vLLM would refuse: canvas wider than served, too many label ids."""
+    """Refuse a read vLLM would refuse: canvas wider than served, too many label ids, no steps."""
     width = len(read.canvas)
+    if read.steps < 1:
+        raise EngineRequestError(f"a read takes at least one denoising step, not {read.steps}")
     if not 0 < width <= served_width:
         raise EngineRequestError(f"canvas of {width} ids; this engine reads at most {served_width}")
     if len(read.label_ids) > MAX_LABEL_IDS:
@@ -36,12 +38,17 @@ def seed_canvas(read: CanvasRead, served_width: int, pad_id: int, *, narrow: boo
     return [*read.canvas, *[pad_id] * (served_width - len(read.canvas))]
 
 
-def read_xargs(canvas: Sequence[int], served_width: int, *, constrained: bool) -> dict[str, Any]:
-    """`vllm_xargs` of a one-step read-only read of `canvas` (booleans as 0/1)."""
-    xargs: dict[str, Any] = {"diffusion_seed_canvas": list(canvas), "diffusion_max_steps": 1,
+def read_xargs(canvas: Sequence[int], served_width: int, *, constrained: bool, steps: int = 1,
+               slots: Sequence[int] = ()) -> dict[str, Any]:
+    """`vllm_xargs` of a read-only read of `canvas` (booleans as 0/1): one denoising step,
+    or `steps` with every position but the `slots` pinned to its seed."""
+    xargs: dict[str, Any] = {"diffusion_seed_canvas": list(canvas), "diffusion_max_steps": steps,
                              "diffusion_read_only": 1}
     if len(canvas) < served_width:
         xargs["diffusion_canvas_length"] = len(canvas)
+    if steps > 1:
+        free = set(slots)
+        xargs["diffusion_pinned"] = [p for p in range(len(canvas)) if p not in free]
     if constrained:
         xargs["diffusion_constrained"] = 1
     return xargs

@@ -7,10 +7,13 @@ the model only through the `engine` protocol. The modules follow one decision:
 _questions   validate_questions / parse_questions: the one validator (model, client, server)
 _labels      one-token labels at a slot, checked against the engine's tokenizer
 _prompts     the system prompt (questions, defused) and the answer-canvas text
-_plan        chunks that fit a canvas, slots, two-read routes past one read's labels
-_reading     first reads, per-chunk re-reads, second reads -> per-question distributions
+_options     how a decision is read: instructions, alone, steps, think, images
+_plan        chunks that fit a canvas (lines or compact answers), slots, two-read routes
+_reading     samples, per-chunk re-reads, second reads -> per-question distributions (_think)
+_depends     dependency stages, conditions, restated answers
 _distribution  entropy, margin, label mass; re-read aggregation
 _outcome     gate, budget (_budget), fallback, fault -> escalation (_escalation) -> reports
+_diagnostics how the decision was read (stages, chunks, formats, thoughts)
 _model       CanvasDecisionModel: the BaseDecisionModel that connects them
 systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
 ```
@@ -23,11 +26,13 @@ from typing import Any
 
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
+from ._diagnostics import Diagnostics, ThoughtReport
 from ._distribution import SlotStats, aggregate, slot_stats
 from ._escalation import Escalated, escalate, target_name
 from ._images import image_digests, state_images
 from ._model import CanvasDecisionModel
-from ._policy import EscalationBudget, GatePolicy
+from ._options import MAX_STEPS, MAX_THINK
+from ._policy import MAX_SAMPLES, EscalationBudget, GatePolicy
 from ._policy_file import load_policy, save_policy
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
 from ._state import render_state
@@ -45,23 +50,28 @@ from .telemetry import add_otlp_exporter
 
 __all__ = [
     "ABSTAIN",
+    "MAX_OPTIONS",
+    "MAX_SAMPLES",
+    "MAX_STEPS",
+    "MAX_THINK",
     "BudgetMeter",
     "Calibration",
     "CanvasDecisionModel",
     "CanvasResponse",
     "DecisionCache",
+    "Diagnostics",
     "Escalated",
     "EscalationBudget",
     "GatePolicy",
     "InMemoryBudgetMeter",
     "JsonlSpanExporter",
     "Labelled",
-    "MAX_OPTIONS",
     "QuestionCalibration",
     "QuestionSpec",
     "ReadReport",
     "SlotStats",
     "SystemOneDecisionModel",
+    "ThoughtReport",
     "add_otlp_exporter",
     "aggregate",
     "calibrate",

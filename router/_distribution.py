@@ -33,6 +33,8 @@ class SlotStats:
     """Share of reads whose argmax equals the final answer (re-reads only)."""
     stderr: float | None = None
     """Standard error of the chosen label's probability across reads (re-reads only)."""
+    argmax_is_label: bool | None = None
+    """Whether the row's most likely token was one of the labels (of the first read)."""
     top: int = field(init=False, compare=False, repr=False)
     """Index of the most likely label (the first, on a tie)."""
     entropy: float = field(init=False, compare=False, repr=False)
@@ -71,7 +73,8 @@ def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: 
         lps, top = [0.0] * len(lps), 0.0
     weights = [exp((lp - top) / temperature) for lp in lps]
     total = sum(weights)
-    return SlotStats(tuple([w / total for w in weights]), min(1.0, mass))
+    return SlotStats(tuple([w / total for w in weights]), min(1.0, mass),
+                     argmax_is_label=max(row, key=row.__getitem__) in label_ids)
 
 
 def aggregate(reads: Sequence[SlotStats]) -> SlotStats:
@@ -86,4 +89,5 @@ def aggregate(reads: Sequence[SlotStats]) -> SlotStats:
     mu = sum(tops) / n
     stderr = math.sqrt(sum((x - mu) ** 2 for x in tops) / (n - 1) / n)
     mass = sum(r.label_mass for r in reads) / n
-    return SlotStats(mean, mass, reads=n, agreement=agreement, stderr=stderr)
+    return SlotStats(mean, mass, reads=n, agreement=agreement, stderr=stderr,
+                     argmax_is_label=reads[0].argmax_is_label)

@@ -94,17 +94,23 @@ def _parse_json(text: str) -> Any:
 
 
 def _match(spec: QuestionSpec, value: Any) -> str | None:
-    """The option a reply value names: its name, or (if unambiguous) its description."""
+    """The option a reply value names: its name (exactly, else stripped, else case-folded if
+    that names one option), or (if unambiguous) its description."""
     if isinstance(value, bool) and spec.kind == "noul":
         return "yes" if value else "no"
     if isinstance(value, int) and not isinstance(value, bool) and spec.kind == "score":
         value = str(value)
     if not isinstance(value, str):
         return None
+    if value in spec.options:
+        return value
+    stripped = {o.strip(): o for o in spec.options}
+    if value.strip() in stripped:
+        return stripped[value.strip()]
     key = value.strip().casefold()
-    folded = {o.casefold(): o for o in spec.options}
-    if key in folded:
-        return folded[key]
+    folded = [o for o in spec.options if o.strip().casefold() == key]
+    if len(folded) == 1:
+        return folded[0]
     described = [o for o, d in zip(spec.options, spec.descriptions, strict=True) if d and d.casefold() == key]
     return described[0] if len(described) == 1 else None
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,9 +32,11 @@ from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache, decision_key, replay
 from ._depends import parse_depends_on
+from ._diagnostics import DiagnosticsLog
 from ._escalation import EscalationOutput, is_target
 from ._escalation_prompt import check_prompt
 from ._images import ImageEngine, check_images, image_digests, state_images
+from ._options import REQUEST_OPTIONS, ReadOptions, read_options, request_options
 from ._outcome import Outcomes, skipped_report
 from ._plan import Plan, plan
 from ._policy import EscalationBudget, GatePolicy, check_abstain
@@ -43,10 +44,6 @@ from ._questions import QuestionSpec, parse_questions, question_set_key, with_ab
 from ._reading import QuestionRead, Reading, check_length, messages
 from ._state import default_seed, render_state
 from ._types import CanvasResponse, ReadReport, answer_of
-
-_REQUEST_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("canvasroute_request_options", default={})
-"""Request keys beyond state and questions, from `invoke` to `_classify` (the hooks take only those two)."""
-_OPTION_KEYS = ("seed", "thread_id", "policy", "attributes", "depends_on", "budget_meter")
 
 
 class CanvasDecisionModel(BaseDecisionModel):
@@ -62,8 +59,8 @@ class CanvasDecisionModel(BaseDecisionModel):
     Request keys beyond `state` and `questions`: `seed` (int, the noise seed; default a
     hash of state and questions, so identical requests read identically), `thread_id`
     (for per-thread escalation budgets), `policy` (a `GatePolicy` for this request),
-    `attributes` (extra span attributes, e.g. the graph node) and `depends_on`
-    (`{child: (parent, answers)}`: ask a question only when another's answer matches).
+    `attributes` (extra span attributes, e.g. the graph node), and the keywords of `adecide`
+    (`depends_on`, `instructions`, `alone`, `steps`, `think`, `images`).
 
     Example:
         ```python
@@ -95,9 +92,11 @@ class CanvasDecisionModel(BaseDecisionModel):
     """What an engine fault does: escalate every question, raise, or use `fallback`."""
     fallback: dict[str, str] = Field(default_factory=dict)
     """Fallback option per question id (for `on_engine_error="fallback"` and budgets)."""
-    constrained: bool = False
-    """Ask the engine to normalize each row over the request's label ids (the union over all
-    slots of a canvas): label mass is then 1 for a lone question, a share for several."""
+    constrained: bool | None = None
+    """Reads normalized over the request's label ids only (vLLM's `diffusion_constrained`):
+    the same label distribution, in well under half the time on the vLLM CPU server, but no
+    label mass and no `argmax_is_label` (reported as None). None (default): constrained
+    unless the policy gates on `min_label_mass`; True: always; False: never."""
     escalation_timeout: float = 60.0
     """Seconds one escalation call may take."""
     escalation_prompt: Any = None
@@ -162,24 +161,24 @@ class CanvasDecisionModel(BaseDecisionModel):
     # own request hooks (and their LangSmith usage recording) run unchanged.
 
     def _classify(self, state: Any, questions: dict[str, Any]) -> CanvasResponse:
-        return run_sync(self.adecide(state, questions, **_REQUEST_OPTIONS.get()))
+        return run_sync(self.adecide(state, questions, **REQUEST_OPTIONS.get()))
 
     async def _aclassify(self, state: Any, questions: dict[str, Any]) -> CanvasResponse:
-        return await self.adecide(state, questions, **_REQUEST_OPTIONS.get())
+        return await self.adecide(state, questions, **REQUEST_OPTIONS.get())
 
     def _classify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
-        token = _REQUEST_OPTIONS.set(_options(request))
+        token = REQUEST_OPTIONS.set(request_options(request))
         try:
             return super()._classify_and_record(request)  # type: ignore[return-value]
         finally:
-            _REQUEST_OPTIONS.reset(token)
+            REQUEST_OPTIONS.reset(token)
 
     async def _aclassify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
-        token = _REQUEST_OPTIONS.set(_options(request))
+        token = REQUEST_OPTIONS.set(request_options(request))
         try:
             return await super()._aclassify_and_record(request)  # type: ignore[return-value]
         finally:
-            _REQUEST_OPTIONS.reset(token)
+            REQUEST_OPTIONS.reset(token)
 
     # Callback tracers (LangSmith, Langfuse) name the run by `ls_model_name`: the served model,
     # once the engine has said it (the `model` field when set explicitly).
@@ -218,15 +217,17 @@ class CanvasDecisionModel(BaseDecisionModel):
                       thread_id: str | None = None, policy: GatePolicy | None = None,
                       attributes: Mapping[str, Any] | None = None,
                       depends_on: Mapping[str, Any] | None = None,
-                      budget_meter: BudgetMeter | None = None) -> CanvasResponse:
+                      budget_meter: BudgetMeter | None = None, instructions: Any = None,
+                      alone: Collection[str] = (), steps: int = 1, think: int = 0,
+                      images: Sequence[str] = ()) -> CanvasResponse:
         """Answer every question about `state`: read, gate, re-read, escalate.
 
-        `depends_on={child: (parent, answers)}` asks `child` only when `parent`'s final
-        answer is one of `answers` (`canvasroute.router._depends`): parents are read (and escalated)
-        first, children in a second read of the same call; a child not asked is reported
-        with path `skipped` and has no entry in `answers`. `budget_meter` counts this
-        decision's escalations against the model's `budget` instead of the model's own meter
-        (e.g. a `StoreBudgetMeter` shared by every worker of a graph).
+        `depends_on`: questions asked after others, and only when their answers match
+        (`canvasroute.router._depends`: a child not asked has path `skipped` and no answer).
+        `budget_meter` counts this decision's escalations against the model's `budget` instead
+        of its own meter (e.g. a `StoreBudgetMeter` shared by every worker of a graph).
+        `instructions`, `alone`, `steps`, `think`, `images`: how the canvases are read
+        (`canvasroute.router._options`).
         """
         start = time.perf_counter()
         policy = policy or self.policy
@@ -248,19 +249,21 @@ class CanvasDecisionModel(BaseDecisionModel):
             if not outcomes.absorbs(exc):
                 raise
             info, fault = None, exc
-        images = state_images(state)
+        specials = info.special_tokens if info is not None else None
+        opts = read_options(specs, policy, self.constrained, instructions=instructions, alone=alone, steps=steps,
+                            think=think, images=images, special_tokens=specials)
+        images = (*state_images(state), *opts.images)
         if info is not None:
             check_images(info, images)  # before any read: an engine that cannot see them refuses
         model_name = info.model if info is not None else self.model
-        state_text = render_state(state, info.special_tokens if info is not None else None)
+        state_text = render_state(state, specials)
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
         if tm.record_content():
             attrs[tm.STATE_CONTENT] = state_text
         cache_key = None
         if self.cache is not None and info is not None:
-            depends = json.dumps(sorted((c, p, sorted(a)) for c, (p, a) in deps.conditions.items()))
-            cache_key = decision_key(questions=key + depends, state_text=state_text, policy=policy, seed=seed,
-                                     model=info.model, constrained=self.constrained,
+            cache_key = decision_key(questions=key + deps.key() + opts.key(), state_text=state_text, policy=policy,
+                                     seed=seed, model=info.model, constrained=opts.constrained,
                                      images=image_digests(images))
             if (hit := self.cache.get(cache_key)) is not None:
                 return replay(hit, f"decide {model_name}", attrs, time.perf_counter() - start)
@@ -270,6 +273,7 @@ class CanvasDecisionModel(BaseDecisionModel):
             canvas_reads = 0
             answers: dict[str, str | None] = {}
             done: dict[str, ReadReport] = {}
+            log = DiagnosticsLog(opts)
             last: list[tuple[QuestionRead, Any, dict[str, Any] | None]] = []  # reported once the latency is known
             for i, layer in enumerate(deps.layers):
                 asked = [qid for qid in layer if deps.applies(qid, answers)]
@@ -279,12 +283,14 @@ class CanvasDecisionModel(BaseDecisionModel):
                         answers[qid] = None
                 if not asked:
                     continue
-                reads, n = await self._read_layer(key, specs, asked, info, fault, state_text, seed, policy, usage,
-                                                  images)
-                canvas_reads += n
-                escalated = await outcomes.escalate(state, state_text, reads, usage, thread_id)
+                text = state_text + deps.restated(asked, answers, specs, specials)
+                reads, reading = await self._read_layer(key, specs, asked, info, fault, text, seed, policy, usage,
+                                                        opts, images)
+                log.add(asked, reading)
+                canvas_reads += reading.canvas_reads if reading is not None else 0
+                escalated = await outcomes.escalate(state, text, reads, usage, thread_id)
                 for r in reads.values():
-                    asked_if = deps.asked_if(r.spec.id, answers) if r.spec.id in deps.conditions else None
+                    asked_if = deps.asked_if(r.spec.id, answers)
                     if i == len(deps.layers) - 1:
                         last.append((r, escalated, asked_if))
                         continue
@@ -304,6 +310,7 @@ class CanvasDecisionModel(BaseDecisionModel):
             "usage": usage,
             "canvas_reads": canvas_reads,
             "latency_s": latency,
+            "diagnostics": log.build(),
         })
         if cache_key is not None and not any(r.error for r in reports):
             self.cache.put(cache_key, response)  # a faulted decision is never replayed
@@ -312,20 +319,22 @@ class CanvasDecisionModel(BaseDecisionModel):
     async def _read_layer(self, key: str, specs: Mapping[str, QuestionSpec], asked: Sequence[str],
                           info: EngineInfo | None, fault: CanvasRouteError | None, state_text: str,
                           seed: int | None, policy: GatePolicy, usage: dict[str, int],
-                          images: Sequence[str] = ()) -> tuple[dict[str, QuestionRead], int]:
-        """Read and gate the asked questions of one layer; returns their state and the reads sent."""
+                          opts: ReadOptions, images: Sequence[str] = ()) -> tuple[dict[str, QuestionRead], Any]:
+        """Read and gate one layer's asked questions: their state, and its `Reading` (None on a fault)."""
         policies = {qid: policy.for_question(qid) for qid in asked}
         shaped = {qid: with_abstain(specs[qid]) if p.abstain else specs[qid] for qid, p in policies.items()}
         views = {qid: p.order_views for qid, p in policies.items() if p.order_views}
+        alone = sorted(opts.alone.intersection(asked))
         plan_key: Any = key
-        if len(asked) != len(specs) or views or any(s.abstain for s in shaped.values()):
-            plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()))
+        if len(asked) != len(specs) or views or alone or opts.think or any(s.abstain for s in shaped.values()):
+            plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()),
+                        tuple(alone), bool(opts.think))
         absorbs = self._memo.outcomes.absorbs
         if info is not None and fault is None:
             try:
-                the_plan = await self._plan(plan_key, shaped, views)
+                the_plan = await self._plan(plan_key, shaped, views, alone, "" if opts.think else None)
                 await check_length(self.engine, info, the_plan.chunks,
-                                    [messages(c, state_text) for c in the_plan.chunks])
+                                   [messages(c, state_text, opts.instructions) for c in the_plan.chunks], opts.think)
             except CanvasRouteError as exc:
                 if not absorbs(exc):
                     raise
@@ -334,15 +343,14 @@ class CanvasDecisionModel(BaseDecisionModel):
             reads = {qid: QuestionRead(spec, -1, ()) for qid, spec in shaped.items()}
             for r in reads.values():
                 r.fail(fault)
-            return reads, 0
+            return reads, None
         assert info is not None
         reading = Reading(engine=ImageEngine(self.engine, images) if images else self.engine, info=info,
                           plan=the_plan, state_text=state_text,
                           seed=default_seed(state_text, the_plan) if seed is None else seed,
-                          policy=policy, constrained=self.constrained, absorbs=absorbs,
+                          policy=policy, options=opts, absorbs=absorbs,
                           member_plan=self._member_plan, usage=usage)
-        reads = await reading.run()
-        return reads, reading.canvas_reads
+        return await reading.run(), reading
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
@@ -354,10 +362,11 @@ class CanvasDecisionModel(BaseDecisionModel):
         parsed.move_to_end(key)
         return key, parsed[key]
 
-    async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None) -> Plan:
+    async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None,
+                    alone: Collection[str] = (), canvas_prefix: str | None = None) -> Plan:
         plans = self._memo.plans
         if key not in plans:
-            _remember(plans, key, await plan(self.engine, specs, views))
+            _remember(plans, key, await plan(self.engine, specs, views, alone=alone, canvas_prefix=canvas_prefix))
         plans.move_to_end(key)
         return plans[key]
 
@@ -379,13 +388,6 @@ class _Memo:
     """The engine's served model name, once known (for callback tracers)."""
     parsed: OrderedDict[str, dict[str, QuestionSpec]] = field(default_factory=OrderedDict)
     plans: OrderedDict[Any, Plan] = field(default_factory=OrderedDict)
-
-
-def _options(request: Any) -> dict[str, Any]:
-    """The request keys beyond state and questions; a malformed request is refused here."""
-    if not isinstance(request, Mapping) or "state" not in request or "questions" not in request:
-        raise DecisionError("a decision request is {'state': ..., 'questions': {...}}")
-    return {k: request[k] for k in _OPTION_KEYS if request.get(k) is not None}
 
 
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any, size: int = 256) -> None:

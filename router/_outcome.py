@@ -113,12 +113,13 @@ class Outcomes:
             question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
             reads=len(r.runs) + r.in_group_reads, error=r.error, latency_s=latency_s, asked_if=asked_if,
             crossed=[c for c in r.crossed if c != OVER_BUDGET], over_budget=OVER_BUDGET in r.crossed,
-            rereadable=r.rereadable,
+            slot=r.slot, read_entropies=[run.entropy for run in r.runs], rereadable=r.rereadable,
         )
         if st is not None:
             base.update(entropy=st.entropy, normalized_entropy=st.normalized_entropy, margin=st.margin,
-                        label_mass=st.label_mass, confidence=st.confidence, agreement=st.agreement,
-                        stderr=st.stderr)
+                        confidence=st.confidence, agreement=st.agreement, stderr=st.stderr)
+            if not r.constrained:  # a constrained row is normalized over the labels: nothing to measure
+                base.update(label_mass=st.label_mass, argmax_is_label=st.argmax_is_label)
         options = spec.answer_options
         if escalated is not None and spec.id in escalated.answers:
             answer = escalated.answers[spec.id]
@@ -146,7 +147,7 @@ class Outcomes:
             answer = self.fallback[spec.id]
             return _report(base, answer, {o: float(o == answer) for o in options}, "fallback")
         probs = answer_probs(spec, st) if spec.abstain else canvas  # (validation copies each dict)
-        return _report(base, spec.options[st.top], probs, "reread" if len(r.runs) > 1 else "canvas",
+        return _report(base, spec.options[st.top], probs, "reread" if len(r.runs) > r.samples else "canvas",
                        confident=not r.crossed)
 
 

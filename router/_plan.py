@@ -4,15 +4,17 @@ A decision set is planned once per (engine, questions) and cached by the model: 
 question gets a label alphabet whose labels are each ONE token at ONE shared canvas
 position (the slot), found by re-tokenizing the template with that question flipped to
 every label. Questions that do not fit one canvas are split into chunks, each with its
-own prompt. A question with more options than one read can label (the tokenizer's
-one-token labels, or `MAX_LABEL_IDS` per request) is routed in two reads: `Route`.
+own prompt (a question asked `alone` gets a chunk of its own); a set of more than
+`COMPACT_ABOVE` questions answers in the compact format (`q1A q2B`) when that needs fewer
+chunks. A question with more options than one read can label (the tokenizer's one-token
+labels, or `MAX_LABEL_IDS` per request) is routed in two reads: `Route`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from langchain_core.decisions import Choice
@@ -23,6 +25,9 @@ from ._labels import one_token_labels
 from ._prompts import system_prompt, template_text
 from ._questions import QuestionSpec, rotated, view_shifts
 
+COMPACT_ABOVE = 10
+"""Sets of more questions than this may answer in the compact format (vLLM's gateway's
+threshold: up to ten, it found lines and the compact format agreeing on every set tried)."""
 GROUP_LISTING_CHARS = 300
 """Longest member listing in a group question's prompt; longer groups name their ends."""
 _LETTERS = tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
@@ -49,6 +54,8 @@ class Chunk:
     """Template ids with every question at its first label (no padding)."""
     width: int
     slots: tuple[Slot, ...]
+    compact: bool = False
+    """Answers as `q1A q2B` on one line instead of `q1: A` lines."""
     label_ids: tuple[int, ...] = field(init=False, compare=False, repr=False)
     """Every slot's label ids, sorted (what one read asks the engine for)."""
 
@@ -112,13 +119,18 @@ def canvas_width(template_len: int, served: int) -> int:
     return min(served, -(-(template_len + 1) // 16) * 16)
 
 
-async def plan(engine: Engine, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None) -> Plan:
+async def plan(engine: Engine, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None, *,
+               alone: Collection[str] = (), canvas_prefix: str | None = None) -> Plan:
     """Route questions too big for one read, chunk the rest to fit the canvas, resolve every slot.
 
     `views`: question id -> extra order-bias listings of that Choice (`rotated`), each one
-    more slot in the question's own chunk (routed questions get none).
+    more slot in the question's own chunk (routed questions get none). `alone`: questions
+    read in a chunk of their own. `canvas_prefix` replaces the engine's (`""` for reads
+    whose prompt already closes the thought channel).
     """
     info = await engine.info()
+    if canvas_prefix is not None:
+        info = replace(info, canvas_prefix=canvas_prefix)
     routes: dict[str, Route] = {}
     units: list[list[QuestionSpec]] = []  # a question and its views share a chunk
     for spec in specs.values():
@@ -127,21 +139,50 @@ async def plan(engine: Engine, specs: Mapping[str, QuestionSpec], views: Mapping
             if route is not None:
                 routes[spec.id] = route
                 spec = route.group_spec(spec)
+        spec = await _settled(engine, info, spec)
         n = (views or {}).get(spec.id, 0)
         extra = ([rotated(spec, s) for s in view_shifts(len(spec.options), n)]
                  if n and spec.id not in routes and isinstance(spec.question, Choice) and not spec.abstain else [])
         units.append([spec, *extra])
+    chunks = await _pack(engine, info, units, alone, compact=False)
+    if len(specs) > COMPACT_ABOVE and len(chunks) > 1:
+        tight = await _pack(engine, info, units, alone, compact=True)
+        if len(tight) < len(chunks):
+            try:
+                resolved = await asyncio.gather(*(_resolve(engine, info, c, compact=True) for c in tight))
+                return Plan(specs=dict(specs), chunks=tuple(resolved), routes=routes)
+            except LabelError:  # a label that is one token in lines but not in words: keep the lines
+                pass
+    resolved = await asyncio.gather(*(_resolve(engine, info, c) for c in chunks))
+    return Plan(specs=dict(specs), chunks=tuple(resolved), routes=routes)
+
+
+async def _pack(engine: Engine, info: EngineInfo, units: Sequence[Sequence[QuestionSpec]], alone: Collection[str],
+                *, compact: bool) -> list[list[QuestionSpec]]:
+    """Units in order, in the fewest chunks that fit the canvas; an `alone` unit gets its own."""
     chunks: list[list[QuestionSpec]] = []
+    takes_more = False
     for unit in units:
-        if chunks and await _fits(engine, info, [*chunks[-1], *unit]):
+        lone = unit[0].id in alone
+        if takes_more and not lone and await _fits(engine, info, [*chunks[-1], *unit], compact):
             chunks[-1].extend(unit)
-        elif await _fits(engine, info, unit):
+        elif await _fits(engine, info, unit, compact):
             chunks.append(list(unit))
+            takes_more = not lone
         else:
             raise InputTooLong(f"question {unit[0].id!r} alone does not fit a {info.canvas_width}-token canvas"
                                + (" with its order-bias views" if len(unit) > 1 else ""))
-    resolved = await asyncio.gather(*(_resolve(engine, info, c) for c in chunks))
-    return Plan(specs=dict(specs), chunks=tuple(resolved), routes=routes)
+    return chunks
+
+
+async def _settled(engine: Engine, info: EngineInfo, spec: QuestionSpec) -> QuestionSpec:
+    """The question with the first alphabet that is one token at its slot on its own moved
+    to the front, so chunks are packed with the labels they will be read with."""
+    for a, alphabet in enumerate(spec.alphabets if len(spec.alphabets) > 1 else ()):
+        if isinstance(await _slot(engine, info, [spec], [a], 0), Slot):
+            return spec if a == 0 else replace(spec, alphabets=(alphabet, *spec.alphabets[:a],
+                                                                 *spec.alphabets[a + 1:]))
+    return spec
 
 
 async def _scanned(engine: Engine, info: EngineInfo, spec: QuestionSpec) -> tuple[QuestionSpec, Route | None]:
@@ -161,21 +202,22 @@ async def _scanned(engine: Engine, info: EngineInfo, spec: QuestionSpec) -> tupl
     return spec, Route(groups=tuple(m for m in members if m), labels=labels)
 
 
-async def _fits(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpec]) -> bool:
+async def _fits(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpec], compact: bool = False) -> bool:
     if sum(len(s.options) for s in specs) > MAX_LABEL_IDS:
         return False
-    ids = await engine.tokenize(template_text(info, [s.alphabets[0][0] for s in specs]))
+    ids = await engine.tokenize(template_text(info, [s.alphabets[0][0] for s in specs], compact=compact))
     return len(ids) + 1 <= info.canvas_width
 
 
-async def _resolve(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpec]) -> Chunk:
+async def _resolve(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpec], *,
+                   compact: bool = False) -> Chunk:
     choice = [0] * len(specs)
     slots: list[Slot] = []
     for i, spec in enumerate(specs):
         failures = []
         for a, alphabet in enumerate(spec.alphabets):
             choice[i] = a
-            found = await _slot(engine, info, specs, choice, i)
+            found = await _slot(engine, info, specs, choice, i, compact)
             if isinstance(found, Slot):
                 slots.append(found)
                 break
@@ -187,23 +229,23 @@ async def _resolve(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpe
                 hint="fewer options, or a model whose tokenizer keeps these labels whole",
             )
     labels = [s.alphabets[c][0] for s, c in zip(specs, choice, strict=True)]
-    template = tuple(await engine.tokenize(template_text(info, labels)))
+    template = tuple(await engine.tokenize(template_text(info, labels, compact=compact)))
     for slot in slots:  # later alphabet choices never move earlier slots; check anyway
         if template[slot.position] != slot.label_ids[0]:
             raise LabelError(f"question {slot.question_id!r}: slot moved while resolving later questions")
     alphabets = [s.alphabets[c] for s, c in zip(specs, choice, strict=True)]
-    return Chunk(system=system_prompt(specs, alphabets, info.special_tokens), template=template,
-                 width=canvas_width(len(template), info.canvas_width), slots=tuple(slots))
+    return Chunk(system=system_prompt(specs, alphabets, info.special_tokens, compact=compact), template=template,
+                 width=canvas_width(len(template), info.canvas_width), slots=tuple(slots), compact=compact)
 
 
 async def _slot(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpec],
-                choice: Sequence[int], i: int) -> Slot | str:
+                choice: Sequence[int], i: int, compact: bool = False) -> Slot | str:
     """The slot of question i under the current alphabets, or why there is none."""
     alphabet = specs[i].alphabets[choice[i]]
     base = [s.alphabets[c][0] for s, c in zip(specs, choice, strict=True)]
 
     def flipped(label: str) -> str:
-        return template_text(info, [*base[:i], label, *base[i + 1:]])
+        return template_text(info, [*base[:i], label, *base[i + 1:]], compact=compact)
 
     variants = await asyncio.gather(*(engine.tokenize(flipped(label)) for label in alphabet))
     reference = variants[0]
@@ -228,4 +270,9 @@ async def _slot(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpec],
     ids[0] = reference[position]
     if len(set(ids)) != len(ids):
         return "two labels map to the same token"
+    if compact:  # the label right after its id must stay its own token, not merge with the id
+        alone = await asyncio.gather(*(engine.tokenize(label) for label in alphabet))
+        if any(list(a) != [t] for a, t in zip(alone, ids, strict=True)):
+            return f"{alphabet[0]!r} merges with the question id in the compact format"
     return Slot(specs[i].id, position, tuple(alphabet), tuple(ids), specs[i].shift)
+

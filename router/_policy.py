@@ -11,7 +11,9 @@ from canvasroute.engine import DecisionError
 
 from ._distribution import SlotStats
 
-MAX_REREADS = 8
+MAX_SAMPLES = 32
+"""Reads of one question in a decision, first reads and re-reads each (vLLM's gateway caps samples there too)."""
+MAX_REREADS = MAX_SAMPLES - 1
 MAX_ORDER_VIEWS = 2
 
 
@@ -53,8 +55,10 @@ class GatePolicy:
     """Thresholds that decide whether a canvas answer is confident.
 
     A question is uncertain when any configured threshold is crossed; `None` turns a
-    check off. Uncertain questions are re-read `rereads` times with fresh noise, gated
-    again on the mean distribution, and escalated if still uncertain.
+    check off. Every question is read `samples` times (1: one read), uncertain ones are
+    re-read `rereads` more times with fresh noise, gated again on the mean distribution,
+    and escalated if still uncertain. Read k of a canvas uses noise seed `seed + 7919 k`,
+    first reads and re-reads alike.
 
     Example:
         ```python
@@ -76,14 +80,21 @@ class GatePolicy:
 
     min_label_mass: float | None = None
     """Share of the model's probability on the labels at all (off-template answers) below
-    which a question is uncertain. Unmeasurable (always 1) on constrained reads."""
+    which a question is uncertain. Setting it makes the model's default reads unconstrained
+    (`CanvasDecisionModel.constrained`): a constrained read cannot measure it."""
 
     temperature: float = 1.0
     """Divides the canvas log-probabilities before the softmax over labels (> 1 softens
     overconfident reads); fitted per question by `canvasroute calibrate`."""
 
+    samples: int = 1
+    """Reads of every question before the gate, each with fresh noise (their mean
+    distribution is gated; `agreement` and `stderr` come with it). 1: one read; N: N fixed
+    reads whatever they say (vLLM's gateway's `samples: N`)."""
+
     rereads: int = 3
-    """Extra reads with fresh noise for uncertain questions (0 turns re-reading off)."""
+    """Extra reads with fresh noise for questions still uncertain after their `samples`
+    (0 turns re-reading off; `samples=1, rereads=0` is exactly one read)."""
 
     abstain: bool = False
     """Offer one more label in the question's slot, "none of these / can't tell". When it
@@ -110,6 +121,8 @@ class GatePolicy:
             raise ValueError(f"order_views must be within 0..{MAX_ORDER_VIEWS}, got {self.order_views}")
         if self.on_abstain not in ("escalate", "fallback"):
             raise ValueError(f"on_abstain must be escalate or fallback, not {self.on_abstain!r}")
+        if not 1 <= self.samples <= MAX_SAMPLES:
+            raise ValueError(f"samples must be within 1..{MAX_SAMPLES}, got {self.samples}")
         if not 0 <= self.rereads <= MAX_REREADS:
             raise ValueError(f"rereads must be within 0..{MAX_REREADS}, got {self.rereads}")
         for name in ("max_normalized_entropy", "min_confidence", "min_margin", "min_label_mass"):
@@ -127,6 +140,12 @@ class GatePolicy:
     def for_question(self, question_id: str) -> GatePolicy:
         """The policy that applies to one question."""
         return self.per_question.get(question_id, self)
+
+    @property
+    def uses_label_mass(self) -> bool:
+        """Whether any question's gate reads label mass (`min_label_mass`, here or in an override)."""
+        return self.min_label_mass is not None or any(p.min_label_mass is not None
+                                                      for p in self.per_question.values())
 
     def with_overrides(self, **changes: object) -> GatePolicy:
         """A copy with some fields changed (e.g. from `Runtime.context`)."""

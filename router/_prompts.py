@@ -11,9 +11,13 @@ from canvasroute.engine import SPECIAL_CANDIDATES, EngineInfo, defuse
 
 from ._questions import ABSTAIN_TEXT, QuestionSpec, option_text
 
+LINES_FORMAT = 'Reply with one line per question, in this order, formatted as "id: label".'
+COMPACT_FORMAT = ("Reply on one line: each question's id directly followed by its label, in this order, "
+                  "separated by single spaces (for example q1A q2B).")
+
 
 def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]],
-                  special_tokens: Sequence[str] | None = None) -> str:
+                  special_tokens: Sequence[str] | None = None, *, compact: bool = False) -> str:
     """The question list for one chunk. Caller ids are hidden behind q1, q2, ...
 
     Instructions, option names and criteria are defused like the state (`canvasroute.engine.defuse`
@@ -44,13 +48,17 @@ def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]]
         if spec.abstain:
             lines.append(f"{abstain}: {ABSTAIN_TEXT}")
         parts.append("\n".join(lines))
-    parts.append('Reply with one line per question, in this order, formatted as "id: label".')
+    parts.append(COMPACT_FORMAT if compact else LINES_FORMAT)
     return "\n\n".join(parts)
 
 
-def template_text(info: EngineInfo, labels: Sequence[str]) -> str:
+def template_text(info: EngineInfo, labels: Sequence[str], *, compact: bool = False) -> str:
     """The answer canvas text: the thought block where the prompt lacks it
-    (`info.canvas_prefix`), one `qN: label` line per question, and the end of turn right
-    after the last line (as vLLM's reference gateway builds it)."""
-    body = "\n".join(f"q{n}: {label}" for n, label in enumerate(labels, 1))
+    (`info.canvas_prefix`), the answers, and the end of turn right after the last one (as
+    vLLM's reference gateway builds it). Answers are `qN: label` lines, or `qNlabel` words
+    separated by spaces when `compact` (a token or more less per question)."""
+    if compact:
+        body = " ".join(f"q{n}{label}" for n, label in enumerate(labels, 1))
+    else:
+        body = "\n".join(f"q{n}: {label}" for n, label in enumerate(labels, 1))
     return f"{info.canvas_prefix}{body}{info.end_of_turn}"

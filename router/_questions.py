@@ -186,15 +186,7 @@ def _spec(qid: str, q: Noul | Choice | Score) -> QuestionSpec:
     if isinstance(q, Noul):
         return QuestionSpec(qid, q, ("yes", "no"), (("yes", "no"), ("Yes", "No"), ("Y", "N"), ("A", "B")))
     if isinstance(q, Choice):
-        names = list(q.criteria)
-        seen: dict[str, str] = {}
-        for name in names:
-            if not name.strip():
-                raise LabelError(f"question {qid!r} has an empty option name")
-            key = name.strip().casefold()
-            if key in seen:
-                raise LabelError(f"question {qid!r} has duplicate options {seen[key]!r} and {name!r}")
-            seen[key] = name
+        names = list(q.criteria)  # any distinct keys: an empty name or names differing only in case are options too
         return QuestionSpec(qid, q, tuple(names), _alphabets(qid, len(names), letters_first=True))
     levels = len(q.criteria)
     return QuestionSpec(qid, q, tuple(str(i) for i in range(levels)), _alphabets(qid, levels, letters_first=False))

@@ -1,10 +1,11 @@
 """Reading: a planned decision set becomes canvas reads, gated per question.
 
-`Reading` holds one decision's engine, plan and seed. It sends the first read of every
-chunk in one engine call, re-reads each chunk holding an uncertain question (as many
-times as that chunk's uncertain questions ask), and gives routed questions their
-in-group read. Engine faults are recorded on the questions they hit when the model
-can absorb them (escalation or fallback), else raised.
+`Reading` holds one decision's engine, plan and seed. It sends the first reads of every
+chunk in one engine call (`GatePolicy.samples` each), re-reads each chunk holding an
+uncertain question (as many times as that chunk's uncertain questions ask), and gives
+routed questions their in-group read. With `think`, each chunk's reads continue a thought the model wrote for
+that chunk's prompt first (`_think`). Engine faults are recorded on the questions they
+hit when the model can absorb them (escalation or fallback), else raised.
 """
 
 from __future__ import annotations
@@ -13,13 +14,23 @@ import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from canvasroute.engine import CanvasRead, CanvasRouteError, Engine, EngineInfo, EngineResponseError, InputTooLong
+from canvasroute.engine import (
+    CanvasRead,
+    CanvasRouteError,
+    Engine,
+    EngineInfo,
+    EngineResponseError,
+    InputTooLong,
+    Thought,
+)
 
 from . import telemetry as tm
 from ._distribution import SlotStats, aggregate, slot_stats
+from ._options import ReadOptions
 from ._plan import Chunk, Plan, Route, Slot
 from ._policy import GatePolicy
 from ._questions import QuestionSpec, unrotate
+from ._think import write_thoughts
 
 REREAD_STRIDE = 7919
 """Read k of a canvas uses noise seed `seed + 7919 k` (vLLM's gateway convention)."""
@@ -34,6 +45,10 @@ class QuestionRead:
     spec: QuestionSpec
     chunk: int
     labels: tuple[str, ...]
+    slot: int | None = None
+    """Canvas position of the question's slot (the group slot, for a routed question)."""
+    constrained: bool = False
+    """Read constrained: its label mass and argmax are not measured."""
     runs: list[SlotStats] = field(default_factory=list)
     """One entry per read of the question's slot (the group slot, for a routed question)."""
     stats: SlotStats | None = None
@@ -41,6 +56,8 @@ class QuestionRead:
     error: str | None = None
     fault: CanvasRouteError | None = None
     """The engine fault behind `error`, re-raised when no escalation or fallback covers it."""
+    samples: int = 0
+    """Reads before the gate (`GatePolicy.samples`); `runs` beyond them are re-reads."""
     in_group_reads: int = 0
     """Reads of the option within the chosen group (routed questions)."""
     abstained: bool = False
@@ -55,12 +72,14 @@ class QuestionRead:
         self.error, self.fault = f"{type(exc).__name__}: {exc}", exc
 
 
-def messages(chunk: Chunk, state_text: str) -> Messages:
-    """The chat messages one chunk is read with."""
-    return ({"role": "system", "content": chunk.system}, {"role": "user", "content": state_text})
+def messages(chunk: Chunk, state_text: str, instructions: str = "") -> Messages:
+    """The chat messages one chunk is read with (the decision's `instructions` head its system prompt)."""
+    system = f"{instructions}\n\n{chunk.system}" if instructions else chunk.system
+    return ({"role": "system", "content": system}, {"role": "user", "content": state_text})
 
 
-def build_canvas(chunk: Chunk, msgs: Messages, info: EngineInfo, seed: int, constrained: bool) -> CanvasRead:
+def build_canvas(chunk: Chunk, msgs: Messages, info: EngineInfo, seed: int, options: ReadOptions,
+                 thought: Thought | None = None) -> CanvasRead:
     """Template + pad to the chunk width, with a random non-label id at every slot."""
     draw, pad = random.Random(seed).randrange, info.pad_id
     canvas = [*chunk.template, *[pad] * (chunk.width - len(chunk.template))]
@@ -70,7 +89,8 @@ def build_canvas(chunk: Chunk, msgs: Messages, info: EngineInfo, seed: int, cons
             noise = draw(info.vocab_size)
         canvas[slot.position] = noise
     return CanvasRead(messages=msgs, canvas=tuple(canvas), slots=tuple(s.position for s in chunk.slots),
-                      label_ids=chunk.label_ids, constrained=constrained)
+                      label_ids=chunk.label_ids, constrained=options.constrained, steps=options.steps,
+                      thought=thought.ids if thought is not None else None)
 
 
 def combine(groups: SlotStats, route: Route, group: int, within: SlotStats) -> SlotStats:
@@ -87,7 +107,7 @@ def combine(groups: SlotStats, route: Route, group: int, within: SlotStats) -> S
         else:
             probs += [groups.probs[g] / len(members)] * len(members)
     return SlotStats(tuple(probs), groups.label_mass * within.label_mass, reads=groups.reads,
-                     agreement=groups.agreement, stderr=groups.stderr)
+                     agreement=groups.agreement, stderr=groups.stderr, argmax_is_label=groups.argmax_is_label)
 
 
 def fold_views(slots: Sequence[Slot], stats: Sequence[SlotStats]) -> dict[str, SlotStats]:
@@ -104,7 +124,7 @@ def fold_views(slots: Sequence[Slot], stats: Sequence[SlotStats]) -> dict[str, S
         aligned = [unrotate(st.probs, shift) for shift, st in views]
         k, n = len(aligned[0]), len(aligned)
         out[qid] = SlotStats(tuple(sum(a[j] for a in aligned) / n for j in range(k)),
-                             sum(st.label_mass for _, st in views) / n)
+                             sum(st.label_mass for _, st in views) / n, argmax_is_label=views[0][1].argmax_is_label)
     return out
 
 
@@ -118,31 +138,43 @@ class Reading:
     state_text: str
     seed: int
     policy: GatePolicy
-    constrained: bool
+    options: ReadOptions
     absorbs: Callable[[CanvasRouteError], bool]
     """Whether an engine fault is recorded on the questions (True) or raised (False)."""
     member_plan: Callable[[Plan, str, int], Awaitable[Plan]]
     """The (cached) plan of a routed question's in-group read: (plan, question id, group)."""
     usage: dict[str, int]
     canvas_reads: int = 0
+    sent: list[int] = field(default_factory=list)
+    """Reads sent per chunk so far (the next read's index k)."""
+    thoughts: list[Thought] = field(default_factory=list)
+    """The thought each chunk's reads continue (`options.think`), in chunk order."""
+    prompt_tokens: int = 0
+    """Prompt tokens of the first read (0 when the engine reports none)."""
 
     async def run(self) -> dict[str, QuestionRead]:
         """Read, gate and re-read every question; returns each question's state."""
-        reads = {s.question_id: QuestionRead(self.plan.specs[s.question_id], c, s.labels)
+        reads = {s.question_id: QuestionRead(self.plan.specs[s.question_id], c, s.labels, s.position,
+                                             self.options.constrained)
                  for c, chunk in enumerate(self.plan.chunks) for s in chunk.slots if not s.shift}
         for qid, route in self.plan.routes.items():  # "group/option" labels, in option order
             reads[qid].labels = tuple(f"{g}/{route.labels[j]}" for g, members in zip(reads[qid].labels, route.groups)
                                       for j in range(len(members)))
-        msgs = [messages(c, self.state_text) for c in self.plan.chunks]
-        first = [(c, 0) for c in range(len(self.plan.chunks))]
-        await self._jobs(first, msgs, reads, list(reads), "first")
+        msgs = [messages(c, self.state_text, self.options.instructions) for c in self.plan.chunks]
+        self.sent = [0] * len(self.plan.chunks)
+        if self.options.think and not await self._think(msgs, reads):
+            return reads
+        samples = {qid: self.policy.for_question(qid).samples for qid in reads}
+        await self._jobs(self._jobs_for(reads, samples), msgs, reads, list(reads), "first", samples)
+        for r in reads.values():
+            r.samples = len(r.runs)
         uncertain = {qid: self.policy.for_question(qid).rereads for qid, r in reads.items()
                      if r.error is None and r.crossed and self.policy.for_question(qid).rereads}
         for qid in self._fixed().intersection(uncertain):
             reads[qid].rereadable = False
             del uncertain[qid]
         if uncertain:
-            await self._jobs(self._reread_jobs(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
+            await self._jobs(self._jobs_for(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
         await self._in_group(reads)
         for qid, r in reads.items():
             if r.spec.abstain and r.error is None and r.stats is not None:
@@ -162,25 +194,29 @@ class Reading:
             varies.update(s.question_id for s in chunk.slots if s.position > first)
         return {s.question_id for c in self.plan.chunks for s in c.slots} - varies
 
-    @staticmethod
-    def _reread_jobs(reads: Mapping[str, QuestionRead], uncertain: Mapping[str, int]) -> list[tuple[int, int]]:
-        """Each chunk holding an uncertain question is read k more times, k the largest
-        `rereads` among ITS uncertain questions."""
+    def _jobs_for(self, reads: Mapping[str, QuestionRead], wanted: Mapping[str, int]) -> list[tuple[int, int]]:
+        """(chunk, k) reads: each chunk holding a question in `wanted` is read n more times,
+        n the largest count ITS questions want, continuing the chunk's read index k (read k
+        of a chunk always uses noise seed `seed + 7919 k`, first reads and re-reads alike)."""
         per_chunk: dict[int, int] = {}
-        for qid, n in uncertain.items():
+        for qid, n in wanted.items():
             per_chunk[reads[qid].chunk] = max(per_chunk.get(reads[qid].chunk, 0), n)
-        return [(c, k) for c in sorted(per_chunk) for k in range(1, per_chunk[c] + 1)]
+        jobs = [(c, k) for c, n in sorted(per_chunk.items()) for k in range(self.sent[c], self.sent[c] + n)]
+        for c, n in per_chunk.items():
+            self.sent[c] += n
+        return jobs
 
     async def _jobs(self, jobs: Sequence[tuple[int, int]], msgs: Sequence[Messages],
                     reads: dict[str, QuestionRead], hit: Sequence[str], kind: str,
-                    only: Mapping[str, int] | None = None) -> None:
+                    wanted: Mapping[str, int]) -> None:
         """Read (chunk, k) pairs in one call, add each slot's stats to its question, gate again.
 
-        `only` (re-reads): question id -> re-reads it asked for; other questions keep their
-        first read. A fault is recorded on the questions in `hit`.
+        `wanted`: question id -> reads it asked for in this call; a question keeps only
+        that many of its chunk's reads (the others read it for a neighbour). A fault is
+        recorded on the questions in `hit`.
         """
-        batch = [build_canvas(self.plan.chunks[c], msgs[c], self.info, self.seed + REREAD_STRIDE * k,
-                              self.constrained) for c, k in jobs]
+        batch = [build_canvas(self.plan.chunks[c], msgs[c], self.info, self.seed + REREAD_STRIDE * k, self.options,
+                              self.thoughts[c] if self.thoughts else None) for c, k in jobs]
         try:
             stats = await self._read(batch, [self.plan.chunks[c] for c, _ in jobs], kind)
         except CanvasRouteError as exc:
@@ -189,15 +225,32 @@ class Reading:
             for qid in hit:
                 reads[qid].fail(exc)
             return
-        for (c, k), chunk_stats in zip(jobs, stats, strict=True):
+        taken: dict[str, int] = {}
+        for (c, _), chunk_stats in zip(jobs, stats, strict=True):
             for qid, st in fold_views(self.plan.chunks[c].slots, chunk_stats).items():
-                if only is None or k <= only.get(qid, 0):
+                if taken.get(qid, 0) < wanted.get(qid, 0):
+                    taken[qid] = taken.get(qid, 0) + 1
                     reads[qid].runs.append(st)
         for qid in hit:
             r = reads[qid]
             if r.runs and r.error is None:
                 r.stats = aggregate(r.runs)
                 r.crossed = tuple(self.policy.for_question(qid).crossed(r.stats))
+
+    async def _think(self, msgs: Sequence[Messages], reads: dict[str, QuestionRead]) -> bool:
+        """Each chunk's thought (False when an engine fault was recorded on every question instead)."""
+        try:
+            self.thoughts = await write_thoughts(self.engine, msgs, self.options.think)
+        except CanvasRouteError as exc:
+            if not self.absorbs(exc):
+                raise
+            for r in reads.values():
+                r.fail(exc)
+            return False
+        for t in self.thoughts:
+            self.usage["input_tokens"] += t.prompt_tokens
+            self.usage["output_tokens"] += len(t.ids)
+        return True
 
     async def _in_group(self, reads: dict[str, QuestionRead]) -> None:
         """The second read of each routed question: the option within its most likely group."""
@@ -207,8 +260,8 @@ class Reading:
             return
         member_plans = [await self.member_plan(self.plan, qid, reads[qid].stats.top) for qid, _ in routed]
         chunks = [p.chunks[0] for p in member_plans]
-        batch = [build_canvas(c, messages(c, self.state_text), self.info, self.seed, self.constrained)
-                 for c in chunks]
+        batch = [build_canvas(c, messages(c, self.state_text, self.options.instructions), self.info, self.seed,
+                              self.options) for c in chunks]
         try:
             stats = await self._read(batch, chunks, "in_group")
         except CanvasRouteError as exc:
@@ -238,6 +291,7 @@ class Reading:
             call.response_model(self.info.model)
         self.usage["input_tokens"] += tokens_in
         self.usage["output_tokens"] += tokens_out
+        self.prompt_tokens = self.prompt_tokens or results[0].prompt_tokens
         out = []
         for chunk, result in zip(chunks, results, strict=True):
             if len(result.rows) != len(chunk.slots):
@@ -249,18 +303,18 @@ class Reading:
 
 
 async def check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk],
-                       prompts: Sequence[tuple[Mapping[str, str], ...]]) -> None:
-    """Refuse before any read when prompt + canvas exceed the model's context.
+                       prompts: Sequence[tuple[Mapping[str, str], ...]], extra: int = 0) -> None:
+    """Refuse before any read when prompt + canvas (+ `extra` tokens, a thought's) exceed the context.
 
     A token covers at least one UTF-8 byte, so a byte count bounds the prompt cheaply;
     only prompts near the limit are tokenized exactly.
     """
     for chunk, msgs in zip(chunks, prompts, strict=True):
-        budget = info.max_model_len - chunk.width
+        budget = info.max_model_len - chunk.width - extra
         if info.chat_overhead + sum(len(m["content"].encode()) for m in msgs) <= budget:
             continue
         n = await engine.count_prompt(msgs)
         if n > budget:
-            raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width} exceed the model's "
-                               f"{info.max_model_len}-token context",
+            raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width}" + (f" + thought of {extra}"
+                               if extra else "") + f" exceed the model's {info.max_model_len}-token context",
                                hint="shorten the state or ask fewer questions per node")

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from langchain_core.decisions import ChoiceAnswer, ClassifierResponse, NoulAnswer, ScoreAnswer
 from pydantic import BaseModel, ConfigDict, Field
 
+from ._diagnostics import Diagnostics
+
 if TYPE_CHECKING:
     from ._questions import QuestionSpec
 
@@ -43,6 +45,8 @@ class ReadReport(BaseModel):
     """Canvas entropy over ln K."""
     margin: float | None = None
     label_mass: float | None = None
+    """Share of the model's probability on the labels (None when the reads were
+    constrained, which normalize over the labels and cannot measure it)."""
     confidence: float | None = None
     """Canvas probability of its chosen label (mean over reads)."""
     path: Path
@@ -67,6 +71,13 @@ class ReadReport(BaseModel):
     asked_if: dict[str, Any] | None = None
     """A dependent question's condition: `{question, answers, parent_answer}` (the parent's
     final answer; None when the parent was itself skipped)."""
+    slot: int | None = None
+    """Canvas position of the question's answer slot (its group slot, when read in two steps)."""
+    read_entropies: list[float] = Field(default_factory=list)
+    """Entropy (nats) of each read of the slot, in read order."""
+    argmax_is_label: bool | None = None
+    """Whether the first read's most likely token at the slot was one of the labels (None
+    when constrained)."""
     latency_s: float = 0.0
 
 
@@ -85,6 +96,8 @@ class CanvasResponse(ClassifierResponse):
     canvas_reads: int = 0
     """Canvas reads sent to the engine for this decision set (first reads + re-reads)."""
     latency_s: float = 0.0
+    diagnostics: Diagnostics | None = None
+    """How the decision was read: stages, canvases, formats, thoughts."""
 
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:

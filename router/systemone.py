@@ -167,13 +167,18 @@ def _wire_state(state: Any) -> Any:
 
 def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: str | None,
            model: str) -> ClassifierResponse:
-    """A `ClassifierResponse` with one answer of the asked type per question."""
+    """A `ClassifierResponse` with one answer of the asked type per question the server did
+    not skip (vLLM's gateway answers a skipped question null; canvasroute leaves it out and
+    names it in `diagnostics.skipped`)."""
     if not isinstance(data, dict) or not isinstance(data.get("answers"), dict):
         raise EngineResponseError(f"the server answered without an 'answers' object: {str(data)[:200]!r}")
-    answers = data["answers"]
-    missing = [qid for qid in questions if qid not in answers]
+    diagnostics = data.get("diagnostics") if isinstance(data.get("diagnostics"), dict) else {}
+    skipped = diagnostics.get("skipped") if isinstance(diagnostics.get("skipped"), dict) else {}
+    answers = {qid: a for qid, a in data["answers"].items() if a is not None}
+    missing = [qid for qid in questions if qid not in answers and qid not in skipped and qid not in data["answers"]]
     if missing:
         raise EngineResponseError(f"the server returned no answer for {missing}")
+    questions = {qid: q for qid, q in questions.items() if qid in answers}
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
     try:
         resp = ClassifierResponse.model_validate({

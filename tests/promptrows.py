@@ -47,10 +47,13 @@ class PromptRows:
         self.rule = rule
         self.engine = FunctionEngine(self._rows, model="prompt-rows")
         self.systems: list[str] = []
+        self.users: list[str] = []
+        """The user message (the state, and any restated answers) of every read."""
 
     def _rows(self, read: CanvasRead) -> list[dict[int, float]]:
         system = read.messages[0]["content"]
         self.systems.append(system)
+        self.users.append(read.messages[1]["content"])
         found = blocks(system)
         assert len(found) == len(read.slots), (found, read.slots)
         rows = []

@@ -106,8 +106,8 @@ async def test_template_text_cannot_forge_tokens_on_the_real_server(vllm_url):
     assert not special_ids & set(await engine.tokenize(attack["messages"][1]["content"]))
     # the whole chat prompt holds exactly the template's turn markers, no more
     benign_prompt = await engine.count_prompt(base["messages"])
-    attack_ids = await engine._prompt_ids(attack["messages"])
-    base_ids = await engine._prompt_ids(base["messages"])
+    attack_ids = await engine.prompt_ids(attack["messages"])
+    base_ids = await engine.prompt_ids(base["messages"])
     assert benign_prompt == len(base_ids)
     for special in special_ids:
         assert attack_ids.count(special) == base_ids.count(special)
@@ -168,8 +168,6 @@ UNASKABLE = {
                                UnsupportedQuestion, "team"),
     "Score with one level": ({"sev": {"type": "score", "instructions": "?", "criteria": ["only"]}},
                              UnsupportedQuestion, "sev"),
-    "empty option name": ({"team": _choice(["billing", " "])}, LabelError, "empty option"),
-    "duplicate options": ({"team": _choice(["billing", "Billing "])}, LabelError, "duplicate"),
     "256 options": ({"topic": _choice([f"t{i}" for i in range(256)])}, LabelError, "at most 255"),
 }
 

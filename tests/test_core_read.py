@@ -67,6 +67,7 @@ async def test_one_invoke_is_one_read_on_the_served_canvas(vllm_url, endpoint):
     body = bodies[0]
     canvas = body["vllm_xargs"]["diffusion_seed_canvas"]
     assert body["vllm_xargs"]["diffusion_max_steps"] == 1 and body["vllm_xargs"]["diffusion_read_only"] == 1
+    assert body["vllm_xargs"]["diffusion_constrained"] == 1  # the default: nothing here gates on label mass
     assert body["return_tokens_as_token_ids"] is True
     # every non-slot position holds the template, padded; slots hold non-label noise
     plan = next(iter(model._memo.plans.values()))
@@ -96,8 +97,10 @@ async def test_one_invoke_is_one_read_on_the_served_canvas(vllm_url, endpoint):
         k = len(report.labels)
         assert 0 <= report.entropy <= math.log(k) + 1e-9
         assert math.isclose(report.normalized_entropy, report.entropy / math.log(k))
-        assert 0 < report.label_mass <= 1 and 0 <= report.margin <= 1
+        assert report.label_mass is None and report.argmax_is_label is None and 0 <= report.margin <= 1
         assert math.isclose(report.confidence, max(report.canvas_probabilities.values()))
+        assert report.slot in slots and slots[report.slot].question_id == qid
+        assert report.read_entropies == [pytest.approx(report.entropy)]
     assert resp.usage["output_tokens"] == len(canvas) and resp.usage["input_tokens"] > 0
     await engine.aclose()
 
@@ -135,16 +138,23 @@ async def test_slot_resolution_falls_back_on_the_real_tokenizer(vllm_url):
     assert set(resp.reads["urgent"].canvas_probabilities) == {"yes", "no"}
 
 
-async def test_constrained_reads_normalize_over_the_requests_label_ids(vllm_url):
-    """vLLM normalizes a constrained row over ALL of the request's label ids (the union over
-    slots): one question's labels then hold all the mass; with several, a slot's own
-    labels hold only part of it."""
-    model = CanvasDecisionModel(engine=VLLMServerEngine(vllm_url), policy=GatePolicy(rereads=0),
-                                constrained=True)
-    one = await model.ainvoke({"state": TICKET, "questions": {"team": QUESTIONS["team"]}})
-    assert one.reads["team"].label_mass == pytest.approx(1.0, abs=1e-5)
-    many = await model.ainvoke({"state": TICKET, "questions": QUESTIONS})
-    assert all(0 < r.label_mass < 1 for r in many.reads.values())
+async def test_constrained_reads_are_the_default_and_read_the_same_distribution(vllm_url):
+    """A constrained read normalizes over the request's label ids: the same distribution
+    over each question's labels as a full-vocabulary read of the same canvas (the softmax
+    normalizer cancels), but no label mass. Reads are constrained unless the policy gates
+    on label mass or the model says `constrained=False`."""
+    engine = VLLMServerEngine(vllm_url)
+    default = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
+    full = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0), constrained=False)
+    massed = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0, min_label_mass=0.0))
+    a, b, c = [await m.adecide(TICKET, QUESTIONS, seed=4) for m in (default, full, massed)]
+    for qid in QUESTIONS:
+        assert a.reads[qid].canvas_probabilities == pytest.approx(b.reads[qid].canvas_probabilities, abs=1e-5)
+        assert a.reads[qid].label_mass is None and a.reads[qid].argmax_is_label is None
+        assert 0 < b.reads[qid].label_mass < 1 and isinstance(b.reads[qid].argmax_is_label, bool)
+        assert c.reads[qid].label_mass == pytest.approx(b.reads[qid].label_mass)
+    assert a.diagnostics.constrained and not b.diagnostics.constrained and not c.diagnostics.constrained
+    await engine.aclose()
 
 
 async def test_too_long_state_is_refused_before_any_read(vllm_url):

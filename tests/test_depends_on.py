@@ -130,6 +130,24 @@ async def test_skipped_questions_are_on_the_span(spans):
     assert events["team"][tm.FIGURE_KEYS["path"]] == "canvas"
 
 
+async def test_every_condition_must_hold_and_a_parent_without_one_only_orders():
+    """`{child: {parent: answers or None}}`: all conditions hold or the child is skipped
+    (the first failing one is reported); a None parent is read first, whatever it answers."""
+    rows = scripted("billing")
+    model = CanvasDecisionModel(engine=rows.engine, policy=SURE)
+    both = await model.adecide("x", QUESTIONS, depends_on={"reason": {"team": "billing", "urgent": "no"}})
+    assert both.reads["reason"].path == "canvas" and both.canvas_reads == 2
+    assert both.reads["reason"].asked_if == {"question": "team", "answers": ["billing"], "parent_answer": "billing"}
+    one_fails = await model.adecide("x", QUESTIONS, depends_on={"reason": {"team": "billing", "urgent": "yes"}})
+    assert one_fails.reads["reason"].path == "skipped"
+    assert one_fails.reads["reason"].asked_if == {"question": "urgent", "answers": ["yes"], "parent_answer": "no"}
+    ordered = await model.adecide("x", QUESTIONS, depends_on={"reason": {"team": None}, "urgent": ("reason", "cancelled")})
+    assert ordered.diagnostics.stages == [["team"], ["reason"], ["urgent"]]
+    assert ordered.reads["reason"].asked_if is None and ordered.reads["urgent"].path == "canvas"
+    assert "Earlier answers about this input:\n- Which team owns this?: billing" in rows.users[-2]
+    assert rows.users[-1].endswith("- Why a refund?: cancelled")
+
+
 @pytest.mark.parametrize(("depends_on", "message"), [
     ({"reason": ("team", "billing"), "team": ("reason", "cancelled")}, "cycle: team -> reason -> team"),
     ({"reason": ("reason", "cancelled")}, "cycle: reason -> reason"),
@@ -139,6 +157,9 @@ async def test_skipped_questions_are_on_the_span(spans):
     ({"reason": ("urgent", "maybe")}, "'maybe' is not an answer of 'urgent'"),
     ({"reason": ("team", [])}, "non-empty"),
     ({"reason": "team"}, "must be a pair"),
+    ({"reason": {}}, "must be a pair"),
+    ({"reason": {"team": "billing", "owner": None}}, "parent 'owner'"),
+    ({"reason": {"team": None}, "team": {"reason": None}}, "cycle: team -> reason -> team"),
     (["reason"], "must be a mapping"),
 ])
 async def test_bad_conditions_are_decision_errors_before_any_read(depends_on, message):

@@ -88,6 +88,22 @@ def bounded(coro, seconds: float = 30):
     return asyncio.wait_for(coro, seconds)
 
 
+@pytest.mark.parametrize(("said", "answer"), [("Billing", "Billing"), ("billing ", "billing "), ("", ""),
+                                              (" BILLING", None)])
+async def test_options_differing_in_case_or_empty_are_asked_and_matched_exactly(said, answer):
+    """Any distinct option names are options (vLLM's gateway takes them too): an escalation's
+    reply names one exactly, else stripped, else case-folded only when that is unambiguous."""
+    names = Choice(instructions="Which team?", criteria={"Billing": None, "billing ": None, "": "none of them"})
+    target, _ = fake(reply({"team": said}), reply({"team": said}))
+    model = canvas_model(target)
+    if answer is None:
+        with pytest.raises(EscalationError, match="not one of"):
+            await model.adecide(STATE, {"team": names})
+        return
+    resp = await model.adecide(STATE, {"team": names})
+    assert resp.reads["team"].labels == ["A", "B", "C"] and resp.answers["team"].choice == answer
+
+
 # -- faults and retries (GenericFakeChatModel) ------------------------------------------------------
 
 

@@ -228,7 +228,8 @@ def test_every_crossed_threshold_is_named():
 
 
 @pytest.mark.parametrize("kwargs, error", [
-    (dict(rereads=9), ValueError), (dict(rereads=-1), ValueError), (dict(min_confidence=1.5), ValueError),
+    (dict(rereads=32), ValueError), (dict(rereads=-1), ValueError), (dict(samples=0), ValueError),
+    (dict(samples=33), ValueError), (dict(min_confidence=1.5), ValueError),
     (dict(max_normalized_entropy=-0.1), ValueError), (dict(max_entropy=-1.0), ValueError),
     (dict(per_question={"team": {"min_margin": 0.3}}), TypeError),
 ])
@@ -301,7 +302,8 @@ async def test_reread_aggregation_agreement_and_stderr_by_hand():
     # p(billing) per read: 0.55 (uncertain under min_confidence 0.6), then 0.9, 0.3, 0.8
     reads = [((0.55, 0.45), 1.0), ((0.9, 0.1), 1.0), ((0.3, 0.7), 1.0), ((0.8, 0.2), 0.8)]
     script = Script({"team": reads})
-    model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(**{**OFF, "min_confidence": 0.6}))
+    model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(**{**OFF, "min_confidence": 0.6}),
+                                constrained=False)  # label mass is measured only on unconstrained reads
     resp = await model.adecide(STATE, questions("team"), seed=5)
     r = resp.reads["team"]
     assert (r.path, r.reads, r.confident, r.crossed) == ("reread", 4, True, [])  # 0.6375 >= 0.6

@@ -65,7 +65,7 @@ def test_typesafe_sdk_gets_typed_answers_from_our_server_on_real_vllm(vllm_url):
     from typesafe_sdk import Box as TSBox
     from typesafe_sdk import Choice as TSChoice
     from typesafe_sdk import Noul as TSNoul
-    from typesafe_sdk import RetryPolicy, TypeSafeAuthenticationError, TypeSafeBadRequestError, TypeSafeClient
+    from typesafe_sdk import RetryPolicy, TypeSafeAuthenticationError, TypeSafeClient, TypeSafeUnprocessableEntityError
     from typesafe_sdk import Score as TSScore
 
     model = CanvasDecisionModel(engine=VLLMServerEngine(vllm_url), policy=GatePolicy(rereads=1))
@@ -81,7 +81,7 @@ def test_typesafe_sdk_gets_typed_answers_from_our_server_on_real_vllm(vllm_url):
         with TypeSafeClient(api_key=KEY, base_url=url, retry=RetryPolicy(max_retries=0), timeout=60) as jev:
             result = jev.system_one(state=state, questions=questions)
             listed = jev.models.list()
-            with pytest.raises(TypeSafeBadRequestError, match="Box questions have no canvas form"):
+            with pytest.raises(TypeSafeUnprocessableEntityError, match="Box questions have no canvas form"):
                 jev.system_one(state=state, questions={"where": TSBox(instructions="the logo")})
         with TypeSafeClient(api_key="wrong", base_url=url, retry=RetryPolicy(max_retries=0)) as bad:
             with pytest.raises(TypeSafeAuthenticationError):
@@ -218,24 +218,37 @@ def _q(**fields):
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    (b"{not json", None),
-    (b"[1, 2]", None),
     (json.dumps({"questions": QUESTIONS}).encode(), "state"),
+    (json.dumps({"state": None, "questions": QUESTIONS}).encode(), "state"),
     (json.dumps({"state": "x"}).encode(), "questions"),
     (json.dumps({"state": "x", "questions": {}}).encode(), "questions"),
     (json.dumps({"state": "x", "questions": [QUESTIONS["urgent"]]}).encode(), "questions"),
     (json.dumps({"state": "x", "questions": {"q": "is it urgent?"}}).encode(), "questions.q"),
     (json.dumps(_q(instructions="x")).encode(), "questions.q.type"),
     (json.dumps(_q(type="maybe", instructions="x")).encode(), "questions.q.type"),
-    (json.dumps(_q(type="noul", instructions=5)).encode(), "questions.q.instructions"),
-    (json.dumps(_q(type="noul", instructions="x", weight=2)).encode(), "questions.q"),
-    (json.dumps(_q(type="noul", instructions="x", criteria={"maybe": "?"})).encode(), "questions.q.criteria"),
+    (json.dumps(_q(type="noul", instructions="x", criteria=["a", "b"])).encode(), "questions.q.criteria"),
     (json.dumps(_q(type="choice", instructions="x", criteria=["a", "b"])).encode(), "questions.q.criteria"),
     (json.dumps(_q(type="score", instructions="x", criteria={"low": 0})).encode(), "questions.q.criteria"),
     (json.dumps({**BODY, "seed": "seven"}).encode(), "seed"),
     (json.dumps({**BODY, "model": 7}).encode(), "model"),
+    (json.dumps({**BODY, "samples": 0}).encode(), "samples"),
+    (json.dumps({**BODY, "samples": True}).encode(), "samples"),
+    (json.dumps({**BODY, "samples": "auto", "auto_max": 99}).encode(), "auto_max"),
+    (json.dumps({**BODY, "auto_threshold": -1}).encode(), "auto_threshold"),
+    (json.dumps({**BODY, "steps": 9}).encode(), "steps"),
+    (json.dumps({**BODY, "think": -1}).encode(), "think"),
+    (json.dumps({**BODY, "ask": ["nope"]}).encode(), "ask"),
+    (json.dumps({**BODY, "images": ["https://example.test/a.png"]}).encode(), "images.0"),
+    (json.dumps({**BODY, "sequential": True}).encode(), "sequential"),
+    (json.dumps({"state": "x", "questions": {"q": {**QUESTIONS["urgent"], "depends_on": "team"}}}).encode(),
+     "questions.q.depends_on"),
+    (json.dumps({"state": "x", "questions": {"q": {**QUESTIONS["urgent"], "ask_if": {"team": ["finance"]}},
+                                             "team": QUESTIONS["team"]}}).encode(), "questions.q.ask_if.team"),
+    (json.dumps({"state": "x", "questions": {"q": {**QUESTIONS["urgent"], "alone": "yes"}}}).encode(),
+     "questions.q.alone"),
 ])
 async def test_malformed_fields_are_422(body, param):
+    """A field, question or feature the server cannot use is 422 (as vLLM's gateway answers)."""
     model = function_model()
     async with client(create_app(model)) as http:
         r = await http.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
@@ -246,20 +259,59 @@ async def test_malformed_fields_are_422(body, param):
     assert model.engine.reads == []
 
 
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"just text"', b"\xff\xfe"])
+async def test_a_body_that_is_not_a_json_object_is_400(body):
+    """Malformed JSON is 400 (vLLM's gateway's code for a malformed body)."""
+    model = function_model()
+    async with client(create_app(model)) as http:
+        r = await http.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] in ("invalid_json", "invalid_body") and r.json()["error"]["message"]
+    assert model.engine.reads == []
+
+
 @pytest.mark.parametrize(("question", "kind"), [
     ({"type": "box", "instructions": "the logo"}, "unsupported_question"),
     ({"type": "choice", "instructions": "Which?", "criteria": {}}, "invalid_question"),
     ({"type": "score", "instructions": "How much?", "criteria": ["only one level"]}, "invalid_question"),
-    ({"type": "choice", "instructions": "Which?", "criteria": {"Billing": None, "billing ": None}}, "label_error"),
 ])
-async def test_unaskable_questions_are_400(question, kind):
+async def test_unaskable_questions_are_422(question, kind):
     model = function_model()
     async with client(create_app(model)) as http:
         r = await http.post("/v1/systemone", json={"state": "x", "questions": {"urgent": QUESTIONS["urgent"],
                                                                              "q": question}})
-    assert r.status_code == 400, r.text
+    assert r.status_code == 422, r.text
     assert r.json()["error"]["type"] == kind
     assert model.engine.reads == []
+
+
+async def test_what_the_gateway_takes_is_served():
+    """Requests vLLM's gateway serves are served: any JSON state, any JSON instructions and
+    criteria, an empty option name, options differing in case, unknown keys (ignored, and
+    listed in the diagnostics), a request-level instructions."""
+    model = function_model()
+    bodies = [
+        {"state": 3, "questions": QUESTIONS},
+        {"state": True, "questions": QUESTIONS},
+        {"state": "x", "questions": {"q": {"type": "noul", "instructions": 5, "weight": 2}}},
+        {"state": "x", "questions": {"q": {"type": "noul", "instructions": {"ask": "urgent?"},
+                                           "criteria": {"true": 1, "maybe": "?"}}}},
+        {"state": "x", "questions": {"q": {"type": "choice", "instructions": None,
+                                           "criteria": {"": "none of them", "Billing": None, "billing ": 7}}}},
+        {"state": "x", "questions": {"q": {"type": "score", "criteria": [1, 2.5, {"level": "high"}]}}},
+        {**BODY, "instructions": ["every ticket is from the EU"], "color": "blue"},
+    ]
+    async with client(create_app(model)) as http:
+        replies = [await http.post("/v1/systemone", json=b) for b in bodies]
+    for body, r in zip(bodies, replies, strict=True):
+        assert r.status_code == 200, (body, r.text)
+        assert set(r.json()["answers"]) == set(body["questions"]) and "diagnostics" in r.json()
+    assert replies[2].json()["diagnostics"]["ignored"] == ["questions.q.weight"]
+    assert replies[6].json()["diagnostics"]["ignored"] == ["color"]
+    assert set(replies[4].json()["answers"]["q"]["probabilities"]) == {"", "Billing", "billing "}
+    system = model.engine.reads[-1].messages[0]["content"]
+    assert system.startswith('["every ticket is from the EU"]\n\n')  # request instructions head the prompt
+    assert model.engine.reads[0].messages[1]["content"] == "3" and model.engine.reads[1].messages[1]["content"] == "true"
 
 
 async def test_too_long_state_media_and_unknown_model():
@@ -268,10 +320,12 @@ async def test_too_long_state_media_and_unknown_model():
     async with client(create_app(CanvasDecisionModel(engine=engine))) as http:
         long = await http.post("/v1/systemone", json={**BODY, "state": "word " * 400})
         media = await http.post("/v1/systemone", json={**BODY, "images": ["data:image/png;base64,AAAA"]})
+        video = await http.post("/v1/systemone", json={**BODY, "videos": ["data:video/mp4;base64,AAAA"]})
         unknown = await http.post("/v1/systemone", json={**BODY, "model": "gpt-4o"})  # jev-latest is an alias
-    assert long.status_code == 400 and long.json()["error"]["type"] == "input_too_long"
-    assert media.status_code == 400 and media.json()["error"]["param"] == "images"
-    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "model_not_found"
+    assert long.status_code == 422 and long.json()["error"]["type"] == "input_too_long"
+    assert media.status_code == 422 and media.json()["error"]["type"] == "images_unsupported"  # this engine reads text
+    assert video.status_code == 422 and video.json()["error"]["param"] == "videos"
+    assert unknown.status_code == 422 and unknown.json()["error"]["type"] == "model_not_found"
     assert engine.reads == []
 
 
@@ -436,7 +490,7 @@ async def test_a_server_span_continues_the_callers_trace_and_holds_the_decision(
     async with client(create_app(function_model())) as http:
         ok = await http.post("/v1/systemone", json=BODY, headers=headers)
         bad = await http.post("/v1/systemone", json={"state": "x", "questions": {"q": {"type": "box"}}})
-    assert ok.status_code == 200 and bad.status_code == 400
+    assert ok.status_code == 200 and bad.status_code == 422
     finished = spans.get_finished_spans()
     server_ok, server_bad = [s for s in finished if s.kind == SpanKind.SERVER]
     assert server_ok.name == "POST /v1/systemone"
@@ -446,7 +500,7 @@ async def test_a_server_span_continues_the_callers_trace_and_holds_the_decision(
     assert server_ok.attributes["canvasroute.questions"] == 3
     (decide,) = [s for s in finished if s.name.startswith("decide ")]
     assert decide.parent.span_id == server_ok.context.span_id
-    assert server_bad.attributes["http.response.status_code"] == 400
+    assert server_bad.attributes["http.response.status_code"] == 422
     assert server_bad.attributes["error.type"] == "unsupported_question"
     assert server_bad.status.status_code != StatusCode.ERROR  # a client error is not a server fault
 

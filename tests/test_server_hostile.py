@@ -84,25 +84,29 @@ def test_hostile_bodies_get_a_json_4xx_before_any_engine_work_and_the_connection
     assert len(m.engine.reads) == 1  # only the good request reached the engine
 
 
-@pytest.mark.parametrize(("body", "loc", "kind"), [
-    ('{"state": null, "questions": {"q": %s}}' % _Q, ["body", "state"], "invalid_state"),
-    ('{"state": 3, "questions": {"q": %s}}' % _Q, ["body", "state"], "invalid_state"),
-    ('{"state": NaN, "questions": {"q": %s}}' % _Q, ["body", "state"], "invalid_number"),
-    ('{"state": {"x": [1, -Infinity]}, "questions": {"q": %s}}' % _Q, ["body", "state", "x", 1], "invalid_number"),
-    ('{"state": {"x": 1e999}, "questions": {"q": %s}}' % _Q, ["body", "state", "x"], "invalid_number"),
-    ('{"questions": {"q": %s}}' % _Q, ["body", "state"], "missing"),
+@pytest.mark.parametrize(("body", "status", "loc", "kind"), [
+    ('{"state": null, "questions": {"q": %s}}' % _Q, 422, ["body", "state"], "invalid_state"),
+    ('{"questions": {"q": %s}}' % _Q, 422, ["body", "state"], "missing"),
+    ('{"state": NaN, "questions": {"q": %s}}' % _Q, 400, ["state"], "invalid_number"),
+    ('{"state": {"x": [1, -Infinity]}, "questions": {"q": %s}}' % _Q, 400, ["state", "x", 1], "invalid_number"),
+    ('{"state": {"x": 1e999}, "questions": {"q": %s}}' % _Q, 400, ["state", "x"], "invalid_number"),
 ])
-async def test_null_nan_and_infinity_are_422_in_the_validation_shape_jev_clients_read(body, loc, kind):
+async def test_null_state_is_422_and_nan_or_infinity_400_with_where(body, status, loc, kind):
+    """A null or missing state is a field error (422, with FastAPI's `detail` list Jev clients
+    read); NaN and Infinity are not JSON, so the body is malformed (400), naming the place."""
     m = model()
     async with asgi(create_app(m)) as http:
         r = await http.post("/v1/systemone", content=body, headers=JSON)
-    assert r.status_code == 422, r.text
-    (detail,) = r.json()["detail"]
-    assert detail["loc"] == loc and detail["type"] == kind and detail["msg"]
-    assert r.json()["error"]["type"] == kind and m.engine.reads == []
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == kind and error["param"] == ".".join(map(str, loc)).removeprefix("body.")
+    if status == 422:
+        (detail,) = r.json()["detail"]
+        assert detail["loc"] == loc and detail["type"] == kind and detail["msg"]
+    assert m.engine.reads == []
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "image/png"])
 async def test_a_body_that_is_not_json_is_415(content_type):
     m = model()
     async with asgi(create_app(m)) as http:
@@ -122,18 +126,19 @@ def _questions(n: int) -> dict:
 
 
 @pytest.mark.parametrize(("body", "status", "kind"), [
-    ({"state": "x", "questions": _questions(1000)}, 400, "too_many_questions"),
+    ({"state": "x", "questions": _questions(1000)}, 422, "too_many_questions"),
     ({"state": "x", "questions": {"q": {"type": "choice", "instructions": "x",
-                                        "criteria": {f"o{i}": None for i in range(100)}}}}, 400, "too_many_options"),
+                                        "criteria": {f"o{i}": None for i in range(100)}}}}, 422, "too_many_options"),
     ({"state": "x", "questions": {"q": {"type": "score", "instructions": "x",
-                                        "criteria": [f"l{i}" for i in range(40)]}}}, 400, "too_many_levels"),
+                                        "criteria": [f"l{i}" for i in range(40)]}}}, 422, "too_many_levels"),
     ({"state": "x" * 70_000, "questions": {"q": NOUL}}, 413, "state_too_large"),
     ({"state": {"rows": ["x" * 1000] * 70}, "questions": {"q": NOUL}}, 413, "state_too_large"),
-    ({"state": "x", "questions": {"q": {"type": "noul", "instructions": "x" * 9000}}}, 400, "text_too_long"),
+    ({"state": "x", "questions": {"q": {"type": "noul", "instructions": "x" * 9000}}}, 422, "text_too_long"),
     ({"state": "x", "questions": {"q": {"type": "choice", "instructions": "x",
-                                        "criteria": {"a": "x" * 9000, "b": None}}}}, 400, "text_too_long"),
-    ({"state": "x", "questions": {"q" * 300: NOUL}}, 400, "name_too_long"),
-    ({**BODY, "thread_id": "t" * 300}, 400, "name_too_long"),
+                                        "criteria": {"a": "x" * 9000, "b": None}}}}, 422, "text_too_long"),
+    ({"state": "x", "questions": {"q" * 300: NOUL}}, 422, "name_too_long"),
+    ({**BODY, "thread_id": "t" * 300}, 422, "name_too_long"),
+    ({**BODY, "instructions": "x" * 9000}, 422, "text_too_long"),
 ])
 async def test_bounds_are_decided_before_admission(body, status, kind):
     m = model()
@@ -361,14 +366,14 @@ async def test_the_api_describes_itself():
 
 def test_the_typesafe_sdk_with_its_defaults_is_answered_by_the_served_model():
     from typesafe_sdk import Noul as TSNoul
-    from typesafe_sdk import RetryPolicy, TypeSafeClient, TypeSafeNotFoundError
+    from typesafe_sdk import RetryPolicy, TypeSafeClient, TypeSafeUnprocessableEntityError
     from typesafe_sdk.constants import DEFAULT_MODEL
 
     assert DEFAULT_MODEL in JEV_ALIASES
     with run_in_thread(create_app(model(), api_key=KEY)) as url:
         with TypeSafeClient(api_key=KEY, base_url=url, retry=RetryPolicy(max_retries=0)) as jev:  # model: default
             result = jev.system_one(state="I was charged twice.", questions={"urgent": TSNoul(instructions="Urgent?")})
-            with pytest.raises(TypeSafeNotFoundError, match="not served here"):
+            with pytest.raises(TypeSafeUnprocessableEntityError, match="not served here"):
                 jev.system_one(state="x", questions={"urgent": TSNoul(instructions="Urgent?")}, model="gpt-4o")
             names = {m.name for m in jev.models.list().models}
     assert result.model == "function"  # honest: the served model answered, not "jev-latest"
@@ -377,9 +382,9 @@ def test_the_typesafe_sdk_with_its_defaults_is_answered_by_the_served_model():
 
 
 async def test_questions_that_cannot_be_labelled_are_refused_before_admission():
-    app = create_app(model())
-    duplicate = {"type": "choice", "instructions": "Which?", "criteria": {"Billing": None, "billing ": None}}
+    app = create_app(model(), limits=Limits(max_options=300))
+    many = {"type": "choice", "instructions": "Which?", "criteria": {f"o{i}": None for i in range(256)}}
     async with asgi(app) as http:
-        r = await http.post("/v1/systemone", json={"state": "x", "questions": {"q": duplicate}})
-    assert (r.status_code, r.json()["error"]["type"]) == (400, "label_error")
+        r = await http.post("/v1/systemone", json={"state": "x", "questions": {"q": many}})
+    assert (r.status_code, r.json()["error"]["type"]) == (422, "label_error")
     assert app.state.gate.peak_admitted == 0

@@ -262,6 +262,18 @@ async def test_connection_faults_retry_then_raise_typed():
         await stuck.client(max_retries=0).ainvoke({"state": STATE, "questions": QUESTIONS})
 
 
+@pytest.mark.parametrize("skip", ["null", "left out"])
+async def test_a_question_the_server_skipped_has_no_answer(skip):
+    """vLLM's gateway answers a question `ask_if` skipped with null; canvasroute leaves it out
+    and names it in `diagnostics.skipped`: either way the client answers the rest."""
+    answers = {**ANSWER["answers"], "sev": None} if skip == "null" else {
+        k: v for k, v in ANSWER["answers"].items() if k != "sev"}
+    body = {**ANSWER, "answers": answers, "diagnostics": {"skipped": {} if skip == "null" else {
+        "sev": {"because": "team", "was": "tech", "wanted": ["billing"]}}}}
+    resp = await Script(httpx.Response(200, json=body)).client().ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert set(resp.answers) == {"urgent", "team"} and resp.choices["team"].choice == "tech"
+
+
 @pytest.mark.parametrize("body", [
     b"not json",
     json.dumps({"model": "jev-test"}).encode(),

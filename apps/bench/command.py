@@ -15,6 +15,9 @@ Every figure is a ratio or a distribution measured side by side in one run:
                   without the engine's prompt (prefix) cache.
 8. `clients`      the HTTP client candidates (llhttp lane, h11, aiohttp, httpx) side by side:
                   reads/s and client CPU per read through the same engine.
+9. `gateway`      `canvasroute serve` vs vLLM's reference gateway (`--gateway-url`) in front of
+                  the same vLLM server (`--vllm-url`): latency, calls/s and vLLM reads per call
+                  at c=1 and c=8, interleaved; and the library path (skipped without both).
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -35,7 +38,8 @@ from .common import Section, loop_ns, machine
 
 __all__ = ["SECTIONS", "configure", "run"]
 
-SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients")
+SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
+            "gateway")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +51,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--affinity-urls", default=os.environ.get("CANVASROUTE_AFFINITY_URLS", ""),
                         help="two vLLM DiffusionGemma servers, comma-separated, for the affinity section "
                              "(default $CANVASROUTE_AFFINITY_URLS); without two it is skipped")
+    parser.add_argument("--gateway-url", default=os.environ.get("CANVASROUTE_GATEWAY_URL"),
+                        help="a running vLLM reference gateway (structured_server.py) in front of --vllm-url, for "
+                             "the gateway section (default $CANVASROUTE_GATEWAY_URL); without one it is skipped")
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
 
@@ -66,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         "affinity": lambda: _affinity(args.affinity_urls, args.quick),
         "inprocess": lambda: _inprocess(args.quick),
         "clients": lambda: _clients(args.quick),
+        "gateway": lambda: _gateway(args.gateway_url, args.vllm_url, args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -134,3 +142,8 @@ def _inprocess(quick: bool) -> Section:
 def _clients(quick: bool) -> Section:
     from .clients import run_clients
     return run_clients(quick)
+
+
+def _gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Section:
+    from .gateway import run_gateway
+    return run_gateway(reference, vllm_url, quick)

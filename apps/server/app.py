@@ -2,9 +2,15 @@
 
 Any Jev client (TypeSafe's `typesafe-sdk`, OpenJev clients, `SystemOneDecisionModel`)
 can point its base URL here; `jev-latest` (the SDK's default `model`) is accepted and
-answered by the served model. Answers carry the Jev fields, the fields vLLM's own gateway
-adds (`probabilities` and `confidence` on a noul; `id`, `object`, `created`), and a
-`canvasroute` object per answer (entropy, path, reads, ...) that plain clients ignore.
+answered by the served model. Requests and replies follow vLLM's own gateway
+(`examples/features/structured_diffusion/` in vllm-project/vllm, and its OpenAPI): its
+request keys (`samples`, `instructions`, `steps`, `think`, `ask`, `images` or a multipart
+upload, per question `depends_on` / `ask_if` / `alone`: `extensions`), its status codes,
+and its reply: the Jev fields, the fields the gateway adds (`probabilities` and
+`confidence` on a noul; `id`, `object`, `created`), a `diagnostics` object (`diagnostics`),
+and a `canvasroute` object per answer (entropy, path, reads, ...) that plain clients
+ignore. A question that `ask_if` skipped has no answer (its reason is in
+`diagnostics.skipped`).
 
 A request costs the server nothing but a socket until its body has arrived (within
 `Limits.body_timeout`) and passed every check in `parse` (`Limits`). Then it takes one of
@@ -15,13 +21,12 @@ be answered; a client that goes away has its work cancelled. Errors are
 
 | status | when |
 |---|---|
-| 400 | a question that cannot be asked (Box, empty options, labels, too long), or over a bound |
+| 400 | a body that is not JSON (bad JSON, too deep, lone surrogates, NaN), or multipart without `request` |
 | 401 | missing or wrong bearer key, when a key is configured |
-| 404 | a `model` this server does not serve (nor an alias of it) |
 | 408 | the body did not arrive within `body_timeout` |
 | 413 | the body or the state is too large |
-| 415 | not `application/json`, or an unknown content encoding |
-| 422 | a malformed body or field (bad JSON, too deep, lone surrogates, NaN, null state, ...) |
+| 415 | not `application/json` or `multipart/form-data`, or an unknown content encoding |
+| 422 | a field, question, feature or template that cannot be used (null state, Box, labels, bounds, unknown model) |
 | 429 | over the request rate, or the escalation budget is spent |
 | 502 | the escalation target or the engine answered garbage or refused |
 | 503 | the engine is unreachable (when the model's policy does not escalate) |
@@ -56,7 +61,9 @@ from starlette.types import Receive
 from canvasroute.engine import forward_headers
 from canvasroute.router import telemetry as tm
 
-from .body import ClientGone, read_body
+from .body import ClientGone, read_body, request_parts
+from .diagnostics import diagnostics
+from .extensions import request_policy
 from .gate import Drain, Gate, RateLimit
 from .limits import Limits
 from .logs import caller_request_id, request_scope
@@ -198,8 +205,14 @@ def create_app(
         return public_name((await engine.info()).model if engine is not None else model.model)
 
     async def decide(parsed: Parsed) -> tuple[Any, dict[str, Any]]:
-        if getattr(model, "engine", None) is not None:  # a canvas model: seed and thread reach it
-            resp = await model.adecide(parsed.state, parsed.questions, seed=parsed.seed, thread_id=parsed.thread_id)
+        ext = parsed.extensions
+        if getattr(model, "engine", None) is not None:  # a canvas model: seed, thread and the gateway's keys reach it
+            policy = request_policy(model.policy, ext.policy) if ext.policy else None
+            resp = await model.adecide(parsed.state, parsed.questions, seed=parsed.seed, thread_id=parsed.thread_id,
+                                       policy=policy, **ext.options)
+        elif ext.options or ext.policy:
+            raise Refusal(422, "unsupported_field", "this server's decision model reads no samples, instructions, "
+                          "steps, think, images, depends_on, ask_if or alone")
         else:
             resp = await model.ainvoke({"state": parsed.state, "questions": parsed.questions})
         return resp, getattr(resp, "reads", {}) or {}
@@ -249,20 +262,25 @@ def create_app(
         authorize(request)
         if limiter is not None:
             limiter.take()
-        parsed = parse_request(await read_body(request, limits), limits)  # no slot is held yet
+        body, images = request_parts(await read_body(request, limits), request.headers.get("content-type"))
+        parsed = parse_request(body, limits, images)  # no slot is held yet
         span.set_attribute(tm.QUESTIONS, len(parsed.questions))
         with gate.admission():
             resp, reads, name = await _unless_gone(admitted(parsed, request_id, span), request.receive, drain)
         metrics.decided(reads)
         usage = resp.usage or {}
+        engine = getattr(model, "engine", None)
         return {
             "id": decision_id,
             "object": "structured_decision",
             "created": int(time.time()),
             "model": public_name(resp.model or name),
-            "answers": {qid: _answer_json(resp.answers[qid], reads.get(qid)) for qid in parsed.questions},
+            "answers": {qid: _answer_json(resp.answers[qid], reads.get(qid)) for qid in parsed.questions
+                        if qid in resp.answers},  # a skipped question has none: diagnostics.skipped says why
             "usage": {"input_tokens": int(usage.get("input_tokens", 0)),
                       "output_tokens": int(usage.get("output_tokens", 0))},
+            "diagnostics": diagnostics(resp, parsed, (await engine.info()).provider if engine is not None
+                                       else type(model).__name__),
         }
 
     async def admitted(parsed: Parsed, request_id: str, span: trace.Span) -> tuple[Any, dict[str, Any], str]:
@@ -272,7 +290,7 @@ def create_app(
             async with deadline:
                 name = await served_name()
                 if parsed.model and parsed.model not in (name, *aliases):
-                    raise Refusal(404, "model_not_found", f"model {parsed.model[:80]!r} is not served here; "
+                    raise Refusal(422, "model_not_found", f"model {parsed.model[:80]!r} is not served here; "
                                   f"served: {[name, *aliases]}", loc=("model",))
                 span.set_attribute(tm.DECISION_SET, ",".join(parsed.questions))
                 waiting, queued = True, time.perf_counter()

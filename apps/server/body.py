@@ -1,31 +1,72 @@
-"""Reading a request body: JSON only, bounded in bytes and in time, decoded; before any slot is taken."""
+"""Reading a request body: JSON or multipart, bounded in bytes and in time, decoded; before any slot is taken.
+
+A multipart/form-data body (vLLM's gateway's image upload) holds the JSON request in a
+part named `request` and each image as a file part (`image/*`): `request_parts` splits it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import zlib
 from collections.abc import Callable
+from email.parser import BytesParser
+from email.policy import HTTP
 
 from starlette.requests import ClientDisconnect, Request
 
 from .limits import Limits
 from .wire import Refusal
 
-__all__ = ["ClientGone", "read_body"]
+__all__ = ["ClientGone", "read_body", "request_parts"]
 
 
 class ClientGone(Exception):  # noqa: N818 - control flow inside the server, never raised to a caller
     """The client closed the connection; nobody is left to answer."""
 
 
+def _media(value: str | None) -> str:
+    return (value or "").split(";", 1)[0].strip().lower()
+
+
 def _check_content_type(value: str | None) -> None:
-    """JSON, or no content type at all (read as JSON, as FastAPI does); anything else is 415."""
-    if not value:
+    """JSON or multipart/form-data, or no content type at all (read as JSON, as FastAPI
+    does); anything else is 415."""
+    media = _media(value)
+    if media in ("", "application/json", "multipart/form-data") or (media.startswith("application/")
+                                                                     and media.endswith("+json")):
         return
-    media = value.split(";", 1)[0].strip().lower()
-    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
-        return
-    raise Refusal(415, "unsupported_media_type", "send the body as application/json")
+    raise Refusal(415, "unsupported_media_type", "send the body as application/json (or multipart/form-data "
+                  "with the JSON in a part named request and images as file parts)")
+
+
+def request_parts(body: bytes, content_type: str | None) -> tuple[bytes, list[str]]:
+    """(the JSON request, image data URLs): a JSON body as it is, or a multipart body split
+    into its `request` part and its `image/*` file parts, in order (400 for anything else)."""
+    if content_type is None or _media(content_type) != "multipart/form-data":
+        return body, []
+    try:
+        message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
+        parts = list(message.iter_parts()) if message.is_multipart() else []
+    except Exception as exc:  # noqa: BLE001 - any parser failure is the client's malformed body
+        raise Refusal(400, "invalid_body", "the multipart body could not be parsed", loc=()) from exc
+    request: bytes | None = None
+    images: list[str] = []
+    for part in parts:
+        name = part.get_param("name", header="content-disposition")
+        payload = part.get_payload(decode=True)
+        data = payload if isinstance(payload, bytes) else b""
+        if name == "request" and request is None:
+            request = data
+        elif part.get_content_type().startswith("image/"):
+            images.append(f"data:{part.get_content_type()};base64,{base64.b64encode(data).decode()}")
+        else:
+            shown = str(name)[:40] if name is not None else "unnamed"
+            raise Refusal(400, "invalid_body", f"multipart part {shown!r} is neither the request nor an image/* file",
+                          loc=())
+    if request is None:
+        raise Refusal(400, "invalid_body", "a multipart body needs a part named request holding the JSON", loc=())
+    return request, images
 
 
 async def read_body(request: Request, limits: Limits) -> bytes:

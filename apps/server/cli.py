@@ -29,18 +29,22 @@ __all__ = ["build_app", "build_model", "configure", "run"]
 _EPILOG = """\
 Every flag also reads the environment variable named in its help.
 
+Requests and replies follow vLLM's gateway (its systemone-openapi.yaml): its request keys
+(samples, instructions, steps, think, ask, images or a multipart upload; per question
+depends_on, ask_if, alone), its status codes and a diagnostics object in every 200.
+
 Checked before a request takes a slot or reaches the engine: the body must arrive within
 --body-timeout (else 408) and fit --max-body-bytes (413); bad JSON, nesting over 32 levels,
-lone surrogates, NaN/Infinity, or a null/number state are 422; over --max-questions,
---max-options, --max-levels, --max-text-chars or 256-character names is 400; a state over
---max-state-chars is 413.
+lone surrogates or NaN/Infinity are 400; a null state, an unusable question or field, over
+--max-questions, --max-options, --max-levels, --max-text-chars or 256-character names is 422;
+a state over --max-state-chars is 413.
 
-Status codes: 400 unaskable question or over a bound; 401 bad key; 404 unknown model
-(jev-latest is always served); 408 slow body; 413 too large; 415 not application/json;
-422 malformed; 429 over --rate-limit or the escalation budget; 502 the engine or the
-escalation model refused or answered garbage; 503 the engine is unreachable; 504 the
-engine did not answer within --request-timeout; 529 at capacity (--max-in-flight running
-+ --max-queue waiting) or the engine shed load. Error bodies are
+Status codes: 400 malformed body; 401 bad key; 408 slow body; 413 too large; 415 not
+application/json or multipart/form-data; 422 a field, question, feature or model that cannot
+be used (jev-latest is always served); 429 over --rate-limit or the escalation budget; 502 the
+engine or the escalation model refused or answered garbage; 503 the engine is unreachable;
+504 the engine did not answer within --request-timeout; 529 at capacity (--max-in-flight
+running + --max-queue waiting) or the engine shed load. Error bodies are
 {"error": {"type", "message", "code", "param"}}; 415/422 add FastAPI's "detail" list.
 The API description is at GET /openapi.json.
 
@@ -54,11 +58,11 @@ one JSON object per log line.
 _LIMIT_FLAGS = {
     "max_body_bytes": (int, "largest request body, raw and decoded; beyond it, 413"),
     "body_timeout": (float, "seconds for the whole body to arrive, before any slot is taken; beyond it, 408"),
-    "max_questions": (int, "questions per request; beyond it, 400"),
-    "max_options": (int, "options of one Choice; beyond it, 400"),
-    "max_levels": (int, "levels of one Score; beyond it, 400"),
+    "max_questions": (int, "questions per request; beyond it, 422"),
+    "max_options": (int, "options of one Choice; beyond it, 422"),
+    "max_levels": (int, "levels of one Score; beyond it, 422"),
     "max_state_chars": (int, "characters of the state (compact JSON for objects); beyond it, 413"),
-    "max_text_chars": (int, "characters of one question's instructions or criterion; beyond it, 400"),
+    "max_text_chars": (int, "characters of one question's instructions or criterion; beyond it, 422"),
 }
 
 log = logging.getLogger("canvasroute.serve")

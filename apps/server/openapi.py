@@ -7,62 +7,107 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
+from canvasroute.router import MAX_SAMPLES, MAX_STEPS, MAX_THINK
+
 from .limits import Limits
 
 __all__ = ["openapi"]
 
 Content = str | dict[str, Any] | list[Any]
+Text = Annotated[Any, Field(description="Text, or any JSON value (read as its JSON text).")]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class NoulCriteria(_Strict):
-    true: str | None = None
-    false: str | None = None
+class _Open(BaseModel):
+    """Keys it does not know are ignored (and listed in the reply's `diagnostics.ignored`), as vLLM's gateway does."""
+
+    model_config = ConfigDict(extra="allow")
 
 
-class NoulQuestion(_Strict):
+class NoulCriteria(_Open):
+    true: Text = None
+    false: Text = None
+
+
+class _Ordering(_Open):
+    depends_on: list[str] | None = Field(None, description="Ids of questions answered first; their answers are "
+                                                           "restated to this one (vLLM gateway extension).")
+    ask_if: dict[str, list[str]] | None = Field(
+        None, description="Ask this question only when each named question's answer is among the listed ones "
+                          "(yes/no, an option name, a level's text); else it is skipped: no answer, and "
+                          "`diagnostics.skipped` says why (vLLM gateway extension).")
+    alone: bool = Field(False, description="Read this question in a canvas of its own (vLLM gateway extension).")
+
+
+class NoulQuestion(_Ordering):
     """Yes or no: answered with the probability of yes."""
 
     type: Literal["noul"]
-    instructions: Content | None = None
+    instructions: Text = None
     criteria: NoulCriteria | None = None
 
 
-class ChoiceQuestion(_Strict):
+class ChoiceQuestion(_Ordering):
     """One of named options (2 or more), each with an optional description."""
 
     type: Literal["choice"]
-    instructions: Content | None = None
-    criteria: dict[str, str | None] = Field(min_length=2)
+    instructions: Text = None
+    criteria: dict[str, Text] = Field(min_length=2)
 
 
-class ScoreQuestion(_Strict):
+class ScoreQuestion(_Ordering):
     """A level on an ordered rubric (2 or more levels), answered as an expected level."""
 
     type: Literal["score"]
-    instructions: Content | None = None
-    criteria: list[str] = Field(min_length=2)
+    instructions: Text = None
+    criteria: list[Text] = Field(min_length=2)
 
 
-class BoxQuestion(_Strict):
-    """Part of the Jev wire; this server answers it 400 (no canvas form)."""
+class BoxQuestion(_Open):
+    """Part of the Jev wire; this server answers it 422 (no canvas form)."""
 
     type: Literal["box"]
-    instructions: Content | None = None
+    instructions: Text = None
 
 
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion, Field(discriminator="type")]
 
 
-class SystemOneRequest(_Strict):
-    """One decision set: every question is asked about the same state, in one canvas read."""
+class ImageObject(_Strict):
+    content_type: str = Field(pattern="^image/")
+    base64: str
+
+
+class SystemOneRequest(_Open):
+    """One decision set: every question is asked about the same state, in one canvas read where they fit."""
 
     model: str | None = Field(None, description="The served model's name or an alias (default: jev-latest).")
-    state: Content = Field(description="The content every question refers to: text, a JSON object or array.")
+    state: Any = Field(description="What every question refers to: text, or any JSON value but null "
+                                   "(read as its JSON text).")
     questions: dict[str, Question] = Field(min_length=1, description="Questions keyed by a name you choose.")
+    instructions: Text = Field(None, description="Context for every question (vLLM gateway extension).")
+    samples: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | Literal["auto"] | None = Field(
+        None, description="1: one read per canvas; N: N fixed reads; \"auto\": one read, then up to auto_max in "
+                          "all for uncertain questions (default: the server's policy) (vLLM gateway extension).")
+    auto_max: int | None = Field(None, ge=1, le=MAX_SAMPLES,
+                                 description="Reads at most under samples \"auto\" (default 4).")
+    auto_threshold: float | None = Field(None, ge=0, description="Under samples \"auto\": entropy in nats above "
+                                                                "which a question is uncertain (besides the "
+                                                                "server's gate).")
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS,
+                              description="Denoising steps per read, the template held (default 1).")
+    think: int | None = Field(None, ge=0, le=MAX_THINK,
+                              description="Tokens the model may write in its thought channel before the read, "
+                                          "which conditions on the thought (default 0).")
+    ask: list[str] | None = Field(None, min_length=1, description="Answer only these question ids.")
+    images: list[Annotated[str, Field(pattern="^data:image/")] | ImageObject] | None = Field(
+        None, description="Images read with the state: data URLs or {content_type, base64}; or upload them as "
+                          "multipart/form-data file parts beside a `request` part holding this JSON.")
+    chunk_prompt: Literal["own"] | None = Field(None, description="Each chunk lists only its own questions.")
+    sequential: Literal[False] | None = Field(None, description="Chunks of one stage are read together.")
     seed: int | None = Field(None, ge=0, description="Seeds the reads (canvasroute extension).")
     thread_id: str | None = Field(None, description="Groups decisions of one conversation (canvasroute extension).")
 
@@ -90,18 +135,22 @@ class SystemOneResponse(BaseModel):
     object: Literal["structured_decision"]
     created: int
     model: str = Field(description="The served model that answered (also when the request named an alias).")
-    answers: dict[str, dict[str, Any]]
+    answers: dict[str, dict[str, Any]] = Field(description="One answer per asked question; a question that "
+                                                            "ask_if skipped has none.")
     usage: dict[str, int]
+    diagnostics: dict[str, Any] = Field(description="How the decision was read, in vLLM's gateway's keys "
+                                                    "(stages, skipped, chunks, thought, samples, timing, "
+                                                    "prompt_tokens, questions, ...) and canvasroute's.")
 
 
 _ERRORS = {
-    "400": "a question that cannot be asked, or over a count or length bound",
+    "400": "a body that is not JSON, or a multipart body without its request part",
     "401": "missing or wrong bearer key",
-    "404": "a model this server does not serve",
     "408": "the body did not arrive within the body timeout",
     "413": "the body or the state is too large",
-    "415": "not application/json, or an unknown content encoding",
-    "422": "a malformed body or field",
+    "415": "not application/json or multipart/form-data, or an unknown content encoding",
+    "422": "a field, question, feature or answer template that cannot be used, over a bound, or a model this "
+           "server does not serve",
     "429": "over the request rate, or the escalation budget is spent",
     "502": "the engine or the escalation model answered garbage or refused",
     "503": "the engine is unreachable",
@@ -119,6 +168,10 @@ def openapi(limits: Limits) -> dict[str, Any]:
     request = components["SystemOneRequest"]["properties"]
     request["questions"]["maxProperties"] = limits.max_questions
     request["model"]["anyOf"][0]["maxLength"] = limits.max_name_chars
+    request["state"]["not"] = {"type": "null"}
+    multipart = {"type": "object", "required": ["request"], "properties": {
+        "request": {"type": "string", "description": "the JSON request (SystemOneRequest)"},
+        "image": {"type": "string", "format": "binary", "description": "an image file part (image/*)"}}}
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     errors = {code: {"description": text, **error} for code, text in _ERRORS.items()}
     ok = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/SystemOneResponse"}}}}
@@ -130,8 +183,9 @@ def openapi(limits: Limits) -> dict[str, Any]:
         "paths": {
             "/v1/systemone": {"post": {
                 "operationId": "systemone", "summary": "Answer a decision set",
-                "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/SystemOneRequest"}}}},
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}},
+                    "multipart/form-data": {"schema": multipart}}},
                 "responses": {"200": {"description": "the answers", **ok}, **errors},
                 "security": [{"bearer": []}, {}]}},
             "/v1/models": {"get": {"operationId": "models", "summary": "The served model and its aliases",

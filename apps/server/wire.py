@@ -23,6 +23,7 @@ from canvasroute.engine import (
     EngineTimeout,
     EngineUnavailable,
     EscalationError,
+    ImagesUnsupported,
     InputTooLong,
     LabelError,
     UnsupportedQuestion,
@@ -68,11 +69,14 @@ def malformed(loc: Sequence[str | int], message: str, kind: str = "invalid_reque
 
 def from_exception(exc: BaseException) -> Refusal:
     """The answer for an exception raised while deciding: a fixed message for every fault."""
+    if isinstance(exc, ImagesUnsupported):  # its message names the engine and its model: not for the wire
+        return Refusal(422, "images_unsupported", "this server's engine cannot read images; send text or JSON "
+                       "state only")
     if isinstance(exc, DecisionError):  # about the client's own questions: its message helps and leaks nothing
         kind = ("unsupported_question" if isinstance(exc, UnsupportedQuestion) else "label_error"
                 if isinstance(exc, LabelError) else "input_too_long" if isinstance(exc, InputTooLong)
                 else "invalid_question")
-        return Refusal(400, kind, str(exc))
+        return Refusal(422, kind, str(exc))  # vLLM's gateway: an unusable schema or template is 422
     if isinstance(exc, BudgetExhausted):
         return Refusal(429, "escalation_budget_exhausted", "the escalation budget is spent; retry later",
                        headers=_RETRY)
