@@ -123,8 +123,6 @@ def test_label_alphabets():
     ({"x": Box(instructions="find the cat")}, UnsupportedQuestion, "Box"),
     ({"x": {"type": "box", "instructions": "find"}}, UnsupportedQuestion, "Box"),
     ({"x": {"type": "poll", "instructions": "?"}}, UnsupportedQuestion, "not a Noul"),
-    ({"x": Choice(instructions="?", criteria={"": None, "b": None})}, LabelError, "empty option"),
-    ({"x": Choice(instructions="?", criteria={"Billing": None, " billing": None})}, LabelError, "duplicate"),
     ({"x": Choice(instructions="?", criteria={f"o{i}": None for i in range(MAX_OPTIONS + 1)})}, LabelError,
      "at most 255"),
     ({"": Noul(instructions="?")}, UnsupportedQuestion, "non-empty strings"),
@@ -132,6 +130,12 @@ def test_label_alphabets():
 def test_bad_questions_are_refused_clearly(questions, error, match):
     with pytest.raises(error, match=match):
         parse_questions(questions)
+
+
+def test_any_distinct_option_names_are_options():
+    """As on vLLM's gateway: an empty name and names differing only in case or space are options."""
+    specs = parse_questions({"x": Choice(instructions="?", criteria={"": None, "Billing": None, " billing": None})})
+    assert specs["x"].options == ("", "Billing", " billing")
 
 
 def test_plain_dict_questions_validate():
