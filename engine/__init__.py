@@ -40,6 +40,7 @@ from .errors import (
     LabelError,
     TraceFileError,
     UnsupportedQuestion,
+    UnsureAnswer,
 )
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ __all__ = [
     "TraceFileError",
     "TransformersEngine",
     "UnsupportedQuestion",
+    "UnsureAnswer",
     "VLLMEngine",
     "VLLMServerEngine",
     "check_rows",

@@ -40,13 +40,12 @@ from canvasroute.router import (
     QuestionSpec,
     image_digests,
     parse_questions,
-    render_state,
-    state_images,
+    read_state,
 )
 
 from ._context import GraphCall, Inputs, child_config, decision_seed, graph_call, select_inputs
 from ._records import emit, entries, trace_route
-from ._review import ReviewPolicy, review
+from ._review import ReviewPolicy, check_parents_unreviewed, review, unsure_review, unsure_reviewed
 from ._routes import Route, annotated_call, parse_route, route_destinations
 from ._shadow import ExistingRouter, Shadow, ShadowOutcome
 
@@ -90,6 +89,8 @@ class DecisionNode(Runnable[Any, Command]):
         if self.depends_on and self.route_question in self.depends_on:
             raise ValueError(f"route question {self.route_question!r} cannot depend on another question: "
                              "when it is skipped there is no answer to route on")
+        if review is not None:
+            check_parents_unreviewed(self.name, self.depends_on, review.questions)
         if isinstance(questions, Mapping):
             self._check(parse_questions(questions))
         self._pending: OrderedDict[tuple[Any, ...], CanvasResponse] = OrderedDict()
@@ -113,8 +114,10 @@ class DecisionNode(Runnable[Any, Command]):
         """A LangGraph `CachePolicy` keyed on this node's questions, decision state and policy.
 
         `builder.add_node("triage", node, cache_policy=node.cache_policy(ttl=300))` with
-        `builder.compile(cache=InMemoryCache())`: an identical decision about an identical
-        decision state is not read again (the key is `cache_key`).
+        `builder.compile(cache=NodeCache(InMemoryCache()))`: an identical decision about an
+        identical decision state is not read again (the key is `cache_key`). `NodeCache`
+        (`canvasroute.harness`) keeps LangGraph from storing a decision that an engine fault
+        or a budget refusal touched, which a plain LangGraph cache would replay for its TTL.
         """
         return CachePolicy(key_func=self.cache_key, ttl=ttl)
 
@@ -137,9 +140,9 @@ class DecisionNode(Runnable[Any, Command]):
         asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
         decision_state = select_inputs(state, self.inputs, self.output_key)
         model = self.model
-        blob = json.dumps([self.name, asked, self.depends_on, render_state(decision_state),
-                           list(image_digests(state_images(decision_state))), repr(model.policy), model.model,
-                           model.constrained], sort_keys=True, default=_stable_json)
+        text, images = read_state(decision_state)
+        blob = json.dumps([self.name, asked, self.depends_on, text, list(image_digests(images)), repr(model.policy),
+                           model.model, model.constrained], sort_keys=True, default=_stable_json)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # -- Runnable -----------------------------------------------------------------------
@@ -149,7 +152,7 @@ class DecisionNode(Runnable[Any, Command]):
         config = _complete(config)
         job = self._prepare(input, config)
         if self.shadow is not None:
-            model = self.shadow.canvas_only(job.call.model)
+            model = job.call.model.canvas_only()
             return self._finish_shadow(job, *self.shadow.run(
                 input, config, lambda: model.invoke(job.shadow_request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
@@ -164,7 +167,7 @@ class DecisionNode(Runnable[Any, Command]):
         config = _complete(config)
         job = self._prepare(input, config)
         if self.shadow is not None:
-            model = self.shadow.canvas_only(job.call.model)
+            model = job.call.model.canvas_only()
             return self._finish_shadow(job, *await self.shadow.arun(
                 input, config, lambda: model.ainvoke(job.shadow_request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
@@ -189,6 +192,9 @@ class DecisionNode(Runnable[Any, Command]):
         key = (call.thread_id, call.task_id, seed) if call.thread_id and call.task_id else None
         with self._lock:
             cached = self._pending.get(key) if key else None
+        if self.depends_on and self.review is None and self.shadow is None:
+            check_parents_unreviewed(self.name, self.depends_on,
+                                     unsure_reviewed(call.policy or call.model.policy, self.depends_on))
         options = {"seed": seed, "thread_id": call.thread_id, "policy": call.policy, "attributes": call.attributes,
                    "depends_on": self.depends_on, "budget_meter": call.budget_meter}
         request = {"state": decision_state, "questions": questions, **options}
@@ -197,11 +203,13 @@ class DecisionNode(Runnable[Any, Command]):
 
     def _finish(self, job: _Job, response: CanvasResponse) -> Command:
         human: dict[str, str] = {}
-        if self.review is not None:
+        policy = self.review or unsure_review(job.call.policy or job.call.model.policy, response)
+        if policy is not None:
             if job.key is not None:
                 self._remember(job.key, response)  # a resume reuses this read instead of reading again
-            options = {qid: spec.options for qid, spec in job.specs.items()}
-            human = review(self.review, job.call.node, response, options, job.questions, job.state)
+            specs = job.specs or parse_questions(job.questions)
+            options = {qid: spec.options for qid, spec in specs.items()}
+            human = review(policy, job.call.node, response, options, job.questions, job.state)
             if job.key is not None:
                 with self._lock:
                     self._pending.pop(job.key, None)

@@ -56,7 +56,7 @@ def answers_only(value: Any) -> Any:
     Mappings and lists are searched; anything else is returned as is.
     """
     if isinstance(value, Mapping):
-        if _is_record(value):
+        if is_record(value):
             return value["answer"]
         cleaned = {k: answers_only(v) for k, v in value.items()}
         return value if all(cleaned[k] is v for k, v in value.items()) else cleaned
@@ -68,7 +68,8 @@ def answers_only(value: Any) -> Any:
     return value
 
 
-def _is_record(value: Any) -> bool:
+def is_record(value: Any) -> bool:
+    """Whether `value` is one decision record (the keys `entries` writes)."""
     return isinstance(value, Mapping) and _STABLE_KEYS <= value.keys() <= RECORD_KEYS
 
 

@@ -3,6 +3,11 @@
 The node calls LangGraph's `interrupt()` with the pending answers; the graph pauses
 (a checkpointer is required) and resumes with `Command(resume=<option>)`, or
 `Command(resume={question_id: option})` when several questions are under review.
+
+A node reviews what its `review=` policy says, and (without one) the unsure answers whose
+gate says `on_unsure="review"`. A question other questions depend on (`depends_on`) is
+never reviewed: its children are asked on the canvas's answer, before a human could
+change it, so the node refuses that combination with `DecisionError`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 from langgraph.types import interrupt
 
 from canvasroute.engine import DecisionError
-from canvasroute.router import CanvasResponse, ReadReport
+from canvasroute.router import CanvasResponse, GatePolicy, ReadReport
 
 REVIEW_EVENT = "canvasroute.review"
 
@@ -110,3 +115,26 @@ def _validate(value: Any, pending: list[str], options: Mapping[str, tuple[str, .
             raise DecisionError(f"{option!r} is not an option of {qid!r}; options: {list(options[qid])}")
         chosen[qid] = option
     return chosen
+
+
+def check_parents_unreviewed(node: str, depends_on: Mapping[str, Any] | None, reviewed: frozenset[str] | None) -> None:
+    """Refuse a review of a parent question (`reviewed`: the ids a review may take; None: all)."""
+    parents = sorted({parent for parent, _ in (depends_on or {}).values() if reviewed is None or parent in reviewed})
+    if parents:
+        raise DecisionError(
+            f"{node}: review and depends_on do not combine for the parent question(s) {parents}: their children "
+            "are asked on the canvas's answer before a reviewer could change it",
+            hint="review only questions no other question depends on (ReviewPolicy(questions=...), and "
+                 "on_unsure other than 'review' for parents), or drop depends_on")
+
+
+def unsure_reviewed(policy: GatePolicy, depends_on: Mapping[str, Any]) -> frozenset[str]:
+    """The parent questions whose gate sends an unsure answer to a human (`on_unsure="review"`)."""
+    return frozenset(parent for parent, _ in depends_on.values() if policy.for_question(parent).on_unsure == "review")
+
+
+def unsure_review(policy: GatePolicy, response: CanvasResponse) -> ReviewPolicy | None:
+    """A review of the unsure answers whose gate says `on_unsure="review"` (None: there are none)."""
+    pending = frozenset(qid for qid, r in response.reads.items()
+                        if r.path == "unsure" and policy.for_question(qid).on_unsure == "review")
+    return ReviewPolicy(questions=pending) if pending else None

@@ -21,27 +21,21 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 if TYPE_CHECKING:
     from langchain_core.runnables import RunnableConfig
 
-from canvasroute.engine import (
-    CanvasRouteError,
-    DecisionError,
-    Engine,
-    EngineInfo,
-    InputTooLong,
-    run_sync,
-)
+from canvasroute.engine import CanvasRouteError, DecisionError, Engine, EngineInfo, run_sync
 
 from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
-from ._cache import DecisionCache, decision_key, replay
-from ._depends import parse_depends_on
+from ._cache import DecisionCache, decision_key, replay, replayable
+from ._depends import Dependencies, parse_depends_on
 from ._escalation import is_target
-from ._images import ImageEngine, check_images, image_digests, state_images
+from ._images import ImageEngine, check_images, image_digests
+from ._length import check_length
 from ._outcome import Outcomes, skipped_report
-from ._plan import Chunk, Plan, plan
+from ._plan import Plan, plan
 from ._policy import EscalationBudget, GatePolicy
 from ._questions import QuestionSpec, parse_questions, question_set_key, with_abstain
-from ._reading import QuestionRead, Reading, messages
-from ._state import default_seed, render_state
+from ._reading import QuestionRead, Reading
+from ._state import default_seed, read_state
 from ._types import CanvasResponse, ReadReport, answer_of
 
 _REQUEST_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("canvasroute_request_options", default={})
@@ -197,12 +191,9 @@ class CanvasDecisionModel(BaseDecisionModel):
         start = time.perf_counter()
         policy = policy or self.policy
         key, specs = self._specs(questions)
-        for qid, option in self.fallback.items():
-            if qid in specs and option not in specs[qid].options:
-                raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
-        self._check_abstain(specs, policy)
-        deps = parse_depends_on(depends_on, specs)
         outcomes = self._memo.outcomes
+        outcomes.check(specs, policy)  # every fallback is an option; every abstaining or unsure question has a way out
+        deps = parse_depends_on(depends_on, specs)
         if budget_meter is not None:
             if self.budget is None:
                 raise ValueError("budget_meter needs the model's budget= (its when_spent decides what a refusal does)")
@@ -214,11 +205,10 @@ class CanvasDecisionModel(BaseDecisionModel):
             if not outcomes.absorbs(exc):
                 raise
             info, fault = None, exc
-        images = state_images(state)
+        state_text, images = read_state(state, info.special_tokens if info is not None else None)
         if info is not None:
             check_images(info, images)  # before any read: an engine that cannot see them refuses
         model_name = info.model if info is not None else self.model
-        state_text = render_state(state, info.special_tokens if info is not None else None)
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
         if tm.record_content():
             attrs[tm.STATE_CONTENT] = state_text
@@ -237,6 +227,8 @@ class CanvasDecisionModel(BaseDecisionModel):
             answers: dict[str, str | None] = {}
             done: dict[str, ReadReport] = {}
             last: list[tuple[QuestionRead, Any, dict[str, Any] | None]] = []  # reported once the latency is known
+            if info is not None and fault is None:
+                fault = await self._check_reads(key, specs, deps, info, state_text, policy)
             for i, layer in enumerate(deps.layers):
                 asked = [qid for qid in layer if deps.applies(qid, answers)]
                 for qid in layer:
@@ -246,7 +238,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                 if not asked:
                     continue
                 reads, n = await self._read_layer(key, specs, asked, info, fault, state_text, seed, policy, usage,
-                                                  images)
+                                                  images, checked=len(asked) == len(layer))
                 canvas_reads += n
                 escalated = await outcomes.escalate(state, state_text, reads, usage, thread_id)
                 for r in reads.values():
@@ -271,27 +263,23 @@ class CanvasDecisionModel(BaseDecisionModel):
             "canvas_reads": canvas_reads,
             "latency_s": latency,
         })
-        if cache_key is not None and not any(r.error for r in reports):
-            self.cache.put(cache_key, response)  # a faulted decision is never replayed
+        if cache_key is not None and replayable(response):  # a fault or budget refusal is decided again
+            self.cache.put(cache_key, response.model_copy(deep=True))  # its own copy: callers may edit theirs
         return response
 
     async def _read_layer(self, key: str, specs: Mapping[str, QuestionSpec], asked: Sequence[str],
                           info: EngineInfo | None, fault: CanvasRouteError | None, state_text: str,
                           seed: int | None, policy: GatePolicy, usage: dict[str, int],
-                          images: Sequence[str] = ()) -> tuple[dict[str, QuestionRead], int]:
-        """Read and gate the asked questions of one layer; returns their state and the reads sent."""
-        policies = {qid: policy.for_question(qid) for qid in asked}
-        shaped = {qid: with_abstain(specs[qid]) if p.abstain else specs[qid] for qid, p in policies.items()}
-        views = {qid: p.order_views for qid, p in policies.items() if p.order_views}
-        plan_key: Any = key
-        if len(asked) != len(specs) or views or any(s.abstain for s in shaped.values()):
-            plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()))
+                          images: Sequence[str] = (), checked: bool = False) -> tuple[dict[str, QuestionRead], int]:
+        """Read and gate the asked questions of one layer; returns their state and the reads sent
+        (`checked`: the whole layer is asked, so `_check_reads` has length-checked its plan)."""
+        shaped = self._shaped(specs, asked, policy)
         absorbs = self._memo.outcomes.absorbs
         if info is not None and fault is None:
             try:
-                the_plan = await self._plan(plan_key, shaped, views)
-                await _check_length(self.engine, info, the_plan.chunks,
-                                    [messages(c, state_text) for c in the_plan.chunks])
+                the_plan = await self._layer_plan(key, specs, asked, policy)
+                if not checked:
+                    await check_length(self.engine, info, the_plan, state_text, self._member_plan)
             except CanvasRouteError as exc:
                 if not absorbs(exc):
                     raise
@@ -310,20 +298,36 @@ class CanvasDecisionModel(BaseDecisionModel):
         reads = await reading.run()
         return reads, reading.canvas_reads
 
-    def _check_abstain(self, specs: Mapping[str, QuestionSpec], policy: GatePolicy) -> None:
-        """An abstaining question needs somewhere to go: an escalation target or a fallback."""
-        if not policy.abstain and not policy.per_question:
-            return
-        for qid in specs:
-            p = policy.for_question(qid)
-            if not p.abstain:
-                continue
-            if p.on_abstain == "escalate" and self.escalate_to is None:
-                raise DecisionError(f"question {qid!r} may abstain and on_abstain='escalate', but the model "
-                                    "has no escalate_to", hint="set escalate_to, or on_abstain='fallback'")
-            if p.on_abstain == "fallback" and qid not in self.fallback:
-                raise DecisionError(f"question {qid!r} may abstain and on_abstain='fallback', but has no "
-                                    "fallback option", hint="add it to fallback=")
+    async def _check_reads(self, key: str, specs: Mapping[str, QuestionSpec], deps: Dependencies,
+                           info: EngineInfo, state_text: str, policy: GatePolicy) -> CanvasRouteError | None:
+        """Before any read: every layer, all of it asked, is planned and length-checked (a
+        too-long state is refused before the parents are read, not after). An engine fault
+        is returned when the model absorbs it."""
+        try:
+            for layer in deps.layers:
+                the_plan = await self._layer_plan(key, specs, layer, policy)
+                await check_length(self.engine, info, the_plan, state_text, self._member_plan)
+        except CanvasRouteError as exc:
+            if not self._memo.outcomes.absorbs(exc):
+                raise
+            return exc
+        return None
+
+    def canvas_only(self) -> CanvasDecisionModel:
+        """This model measuring the canvas alone, as shadow mode and `canvasroute eval` do.
+
+        No escalation target, budget or cache: every question gets the canvas's best real
+        option, flagged `confident=False` where the model would have escalated, abstained
+        or taken a fallback, and an engine fault raises. Made once per model.
+        """
+        memo = self._memo
+        if memo.canvas_only is None:
+            copy = self.model_copy(update={"escalate_to": None, "budget": None, "budget_meter": None, "cache": None})
+            copy.model_post_init(None)
+            copy._memo.outcomes = replace(copy._memo.outcomes, canvas_only=True)
+            copy._memo.parsed, copy._memo.plans = memo.parsed, memo.plans  # same engine, same plans
+            memo.canvas_only = copy
+        return memo.canvas_only
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
@@ -334,6 +338,21 @@ class CanvasDecisionModel(BaseDecisionModel):
             _remember(parsed, key, specs)
         parsed.move_to_end(key)
         return key, parsed[key]
+
+    @staticmethod
+    def _shaped(specs: Mapping[str, QuestionSpec], asked: Sequence[str], policy: GatePolicy) -> dict[str, QuestionSpec]:
+        """The asked questions as read: with their abstain label where their policy abstains."""
+        return {qid: with_abstain(specs[qid]) if policy.for_question(qid).abstain else specs[qid] for qid in asked}
+
+    async def _layer_plan(self, key: str, specs: Mapping[str, QuestionSpec], asked: Sequence[str],
+                          policy: GatePolicy) -> Plan:
+        """The (cached) plan of the asked questions of one layer."""
+        shaped = self._shaped(specs, asked, policy)
+        views = {qid: policy.for_question(qid).order_views for qid in asked if policy.for_question(qid).order_views}
+        plan_key: Any = key
+        if len(asked) != len(specs) or views or any(s.abstain for s in shaped.values()):
+            plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()))
+        return await self._plan(plan_key, shaped, views)
 
     async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None) -> Plan:
         plans = self._memo.plans
@@ -358,6 +377,8 @@ class _Memo:
     outcomes: Outcomes
     parsed: OrderedDict[str, dict[str, QuestionSpec]] = field(default_factory=OrderedDict)
     plans: OrderedDict[Any, Plan] = field(default_factory=OrderedDict)
+    canvas_only: CanvasDecisionModel | None = None
+    """The model's `canvas_only()` copy, once made."""
 
 
 def _options(request: Any) -> dict[str, Any]:
@@ -371,21 +392,3 @@ def _remember(cache: OrderedDict[str, Any], key: str, value: Any, size: int = 25
     cache[key] = value
     while len(cache) > size:
         cache.popitem(last=False)
-
-
-async def _check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk],
-                        prompts: Sequence[tuple[Mapping[str, str], ...]]) -> None:
-    """Refuse before any read when prompt + canvas exceed the model's context.
-
-    A token covers at least one UTF-8 byte, so a byte count bounds the prompt cheaply;
-    only prompts near the limit are tokenized exactly.
-    """
-    for chunk, msgs in zip(chunks, prompts, strict=True):
-        budget = info.max_model_len - chunk.width
-        if info.chat_overhead + sum(len(m["content"].encode()) for m in msgs) <= budget:
-            continue
-        n = await engine.count_prompt(msgs)
-        if n > budget:
-            raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width} exceed the model's "
-                               f"{info.max_model_len}-token context",
-                               hint="shorten the state or ask fewer questions per node")

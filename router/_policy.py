@@ -91,6 +91,13 @@ class GatePolicy:
     """An abstained question escalates (under the budget; needs `escalate_to`) or takes
     the model's `fallback` option for it."""
 
+    on_unsure: Literal["answer", "fallback", "raise", "review"] = "answer"
+    """What a question still uncertain after its re-reads answers when nothing can answer it
+    instead (the model has no `escalate_to`); its path is `unsure` whatever this says.
+    `answer` (default): the canvas answer, flagged `confident=False`; `fallback`: the model's
+    `fallback` option for it; `raise`: `UnsureAnswer`; `review`: the canvas answer, and a
+    decision node sends it to a human through `interrupt()` (its `review=`, else `ReviewPolicy()`)."""
+
     order_views: int = 0
     """Extra listings of a Choice's options in cyclically shifted label order, as extra
     slots of the same canvas (0 off, at most 2); the aligned distributions are averaged
@@ -108,6 +115,8 @@ class GatePolicy:
             raise ValueError(f"order_views must be within 0..{MAX_ORDER_VIEWS}, got {self.order_views}")
         if self.on_abstain not in ("escalate", "fallback"):
             raise ValueError(f"on_abstain must be escalate or fallback, not {self.on_abstain!r}")
+        if self.on_unsure not in ("answer", "fallback", "raise", "review"):
+            raise ValueError(f"on_unsure must be answer, fallback, raise or review, not {self.on_unsure!r}")
         if not 0 <= self.rereads <= MAX_REREADS:
             raise ValueError(f"rereads must be within 0..{MAX_REREADS}, got {self.rereads}")
         for name in ("max_normalized_entropy", "min_confidence", "min_margin", "min_label_mass"):

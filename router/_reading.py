@@ -47,6 +47,8 @@ class QuestionRead:
     """The abstain label won the final canvas distribution."""
     on_abstain: str = "escalate"
     """Where an abstained question goes: `escalate` or `fallback` (its policy's)."""
+    on_unsure: str = "answer"
+    """What an unsure question answers when nothing can answer it instead (its policy's)."""
 
     def fail(self, exc: CanvasRouteError) -> None:
         self.error, self.fault = f"{type(exc).__name__}: {exc}", exc
@@ -138,10 +140,15 @@ class Reading:
         if uncertain:
             await self._jobs(self._reread_jobs(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
         await self._in_group(reads)
+        for qid in self.plan.routes:
+            if reads[qid].error is not None:  # a group distribution is no distribution over the options
+                reads[qid].stats = None
         for qid, r in reads.items():
+            policy = self.policy.for_question(qid)
+            r.on_unsure = policy.on_unsure
             if r.spec.abstain and r.error is None and r.stats is not None:
                 r.abstained = r.stats.top == len(r.spec.options) - 1
-                r.on_abstain = self.policy.for_question(qid).on_abstain
+                r.on_abstain = policy.on_abstain
         return reads
 
     @staticmethod
