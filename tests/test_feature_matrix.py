@@ -314,7 +314,7 @@ def run(b: Built, thread: str) -> Run:
         config = {"configurable": {"thread_id": thread}}
         value: Any = {"ticket": b.s["state"]}
         events: list[dict[str, Any]] = []
-        for _ in range(4):  # resume every review with the first option of each question
+        for _ in range(4):  # resume every review with another option than the canvas's
             pending: Any = ()
             for mode, chunk in b.graph.stream(value, config, stream_mode=["custom", "values", "updates"]):
                 if mode == "custom" and chunk.get("type") == DECISION_EVENT:
@@ -325,7 +325,8 @@ def run(b: Built, thread: str) -> Run:
                     pending = chunk["__interrupt__"]
             if not pending:
                 break
-            value = Command(resume={q: item["options"][0] for q, item in pending[0].value["questions"].items()})
+            value = Command(resume={q: next(o for o in item["options"] if o != item["answer"])  # overrule it
+                                    for q, item in pending[0].value["questions"].items()})
         return Run(records=out.get("decisions"), lane=out.get("lane"), node_ran=bool(events), faults=b.engine.faults,
                    hit=bool(b.model.cache and b.model.cache.hits > hits),
                    shadow=events[-1].get("shadow") if events else None)
