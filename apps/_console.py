@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TextIO
 
-__all__ = ["is_terminal", "plain_table", "print_table", "progress"]
+__all__ = ["is_terminal", "plain_table", "print_table", "progress", "say"]
 
 
 def is_terminal(stream: TextIO) -> bool:
@@ -50,6 +50,18 @@ def progress(total: int, label: str, *, unit: str = "rows", stream: TextIO | Non
     with Progress(*columns, console=Console(file=stream), transient=False) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n=1: bar.advance(task, n)
+
+
+def say(line: str, stream: TextIO | None = None) -> None:
+    """One line of what is happening now (stderr): dimmed on a terminal, plain text otherwise
+    (no carriage returns or bars, so a log keeps one line per step)."""
+    stream = stream or sys.stderr
+    if is_terminal(stream):
+        from rich.console import Console
+
+        Console(file=stream, highlight=False).print(f"[dim]{line}[/dim]")
+    else:
+        print(line, file=stream, flush=True)
 
 
 def plain_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, indent: str = "   ") -> list[str]:

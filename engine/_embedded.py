@@ -16,6 +16,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -162,17 +163,24 @@ def embedded_engine(*, progress: Progress | None = None, **kwargs: Any) -> Any:
 @contextmanager
 def _transformers_quiet() -> Iterator[None]:
     """transformers' progress bars and info lines off for the block (they pile up in logs)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
     from transformers.utils import logging as hf_logging
 
     bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    # the GGUF conversion uses tqdm directly, which the switch above does not reach
+    gguf_tqdm = getattr(gguf_loading, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_loading.tqdm = partial(gguf_tqdm, disable=True)
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
+        if gguf_tqdm is not None:
+            gguf_loading.tqdm = gguf_tqdm
 
 
 def _save(model: Any, tokenizer: Any, target: Path) -> None:

@@ -35,11 +35,12 @@ class FunctionEngine:
     """
 
     def __init__(self, fn: RowsFunction, *, model: str = "function", canvas_width: int = 64,
-                 max_model_len: int = 4096, vocab_size: int = 32000, keep_reads: bool = True) -> None:
+                 max_model_len: int = 4096, vocab_size: int = 32000, keep_reads: bool = True,
+                 causal_readout: bool = False) -> None:
         self._fn = fn
         self._info = EngineInfo(model=model, provider="function", canvas_width=canvas_width,
                                 max_model_len=max_model_len, vocab_size=vocab_size, pad_id=0,
-                                special_tokens=tuple(sorted(_SPECIALS)))
+                                special_tokens=tuple(sorted(_SPECIALS)), causal_readout=causal_readout)
         self._vocab: dict[str, int] = {s: i for i, s in enumerate(_SPECIALS)}
         self.reads: list[CanvasRead] = []
         """Every canvas read so far, in order (none with `keep_reads=False`, for long benchmarks)."""

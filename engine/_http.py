@@ -24,7 +24,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from ._lanes import Answer, HttpxLane, Origin, SocketLane
-from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineTimeout, EngineUnavailable
+from .errors import (
+    CanvasRouteError,
+    EngineOverloaded,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeout,
+    EngineUnavailable,
+)
 
 try:  # optional: decodes the large read responses ~3x faster than the json module
     from orjson import OPT_NON_STR_KEYS
@@ -254,7 +261,7 @@ class Connection:
         if otel_context.get_current():  # traceparent, baggage: nothing to inject from an empty context
             propagate.inject(headers)
         tried: set[str] = set()
-        last: Exception | None = None
+        last: CanvasRouteError | None = None
         wait = 0.0
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -292,6 +299,7 @@ class Connection:
                 raise EngineResponseError(f"{replica.url}{path} answered non-JSON: {text(resp)[:200]!r}") from exc
             return Reply(data, replica.url, resp.headers)
         assert last is not None
+        last.attempts = self.max_retries + 1  # retried here: `retry_on` leaves it to this layer
         raise last
 
 

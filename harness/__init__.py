@@ -1,10 +1,14 @@
 """LangGraph integration: decisions as graph nodes and edges.
 
 - `decision_node`: a node that answers its questions in one canvas read and returns
-  `Command(goto=..., update={"decisions": ...})` (the primary shape).
+  `Command(goto=..., update={"decisions": ...})` (the primary shape); run by `Send`
+  branches it keeps one record per branch (`branch=`).
 - `route_on`: a path function for `add_conditional_edges` (for graphs that already
   route with edges).
-- `ReviewPolicy`: send unsure, unescalated answers to a human via `interrupt()`.
+- `ReviewPolicy`: send unsure, unescalated answers to a human via `interrupt()` (canvasroute's
+  payload, or LangGraph's prebuilt `HumanInterrupt` that Agent Inbox reads); the decision is
+  a checkpointed task, so a resume anywhere never reads or escalates again.
+- `DECISION_EVENT`, `REVIEW_EVENT`: the custom-stream and callback events of a decision.
 - `merge_decisions`: the state reducer for the decisions key.
 - `NodeCache`: LangGraph's node cache, minus the decisions a fault or a budget refusal
   produced (`builder.compile(cache=NodeCache(InMemoryCache()))`).
@@ -25,10 +29,11 @@ if TYPE_CHECKING:
     from ._edge import DecisionEdge, route_on
     from ._node import DecisionNode, decision_node
     from ._node_cache import NodeCache
-    from ._records import DECISION_EVENT, merge_decisions
+    from ._records import merge_decisions
     from ._retry import retry_on
-    from ._review import REVIEW_EVENT, ReviewPolicy
+    from ._review import ReviewPolicy
     from ._store_budget import StoreBudgetMeter
+    from ._stream import DECISION_EVENT, REVIEW_EVENT
 
 __all__ = [
     "DECISION_EVENT",
@@ -46,8 +51,8 @@ __all__ = [
 ]
 
 _LAZY = {
-    "DECISION_EVENT": "._records",
-    "REVIEW_EVENT": "._review",
+    "DECISION_EVENT": "._stream",
+    "REVIEW_EVENT": "._stream",
     "DecisionEdge": "._edge",
     "DecisionNode": "._node",
     "NodeCache": "._node_cache",

@@ -13,11 +13,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables.config import ensure_config
 from langgraph.runtime import get_runtime
 
 from canvasroute.router import CanvasDecisionModel, GatePolicy, question_set_key, render_state
-from canvasroute.router.telemetry import GRAPH_NODE, GRAPH_THREAD
+from canvasroute.router.telemetry import GEN_AI_CONVERSATION_ID, GRAPH_NODE
 
 from ._records import answers_only
 from ._store_budget import StoreBudgetMeter, store_meter
@@ -41,6 +43,8 @@ class GraphCall:
     """The LangGraph thread, for per-thread escalation budgets and span attributes."""
     task_id: str | None
     """The task id (identical when an interrupted task re-runs on resume)."""
+    checkpoint_id: str | None
+    """The checkpoint the step started from: one per superstep."""
     model: CanvasDecisionModel
     """The decision model for this run (`Runtime.context.decision_model` wins)."""
     budget_meter: StoreBudgetMeter | None
@@ -53,7 +57,7 @@ class GraphCall:
         """Span attributes naming the graph node and thread."""
         attrs = {GRAPH_NODE: self.node}
         if self.thread_id is not None:
-            attrs[GRAPH_THREAD] = self.thread_id
+            attrs[GEN_AI_CONVERSATION_ID] = self.thread_id
         return attrs
 
 
@@ -76,10 +80,33 @@ def graph_call(config: RunnableConfig, model: CanvasDecisionModel, default_name:
         namespace=strip_task_ids(ns) or node,
         thread_id=None if thread is None else str(thread),
         task_id=info.task_id if info is not None else None,
+        checkpoint_id=info.checkpoint_id if info is not None else None,
         model=chosen,
         budget_meter=store_meter(chosen, getattr(runtime, "store", None)),
         policy=_gate(_from_context(context, "gate"), chosen.policy),
     )
+
+
+def complete(config: RunnableConfig | None) -> RunnableConfig:
+    """A graph step's config as it comes (it carries the run's callbacks); anything else,
+    `None` included, completed from the current runnable context by `ensure_config`."""
+    return config if config is not None and "callbacks" in config else ensure_config(config)
+
+
+def observed(config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> bool:
+    """Whether a callback handler (LangSmith tracer, OpenInference instrumentor, stream or
+    debug handler) would see the model's child run. When none would, the node calls
+    `adecide` directly instead of through langchain-core's Runnable run machinery, which
+    only those handlers read, and sends no custom callback events.
+
+    In a graph step the config holds the run's child manager, which already carries every
+    inheritable handler its run was configured with (environment tracing, hooks, debug), so
+    its own lists answer; anywhere else the manager is configured in full (`manager_for`).
+    """
+    callbacks = config.get("callbacks")
+    if not (isinstance(callbacks, BaseCallbackManager) and callbacks.parent_run_id is not None):
+        callbacks = manager_for(config)
+    return bool(callbacks.handlers or callbacks.inheritable_handlers)
 
 
 def child_config(config: RunnableConfig) -> RunnableConfig:

@@ -11,7 +11,8 @@ from langchain_core.runnables.config import ensure_config
 from canvasroute.router import CanvasDecisionModel, CanvasResponse, parse_questions
 
 from ._context import Inputs, child_config, decision_seed, graph_call, select_inputs
-from ._records import emit, entries, trace_route
+from ._records import entries, trace_route
+from ._stream import DECISION_EVENT, aemit, emit, event
 
 
 class DecisionEdge(Runnable[Any, str]):
@@ -53,11 +54,15 @@ class DecisionEdge(Runnable[Any, str]):
 
     def _decide(self, state: Any, config: RunnableConfig) -> str:
         call, request = self._prepare(state, config)
-        return self._finish(call, request, call.model.invoke(request, child_config(config)))
+        option, payload = self._finish(call, request, call.model.invoke(request, child_config(config)))
+        emit(payload, config)
+        return option
 
     async def _adecide(self, state: Any, config: RunnableConfig) -> str:
         call, request = self._prepare(state, config)
-        return self._finish(call, request, await call.model.ainvoke(request, child_config(config)))
+        option, payload = self._finish(call, request, await call.model.ainvoke(request, child_config(config)))
+        await aemit(payload, config)
+        return option
 
     def _prepare(self, state: Any, config: RunnableConfig) -> tuple[Any, dict[str, Any]]:
         call = graph_call(config, self.model, self.name)
@@ -67,12 +72,11 @@ class DecisionEdge(Runnable[Any, str]):
         return call, {"state": decision_state, "questions": questions, "seed": seed, "thread_id": call.thread_id,
                       "policy": call.policy, "attributes": call.attributes}
 
-    def _finish(self, call: Any, request: dict[str, Any], response: CanvasResponse) -> str:
+    def _finish(self, call: Any, request: dict[str, Any], response: CanvasResponse) -> tuple[str, dict[str, Any]]:
         decided = entries(response, {})
         option = decided[self.question_id]["answer"]
-        emit(call.node, self.path_map[option], decided, request["seed"])
         trace_route(call.attributes, self.path_map[option])
-        return option
+        return option, event(DECISION_EVENT, call.node, self.path_map[option], decided, request["seed"])
 
 
 def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, str], *,

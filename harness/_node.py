@@ -18,22 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
-from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import Runnable, RunnableConfig
-from langchain_core.runnables.config import (
-    ensure_config,
-    get_async_callback_manager_for_config,
-    get_callback_manager_for_config,
-)
+from langchain_core.runnables.config import get_async_callback_manager_for_config, get_callback_manager_for_config
 from langgraph.types import CachePolicy, Command
 
+from canvasroute.engine import DecisionError
 from canvasroute.router import (
     CanvasDecisionModel,
     CanvasResponse,
@@ -43,16 +37,19 @@ from canvasroute.router import (
     read_state,
 )
 
-from ._context import GraphCall, Inputs, child_config, decision_seed, graph_call, select_inputs
-from ._records import emit, entries, trace_route
-from ._review import ReviewPolicy, check_parents_unreviewed, review, unsure_review, unsure_reviewed
+from ._context import GraphCall, Inputs, child_config, complete, decision_seed, graph_call, observed, select_inputs
+from ._durable import adurable, durable
+from ._fanout import Branch, BranchKeys, branch_key, grouped
+from ._graph import check_review, state_lacks, warn_dropped
+from ._node_cache import stable_json
+from ._records import entries, trace_route
+from ._review import ReviewPolicy, check_parents_unreviewed, pending_review, review, review_for
 from ._routes import Route, annotated_call, parse_route, route_destinations
 from ._shadow import ExistingRouter, Shadow, ShadowOutcome
+from ._stream import DECISION_EVENT, REVIEW_EVENT, aemit, emit, event
 
 Questions = Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]
 """Static `{question_id: Noul | Choice | Score}`, or a function of the graph state."""
-
-_PENDING_MAX = 1024
 
 
 class DecisionNode(Runnable[Any, Command]):
@@ -64,7 +61,7 @@ class DecisionNode(Runnable[Any, Command]):
     def __init__(self, model: CanvasDecisionModel, questions: Questions, *, inputs: Inputs, route: Route,
                  output_key: str, name: str | None, review: ReviewPolicy | None,
                  destinations: Sequence[str] | None, shadow: ExistingRouter | None = None,
-                 depends_on: Mapping[str, Any] | None = None) -> None:
+                 depends_on: Mapping[str, Any] | None = None, branch: Branch = None) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
         if not (callable(questions) or isinstance(questions, Mapping)):
@@ -73,6 +70,8 @@ class DecisionNode(Runnable[Any, Command]):
             raise TypeError("inputs must be None, a state key, or a function of the state")
         if review is not None and not isinstance(review, ReviewPolicy):
             raise TypeError(f"review must be a ReviewPolicy, not {type(review).__name__}")
+        if not (branch is None or isinstance(branch, str) or callable(branch)):
+            raise TypeError("branch must be None, a state key, or a function of the node's input")
         if not output_key:
             raise ValueError("output_key must be a non-empty state key")
         self.model = model
@@ -93,8 +92,11 @@ class DecisionNode(Runnable[Any, Command]):
             check_parents_unreviewed(self.name, self.depends_on, review.questions)
         if isinstance(questions, Mapping):
             self._check(parse_questions(questions))
-        self._pending: OrderedDict[tuple[Any, ...], CanvasResponse] = OrderedDict()
-        self._lock = threading.Lock()
+        self.branch = branch
+        """What keys a fan-out branch's records (None: a `Send`'s position; no `Send`: flat records)."""
+        self._branches = BranchKeys()
+        self._schema_checked = False
+        self._node_cache = False
         if shadow is not None and review is not None:
             raise ValueError("shadow= and review= do not combine: in shadow mode the existing router decides")
         self.shadow = Shadow(shadow, self.destinations) if shadow is not None else None
@@ -119,6 +121,7 @@ class DecisionNode(Runnable[Any, Command]):
         (`canvasroute.harness`) keeps LangGraph from storing a decision that an engine fault
         or a budget refusal touched, which a plain LangGraph cache would replay for its TTL.
         """
+        self._node_cache = True
         return CachePolicy(key_func=self.cache_key, ttl=ttl)
 
     def cache_key(self, state: Any) -> str:
@@ -127,6 +130,8 @@ class DecisionNode(Runnable[Any, Command]):
         and their conditions), what it reads (`inputs`, rendered as the model sees it,
         images by digest) and its model's gate (policy, served name, constrained flag).
 
+        With `branch=`, the branch's key enters it too (a fan-out hit replays its own
+        branch's records); a cached node in a `Send` fan-out needs `branch=`.
         The rest of the graph state does not enter the key, so an unrelated key changing
         does not cause a re-read. The key is the same in every process and Python run
         (no hash-randomised ordering), so workers sharing a cache share its hits.
@@ -140,97 +145,135 @@ class DecisionNode(Runnable[Any, Command]):
         asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
         decision_state = select_inputs(state, self.inputs, self.output_key)
         model = self.model
+        branch = branch_key(self.branch, state, {}) if self.branch is not None else None
         text, images = read_state(decision_state)
         blob = json.dumps([self.name, asked, self.depends_on, text, list(image_digests(images)), repr(model.policy),
-                           model.model, model.constrained], sort_keys=True, default=_stable_json)
+                           model.model, model.constrained, branch], sort_keys=True, default=stable_json)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # -- Runnable -----------------------------------------------------------------------
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command:
         """Decide synchronously (`graph.invoke`): one read for all questions, then route."""
-        config = _complete(config)
-        job = self._prepare(input, config)
+        config = complete(config)
+        job = self._prepare(input, config, get_callback_manager_for_config)
         if self.shadow is not None:
             model = job.call.model.canvas_only()
-            return self._finish_shadow(job, *self.shadow.run(
+            command, payload = self._finish_shadow(job, *self.shadow.run(
                 input, config, lambda: model.invoke(job.shadow_request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
-        if job.cached is not None:
-            return self._finish(job, job.cached)
-        if _unobserved(config, get_callback_manager_for_config):
-            return self._finish(job, job.call.model.decide(job.state, job.questions, **job.options))
-        return self._finish(job, job.call.model.invoke(job.request, child_config(config)))
+        elif job.review is None:
+            command, payload = self._finish(job, self._read(job, config))
+        else:
+            response, fresh = durable(lambda: self._read(job, config))
+            if (waiting := self._review_event(job, response, fresh)) is not None:
+                emit(waiting, config, job.observed)
+            command, payload = self._finish(job, response, self._human(job, response))
+        emit(payload, config, job.observed)
+        return command
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command:
         """Decide asynchronously (`graph.ainvoke`): one read for all questions, then route."""
-        config = _complete(config)
-        job = self._prepare(input, config)
+        config = complete(config)
+        job = self._prepare(input, config, get_async_callback_manager_for_config)
         if self.shadow is not None:
             model = job.call.model.canvas_only()
-            return self._finish_shadow(job, *await self.shadow.arun(
+            command, payload = self._finish_shadow(job, *await self.shadow.arun(
                 input, config, lambda: model.ainvoke(job.shadow_request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
-        if job.cached is not None:
-            return self._finish(job, job.cached)
-        if _unobserved(config, get_async_callback_manager_for_config):
-            return self._finish(job, await job.call.model.adecide(job.state, job.questions, **job.options))
-        return self._finish(job, await job.call.model.ainvoke(job.request, child_config(config)))
+        elif job.review is None:
+            command, payload = self._finish(job, await self._aread(job, config))
+        else:
+            response, fresh = await adurable(lambda: self._aread(job, config))
+            if (waiting := self._review_event(job, response, fresh)) is not None:
+                await aemit(waiting, config, job.observed)
+            command, payload = self._finish(job, response, self._human(job, response))
+        await aemit(payload, config, job.observed)
+        return command
 
     # -- the decision -------------------------------------------------------------------
 
-    def _prepare(self, state: Any, config: RunnableConfig) -> _Job:
+    def _prepare(self, state: Any, config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> _Job:
         call = graph_call(config, self.model, self.name)
         questions = dict(self.questions(state) if callable(self.questions) else self.questions)
+        reviewing = None if self.shadow is not None else review_for(
+            self.review, call.policy or call.model.policy, questions, self.depends_on, call.node)
+        if reviewing is not None:
+            check_review(config, call.node)  # before any read: an interrupt nobody could resume
+        if not self._schema_checked:  # once per node, at its first run in a graph
+            lacks = state_lacks(config, self.output_key)
+            self._schema_checked = lacks is not None
+            if lacks:
+                warn_dropped(call.node, self.output_key)
         specs: Mapping[str, QuestionSpec] = {}  # static questions were checked when the node was built
-        if callable(self.questions) or self.review is not None:
+        if callable(self.questions) or reviewing is not None:
             specs = parse_questions(questions)
         if callable(self.questions):
             self._check(specs)
+        branch = branch_key(self.branch, state, config)
+        if branch is not None:
+            if self._node_cache and self.branch is None:  # a hit would replay another branch's key
+                raise DecisionError(f"decision node {call.node!r} has a node cache and runs in a Send fan-out: "
+                                    "its records need a key of the branch's input",
+                                    hint="pass decision_node(..., branch=<a key of the branch's input>)")
+            self._branches.claim(call.node, call.checkpoint_id, branch, call.task_id)
         decision_state = select_inputs(state, self.inputs, self.output_key)
         seed = decision_seed(call.namespace, "node", questions, decision_state)
-        key = (call.thread_id, call.task_id, seed) if call.thread_id and call.task_id else None
-        with self._lock:
-            cached = self._pending.get(key) if key else None
-        if self.depends_on and self.review is None and self.shadow is None:
-            check_parents_unreviewed(self.name, self.depends_on,
-                                     unsure_reviewed(call.policy or call.model.policy, self.depends_on))
         options = {"seed": seed, "thread_id": call.thread_id, "policy": call.policy, "attributes": call.attributes,
                    "depends_on": self.depends_on, "budget_meter": call.budget_meter}
         request = {"state": decision_state, "questions": questions, **options}
         options = {k: v for k, v in options.items() if v is not None}
-        return _Job(call, specs, questions, decision_state, seed, key, request, options, cached)
+        return _Job(call, specs, questions, decision_state, seed, request, options, branch,
+                    observed(config, manager_for), reviewing)
 
-    def _finish(self, job: _Job, response: CanvasResponse) -> Command:
-        human: dict[str, str] = {}
-        policy = self.review or unsure_review(job.call.policy or job.call.model.policy, response)
-        if policy is not None:
-            if job.key is not None:
-                self._remember(job.key, response)  # a resume reuses this read instead of reading again
-            specs = job.specs or parse_questions(job.questions)
-            options = {qid: spec.options for qid, spec in specs.items()}
-            human = review(policy, job.call.node, response, options, job.questions, job.state)
-            if job.key is not None:
-                with self._lock:
-                    self._pending.pop(job.key, None)
-        decided = entries(response, human)
+    def _read(self, job: _Job, config: RunnableConfig) -> CanvasResponse:
+        if not job.observed:
+            return job.call.model.decide(job.state, job.questions, **job.options)
+        return job.call.model.invoke(job.request, child_config(config))
+
+    async def _aread(self, job: _Job, config: RunnableConfig) -> CanvasResponse:
+        if not job.observed:
+            return await job.call.model.adecide(job.state, job.questions, **job.options)
+        return await job.call.model.ainvoke(job.request, child_config(config))
+
+    def _review_event(self, job: _Job, response: CanvasResponse, fresh: bool) -> dict[str, Any] | None:
+        """The event a decision waiting for a human sends before its interrupt (once: not on a resume)."""
+        assert job.review is not None
+        pending = pending_review(job.review, response)
+        if not (pending and fresh):
+            return None
+        return event(REVIEW_EVENT, job.call.node, None, entries(response, {}), job.seed, branch=job.branch,
+                     review=pending)
+
+    def _human(self, job: _Job, response: CanvasResponse) -> dict[str, str]:
+        """The human's options (interrupts the first time; a resume returns them)."""
+        assert job.review is not None
+        options = {qid: spec.options for qid, spec in job.specs.items()}
+        return review(job.review, job.call.node, response, options, job.questions, job.state)
+
+    def _finish(self, job: _Job, response: CanvasResponse,
+                human: Mapping[str, str] | None = None) -> tuple[Command, dict[str, Any]]:
+        decided = entries(response, human or {})
         goto = self._goto(decided)
-        emit(job.call.node, goto, decided, job.seed)
         trace_route(job.call.attributes, goto)
-        update = {self.output_key: decided}
-        return Command(update=update) if goto is None else Command(goto=goto, update=update)
+        update = {self.output_key: grouped(decided, job.branch)}
+        command = Command(update=update) if goto is None else Command(goto=goto, update=update)
+        return command, event(DECISION_EVENT, job.call.node, goto, decided, job.seed, branch=job.branch)
 
     def _canvas_goto(self, response: CanvasResponse) -> str | None:
         return self._goto(entries(response, {}))
 
-    def _finish_shadow(self, job: _Job, response: CanvasResponse | None, outcome: ShadowOutcome) -> Command:
+    def _finish_shadow(self, job: _Job, response: CanvasResponse | None,
+                       outcome: ShadowOutcome) -> tuple[Command, dict[str, Any]]:
         """Go where the existing router said; record what the canvas would have done."""
         decided = entries(response, {}) if response is not None else {}
         for qid, record in decided.items():
             record["shadow"] = outcome.record(qid)
-        emit(job.call.node, outcome.destination, decided, job.seed, shadow=outcome.record())
         trace_route(job.call.attributes, outcome.destination)
-        return Command(goto=outcome.destination, update={self.output_key: decided} if decided else None)
+        update = {self.output_key: grouped(decided, job.branch)} if decided else None
+        return Command(goto=outcome.destination, update=update), event(
+            DECISION_EVENT, job.call.node, outcome.destination, decided, job.seed, branch=job.branch,
+            shadow=outcome.record())
 
     def _goto(self, decided: dict[str, dict[str, Any]]) -> str | None:
         if self.route_fn is not None:
@@ -256,12 +299,6 @@ class DecisionNode(Runnable[Any, Command]):
             raise ValueError(f"route for {qid!r} must map every option to a node; "
                              f"missing {missing}, not options {unknown}")
 
-    def _remember(self, key: tuple[Any, ...], response: CanvasResponse) -> None:
-        with self._lock:
-            self._pending[key] = response
-            while len(self._pending) > _PENDING_MAX:
-                self._pending.popitem(last=False)
-
 
 @dataclass(slots=True)
 class _Job:
@@ -272,38 +309,20 @@ class _Job:
     questions: dict[str, Any]
     state: Any
     seed: int
-    key: tuple[Any, ...] | None
-    """Identifies the task across an interrupt and its resume (None without a checkpointer)."""
     request: dict[str, Any]
     options: dict[str, Any]
     """The request's keywords for `adecide` (those set)."""
-    cached: CanvasResponse | None
+    branch: str | None
+    """The fan-out branch key its records are grouped under (None: flat)."""
+    observed: bool
+    """A callback handler would see the model's run (else `adecide` is called directly)."""
+    review: ReviewPolicy | None
+    """What goes to a human in this run (`review_for`; None: nothing)."""
 
     @property
     def shadow_request(self) -> dict[str, Any]:
         """The request a shadow read sends: no budget (the shadow never escalates)."""
         return {**self.request, "budget_meter": None}
-
-
-def _complete(config: RunnableConfig | None) -> RunnableConfig:
-    """A graph step's config as it comes (it carries the run's callbacks); anything else,
-    `None` included, completed from the current runnable context by `ensure_config`."""
-    return config if config is not None and "callbacks" in config else ensure_config(config)
-
-
-def _unobserved(config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> bool:
-    """Whether no callback handler (LangSmith tracer, OpenInference instrumentor, stream or
-    debug handler) would see the model's child run: the node then calls `adecide` directly
-    instead of through langchain-core's Runnable run machinery, which only those handlers read.
-
-    In a graph step the config holds the run's child manager, which already carries every
-    inheritable handler its run was configured with (environment tracing, hooks, debug), so
-    its own lists answer; anywhere else the manager is configured in full (`manager_for`).
-    """
-    callbacks = config.get("callbacks")
-    if not (isinstance(callbacks, BaseCallbackManager) and callbacks.parent_run_id is not None):
-        callbacks = manager_for(config)
-    return not callbacks.handlers and not callbacks.inheritable_handlers
 
 
 def decision_node(
@@ -318,6 +337,7 @@ def decision_node(
     destinations: Sequence[str] | None = None,
     shadow: ExistingRouter | None = None,
     depends_on: Mapping[str, Any] | None = None,
+    branch: Branch = None,
 ) -> DecisionNode:
     """A node that answers all its questions with ONE `CanvasDecisionModel` call and routes.
 
@@ -333,10 +353,13 @@ def decision_node(
             a function of the decisions returning a node (then `destinations` is required),
             or None to only write the decisions and follow the graph's edges.
         output_key: State key the decisions are written to, `{question_id: {answer, path,
-            result, read}}`. Give it the `merge_decisions` reducer when several decision
-            nodes write it.
+            result, read, timing}}`. Give it the `merge_decisions` reducer when several decision
+            nodes (or `Send` branches) write it; a state schema without it drops the records
+            (the node warns once).
         name: Node name when added without one (default `decide_<route question>`).
-        review: Send unsure, unescalated answers to a human via `interrupt()`.
+        review: Send unsure, unescalated answers to a human via `interrupt()` (the graph needs
+            a checkpointer, else the node raises `GraphSetupError`). The decision runs as a
+            checkpointed task, so a resume in any process reuses its read and escalation.
         destinations: The nodes a route function may return (drawn as the node's edges).
         shadow: Shadow mode, the adoption path: your existing router (a function of the state
             returning a node, sync or async, or a Runnable) keeps routing the graph while the
@@ -346,6 +369,10 @@ def decision_node(
         depends_on: `{child: (parent, answers)}`: ask a child only when its parent's final
             answer is one of `answers` (in a second read of the same call); a skipped child's
             record has `answer=None` and path `skipped`. The route question cannot be a child.
+        branch: Fan-out (`Send`): what keys a branch's records, `{question_id: {branch: record}}`:
+            a key of the node's input or a function of it (e.g. a document id). Default: a
+            `Send` branch is keyed by its position among the step's Sends (`"0"`, `"1"`, ...);
+            a node run by an ordinary edge writes flat records. See `canvasroute.harness._fanout`.
 
     Returns:
         A `DecisionNode`: add it with `builder.add_node("triage", node)`.
@@ -365,14 +392,8 @@ def decision_node(
         ```
     """
     return DecisionNode(model, questions, inputs=inputs, route=route, output_key=output_key, name=name,
-                        review=review, destinations=destinations, shadow=shadow, depends_on=depends_on)
+                        review=review, destinations=destinations, shadow=shadow, depends_on=depends_on,
+                        branch=branch)
 
 
 __all__ = ["DecisionNode", "decision_node"]
-
-
-def _stable_json(value: Any) -> Any:
-    """JSON for what `json` cannot write, the same in every process: sets in sorted order."""
-    if isinstance(value, (set, frozenset)):
-        return sorted(value, key=lambda v: (type(v).__name__, repr(v)))
-    return str(value)

@@ -23,7 +23,7 @@ from langgraph.cache.base import BaseCache, FullKey, Namespace
 
 from ._records import is_record
 
-__all__ = ["NodeCache", "replayable_writes"]
+__all__ = ["NodeCache", "replayable_writes", "stable_json"]
 
 
 class NodeCache(BaseCache[Any]):
@@ -81,3 +81,11 @@ def replayable_writes(writes: Any) -> bool:
                         read.get("error") or read.get("over_budget")):
                     return False
     return True
+
+
+def stable_json(value: Any) -> Any:
+    """JSON for what `json` cannot write in a node's cache key, the same in every process:
+    sets in sorted order (hash randomisation would reorder them), anything else as text."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=lambda v: (type(v).__name__, repr(v)))
+    return str(value)

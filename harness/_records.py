@@ -1,9 +1,10 @@
-"""What a decision leaves behind: plain-dict state entries and a custom-stream event.
+"""What a decision leaves behind in state: plain-dict records, and the reducer that merges them.
 
 A record is `{answer, path, result, read, timing}`. Everything but `timing` follows from
 the node's inputs and seed, so replays reproduce it; `timing` (wall clock) does not, and no
 other decision ever reads it: `answers_only` turns records in a later decision's inputs
-into their answers.
+into their answers. A fan-out branch groups its records by branch key
+(`{question_id: {branch: record}}`, `canvasroute.harness._fanout`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from langgraph.config import get_stream_writer
-
 from canvasroute.router import CanvasResponse
 from canvasroute.router import telemetry as tm
-
-DECISION_EVENT = "canvasroute.decision"
-
 
 RECORD_KEYS = frozenset({"answer", "path", "result", "read", "timing", "shadow"})
 """The keys of one decision record in graph state (`shadow` only in shadow mode)."""
@@ -74,7 +70,9 @@ def is_record(value: Any) -> bool:
 
 
 def merge_decisions(left: Mapping[str, Any] | None, right: Mapping[str, Any] | None) -> dict[str, Any]:
-    """State reducer for the decisions key: later entries replace earlier ones per question id.
+    """State reducer for the decisions key: later records replace earlier ones per question
+    id, and per question id and branch for fan-out branches (`{question_id: {branch: record}}`),
+    so every branch of a `Send` fan-out keeps its record.
 
     Needed when several decision nodes write the same key, above all from parallel
     branches of one superstep (without a reducer LangGraph rejects concurrent writes).
@@ -86,27 +84,17 @@ def merge_decisions(left: Mapping[str, Any] | None, right: Mapping[str, Any] | N
             decisions: Annotated[dict, merge_decisions]
         ```
     """
-    return {**(left or {}), **(right or {})}
+    out = dict(left or {})
+    for qid, value in (right or {}).items():
+        before = out.get(qid)
+        out[qid] = {**before, **value} if _is_group(before) and _is_group(value) else value
+    return out
 
 
-def emit(node: str, goto: str | None, decided: Mapping[str, Mapping[str, Any]], seed: int,
-         shadow: Mapping[str, Any] | None = None) -> None:
-    """Write one event per decision set to LangGraph's custom stream (`stream_mode="custom"`)."""
-    try:
-        writer = get_stream_writer()
-    except RuntimeError:  # outside a graph run: nobody is listening
-        return
-    writer({
-        "type": DECISION_EVENT,
-        "node": node,
-        "goto": goto,
-        "seed": seed,
-        "answers": {qid: d["answer"] for qid, d in decided.items()},
-        "paths": {qid: d["path"] for qid, d in decided.items()},
-        "entropies": {qid: d["read"]["entropy"] for qid, d in decided.items()},
-        "normalized_entropies": {qid: d["read"]["normalized_entropy"] for qid, d in decided.items()},
-        **({"shadow": dict(shadow)} if shadow is not None else {}),
-    })
+def _is_group(value: Any) -> bool:
+    """A fan-out question's records by branch key (a mapping of records, not a record)."""
+    return (isinstance(value, Mapping) and not is_record(value)
+            and all(is_record(v) for v in value.values()))
 
 
 def trace_route(attributes: Mapping[str, Any], goto: str | None) -> None:

@@ -1,27 +1,31 @@
 """The human review lane: uncertain answers that were not escalated go to a person.
 
 The node calls LangGraph's `interrupt()` with the pending answers; the graph pauses
-(a checkpointer is required) and resumes with `Command(resume=<option>)`, or
-`Command(resume={question_id: option})` when several questions are under review.
+(a checkpointer is required: without one the node refuses to run) and resumes with
+`Command(resume=<option>)`, or `Command(resume={question_id: option})` when several
+questions are under review. With `interrupt="human_interrupt"` the payload and the
+resume are LangGraph's prebuilt `HumanInterrupt` / `HumanResponse` (Agent Inbox's
+shape; see `canvasroute.harness._inbox`).
 
-A node reviews what its `review=` policy says, and (without one) the unsure answers whose
-gate says `on_unsure="review"`. A question other questions depend on (`depends_on`) is
-never reviewed: its children are asked on the canvas's answer, before a human could
-change it, so the node refuses that combination with `DecisionError`.
+A node reviews what its `review=` policy says, and (without one) the questions whose gate
+says `on_unsure="review"` (`review_for`). A question other questions depend on
+(`depends_on`) is never reviewed: its children are asked on the canvas's answer, before a
+human could change it, so the node refuses that combination with `DecisionError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from langgraph.types import interrupt
 
 from canvasroute.engine import DecisionError
 from canvasroute.router import CanvasResponse, GatePolicy, ReadReport
 
-REVIEW_EVENT = "canvasroute.review"
+from ._inbox import human_interrupt, human_response
+from ._stream import REVIEW_EVENT
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +51,11 @@ class ReviewPolicy:
     include_state: bool = True
     """Put the decision state into the interrupt payload, so the reviewer sees what was asked."""
 
+    interrupt: Literal["canvasroute", "human_interrupt"] = "canvasroute"
+    """The interrupt's shape: canvasroute's own payload (resume with an option or
+    `{question_id: option}`), or LangGraph's prebuilt `HumanInterrupt` that Agent Inbox reads
+    (resume with a `HumanResponse`: accept, edit with another option, response, ignore)."""
+
     def __post_init__(self) -> None:
         if self.questions is not None and not (
                 isinstance(self.questions, frozenset) and all(isinstance(q, str) for q in self.questions)):
@@ -54,6 +63,8 @@ class ReviewPolicy:
                             f"not {type(self.questions).__name__}")
         if not isinstance(self.include_state, bool):
             raise TypeError(f"ReviewPolicy.include_state is a bool, not {type(self.include_state).__name__}")
+        if self.interrupt not in ("canvasroute", "human_interrupt"):
+            raise ValueError(f"ReviewPolicy.interrupt is 'canvasroute' or 'human_interrupt', not {self.interrupt!r}")
 
     def needs_review(self, report: ReadReport) -> bool:
         """Whether one answer goes to a human."""
@@ -69,9 +80,13 @@ def review(policy: ReviewPolicy, node: str, response: CanvasResponse, options: M
     Raises LangGraph's `GraphInterrupt` on the first run (never catch it); on resume,
     returns the validated resume value.
     """
-    pending = [qid for qid, r in response.reads.items() if policy.needs_review(r)]
+    pending = pending_review(policy, response)
     if not pending:
         return {}
+    if policy.interrupt == "human_interrupt":
+        request = human_interrupt(node, response, pending, options, questions,
+                                  state if policy.include_state else None)
+        return human_response(interrupt(request), response, pending, options)
     payload: dict[str, Any] = {
         "type": REVIEW_EVENT,
         "node": node,
@@ -80,6 +95,11 @@ def review(policy: ReviewPolicy, node: str, response: CanvasResponse, options: M
     if policy.include_state:
         payload["state"] = state
     return _validate(interrupt(payload), pending, options)
+
+
+def pending_review(policy: ReviewPolicy, response: CanvasResponse) -> list[str]:
+    """The questions of `response` that go to a human."""
+    return [qid for qid, r in response.reads.items() if policy.needs_review(r)]
 
 
 def _item(report: ReadReport, options: tuple[str, ...], question: Any) -> dict[str, Any]:
@@ -128,13 +148,14 @@ def check_parents_unreviewed(node: str, depends_on: Mapping[str, Any] | None, re
                  "on_unsure other than 'review' for parents), or drop depends_on")
 
 
-def unsure_reviewed(policy: GatePolicy, depends_on: Mapping[str, Any]) -> frozenset[str]:
-    """The parent questions whose gate sends an unsure answer to a human (`on_unsure="review"`)."""
-    return frozenset(parent for parent, _ in depends_on.values() if policy.for_question(parent).on_unsure == "review")
-
-
-def unsure_review(policy: GatePolicy, response: CanvasResponse) -> ReviewPolicy | None:
-    """A review of the unsure answers whose gate says `on_unsure="review"` (None: there are none)."""
-    pending = frozenset(qid for qid, r in response.reads.items()
-                        if r.path == "unsure" and policy.for_question(qid).on_unsure == "review")
-    return ReviewPolicy(questions=pending) if pending else None
+def review_for(review: ReviewPolicy | None, gate: GatePolicy, question_ids: Iterable[str],
+               depends_on: Mapping[str, Any] | None, node: str) -> ReviewPolicy | None:
+    """What a node run sends to a human: its `review=`, else the questions whose gate says
+    `on_unsure="review"` (a `depends_on` parent among them is refused); None: nothing."""
+    if review is not None:
+        return review
+    reviewed = frozenset(q for q in question_ids if gate.for_question(q).on_unsure == "review")
+    if not reviewed:
+        return None
+    check_parents_unreviewed(node, depends_on, reviewed)
+    return ReviewPolicy(questions=reviewed)

@@ -15,9 +15,11 @@ _model       CanvasDecisionModel: the BaseDecisionModel that connects them
 systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
 ```
 
-Public modules beside this surface: `canvasroute.router.telemetry` (span and attribute names) and
-`canvasroute.router.calibration` (the math).
+Public modules beside this surface: `canvasroute.router.telemetry` (span and attribute names,
+`JsonlSpanExporter`, `add_otlp_exporter`) and `canvasroute.router.calibration` (the math).
 """
+
+from typing import Any
 
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
@@ -39,6 +41,7 @@ from .calibration import (
     fit_temperature,
 )
 from .systemone import SystemOneDecisionModel
+from .telemetry import add_otlp_exporter
 
 __all__ = [
     "ABSTAIN",
@@ -51,6 +54,7 @@ __all__ = [
     "EscalationBudget",
     "GatePolicy",
     "InMemoryBudgetMeter",
+    "JsonlSpanExporter",
     "Labelled",
     "MAX_OPTIONS",
     "QuestionCalibration",
@@ -58,6 +62,7 @@ __all__ = [
     "ReadReport",
     "SlotStats",
     "SystemOneDecisionModel",
+    "add_otlp_exporter",
     "aggregate",
     "calibrate",
     "escalate",
@@ -75,3 +80,11 @@ __all__ = [
     "target_name",
     "validate_questions",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "JsonlSpanExporter":  # loads the OTel SDK: only when asked for
+        from .telemetry import JsonlSpanExporter
+
+        return JsonlSpanExporter
+    raise AttributeError(f"module 'canvasroute.router' has no attribute {name!r}")

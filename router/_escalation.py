@@ -1,39 +1,47 @@
 """Escalation: ask a larger model the questions the canvas was unsure about, in one call.
 
 Targets: a chat model (`BaseChatModel`), any `Runnable` that takes messages (e.g. a
-structured-output chain), or another `BaseDecisionModel`. Chat models and runnables get
-the question, the options, the state and the canvas probabilities (after a one-shot
-example of the reply format), and must reply with a JSON object `{question id: option}`
-restricted to the allowed options. A failed call or malformed output gets one retry,
-then `EscalationError`.
+structured-output chain), or another `BaseDecisionModel`. A chat model is asked for its
+structured output (`with_structured_output` over the answer schema of
+`_escalation_prompt`: a JSON schema on OpenAI-compatible servers, guided decoding on
+vLLM); one without it, and any Runnable, replies with a JSON object in text. The
+messages come from the escalation prompt (`escalation_prompt=`, default
+`ESCALATION_PROMPT`): the state, the questions with their options, the canvas
+probabilities.
+
+A call is sent once: the target's own client owns transport retries (`ChatOpenAI`'s
+`max_retries`). Only a reply outside the allowed options is asked again, once, with the
+invalid reply shown. A failure is an `EscalationError` whose `failure` says what failed:
+`network`, `target` or `format`.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from langchain_core.decisions import BaseDecisionModel, ChoiceAnswer, NoulAnswer, ScoreAnswer
+from langchain_core.decisions import BaseDecisionModel
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 
-from canvasroute.engine.errors import CanvasRouteError, EscalationError
+from canvasroute.engine.errors import CanvasRouteError, EngineUnavailable, EscalationError
 
-from ._questions import QuestionSpec, option_text, parse_questions
+from ._escalation_prompt import answer_schema, prompt_messages
+from ._escalation_reply import Escalated, from_decision, from_reply, usage_of
+from ._questions import QuestionSpec
 
+__all__ = ["EscalationOutput", "Escalated", "escalate", "failure", "is_target", "target_name"]
 
-@dataclass(slots=True)
-class Escalated:
-    """The escalation's answers: option and (if the target reported one) distribution."""
+EscalationOutput = Literal["auto", "json_schema", "function_calling", "json_mode", "text"]
+"""How a chat-model target answers: `auto` (its own structured output, a JSON reply in text
+when it has none), a `with_structured_output` method by name, or `text`."""
 
-    model: str
-    answers: dict[str, str]
-    probabilities: dict[str, dict[str, float] | None]
-    usage: dict[str, int] = field(default_factory=dict)
+_HINTS = {
+    "network": "check the escalation target's URL and that its server is up and answering in time",
+    "target": "check the escalation target's model name, API key and quota",
+    "format": "give the target structured output (escalation_output='auto' on a chat model that has it), "
+              "or a clearer escalation_prompt",
+}
 
 
 def target_name(target: Any) -> str:
@@ -48,57 +56,100 @@ def target_name(target: Any) -> str:
 
 
 async def escalate(target: Any, state_text: str, state: Any, specs: Sequence[QuestionSpec],
-                   canvas: Mapping[str, Mapping[str, float] | None]) -> Escalated:
-    """Answer `specs` with `target`, one call for all of them."""
+                   canvas: Mapping[str, Mapping[str, float] | None], *, prompt: Any = None,
+                   output: EscalationOutput = "auto") -> Escalated:
+    """Answer `specs` with `target`, one call for all of them (and one more for a malformed reply)."""
     name = target_name(target)
     config = {"tags": ["nostream"]}
     if isinstance(target, BaseDecisionModel):
         request = {"state": state, "questions": {s.id: s.question for s in specs}}
-        cause: Exception | None = None
-        for _ in range(2):
-            try:
-                return _from_decision(name, await target.ainvoke(request, config=config), specs)
-            except Exception as exc:  # the target's fault, typed or not: one retry
-                _reraise_control_flow(exc)
-                cause = exc
-        raise EscalationError(f"escalation to {name} failed twice: {cause!r}",
-                              hint="check the escalation model", retryable=_transient(cause)) from cause
-    messages: list[BaseMessage] = [SystemMessage(_instructions(specs)), *_EXAMPLE,
-                                   HumanMessage(_request(state_text, specs, canvas))]
-    usage = {"input_tokens": 0, "output_tokens": 0}
-    error, cause = "", None
-    for _ in range(2):
         try:
-            reply = await target.ainvoke(messages, config=config)
+            resp = await target.ainvoke(request, config=config)
         except Exception as exc:
             _reraise_control_flow(exc)
-            error, cause = f"escalation to {name} failed: {exc!r}", exc
-            continue
-        for key, value in _usage(reply).items():
+            raise failure(name, target, exc) from exc
+        try:
+            return from_decision(name, resp, specs)
+        except ValueError as exc:
+            raise _format_error(name, f"returned {exc}") from exc
+    messages = await prompt_messages(prompt, state_text, specs, canvas)
+    runner, structured = _runner(target, name, specs, output)
+    usage = {"input_tokens": 0, "output_tokens": 0}
+    cause: ValueError | None = None
+    for _ in range(2):
+        try:
+            reply = await runner.ainvoke(messages, config=config)
+        except Exception as exc:
+            _reraise_control_flow(exc)
+            raise failure(name, target, exc) from exc
+        raw, parsed, error = _unpack(reply) if structured else (reply, None, None)
+        for key, value in usage_of(raw).items():
             usage[key] += value
         try:
-            result = _from_reply(name, reply, specs)
+            if error is not None:
+                raise ValueError(f"invalid structured output ({error})")
+            result = from_reply(name, raw, specs, parsed)
         except ValueError as exc:
-            error, cause = f"escalation to {name} answered outside the allowed options: {exc}", exc
-            messages = [*messages, reply if isinstance(reply, BaseMessage) else AIMessage(str(reply)),
+            cause = exc
+            messages = [*messages, raw if isinstance(raw, BaseMessage) else AIMessage(str(raw)),
                         HumanMessage(f"That reply was invalid ({exc}). Reply with the JSON object only.")]
             continue
         result.usage = usage  # both attempts count
         return result
-    raise EscalationError(error, hint="check the escalation model, or its output format",
-                          retryable=_transient(cause)) from cause
+    assert cause is not None
+    raise _format_error(name, f"answered outside the allowed options twice: {cause}") from cause
 
 
-def _transient(exc: BaseException | None) -> bool:
-    """A target failure that may pass by itself: unreachable, timed out, or shedding load."""
-    if isinstance(exc, CanvasRouteError):
-        return exc.retryable
-    return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ in _TRANSIENT_NAMES
+def _runner(target: Any, name: str, specs: Sequence[QuestionSpec], output: EscalationOutput) -> tuple[Any, bool]:
+    """What to invoke: the target's structured output (`include_raw`: usage and logprobs
+    stay readable), or the target itself."""
+    if output == "text" or not isinstance(target, BaseChatModel):
+        return target, False
+    kwargs = {} if output == "auto" else {"method": output}
+    try:
+        return target.with_structured_output(answer_schema(specs), include_raw=True, **kwargs), True
+    except NotImplementedError as exc:
+        if output == "auto":
+            return target, False  # no structured output: a JSON reply in text
+        raise EscalationError(f"escalation to {name}: the target has no structured output for method "
+                              f"{output!r} ({exc})", failure="target",
+                              hint="use escalation_output='auto' or 'text'") from exc
 
 
-_TRANSIENT_NAMES = {"APIConnectionError", "APITimeoutError", "RateLimitError", "InternalServerError",
-                    "ConnectError", "ReadTimeout", "ConnectTimeout", "RemoteProtocolError"}
-"""Transient errors of the OpenAI and httpx clients, named so neither has to be imported."""
+def _unpack(reply: Any) -> tuple[Any, Any, Any]:
+    """(raw message, parsed mapping, parsing error) of an `include_raw` structured reply."""
+    if isinstance(reply, Mapping) and "raw" in reply:
+        return reply["raw"], reply.get("parsed"), reply.get("parsing_error")
+    return reply, None, None
+
+
+def failure(name: str, target: Any, exc: BaseException) -> EscalationError:
+    """The `EscalationError` for a target call that raised `exc`: network (unreachable, timed
+    out) or target (it answered with an error), retryable when it may pass by itself."""
+    if isinstance(exc, CanvasRouteError):  # a decision-model target's own typed fault
+        kind = "network" if isinstance(exc, EngineUnavailable) else "target"
+        retryable, attempts = exc.retryable, exc.attempts
+    else:
+        status = getattr(exc, "status_code", None)
+        network = isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ in _NETWORK_NAMES
+        kind = "network" if network else "target"
+        retryable = network or type(exc).__name__ in _SHEDDING_NAMES or status in (429, 503, 529)
+        own = getattr(target, "max_retries", None)  # a client that retries itself owns its retries
+        attempts = own + 1 if isinstance(own, int) and not isinstance(own, bool) and own > 0 else 1
+    what = "could not be reached or timed out" if kind == "network" else "answered with an error"
+    return EscalationError(f"escalation to {name} failed ({kind}: the target {what}): {exc!r}", failure=kind,
+                           hint=_HINTS[kind], retryable=retryable, attempts=attempts)
+
+
+def _format_error(name: str, what: str) -> EscalationError:
+    return EscalationError(f"escalation to {name} {what} (format)", failure="format", hint=_HINTS["format"])
+
+
+_NETWORK_NAMES = {"APIConnectionError", "APITimeoutError", "ConnectError", "ReadTimeout", "ConnectTimeout",
+                  "RemoteProtocolError", "ReadError", "WriteError", "PoolTimeout"}
+"""Transport errors of the OpenAI and httpx clients, named so neither has to be imported."""
+_SHEDDING_NAMES = {"RateLimitError", "InternalServerError", "ServiceUnavailableError"}
+"""A target that answered but shed load: it may pass by itself."""
 
 
 def _reraise_control_flow(exc: Exception) -> None:
@@ -106,173 +157,6 @@ def _reraise_control_flow(exc: Exception) -> None:
     inside an escalation target, e.g. a human reviewer), without importing LangGraph."""
     if any(cls.__name__ == "GraphBubbleUp" for cls in type(exc).__mro__):
         raise exc
-
-
-def _instructions(specs: Sequence[QuestionSpec]) -> str:
-    return ("You answer classification questions about an input. For each question choose exactly one "
-            "of its allowed options. A fast model's probabilities are given as a hint; they may be wrong. "
-            "Reply with only a JSON object that maps each question id to one allowed option.")
-
-
-def _request(state_text: str, specs: Sequence[QuestionSpec],
-             canvas: Mapping[str, Mapping[str, float] | None]) -> str:
-    """The user turn: the input, then one line per question (options, canvas hint).
-
-    One compact line per question keeps small models on track across several questions.
-    """
-    lines = []
-    for spec in specs:
-        options = ", ".join(f'"{o}"' + (f" ({d})" if d else "")
-                            for o, d in zip(spec.options, spec.descriptions, strict=True))
-        line = f'Question "{spec.id}": {option_text(spec.question.instructions)} Options: {options}.'
-        if hint := canvas.get(spec.id):
-            line += " Fast model's probabilities: " + json.dumps({k: round(v, 3) for k, v in hint.items()})
-        lines.append(line)
-    keys = ", ".join(f'"{s.id}"' for s in specs)
-    return f"Input:\n{state_text}\n\n" + "\n".join(lines) + f"\n\nJSON with the keys {keys}:"
-
-
-def _example() -> tuple[HumanMessage, AIMessage]:
-    """A one-shot example of the reply format (small models need it; large ones don't mind)."""
-    specs = parse_questions({"weather": {"type": "choice", "instructions": "What is the weather like?",
-                                         "criteria": {"sunny": None, "rainy": None}},
-                             "cold": {"type": "noul", "instructions": "Is it cold?"}})
-    hint = {"weather": {"sunny": 0.6, "rainy": 0.4}, "cold": {"yes": 0.3, "no": 0.7}}
-    return (HumanMessage(_request("It is a bright, sunny day in July.", list(specs.values()), hint)),
-            AIMessage('{"weather": "sunny", "cold": "no"}'))
-
-
-def _usage(reply: Any) -> dict[str, int]:
-    """Token usage a chat reply reports (empty when it reports none)."""
-    if isinstance(reply, AIMessage) and reply.usage_metadata:
-        return {"input_tokens": int(reply.usage_metadata.get("input_tokens", 0)),
-                "output_tokens": int(reply.usage_metadata.get("output_tokens", 0))}
-    return {}
-
-
-def _from_reply(name: str, reply: Any, specs: Sequence[QuestionSpec]) -> Escalated:
-    """Validate a chat/runnable reply and read a distribution from logprobs if present."""
-    usage = _usage(reply)
-    logprobs = None
-    if isinstance(reply, BaseMessage):
-        text = reply.text if isinstance(reply.text, str) else reply.text()
-        logprobs = (reply.response_metadata or {}).get("logprobs")
-        data: Any = _parse_json(text)
-    elif isinstance(reply, Mapping):
-        data, text = dict(reply), ""
-    elif hasattr(reply, "model_dump"):
-        data, text = reply.model_dump(), ""
-    else:
-        text = str(reply)
-        data = _parse_json(text)
-    answers: dict[str, str] = {}
-    by_description: dict[str, bool] = {}  # answered by an option's description, not its name
-    for spec in specs:
-        value = data.get(spec.id) if isinstance(data, Mapping) else None
-        option = _match(spec, value)
-        if option is None:
-            raise ValueError(f"{spec.id!r}: {value!r} is not one of {list(spec.options)}")
-        answers[spec.id] = option
-        by_description[spec.id] = isinstance(value, str) and value.strip().casefold() != option.casefold()
-    probs = {s.id: _logprob_distribution(logprobs, text, s, by_description[s.id]) if logprobs else None
-             for s in specs}
-    for qid, dist in probs.items():  # a distribution that disagrees with the answer was mis-mapped
-        if dist and max(dist, key=dist.__getitem__) != answers[qid]:
-            probs[qid] = None
-    return Escalated(name, answers, probs, usage)
-
-
-def _parse_json(text: str) -> Any:
-    """The first JSON object in `text` (prose or code fences around it are ignored)."""
-    decoder = json.JSONDecoder()
-    start, error = (text or "").find("{"), "no JSON object"
-    while start != -1:
-        try:
-            value, _ = decoder.raw_decode(text, start)
-        except json.JSONDecodeError as exc:
-            error = f"invalid JSON ({exc.msg})"
-        else:
-            if isinstance(value, dict):
-                return value
-        start = text.find("{", start + 1)
-    raise ValueError(f"{error} in {(text or '')[:120]!r}")
-
-
-def _match(spec: QuestionSpec, value: Any) -> str | None:
-    """The option a reply value names: its name, or (if unambiguous) its description."""
-    if isinstance(value, bool) and spec.kind == "noul":
-        return "yes" if value else "no"
-    if isinstance(value, int) and not isinstance(value, bool) and spec.kind == "score":
-        value = str(value)
-    if not isinstance(value, str):
-        return None
-    key = value.strip().casefold()
-    folded = {o.casefold(): o for o in spec.options}
-    if key in folded:
-        return folded[key]
-    described = [o for o, d in zip(spec.options, spec.descriptions, strict=True) if d and d.casefold() == key]
-    return described[0] if len(described) == 1 else None
-
-
-def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec,
-                          by_description: bool = False) -> dict[str, float] | None:
-    """Distribution over options from OpenAI-shaped logprobs at the answer's first token.
-
-    Approximate: each option takes the best alternative whose text is a prefix of its
-    name (of its description, when the reply named the answer by its description);
-    options sharing a first token share that mass. None when the token is not found.
-    """
-    content = logprobs.get("content") if isinstance(logprobs, Mapping) else logprobs
-    if not content:
-        return None
-    m = re.search(r'"%s"\s*:\s*"?' % re.escape(spec.id), text)
-    if m is None:
-        return None
-    offset = 0
-    for entry in content:
-        token = entry.get("token", "")
-        if offset + len(token) > m.end() or (offset >= m.end()):
-            alts = {a["token"].strip().strip('"'): a["logprob"] for a in entry.get("top_logprobs") or []}
-            alts.setdefault(token.strip().strip('"'), entry.get("logprob", 0.0))
-            scores = {}
-            for option, desc in zip(spec.options, spec.descriptions, strict=True):
-                name = (desc if by_description else option).casefold()
-                hits = [lp for tok, lp in alts.items() if tok and name and name.startswith(tok.casefold())]
-                scores[option] = max(hits) if hits else None
-            known = [v for v in scores.values() if v is not None]
-            if not known:
-                return None
-            floor = min(known) - 5.0
-            weights = {o: math.exp(v if v is not None else floor) for o, v in scores.items()}
-            total = sum(weights.values())
-            return {o: w / total for o, w in weights.items()}
-        offset += len(token)
-    return None
-
-
-def _from_decision(name: str, resp: Any, specs: Sequence[QuestionSpec]) -> Escalated:
-    name = getattr(resp, "model", None) or name  # the model that answered, as it reports itself
-    answers: dict[str, str] = {}
-    probs: dict[str, dict[str, float] | None] = {}
-    for spec in specs:
-        ans = resp.answers.get(spec.id) if resp is not None else None
-        if isinstance(ans, NoulAnswer):
-            answers[spec.id] = "yes" if ans.noul >= 0.5 else "no"
-            probs[spec.id] = {"yes": ans.noul, "no": 1.0 - ans.noul}
-        elif isinstance(ans, ChoiceAnswer) and ans.choice in spec.options:
-            answers[spec.id] = ans.choice
-            probs[spec.id] = {o: float(ans.probabilities.get(o, 0.0)) for o in spec.options}
-        elif isinstance(ans, ScoreAnswer):
-            dist = {str(k): float(v) for k, v in ans.probabilities.items()}
-            answers[spec.id] = max(dist, key=dist.__getitem__) if dist else str(round(ans.score))
-            probs[spec.id] = {o: dist.get(o, 0.0) for o in spec.options}
-        else:
-            raise EscalationError(f"escalation to {name} returned no usable answer for {spec.id!r}: {ans!r}")
-    usage = dict(resp.usage) if getattr(resp, "usage", None) else {}
-    return Escalated(name, answers, probs, {k: int(usage.get(k, 0)) for k in ("input_tokens", "output_tokens")})
-
-
-_EXAMPLE = _example()
 
 
 def is_target(target: Any) -> bool:

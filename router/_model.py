@@ -26,14 +26,15 @@ from canvasroute.engine import CanvasRouteError, DecisionError, Engine, EngineIn
 from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache, decision_key, replay, replayable
-from ._depends import Dependencies, parse_depends_on
-from ._escalation import is_target
+from ._depends import parse_depends_on
+from ._escalation import EscalationOutput, is_target
+from ._escalation_prompt import check_prompt
 from ._images import ImageEngine, check_images, image_digests
 from ._length import check_length
 from ._outcome import Outcomes, skipped_report
-from ._plan import Plan, plan
-from ._policy import EscalationBudget, GatePolicy
-from ._questions import QuestionSpec, parse_questions, question_set_key, with_abstain
+from ._plans import Planner, shaped
+from ._policy import EscalationBudget, GatePolicy, check_fallbacks
+from ._questions import QuestionSpec, parse_questions, question_set_key
 from ._reading import QuestionRead, Reading
 from ._state import default_seed, read_state
 from ._types import CanvasResponse, ReadReport, answer_of
@@ -74,7 +75,8 @@ class CanvasDecisionModel(BaseDecisionModel):
     engine: Any
     """The engine that reads canvases (`VLLMServerEngine`, `TransformersEngine`, ...)."""
     model: str = "canvas"
-    """Model name for LangSmith metadata; each response reports the engine's served model."""
+    """The name callback tracers see (`ls_model_name`) when set; by default the engine's served
+    model, once the engine has said it. Each response reports the served model."""
     policy: GatePolicy = Field(default_factory=GatePolicy)
     """Thresholds and re-reads."""
     escalate_to: Any = None
@@ -93,11 +95,22 @@ class CanvasDecisionModel(BaseDecisionModel):
     slots of a canvas): label mass is then 1 for a lone question, a share for several."""
     escalation_timeout: float = 60.0
     """Seconds one escalation call may take."""
+    escalation_prompt: Any = None
+    """A `ChatPromptTemplate` for escalations over `{state}`, `{questions}` and `{keys}`
+    (None: `ESCALATION_PROMPT`, instructions and a one-shot example)."""
+    escalation_output: EscalationOutput = "auto"
+    """How a chat-model target answers: `auto` (its structured output, `with_structured_output`;
+    a JSON reply in text when it has none), a `with_structured_output` method, or `text`."""
     cache: Any = None
     """A `DecisionCache`: an identical decision set about an identical state (same policy
     and seed) is answered from it without a read (None: every call reads)."""
 
     _kept: _Memo = PrivateAttr()
+
+    @field_validator("escalation_prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        return check_prompt(value)
 
     @field_validator("escalate_to")
     @classmethod
@@ -120,7 +133,9 @@ class CanvasDecisionModel(BaseDecisionModel):
         meter = self.budget_meter or (InMemoryBudgetMeter(self.budget) if self.budget else None)
         self._kept = _Memo(Outcomes(escalate_to=self.escalate_to, budget=self.budget, meter=meter,
                                     on_engine_error=self.on_engine_error, fallback=dict(self.fallback),
-                                    escalation_timeout=self.escalation_timeout))
+                                    escalation_timeout=self.escalation_timeout,
+                                    escalation_prompt=self.escalation_prompt,
+                                    escalation_output=self.escalation_output), Planner(self.engine))
 
     @property
     def _memo(self) -> _Memo:
@@ -161,12 +176,32 @@ class CanvasDecisionModel(BaseDecisionModel):
         finally:
             _REQUEST_OPTIONS.reset(token)
 
-    if TYPE_CHECKING:  # the inherited calls, typed with the response they return
-        def invoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
-                   **kwargs: Any) -> CanvasResponse: ...
+    # Callback tracers (LangSmith, Langfuse) name the run by `ls_model_name`: the served model,
+    # once the engine has said it (the `model` field when set explicitly).
 
-        async def ainvoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
-                          **kwargs: Any) -> CanvasResponse: ...
+    def invoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
+               **kwargs: Any) -> CanvasResponse:
+        if self._memo.served is None:
+            run_sync(self._learn_served())
+        return super().invoke(input, config, **kwargs)  # type: ignore[return-value]
+
+    async def ainvoke(self, input: ClassifierRequest, config: RunnableConfig | None = None,
+                      **kwargs: Any) -> CanvasResponse:
+        if self._memo.served is None:
+            await self._learn_served()
+        return await super().ainvoke(input, config, **kwargs)  # type: ignore[return-value]
+
+    async def _learn_served(self) -> None:
+        try:
+            self._memo.served = (await self.engine.info()).model
+        except CanvasRouteError:  # the decision itself handles an engine that is down
+            pass
+
+    def _traced_config(self, config: RunnableConfig | None) -> RunnableConfig:
+        config = super()._traced_config(config)
+        if self._memo.served and "model" not in self.model_fields_set:
+            config["metadata"]["ls_model_name"] = self._memo.served
+        return config
 
     # -- the decision ------------------------------------------------------------------
 
@@ -192,7 +227,8 @@ class CanvasDecisionModel(BaseDecisionModel):
         policy = policy or self.policy
         key, specs = self._specs(questions)
         outcomes = self._memo.outcomes
-        outcomes.check(specs, policy)  # every fallback is an option; every abstaining or unsure question has a way out
+        if not outcomes.canvas_only:  # every fallback is an option; every abstaining or unsure question has a way out
+            check_fallbacks(specs, policy, self.escalate_to is not None, self.fallback)
         deps = parse_depends_on(depends_on, specs)
         if budget_meter is not None:
             if self.budget is None:
@@ -228,7 +264,12 @@ class CanvasDecisionModel(BaseDecisionModel):
             done: dict[str, ReadReport] = {}
             last: list[tuple[QuestionRead, Any, dict[str, Any] | None]] = []  # reported once the latency is known
             if info is not None and fault is None:
-                fault = await self._check_reads(key, specs, deps, info, state_text, policy)
+                try:  # before any read: every read a plan of any layer can send is length-checked
+                    await self._memo.planner.check(info, state_text, key, specs, deps.layers, policy)
+                except CanvasRouteError as exc:
+                    if not outcomes.absorbs(exc):
+                        raise
+                    fault = exc
             for i, layer in enumerate(deps.layers):
                 asked = [qid for qid in layer if deps.applies(qid, answers)]
                 for qid in layer:
@@ -272,20 +313,19 @@ class CanvasDecisionModel(BaseDecisionModel):
                           seed: int | None, policy: GatePolicy, usage: dict[str, int],
                           images: Sequence[str] = (), checked: bool = False) -> tuple[dict[str, QuestionRead], int]:
         """Read and gate the asked questions of one layer; returns their state and the reads sent
-        (`checked`: the whole layer is asked, so `_check_reads` has length-checked its plan)."""
-        shaped = self._shaped(specs, asked, policy)
-        absorbs = self._memo.outcomes.absorbs
+        (`checked`: the whole layer is asked, so `Planner.check` has length-checked its plan)."""
+        absorbs, planner = self._memo.outcomes.absorbs, self._memo.planner
         if info is not None and fault is None:
             try:
-                the_plan = await self._layer_plan(key, specs, asked, policy)
+                the_plan = await planner.layer(key, specs, asked, policy)
                 if not checked:
-                    await check_length(self.engine, info, the_plan, state_text, self._member_plan)
+                    await check_length(self.engine, info, the_plan, state_text, planner.member)
             except CanvasRouteError as exc:
                 if not absorbs(exc):
                     raise
                 fault = exc
         if fault is not None:  # every question goes down the escalation/fallback path, none is answered from nothing
-            reads = {qid: QuestionRead(spec, -1, ()) for qid, spec in shaped.items()}
+            reads = {qid: QuestionRead(spec, -1, ()) for qid, spec in shaped(specs, asked, policy).items()}
             for r in reads.values():
                 r.fail(fault)
             return reads, 0
@@ -294,24 +334,9 @@ class CanvasDecisionModel(BaseDecisionModel):
                           plan=the_plan, state_text=state_text,
                           seed=default_seed(state_text, the_plan) if seed is None else seed,
                           policy=policy, constrained=self.constrained, absorbs=absorbs,
-                          member_plan=self._member_plan, usage=usage)
+                          member_plan=planner.member, usage=usage)
         reads = await reading.run()
         return reads, reading.canvas_reads
-
-    async def _check_reads(self, key: str, specs: Mapping[str, QuestionSpec], deps: Dependencies,
-                           info: EngineInfo, state_text: str, policy: GatePolicy) -> CanvasRouteError | None:
-        """Before any read: every layer, all of it asked, is planned and length-checked (a
-        too-long state is refused before the parents are read, not after). An engine fault
-        is returned when the model absorbs it."""
-        try:
-            for layer in deps.layers:
-                the_plan = await self._layer_plan(key, specs, layer, policy)
-                await check_length(self.engine, info, the_plan, state_text, self._member_plan)
-        except CanvasRouteError as exc:
-            if not self._memo.outcomes.absorbs(exc):
-                raise
-            return exc
-        return None
 
     def canvas_only(self) -> CanvasDecisionModel:
         """This model measuring the canvas alone, as shadow mode and `canvasroute eval` do.
@@ -325,7 +350,7 @@ class CanvasDecisionModel(BaseDecisionModel):
             copy = self.model_copy(update={"escalate_to": None, "budget": None, "budget_meter": None, "cache": None})
             copy.model_post_init(None)
             copy._memo.outcomes = replace(copy._memo.outcomes, canvas_only=True)
-            copy._memo.parsed, copy._memo.plans = memo.parsed, memo.plans  # same engine, same plans
+            copy._memo.parsed, copy._memo.planner = memo.parsed, memo.planner  # same engine, same plans
             memo.canvas_only = copy
         return memo.canvas_only
 
@@ -339,33 +364,6 @@ class CanvasDecisionModel(BaseDecisionModel):
         parsed.move_to_end(key)
         return key, parsed[key]
 
-    @staticmethod
-    def _shaped(specs: Mapping[str, QuestionSpec], asked: Sequence[str], policy: GatePolicy) -> dict[str, QuestionSpec]:
-        """The asked questions as read: with their abstain label where their policy abstains."""
-        return {qid: with_abstain(specs[qid]) if policy.for_question(qid).abstain else specs[qid] for qid in asked}
-
-    async def _layer_plan(self, key: str, specs: Mapping[str, QuestionSpec], asked: Sequence[str],
-                          policy: GatePolicy) -> Plan:
-        """The (cached) plan of the asked questions of one layer."""
-        shaped = self._shaped(specs, asked, policy)
-        views = {qid: policy.for_question(qid).order_views for qid in asked if policy.for_question(qid).order_views}
-        plan_key: Any = key
-        if len(asked) != len(specs) or views or any(s.abstain for s in shaped.values()):
-            plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()))
-        return await self._plan(plan_key, shaped, views)
-
-    async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None) -> Plan:
-        plans = self._memo.plans
-        if key not in plans:
-            _remember(plans, key, await plan(self.engine, specs, views))
-        plans.move_to_end(key)
-        return plans[key]
-
-    async def _member_plan(self, the_plan: Plan, qid: str, group: int) -> Plan:
-        """The in-group plan of a routed question (cached like decision-set plans)."""
-        spec = the_plan.routes[qid].member_spec(the_plan.specs[qid], group)
-        return await self._plan(("member", qid, spec.question.model_dump_json()), {qid: spec})
-
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -375,10 +373,17 @@ class _Memo:
     """What a model keeps between decisions: its outcome rules, parsed question sets and plans."""
 
     outcomes: Outcomes
+    planner: Planner
+    served: str | None = None
+    """The engine's served model name, once known (for callback tracers)."""
     parsed: OrderedDict[str, dict[str, QuestionSpec]] = field(default_factory=OrderedDict)
-    plans: OrderedDict[Any, Plan] = field(default_factory=OrderedDict)
     canvas_only: CanvasDecisionModel | None = None
     """The model's `canvas_only()` copy, once made."""
+
+    @property
+    def plans(self) -> OrderedDict[Any, Any]:
+        """The plans made so far, by key."""
+        return self.planner.plans
 
 
 def _options(request: Any) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from canvasroute.engine import BudgetExhausted, CanvasRouteError, DecisionError,
 from . import telemetry as tm
 from ._budget import BudgetMeter
 from ._distribution import SlotStats
-from ._escalation import Escalated, escalate, target_name
-from ._policy import EscalationBudget, GatePolicy
+from ._escalation import Escalated, EscalationOutput, escalate, target_name
+from ._policy import EscalationBudget
 from ._questions import QuestionSpec
 from ._reading import QuestionRead
 from ._types import ReadReport
@@ -41,29 +41,12 @@ class Outcomes:
     on_engine_error: Literal["escalate", "raise", "fallback"]
     fallback: Mapping[str, str]
     escalation_timeout: float
+    escalation_prompt: Any = None
+    escalation_output: EscalationOutput = "auto"
     canvas_only: bool = False
     """Measure the canvas alone (shadow mode, `canvasroute eval`): nothing escalates, every
     question gets the canvas's best real option (not confident where it would have
     escalated, abstained or taken a fallback), and an engine fault raises."""
-
-    def check(self, specs: Mapping[str, QuestionSpec], policy: GatePolicy) -> None:
-        """Before anything is read: every fallback is an option of its question, and every
-        question that may abstain or stay unsure has somewhere to go (a target or a fallback)."""
-        for qid, option in self.fallback.items():
-            if qid in specs and option not in specs[qid].options:
-                raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
-        if self.canvas_only or (policy.on_unsure != "fallback" and not policy.abstain and not policy.per_question):
-            return
-        for qid in specs:
-            p = policy.for_question(qid)
-            if p.abstain and p.on_abstain == "escalate" and self.escalate_to is None:
-                raise DecisionError(f"question {qid!r} may abstain and on_abstain='escalate', but the model "
-                                    "has no escalate_to", hint="set escalate_to, or on_abstain='fallback'")
-            for name, wanted in (("on_abstain", p.abstain and p.on_abstain == "fallback"),
-                                 ("on_unsure", p.on_unsure == "fallback" and self.escalate_to is None)):
-                if wanted and qid not in self.fallback:
-                    raise DecisionError(f"question {qid!r} has {name}='fallback', but no fallback option",
-                                        hint="add it to fallback=")
 
     def absorbs(self, exc: CanvasRouteError) -> bool:
         """Whether an engine fault goes to escalation or the fallback label instead of raising.
@@ -102,8 +85,9 @@ class Outcomes:
                 raise
             raise EscalationError(
                 f"{exc.message}, after the canvas engine failed: {type(fault).__name__}: {fault.message}",
+                failure=exc.failure, attempts=exc.attempts, retryable=exc.retryable or fault.retryable,
                 hint=f"the canvas engine: {fault.hint or 'check it'}; the escalation: {exc.hint or 'check it'}",
-                retryable=exc.retryable or fault.retryable) from fault
+            ) from fault
         except BaseException:
             if self.meter and granted:
                 await self.meter.refund(granted, thread_id)  # nothing was escalated
@@ -130,13 +114,14 @@ class Outcomes:
         with tm.escalation_call(self.escalate_to, name, list(canvas)) as call:
             try:
                 result = await asyncio.wait_for(
-                    escalate(self.escalate_to, state_text, state, [plain(r.spec) for r in wanted], canvas),
+                    escalate(self.escalate_to, state_text, state, [plain(r.spec) for r in wanted], canvas,
+                             prompt=self.escalation_prompt, output=self.escalation_output),
                     self.escalation_timeout)
             except TimeoutError as exc:
-                raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s",
-                                      retryable=True) from exc
+                raise EscalationError(f"escalation to {name} timed out after {self.escalation_timeout}s (network)",
+                                      failure="network", retryable=True) from exc
             call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
-            call.output(result.answers)
+            call.output(result.answers, result.response_model)
         return result
 
     def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,
@@ -148,6 +133,7 @@ class Outcomes:
             question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
             reads=len(r.runs) + r.in_group_reads, error=r.error, latency_s=latency_s, asked_if=asked_if,
             crossed=[c for c in r.crossed if c != OVER_BUDGET], over_budget=OVER_BUDGET in r.crossed,
+            rereadable=r.rereadable,
         )
         if st is not None:
             base.update(entropy=st.entropy, normalized_entropy=st.normalized_entropy, margin=st.margin,

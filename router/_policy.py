@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
+
+from canvasroute.engine import DecisionError
 
 from ._distribution import SlotStats
 
@@ -187,3 +189,24 @@ class EscalationBudget:
             raise ValueError("window_s must be > 0")
         if self.when_spent not in ("keep", "fallback", "raise"):
             raise ValueError(f"when_spent must be keep, fallback or raise, not {self.when_spent!r}")
+
+
+def check_fallbacks(specs: Mapping[str, Any], policy: GatePolicy, has_target: bool, fallback: Mapping[str, str]) -> None:
+    """Before anything is read: every fallback is an option of its question, and every
+    question that may abstain or stay unsure has somewhere to go (a target or a fallback)."""
+    for qid, option in fallback.items():
+        if qid in specs and option not in specs[qid].options:
+            raise DecisionError(f"fallback {option!r} is not an option of {qid!r}",
+                                hint=f"one of {list(specs[qid].options)[:8]}")
+    if policy.on_unsure != "fallback" and not policy.abstain and not policy.per_question:
+        return
+    for qid in specs:
+        p = policy.for_question(qid)
+        if p.abstain and p.on_abstain == "escalate" and not has_target:
+            raise DecisionError(f"question {qid!r} may abstain and on_abstain='escalate', but the model "
+                                "has no escalate_to", hint="set escalate_to, or on_abstain='fallback'")
+        for name, wanted in (("on_abstain", p.abstain and p.on_abstain == "fallback"),
+                             ("on_unsure", p.on_unsure == "fallback" and not has_target)):
+            if wanted and qid not in fallback:
+                raise DecisionError(f"question {qid!r} has {name}='fallback', but no fallback option",
+                                    hint="add it to fallback=")

@@ -49,6 +49,9 @@ class QuestionRead:
     """Where an abstained question goes: `escalate` or `fallback` (its policy's)."""
     on_unsure: str = "answer"
     """What an unsure question answers when nothing can answer it instead (its policy's)."""
+    rereadable: bool = True
+    """False when a re-read could not have changed this question's read (a causal readout's
+    slot that sees no noisy position), so none was made for it."""
 
     def fail(self, exc: CanvasRouteError) -> None:
         self.error, self.fault = f"{type(exc).__name__}: {exc}", exc
@@ -137,6 +140,9 @@ class Reading:
         await self._jobs(first, msgs, reads, list(reads), "first")
         uncertain = {qid: self.policy.for_question(qid).rereads for qid, r in reads.items()
                      if r.error is None and r.crossed and self.policy.for_question(qid).rereads}
+        for qid in self._fixed().intersection(uncertain):
+            reads[qid].rereadable = False
+            del uncertain[qid]
         if uncertain:
             await self._jobs(self._reread_jobs(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
         await self._in_group(reads)
@@ -150,6 +156,18 @@ class Reading:
                 r.abstained = r.stats.top == len(r.spec.options) - 1
                 r.on_abstain = policy.on_abstain
         return reads
+
+    def _fixed(self) -> set[str]:
+        """Questions a re-read cannot change. Noise sits at the slots, so under a causal readout
+        (`EngineInfo.causal_readout`) a slot sees fresh noise only from the slots before it in its
+        canvas: a question none of whose slots has one would read the same distribution again."""
+        if not self.info.causal_readout:
+            return set()
+        varies = set()
+        for chunk in self.plan.chunks:
+            first = min(s.position for s in chunk.slots)
+            varies.update(s.question_id for s in chunk.slots if s.position > first)
+        return {s.question_id for c in self.plan.chunks for s in c.slots} - varies
 
     @staticmethod
     def _reread_jobs(reads: Mapping[str, QuestionRead], uncertain: Mapping[str, int]) -> list[tuple[int, int]]:
@@ -216,7 +234,7 @@ class Reading:
     async def _read(self, batch: Sequence[CanvasRead], chunks: Sequence[Chunk], kind: str) -> list[list[SlotStats]]:
         """One engine call; returns stats per canvas, in slot order."""
         self.canvas_reads += len(batch)  # sent, whether or not the engine answers
-        with tm.engine_call(self.info, batch, kind) as call:
+        with tm.engine_call(self.info, batch, kind, self.seed) as call:
             results = await self.engine.read(batch)  # type: ignore[attr-defined]
             if len(results) != len(batch):
                 raise EngineResponseError(f"the engine returned {len(results)} results for {len(batch)} canvases")
@@ -224,6 +242,7 @@ class Reading:
             tokens_out = sum(r.completion_tokens for r in results)
             call.usage(tokens_in, tokens_out, results)
             call.read_output(chunks, results, self.plan.specs)
+            call.response_model(self.info.model)
         self.usage["input_tokens"] += tokens_in
         self.usage["output_tokens"] += tokens_out
         out = []

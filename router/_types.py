@@ -59,7 +59,12 @@ class ReadReport(BaseModel):
     reads: int = 0
     """Canvas reads of this question (1 + re-reads)."""
     agreement: float | None = None
+    """Share of its reads whose argmax is the answer; None with one read (nothing to agree)."""
     stderr: float | None = None
+    """Standard error of the answer's probability across reads; None with one read."""
+    rereadable: bool = True
+    """False when the gate wanted a re-read that could not have changed this read (a causal
+    readout's slot that sees no noisy position: `EngineInfo.causal_readout`), so none was made."""
     escalation_model: str | None = None
     over_budget: bool = False
     """Escalation was wanted but the budget was spent."""

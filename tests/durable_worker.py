@@ -1,7 +1,7 @@
 """A LangGraph worker process for the durable-run tests (tests/test_durable.py).
 
     python tests/durable_worker.py DSN THREAD LOG [--ticket TEXT] [--block read|lane] [--resume]
-        [--fork-before triage]
+        [--fork-before triage] [--review AR_LOG [--resume-with OPTION]]
 
 The graph, checkpointed in PostgreSQL (PostgresSaver):
 
@@ -12,6 +12,11 @@ different answer, and every read is appended to LOG (one JSON line: pid, canvas 
 slots, prompt). `--block read` makes the read block after logging (the test SIGKILLs
 the worker there); `--block lane` makes the lane node block after the decision has been
 committed. On exit the final state is printed as JSON on stdout.
+
+`--review AR_LOG` makes triage unsure of everything, with an escalation target (one
+escalation per thread: `team` escalates, `urgent` goes to a human review) that appends
+each call to AR_LOG and answers by its process id, so a second call in another process
+could answer differently. `--resume-with OPTION` resumes the review with OPTION.
 """
 
 from __future__ import annotations
@@ -25,14 +30,16 @@ import time
 from typing import Annotated, Any
 
 from langchain_core.decisions import Choice, Noul
+from langchain_core.runnables import RunnableLambda
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command
 from typing_extensions import TypedDict
 
 from canvasroute.engine import FunctionEngine
 from canvasroute.engine._types import CanvasRead
-from canvasroute.harness import decision_node, merge_decisions
-from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.harness import ReviewPolicy, decision_node, merge_decisions
+from canvasroute.router import CanvasDecisionModel, EscalationBudget, GatePolicy
 
 QUESTIONS = {
     "team": Choice(instructions="Which team handles this ticket?",
@@ -49,7 +56,16 @@ class State(TypedDict, total=False):
     closed: bool
 
 
-def build(checkpointer: PostgresSaver, log: str, block: str | None) -> Any:
+def escalation_target(ar_log: str) -> RunnableLambda:
+    def answer(messages: Any) -> dict[str, str]:
+        with open(ar_log, "a") as f:
+            f.write(json.dumps({"pid": os.getpid()}) + "\n")
+        return {"team": ("billing", "technical")[os.getpid() % 2]}
+
+    return RunnableLambda(answer, name="big-ar")
+
+
+def build(checkpointer: PostgresSaver, log: str, block: str | None, ar_log: str | None = None) -> Any:
     engine: FunctionEngine
 
     def rows(read: CanvasRead) -> list[dict[int, float]]:
@@ -73,9 +89,15 @@ def build(checkpointer: PostgresSaver, log: str, block: str | None) -> Any:
         return out
 
     engine = FunctionEngine(rows, model="durable-fn")
-    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=1.0))
+    if ar_log is None:
+        model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=1.0))
+    else:  # unsure of everything: team escalates (the budget's one), urgent goes to review
+        model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.01, rereads=0),
+                                    escalate_to=escalation_target(ar_log),
+                                    budget=EscalationBudget(max_per_thread=1, when_spent="keep"))
     triage = decision_node(model, QUESTIONS, inputs="ticket",
-                           route=("team", {"billing": "billing", "technical": "technical"}))
+                           route=("team", {"billing": "billing", "technical": "technical"}),
+                           review=ReviewPolicy() if ar_log else None)
 
     def intake(state: State) -> dict[str, Any]:
         return {"intake": f"pid {os.getpid()}"}
@@ -124,12 +146,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block", choices=["read", "lane"])
     p.add_argument("--resume", action="store_true")
     p.add_argument("--fork-before", help="re-run the thread from the checkpoint before this node")
+    p.add_argument("--review", metavar="AR_LOG", help="unsure answers: escalate team, review urgent")
+    p.add_argument("--resume-with", help="resume the review with this option")
     args = p.parse_args(argv)
     with PostgresSaver.from_conn_string(args.dsn) as saver:
         saver.setup()
-        graph = build(saver, args.log, args.block)
+        graph = build(saver, args.log, args.block, args.review)
         config: dict[str, Any] = {"configurable": {"thread_id": args.thread}}
-        if args.fork_before:
+        if args.resume_with:
+            out = graph.invoke(Command(resume=args.resume_with), config, durability="sync")
+        elif args.fork_before:
             before = next(s for s in graph.get_state_history(config) if s.next == (args.fork_before,))
             out = graph.invoke(None, before.config, durability="sync")
         else:

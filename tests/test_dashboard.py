@@ -25,7 +25,14 @@ from typing_extensions import TypedDict
 
 from canvasroute.apps.cli import main
 from canvasroute.apps.observability.dashboard import build_report, near_chance, percentile, render
-from canvasroute.apps.observability.traces import JsonlSpanExporter, SpanRecord, read_spans, span_record
+from canvasroute.apps.observability.traces import (
+    JsonlSpanExporter,
+    SpanEvent,
+    SpanRecord,
+    decision_figures,
+    read_spans,
+    span_record,
+)
 from canvasroute.engine import FunctionEngine, TraceFileError, VLLMServerEngine, run_sync
 from canvasroute.harness import merge_decisions
 from canvasroute.router import CanvasDecisionModel, GatePolicy
@@ -62,7 +69,9 @@ async def test_jsonl_exporter_round_trips_sdk_spans(tmp_path):
     got = sorted(read_spans(path), key=lambda s: s.span_id)
     assert got == expected
     decide = next(s for s in got if s.name == "decide fn")
-    assert decide.attributes["canvasroute.decision.side.options"] == ["left", "right"]
+    (event,) = decide.events  # one per question, the id as a value
+    assert event.name == tm.QUESTION_EVENT and event.attributes[tm.QUESTION_ID] == "side"
+    assert event.attributes[tm.FIGURE_KEYS["options"]] == ["left", "right"]
     escalate = next(s for s in got if s.name.startswith("escalate "))
     assert {s.parent_id for s in got if s is not decide and not s.name.startswith("chat ")} == {decide.span_id}
     assert next(s for s in got if s.name.startswith("chat ")).parent_id == escalate.span_id
@@ -71,7 +80,7 @@ async def test_jsonl_exporter_round_trips_sdk_spans(tmp_path):
     assert exporter.export(memory.get_finished_spans()).name == "FAILURE"
 
 
-def _otlp_span(name, span_id, parent, start, end, attrs, code=0, kind=1):
+def _otlp_span(name, span_id, parent, start, end, attrs, code=0, kind=1, events=()):
     def value(v):
         if isinstance(v, bool):
             return {"boolValue": v}
@@ -85,25 +94,33 @@ def _otlp_span(name, span_id, parent, start, end, attrs, code=0, kind=1):
 
     span = {"traceId": "5b8efff798038103d269b633813fc60c", "spanId": span_id, "name": name, "kind": kind,
             "startTimeUnixNano": str(start), "endTimeUnixNano": str(end),
-            "attributes": [{"key": k, "value": value(v)} for k, v in attrs.items()], "status": {"code": code}}
+            "attributes": [{"key": k, "value": value(v)} for k, v in attrs.items()], "status": {"code": code},
+            "events": [{"name": e.name, "timeUnixNano": str(e.time_ns),
+                        "attributes": [{"key": k, "value": value(v)} for k, v in e.attributes.items()]}
+                       for e in events]}
     if parent:
         span["parentSpanId"] = parent
     return span
 
 
 def _decide_attrs(node, questions):
-    attrs = {tm.DECISION_SET: ",".join(questions), tm.QUESTIONS: len(questions), tm.GRAPH_NODE: node}
-    for qid, figures in questions.items():
-        attrs.update({f"canvasroute.decision.{qid}.{k}": v for k, v in figures.items()})
-    return attrs
+    return {tm.DECISION_SET: ",".join(questions), tm.QUESTIONS: len(questions), tm.GRAPH_NODE: node}
+
+
+def _question_events(questions, time_ns=0):
+    """The `canvasroute.question` events of a decide span: figures under fixed keys, the id a value."""
+    return tuple(SpanEvent(name=tm.QUESTION_EVENT, time_ns=time_ns, attributes={
+        tm.QUESTION_ID: qid, **({tm.QUESTION_KIND: f["kind"]} if "kind" in f else {}),
+        **{tm.FIGURE_KEYS[k]: v for k, v in f.items() if k != "kind"}}) for qid, f in questions.items())
 
 
 def test_reads_otlp_json_from_the_collector_file_exporter(tmp_path):
     t0 = 1_700_000_000_000_000_000
-    decide = _otlp_span("decide big-dgemma", "eee19b7ec3c1b174", None, t0, t0 + 250_000_000, _decide_attrs(
-        "triage", {"team.v2": {"path": "escalated", "answer": "billing", "canvas_answer": "billing",
-                               "normalized_entropy": 0.81, "confidence": 0.4, "reads": 4, "kind": "choice",
-                               "options": ["billing", "tech"], "canvas_probabilities": [0.6, 0.4]}}))
+    questions = {"team.v2": {"path": "escalated", "answer": "billing", "canvas_answer": "billing",
+                             "normalized_entropy": 0.81, "confidence": 0.4, "reads": 4, "kind": "choice",
+                             "options": ["billing", "tech"], "canvas_probabilities": [0.6, 0.4]}}
+    decide = _otlp_span("decide big-dgemma", "eee19b7ec3c1b174", None, t0, t0 + 250_000_000,
+                        _decide_attrs("triage", questions), events=_question_events(questions, t0 + 200))
     read = _otlp_span("canvas_read big-dgemma", "aaa19b7ec3c1b174", "eee19b7ec3c1b174", t0 + 1000,
                       t0 + 100_000_000, {tm.GEN_AI_OPERATION: "canvas_read", tm.GEN_AI_PROVIDER: "vllm",
                                          tm.GEN_AI_MODEL: "big-dgemma", tm.READ_KIND: "first"}, code=2, kind=3)
@@ -117,8 +134,8 @@ def test_reads_otlp_json_from_the_collector_file_exporter(tmp_path):
         spans = read_spans(path)
         assert [s.name for s in spans] == ["decide big-dgemma", "canvas_read big-dgemma"]
         d, r = spans
-        assert d.attributes["canvasroute.decision.team.v2.reads"] == 4
-        assert d.attributes["canvasroute.decision.team.v2.canvas_probabilities"] == [0.6, 0.4]
+        assert decision_figures(d)["team.v2"]["reads"] == 4 and d.events[0].time_ns == t0 + 200
+        assert decision_figures(d)["team.v2"]["canvas_probabilities"] == [0.6, 0.4]
         assert r.parent_id == d.span_id and r.status == "ERROR" and r.kind == "CLIENT"
         assert d.resource["service.name"] == "bot" and d.duration_s == 0.25
     report = build_report(read_spans(lines, pretty))
@@ -138,7 +155,19 @@ def _record(span_id, node, start_s, dur_s, questions, node_attr=True):
     if not node_attr:
         del attrs[tm.GRAPH_NODE]
     return SpanRecord(name="decide real-model", trace_id=f"{span_id:032x}", span_id=f"{span_id:016x}", parent_id=None,
-                      start_time_ns=int(start_s * 1e9), end_time_ns=int((start_s + dur_s) * 1e9), attributes=attrs)
+                      start_time_ns=int(start_s * 1e9), end_time_ns=int((start_s + dur_s) * 1e9), attributes=attrs,
+                      events=_question_events(questions))
+
+
+def test_trace_files_written_before_question_events_still_read():
+    """Before 0.2 the figures were span attributes named by question id; such files still read."""
+    legacy = {**_decide_attrs("triage", {"team.v2": {}}), "canvasroute.decision.team.v2.path": "canvas",
+              "canvasroute.decision.team.v2.answer": "tech", "canvasroute.decision.team.v2.kind": "choice"}
+    span = SpanRecord(name="decide old-model", trace_id="1" * 32, span_id="2" * 16, parent_id=None,
+                      start_time_ns=0, end_time_ns=1, attributes=legacy)
+    assert decision_figures(span) == {"team.v2": {"path": "canvas", "answer": "tech", "kind": "choice"}}
+    (decision,) = build_report([span]).decisions
+    assert (decision.question, decision.path, decision.answer, decision.kind) == ("team.v2", "canvas", "tech", "choice")
 
 
 def test_report_figures_and_page_from_known_spans():

@@ -122,10 +122,12 @@ async def test_skipped_questions_are_on_the_span(spans):
     model = CanvasDecisionModel(engine=rows.engine, policy=SURE)
     await model.adecide("x", QUESTIONS, depends_on={"reason": ("team", "billing")})
     (decide,) = [s for s in spans.get_finished_spans() if s.name.startswith("decide ")]
-    attrs = decide.attributes
-    assert attrs["canvasroute.decision.reason.path"] == "skipped"
-    assert "canvasroute.decision.reason.answer" not in attrs
-    assert attrs["canvasroute.decision.team.path"] == "canvas"
+    from canvasroute.router import telemetry as tm
+
+    events = {e.attributes[tm.QUESTION_ID]: e.attributes for e in decide.events if e.name == tm.QUESTION_EVENT}
+    assert events["reason"][tm.FIGURE_KEYS["path"]] == "skipped"
+    assert tm.FIGURE_KEYS["answer"] not in events["reason"]
+    assert events["team"][tm.FIGURE_KEYS["path"]] == "canvas"
 
 
 @pytest.mark.parametrize(("depends_on", "message"), [

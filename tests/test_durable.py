@@ -3,7 +3,8 @@
 Workers are separate Python processes (tests/durable_worker.py) sharing one real
 PostgreSQL (PostgresSaver). The test waits for a marker file the worker writes at the
 moment it should die, SIGKILLs it, inspects the checkpoint from this process, and
-resumes the thread from a new process.
+resumes the thread from a new process. A review paused in one process is resumed in
+another without a second read or escalation.
 """
 
 from __future__ import annotations
@@ -113,3 +114,26 @@ def test_killed_during_the_read_reruns_the_node_and_leaves_nothing_half_written(
     assert out["lane"] == out["decisions"]["team"]["answer"]
     assert rerun["picks"] == killed["picks"]
     assert out["closed"] is True
+
+
+def test_a_review_resumed_in_another_process_never_reads_or_escalates_again(postgres_dsn: str, work) -> None:
+    """Process 1 reads, escalates `team` and pauses for a human on `urgent`; process 2 resumes.
+    The read and the escalation are a checkpointed task: process 2 neither reads nor calls the
+    target (whose answer depends on the process), and takes the branch process 1's target chose."""
+    thread, log, markers = work
+    ar_log = log.parent / "escalations.jsonl"
+    paused = _run(postgres_dsn, thread, log, markers, "--review", str(ar_log))
+    assert paused.get("__interrupt__"), paused
+    [escalated] = _reads(ar_log)
+    [read] = _reads(log)
+    assert escalated["pid"] == read["pid"]  # both in process 1
+    _, pending = _checkpoint(postgres_dsn, thread)
+    assert any(w[1] == "__return__" for w in pending), "the decision task's result is checkpointed"
+
+    done = _run(postgres_dsn, thread, log, markers, "--review", str(ar_log), "--resume-with", "yes")
+    assert _reads(ar_log) == [escalated], "the resume called the escalation target again"
+    assert _reads(log) == [read], "the resume read the canvas again"
+    team = ("billing", "technical")[escalated["pid"] % 2]  # what process 1's target answered
+    assert done["decisions"]["team"]["answer"] == team and done["decisions"]["team"]["path"] == "escalated"
+    assert done["lane"] == team and done["closed"] is True
+    assert done["decisions"]["urgent"]["answer"] == "yes" and done["decisions"]["urgent"]["path"] == "human"

@@ -91,28 +91,43 @@ def bounded(coro, seconds: float = 30):
 # -- faults and retries (GenericFakeChatModel) ------------------------------------------------------
 
 
-async def test_an_exception_twice_is_an_escalation_error():
-    chat, prompts = fake(ConnectionError("AR down"), ConnectionError("AR still down"))
+@pytest.mark.parametrize("error, failure, retryable", [
+    (ConnectionError("AR down"), "network", True),
+    (TimeoutError("slow"), "network", True),
+    (PermissionError("401: invalid API key"), "target", False),
+])
+async def test_a_failed_call_is_sent_once_and_says_what_failed(error, failure, retryable):
+    """The target's own client owns transport retries: one call, then a typed error naming the failure."""
+    chat, prompts = fake(error, reply({"team": "tech"}))
     with pytest.raises(EscalationError) as info:
         await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))
-    assert len(prompts.calls) == 2
-    assert isinstance(info.value, CanvasRouteError) and info.value.retryable
-    assert isinstance(info.value.__cause__, ConnectionError) and "still down" in str(info.value)
+    assert len(prompts.calls) == 1
+    assert isinstance(info.value, CanvasRouteError) and info.value.failure == failure
+    assert info.value.retryable is retryable and info.value.attempts == 1
+    assert f"failed ({failure}: the target" in str(info.value) and type(info.value.__cause__) is type(error)
+    assert ("URL" if failure == "network" else "API key") in info.value.hint
 
 
-async def test_an_exception_once_then_success_on_retry():
-    chat, prompts = fake(TimeoutError("slow"), reply({"team": "tech"}))
-    resp = await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))
-    assert len(prompts.calls) == 2 and prompts.calls[0] == prompts.calls[1]  # same prompt again
-    assert resp.reads["team"].path == "escalated" and resp.answers["team"].choice == "tech"
+async def test_a_target_that_retries_itself_owns_its_retries():
+    """`max_retries` on the target (ChatOpenAI's default is 2): its error says so, and `retry_on` leaves it."""
+    from canvasroute.harness import retry_on
+
+    class Retrying(GenericFakeChatModel):
+        max_retries: int = 2
+
+    chat = Retrying(messages=Replies(ConnectionError("AR down")))
+    with pytest.raises(EscalationError) as info:
+        await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))
+    assert info.value.attempts == 3 and info.value.retryable and not retry_on(info.value)
 
 
 async def test_malformed_twice_is_an_escalation_error():
     chat, prompts = fake(AIMessage("I think it is billing."), AIMessage('{"team": "marketing"}'))
-    with pytest.raises(EscalationError, match="outside the allowed options") as info:
+    with pytest.raises(EscalationError, match="outside the allowed options twice") as info:
         await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))
     assert "'marketing' is not one of ['billing', 'tech']" in str(info.value)
     assert isinstance(info.value.__cause__, ValueError)
+    assert info.value.failure == "format" and not info.value.retryable and "structured output" in info.value.hint
     assert len(prompts.calls) == 2
 
 
@@ -161,8 +176,9 @@ async def test_a_slow_target_times_out_as_an_escalation_error():
         await asyncio.sleep(30)
 
     model = canvas_model(RunnableLambda(slow), escalation_timeout=0.05)
-    with pytest.raises(EscalationError, match="timed out"):
+    with pytest.raises(EscalationError, match="timed out") as info:
         await bounded(model.adecide(STATE, {"team": TEAM}), 5)
+    assert info.value.failure == "network" and info.value.retryable
 
 
 # -- the prompt -------------------------------------------------------------------------------
@@ -182,6 +198,33 @@ async def test_the_prompt_carries_state_questions_options_and_canvas_probabiliti
     assert 'Question "urgent": Is the customer asking for urgent help? Options: "yes", "no".' in text
     assert 'Fast model\'s probabilities: {"billing": 0.5, "tech": 0.5}' in text
     assert text.endswith('JSON with the keys "team", "urgent":')
+
+
+async def test_the_escalation_prompt_is_a_template_of_the_model():
+    from langchain_core.prompts import ChatPromptTemplate
+
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", "You route support tickets. Answer with JSON: {keys}."),
+        ("human", "Ticket: {state}\n{questions}")])
+    chat, prompts = fake(reply({"team": "tech"}))
+    await bounded(canvas_model(chat, escalation_prompt=prompt).adecide(STATE, {"team": TEAM}))
+    (call,) = prompts.calls
+    assert [m.type for m in call] == ["system", "human"]
+    assert call[0].content == 'You route support tickets. Answer with JSON: "team".'
+    assert call[1].content.startswith(f"Ticket: {STATE}\nQuestion \"team\": Which team")
+    with pytest.raises(ValueError, match=r"unknown variables \['ticket'\]"):
+        canvas_model(chat, escalation_prompt=ChatPromptTemplate.from_messages([("human", "{ticket}")]))
+    with pytest.raises(ValueError, match="ChatPromptTemplate"):
+        canvas_model(chat, escalation_prompt="Answer in JSON")
+
+
+async def test_a_structured_output_method_the_target_lacks_is_a_target_error():
+    chat, prompts = fake(reply({"team": "tech"}))  # GenericFakeChatModel has no structured output
+    with pytest.raises(EscalationError, match="no structured output") as info:
+        await bounded(canvas_model(chat, escalation_output="json_schema").adecide(STATE, {"team": TEAM}))
+    assert info.value.failure == "target" and not prompts.calls
+    resp = await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))  # "auto": a JSON reply in text
+    assert resp.reads["team"].answer == "tech" and len(prompts.calls) == 1
 
 
 # -- distributions from logprobs ----------------------------------------------------------------
@@ -263,15 +306,16 @@ async def test_a_decision_model_is_a_target():
     assert big_engine.calls == 1  # both questions in one call
 
 
-async def test_a_failing_decision_model_target_is_retried_once_then_escalation_error():
+async def test_a_failing_decision_model_target_is_asked_once_and_keeps_its_engines_attempts():
     def down(read):
-        raise EngineUnavailable("big model down")
+        raise EngineUnavailable("big model down", attempts=4)  # as VLLMServerEngine raises it, retried
 
     big_engine = FunctionEngine(down, model="big-canvas")
     big = CanvasDecisionModel(engine=big_engine, on_engine_error="raise")
-    with pytest.raises(EscalationError, match="failed twice") as info:
+    with pytest.raises(EscalationError, match=r"failed \(network") as info:
         await bounded(canvas_model(big).adecide(STATE, {"team": TEAM}))
-    assert isinstance(info.value.__cause__, EngineUnavailable) and big_engine.calls == 2
+    assert isinstance(info.value.__cause__, EngineUnavailable) and big_engine.calls == 1
+    assert info.value.failure == "network" and info.value.retryable and info.value.attempts == 4
 
 
 def test_escalate_to_must_be_a_target():
@@ -310,8 +354,11 @@ async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
     assert r.path == "escalated" and r.escalation_model == "smollm2" and not r.confident
     assert r.answer in OPTIONS["team"] and resp.answers["team"].choice == r.answer
     assert r.canvas_probabilities == pytest.approx({"billing": 0.5, "tech": 0.5})
-    (sent,) = _requests_since(ar_server, before)  # one HTTP call, no retry needed
+    (sent,) = _requests_since(ar_server, before)  # one HTTP call: structured output cannot be malformed
     assert sent["logprobs"] is True and sent["top_logprobs"] == 5
+    schema = sent["response_format"]["json_schema"]["schema"]  # with_structured_output's JSON schema
+    assert sent["response_format"]["type"] == "json_schema"
+    assert schema["properties"]["team"]["enum"] == ["billing", "tech"]
     assert STATE in sent["messages"][-1]["content"] and '"billing" (payments' in sent["messages"][-1]["content"]
     # the distribution came from the server's logprobs, not a one-hot stand-in
     assert set(r.probabilities) == set(OPTIONS["team"]) and math.isclose(sum(r.probabilities.values()), 1.0)
@@ -322,15 +369,15 @@ async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
 
 @pytest.mark.smollm
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
-async def test_real_ar_two_questions_in_one_call(ar_server):
+async def test_real_ar_structured_output_answers_three_questions_in_one_call(ar_server):
     before = len(ar_server.requests)
-    resp = await bounded(canvas_model(smollm2(ar_server)).adecide(STATE, {"team": TEAM, "urgent": URGENT}), 300)
-    sent = _requests_since(ar_server, before)
-    assert len(sent) in (1, 2)  # one escalation (a malformed first reply gets its one retry)
-    for body in sent:
-        assert 'Question "team"' in body["messages"][3]["content"]
-        assert 'Question "urgent"' in body["messages"][3]["content"]
-    for qid in ("team", "urgent"):
+    model = canvas_model(smollm2(ar_server), escalation_timeout=240)  # a 2-core CI box: ~10 s per prefill
+    resp = await bounded(model.adecide(STATE, ALL), 300)
+    (sent,) = _requests_since(ar_server, before)  # three questions, one guided answer
+    for qid in ALL:
+        assert f'Question "{qid}"' in sent["messages"][3]["content"]
+    assert sorted(sent["response_format"]["json_schema"]["schema"]["required"]) == sorted(ALL)
+    for qid in ALL:
         r = resp.reads[qid]
         assert r.path == "escalated" and r.answer in OPTIONS[qid] and r.escalation_model == "smollm2"
     assert resp.answers["urgent"].noul in (resp.reads["urgent"].probabilities["yes"],)
@@ -338,16 +385,18 @@ async def test_real_ar_two_questions_in_one_call(ar_server):
 
 @pytest.mark.smollm
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
-async def test_real_ar_malformed_output_is_retried_once_then_typed(ar_server):
-    """Three questions at once are beyond SmolLM2-135M more often than not: whatever it
-    does, the outcome is either valid options or EscalationError after exactly one retry
-    that showed the model its invalid reply."""
+async def test_real_ar_text_replies_are_retried_once_when_malformed_then_typed(ar_server):
+    """Without structured output (`escalation_output="text"`), three questions at once are
+    beyond SmolLM2-135M more often than not: whatever it does, the outcome is either valid
+    options or EscalationError (format) after exactly one retry that showed the model its
+    invalid reply."""
     before = len(ar_server.requests)
     try:
-        resp = await bounded(canvas_model(smollm2(ar_server)).adecide(STATE, ALL), 300)
+        resp = await bounded(canvas_model(smollm2(ar_server), escalation_output="text").adecide(STATE, ALL), 300)
     except EscalationError as exc:
         sent = _requests_since(ar_server, before)
-        assert len(sent) == 2 and "outside the allowed options" in str(exc)
+        assert len(sent) == 2 and "outside the allowed options" in str(exc) and exc.failure == "format"
+        assert "response_format" not in sent[0]
         first, second = sent[0]["messages"], sent[1]["messages"]
         assert second[:len(first)] == first and second[len(first)]["role"] == "assistant"
         assert re.match(r"That reply was invalid \(.+\)\. Reply with the JSON object only\.", second[-1]["content"])

@@ -44,7 +44,7 @@ from canvasroute.harness import (
 )
 from canvasroute.harness._context import strip_task_ids
 from canvasroute.router import CanvasDecisionModel, EscalationBudget, GatePolicy, render_state
-from canvasroute.router.telemetry import GRAPH_NODE, GRAPH_THREAD
+from canvasroute.router.telemetry import FIGURE_KEYS, GEN_AI_CONVERSATION_ID, GRAPH_NODE, QUESTION_ID
 
 TEAM = Choice(instructions="Which team should handle the ticket?", criteria={"billing": "payments", "tech": "bugs"})
 URGENT = Noul(instructions="Is the ticket urgent?")
@@ -719,8 +719,9 @@ def test_decision_spans_carry_the_graph_node_and_thread(spans):
     spans.clear()
     graph.invoke({"ticket": "Crash"}, thread("traced"))
     [decide] = [s for s in spans.get_finished_spans() if s.name.startswith("decide ")]
-    assert decide.attributes[GRAPH_NODE] == "triage" and decide.attributes[GRAPH_THREAD] == "traced"
-    assert decide.attributes["canvasroute.decision.team.answer"] == "tech"
+    assert decide.attributes[GRAPH_NODE] == "triage" and decide.attributes[GEN_AI_CONVERSATION_ID] == "traced"
+    [question] = decide.events
+    assert question.attributes[QUESTION_ID] == "team" and question.attributes[FIGURE_KEYS["answer"]] == "tech"
 
 
 # -- the conditional-edge adapter ---------------------------------------------------------

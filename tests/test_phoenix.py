@@ -129,6 +129,14 @@ def test_a_graph_run_reads_well_in_phoenix(monkeypatch: pytest.MonkeyPatch, phoe
     # status as it happened; session = the LangGraph thread
     assert all(s["status_code"] == "OK" for s in spans if s["name"] != "ticket run")
     assert {d["attributes"]["session.id"] for d in decides} == {thread}
+    assert {s["attributes"]["gen_ai.conversation.id"] for s in spans if s is not root} == {thread}
+    # a bounded key set: per-question figures are events with the id as a value, never in a key
+    keys = {k for s in spans for k in s["attributes"]}
+    assert not [k for k in keys if "team" in k or "urgent" in k] and "gen_ai.system" not in keys
+    questions = [e for d in decides for e in d.get("events") or [] if e["name"] == tm.QUESTION_EVENT]
+    assert sorted(e["attributes"][tm.QUESTION_ID] for e in questions) == ["team", "urgent"]
+    assert {e["attributes"][tm.QUESTION_ID]: e["attributes"][tm.FIGURE_KEYS["path"]] for e in questions} == {
+        "team": "canvas", "urgent": "escalated"}
     sessions = {s["session_id"]: s for s in phoenix.sessions(project)}
     assert trace_id in {t["trace_id"] for t in sessions[thread]["traces"]}
 

@@ -12,6 +12,7 @@ first row of the example file, and loads as one.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import hashlib
 import json
@@ -79,6 +80,13 @@ def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypat
     offline = next(ns for ns in sessions if "decided" in ns)  # the embedded engine, for real
     assert offline["local"].engine.__class__.__name__ == "TransformersEngine"
     assert set(offline["decided"].reads) == {"team", "urgent"}
+    rag = next(ns for ns in sessions if "rag" in ns)  # fan-out: one record per Send branch, then streaming
+    assert sorted(rag["out"]["decisions"]["relevant"]) == ["faq-2", "faq-4", "faq-7", "faq-9"]
+    assert set(rag["out"]["kept"]) <= {"faq-2", "faq-4", "faq-7", "faq-9"}
+    assert [name for name, _ in asyncio.run(rag["watch"]())] == ["canvasroute.decision"]
+    reviewed = next(ns for ns in sessions if "reviewed" in ns)  # durable review in Agent Inbox's shape
+    assert reviewed["request"]["action_request"]["args"]["team"] in ("billing", "technical")
+    assert (reviewed["done"]["handled_by"], reviewed["done"]["decisions"]["team"]["path"]) == ("tech", "human")
     sure = next(ns for ns in sessions if "sure" in ns)  # the FunctionEngine block
     assert sure["sure"].invoke({"state": "x", "questions": {"team": sure["team"]}}).answers["team"].choice == "billing"
 

@@ -99,7 +99,8 @@ async def test_decision_set_with_reread_and_escalation_spans_and_metrics(otel):
     exporter, reader = otel
     model = CanvasDecisionModel(engine=_engine(), policy=GatePolicy(max_normalized_entropy=0.5, rereads=2),
                                 escalate_to=_escalation())
-    resp = await model.adecide(STATE, QUESTIONS, attributes={tm.GRAPH_NODE: "triage"})
+    resp = await model.adecide(STATE, QUESTIONS, seed=1234,
+                               attributes={tm.GRAPH_NODE: "triage", tm.GEN_AI_CONVERSATION_ID: "thread-7"})
     assert resp.reads["team"].path == "escalated" and resp.answers["team"].choice == "billing"
     assert resp.reads["urgent"].path == "canvas"
 
@@ -118,7 +119,7 @@ async def test_decision_set_with_reread_and_escalation_spans_and_metrics(otel):
         assert child.parent is not None and child.parent.span_id == decide.context.span_id
         assert child.context.trace_id == decide.context.trace_id
     assert esc.parent is not None and esc.parent.span_id == outer.context.span_id
-    assert not any(k.startswith("gen_ai.") for k in outer.attributes)  # usage counted once, on the chat span
+    assert not any(k.startswith("gen_ai.usage") for k in outer.attributes)  # usage counted once, on the chat span
     assert outer.attributes[tm.OI_SPAN_KIND] == "CHAIN" and esc.attributes[tm.OI_SPAN_KIND] == "LLM"
 
     # engine calls: GenAI attributes, one first read, one batch of two re-reads
@@ -126,8 +127,9 @@ async def test_decision_set_with_reread_and_escalation_spans_and_metrics(otel):
         ("first", 1), ("reread", 2)]
     for r in reads:
         assert r.attributes[tm.GEN_AI_OPERATION] == "canvas_read"
-        assert r.attributes[tm.GEN_AI_PROVIDER] == r.attributes[tm.GEN_AI_SYSTEM] == "function"
-        assert r.attributes[tm.GEN_AI_MODEL] == "fn-canvas"
+        assert r.attributes[tm.GEN_AI_PROVIDER] == "function" and tm.GEN_AI_SYSTEM not in r.attributes
+        assert r.attributes[tm.GEN_AI_MODEL] == r.attributes[tm.GEN_AI_RESPONSE_MODEL] == "fn-canvas"
+        assert r.attributes[tm.GEN_AI_REQUEST_SEED] == 1234
         assert tm.GEN_AI_INPUT_TOKENS in r.attributes and r.attributes[tm.GEN_AI_OUTPUT_TOKENS] > 0
         assert r.kind == SpanKind.INTERNAL  # an in-process engine
     # escalation: a chat call to the target's provider, with its token usage
@@ -137,22 +139,31 @@ async def test_decision_set_with_reread_and_escalation_spans_and_metrics(otel):
     assert esc.attributes[tm.GEN_AI_MODEL] == "GenericFakeChatModel"
     assert (esc.attributes[tm.GEN_AI_INPUT_TOKENS], esc.attributes[tm.GEN_AI_OUTPUT_TOKENS]) == (120, 9)
     assert esc.attributes[tm.ESCALATED_QUESTIONS] == "team"
+    # the thread on every span of the decision: the conversation (and OpenInference's session)
+    assert {(s.attributes[tm.GEN_AI_CONVERSATION_ID], s.attributes[tm.SESSION_ID]) for s in spans} == {
+        ("thread-7", "thread-7")}
 
-    # decide span: routing figures under canvasroute.*, nothing under gen_ai.*
+    # decide span: routing figures under canvasroute.*, no GenAI usage or operation
     a = decide.attributes
-    assert not [k for k in a if k.startswith("gen_ai.")]
+    assert not [k for k in a if k.startswith("gen_ai.") and k != tm.GEN_AI_CONVERSATION_ID]
     assert a[tm.GRAPH_NODE] == "triage" and a[tm.DECISION_SET] == "team,urgent" and a[tm.CANVAS_READS] == 3
-    p = "canvasroute.decision.team."
-    assert a[p + "path"] == "escalated" and a[p + "escalated"] is True and a[p + "answer"] == "billing"
-    assert a[p + "canvas_answer"] == "tech" and a[p + "reads"] == 3 and a[p + "temperature"] == 1.0
-    assert list(a[p + "options"]) == ["billing", "tech", "sales"]
-    assert math.isclose(sum(a[p + "canvas_probabilities"]), 1.0)
-    assert a[p + "escalation_model"] == "GenericFakeChatModel"
-    assert a[p + "normalized_entropy"] > 0.9 and a[p + "kind"] == "choice"
-    assert a["canvasroute.decision.urgent.path"] == "canvas" and a["canvasroute.decision.urgent.escalated"] is False
-    for key in a:
-        if key.startswith(tm.DECISION_PREFIX + "."):
-            assert key.rpartition(".")[2] in tm.FIGURES
+    # per question: one event with the id as a value, figures under fixed keys
+    events = {e.attributes[tm.QUESTION_ID]: e.attributes for e in decide.events if e.name == tm.QUESTION_EVENT}
+    assert sorted(events) == ["team", "urgent"]
+    f = {figure: events["team"].get(key) for figure, key in tm.FIGURE_KEYS.items()}
+    assert f["path"] == "escalated" and f["escalated"] is True and f["answer"] == "billing"
+    assert f["canvas_answer"] == "tech" and f["reads"] == 3 and f["temperature"] == 1.0
+    assert list(f["options"]) == ["billing", "tech", "sales"]
+    assert math.isclose(sum(f["canvas_probabilities"]), 1.0)
+    assert f["escalation_model"] == "GenericFakeChatModel"
+    assert f["normalized_entropy"] > 0.9 and events["team"][tm.QUESTION_KIND] == "choice"
+    urgent = events["urgent"]
+    assert urgent[tm.FIGURE_KEYS["path"]] == "canvas" and urgent[tm.FIGURE_KEYS["escalated"]] is False
+    # a bounded key set: no attribute or event key names a question
+    keys = {k for s in spans for k in s.attributes} | {k for s in spans for e in s.events for k in e.attributes}
+    assert not [k for k in keys if "team" in k or "urgent" in k], keys
+    assert {k for e in decide.events for k in e.attributes} <= {tm.QUESTION_ID, tm.QUESTION_KIND,
+                                                                 *tm.FIGURE_KEYS.values()}
     assert tm.STATE_CONTENT not in a  # content is off by default
     assert not any(STATE in str(v) for s in spans for v in s.attributes.values())
 

@@ -55,7 +55,7 @@ def labelled_from_spans(spans: Sequence[SpanRecord]) -> list[Labelled]:
     for s in spans:
         if not s.name.startswith("decide "):
             continue
-        for qid, f in decision_figures(s.attributes).items():
+        for qid, f in decision_figures(s).items():
             options, probs, answer = f.get("options"), f.get("canvas_probabilities"), f.get("answer")
             if f.get("path") != "escalated" or not options or not probs or answer not in options:
                 continue

@@ -47,11 +47,10 @@ def run(args: argparse.Namespace) -> int:
 
     from canvasroute.engine import EscalationError
     from canvasroute.router import GatePolicy
-    from canvasroute.router.telemetry import add_otlp_exporter
+    from canvasroute.router.telemetry import JsonlSpanExporter, add_otlp_exporter
 
-    from .._console import print_table, progress
+    from .._console import print_table, progress, say
     from ..observability.graph import record_graph
-    from ..observability.traces import JsonlSpanExporter
     from . import triage
     from .model import make_model
 
@@ -76,9 +75,13 @@ def run(args: argparse.Namespace) -> int:
           f"{policy.rereads} times, then " + (f"escalate to {args.escalate_model} at {args.escalate_url}"
                                               if target else "escalate (no target set: reported, not sent)"))
     start = time.perf_counter()
-    model = make_model(args.engine_url, policy=policy, escalate_to=target)
+    if not args.engine_url:
+        say("loading the embedded model...")
+    model = make_model(args.engine_url, policy=policy, escalate_to=target, progress=say)
     record_graph(triage.build_graph(model), "triage")  # the dashboard draws it
     loaded = time.perf_counter() - start
+    if not args.engine_url:
+        say(f"embedded model ready ({loaded:.1f} s)")
     tickets = args.ticket or triage.SAMPLE_TICKETS
     results: list[dict[str, Any]] = []
     with progress(len(tickets), "triage", unit="tickets") as advance:

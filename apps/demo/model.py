@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from canvasroute.router import CanvasDecisionModel
@@ -11,10 +12,12 @@ __all__ = ["EMBEDDED_NOTE", "make_model"]
 EMBEDDED_NOTE = "embedded SmolLM2-135M: near-chance decisions; this shows the plumbing, not accuracy"
 
 
-def make_model(engine_url: str | None = None, **kwargs: Any) -> CanvasDecisionModel:
+def make_model(engine_url: str | None = None, *, progress: Callable[[str], None] | None = None,
+               **kwargs: Any) -> CanvasDecisionModel:
     """A `CanvasDecisionModel` on a vLLM server at `engine_url`, or on the embedded engine.
 
-    Keyword arguments go to `CanvasDecisionModel` (e.g. `policy=`, `escalate_to=`).
+    `progress` hears one line per slow step of the embedded engine's first load. Keyword
+    arguments go to `CanvasDecisionModel` (e.g. `policy=`, `escalate_to=`).
     """
     if engine_url:
         from canvasroute.engine import VLLMServerEngine
@@ -23,5 +26,5 @@ def make_model(engine_url: str | None = None, **kwargs: Any) -> CanvasDecisionMo
     else:
         from canvasroute.engine import embedded_engine
 
-        engine = embedded_engine()
+        engine = embedded_engine(progress=progress)
     return CanvasDecisionModel(engine=engine, **kwargs)

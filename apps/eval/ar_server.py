@@ -30,6 +30,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from .guided import enum_fields, guided_tokens
+
 __all__ = ["ARServer", "create_app", "load_smollm2"]
 
 MAX_NEW_TOKENS = 48
@@ -69,6 +71,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str = "smollm2",
 
     Requests are served one at a time (one lock around `generate`); sampling parameters
     (`temperature`, `top_p`, `seed`) are accepted and ignored: decoding is always greedy.
+    A `json_schema` response format over string enums (structured output) is decoded
+    guided (`canvasroute.apps.eval.guided`); other schemas are refused.
     `stream=true` and `n>1` are refused with 400. `app.state.requests` keeps every
     request body, for tests that check what the client sent.
     """
@@ -92,15 +96,22 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str = "smollm2",
             raise _BadRequest(f"top_logprobs must be within 0..{MAX_TOP_LOGPROBS}")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
+        try:
+            fields = enum_fields(body.get("response_format"))
+        except ValueError as exc:
+            raise _BadRequest(str(exc)) from exc
         enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)
-        with lock, torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=min(limit, max_new_tokens), do_sample=False,
-                                 temperature=None, top_p=None, top_k=None, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=tokenizer.eos_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
         prompt_len = enc["input_ids"].shape[1]
-        ids = out.sequences[0, prompt_len:].tolist()
+        with lock, torch.inference_mode():
+            if fields is not None:  # guided: only an answer within the schema
+                ids, step_logits = guided_tokens(model, tokenizer, enc["input_ids"], fields)
+            else:
+                out = model.generate(**enc, max_new_tokens=min(limit, max_new_tokens), do_sample=False,
+                                     temperature=None, top_p=None, top_k=None, output_logits=True,
+                                     return_dict_in_generate=True, pad_token_id=tokenizer.eos_token_id,
+                                     eos_token_id=tokenizer.eos_token_id)
+                ids, step_logits = out.sequences[0, prompt_len:].tolist(), out.logits
         finish = "length"
         entries: list[dict[str, Any]] = []
         text, used = "", 0
@@ -110,7 +121,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str = "smollm2",
                 break
             piece = tokenizer.decode([token_id])
             if want_logprobs:
-                logprobs = torch.log_softmax(out.logits[step][0].float(), dim=-1)
+                logprobs = torch.log_softmax(step_logits[step][0].float(), dim=-1)
                 entry = _entry(piece, float(logprobs[token_id]))
                 if top:
                     values, indices = torch.topk(logprobs, top)

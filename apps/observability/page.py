@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .charts import COLORS, duration, entropy_histogram, latency_bars, path_shares, seconds
 from .graph import graph_svg, observed_structure
-from .report import NEAR_CHANCE_NOTE, PATHS, Decision, NodeStats, Report, ShadowStats, near_chance
+from .report import NEAR_CHANCE_NOTE, PATHS, Decision, NodeStats, Report, near_chance
 from .stats import percentile
 
 __all__ = ["render"]

@@ -144,7 +144,7 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
         stats.set_latencies.append(s.duration_s)
         stats.errors += s.status == "ERROR"
         models.setdefault(s.name[len("decide "):], "")
-        for qid, f in sorted(decision_figures(s.attributes).items()):
+        for qid, f in sorted(decision_figures(s).items()):
             if "path" not in f:
                 continue
             stats.decisions.append(Decision(

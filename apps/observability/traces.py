@@ -1,17 +1,9 @@
-"""Trace files: finished spans as JSONL, and a reader for them and for OTLP JSON.
+"""Trace files: read back the spans `JsonlSpanExporter` wrote, or OTLP JSON.
 
-One line per finished span:
-
-```json
-{"name": "decide tiny-dgemma", "trace_id": "4bf9...", "span_id": "00f0...", "parent_id": null,
- "kind": "INTERNAL", "start_time_ns": 1700000000000000000, "end_time_ns": 1700000000250000000,
- "attributes": {"canvasroute.decision_set": "team"}, "status": {"code": "OK", "message": null},
- "resource": {"service.name": "support-bot"}}
-```
-
-`read_spans` reads these files and also OTLP JSON (`{"resourceSpans": [...]}`, one
-object per line as the OpenTelemetry Collector's file exporter writes it, or one
-document per file).
+The exporter lives in the library (`canvasroute.JsonlSpanExporter`, from
+`canvasroute.router.telemetry`); its line format is described there. `read_spans` reads
+those files and also OTLP JSON (`{"resourceSpans": [...]}`, one object per line as the
+OpenTelemetry Collector's file exporter writes it, or one document per file).
 
 Example:
     ```python
@@ -27,27 +19,28 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from canvasroute.engine.errors import TraceFileError
 from canvasroute.router import telemetry as tm
+from canvasroute.router.telemetry import JsonlSpanExporter, span_json
 
-try:  # the SDK is an optional extra; reading trace files does not need it
-    from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-except ImportError:  # pragma: no cover - exercised only without the SDK
-    ReadableSpan = Any  # type: ignore[assignment,misc]
-    SpanExporter = object  # type: ignore[assignment,misc]
-    SpanExportResult = None  # type: ignore[assignment,misc]
-
-__all__ = ["JsonlSpanExporter", "SpanRecord", "decision_figures", "read_spans", "span_record"]
+__all__ = ["JsonlSpanExporter", "SpanEvent", "SpanRecord", "decision_figures", "read_spans", "span_record"]
 
 _KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpanEvent:
+    """One event of a finished span."""
+
+    name: str
+    time_ns: int = 0
+    attributes: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +61,7 @@ class SpanRecord:
     status_message: str | None = None
     kind: str = "INTERNAL"
     resource: Mapping[str, Any] = field(default_factory=dict)
+    events: tuple[SpanEvent, ...] = ()
 
     @property
     def duration_s(self) -> float:
@@ -78,88 +72,38 @@ class SpanRecord:
         return {"name": self.name, "trace_id": self.trace_id, "span_id": self.span_id, "parent_id": self.parent_id,
                 "kind": self.kind, "start_time_ns": self.start_time_ns, "end_time_ns": self.end_time_ns,
                 "attributes": dict(self.attributes), "status": {"code": self.status, "message": self.status_message},
+                "events": [{"name": e.name, "time_ns": e.time_ns, "attributes": dict(e.attributes)}
+                           for e in self.events],
                 "resource": dict(self.resource)}
 
 
-def span_record(span: ReadableSpan) -> SpanRecord:
-    """A `SpanRecord` from an SDK span."""
-    ctx = span.get_span_context()
-    parent = span.parent
-    return SpanRecord(
-        name=span.name,
-        trace_id=format(ctx.trace_id, "032x"),
-        span_id=format(ctx.span_id, "016x"),
-        parent_id=format(parent.span_id, "016x") if parent is not None else None,
-        start_time_ns=int(span.start_time or 0),
-        end_time_ns=int(span.end_time or span.start_time or 0),
-        attributes={k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()},
-        status=span.status.status_code.name,
-        status_message=span.status.description,
-        kind=span.kind.name,
-        resource=dict(span.resource.attributes) if span.resource is not None else {},
-    )
-
-
-class JsonlSpanExporter(SpanExporter):  # type: ignore[misc,valid-type]
-    """Appends finished spans to a JSONL file, one span per line (thread-safe).
-
-    Use it with the SDK's `BatchSpanProcessor` (or `SimpleSpanProcessor` in tests).
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        if SpanExportResult is None:
-            raise ImportError("JsonlSpanExporter needs opentelemetry-sdk (pip install 'canvasroute[otel]')")
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._file: IO[str] | None = None
-        self._closed = False
-
-    def __repr__(self) -> str:
-        return f"JsonlSpanExporter({str(self.path)!r})"
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        with self._lock:
-            if self._closed:
-                return SpanExportResult.FAILURE
-            try:
-                if self._file is None:
-                    self.path.parent.mkdir(parents=True, exist_ok=True)
-                    self._file = self.path.open("a", encoding="utf-8")
-                for s in spans:
-                    self._file.write(json.dumps(span_record(s).to_json(), ensure_ascii=False, default=str) + "\n")
-                self._file.flush()
-            except OSError:
-                return SpanExportResult.FAILURE
-        return SpanExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        with self._lock:
-            if self._file is not None:
-                self._file.flush()
-        return True
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._closed = True
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+def span_record(span: Any) -> SpanRecord:
+    """A `SpanRecord` from an SDK span (what `JsonlSpanExporter` writes, read back)."""
+    return _from_line(span_json(span))
 
 
 # -- reading -------------------------------------------------------------------------
 
 
-def decision_figures(attributes: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """A decide span's `canvasroute.decision.<qid>.<figure>` attributes, per question id.
-
-    Question ids may hold dots: the figure is the part after the last one.
-    """
-    prefix = tm.DECISION_PREFIX + "."
+def decision_figures(span: SpanRecord) -> dict[str, dict[str, Any]]:
+    """A decide span's per-question figures, per question id: its `canvasroute.question`
+    events (figure name -> value, `kind` included). Trace files written before 0.2 hold
+    the figures as `canvasroute.decision.<question id>.<figure>` span attributes; those are
+    read too (question ids may hold dots: the figure is the part after the last one)."""
     out: dict[str, dict[str, Any]] = {}
-    for key, value in attributes.items():
+    keys = {key: figure for figure, key in tm.FIGURE_KEYS.items()}
+    for event in span.events:
+        qid = event.attributes.get(tm.QUESTION_ID)
+        if event.name == tm.QUESTION_EVENT and isinstance(qid, str):
+            figures = out.setdefault(qid, {})
+            figures.update({keys[k]: v for k, v in event.attributes.items() if k in keys})
+            if tm.QUESTION_KIND in event.attributes:
+                figures["kind"] = event.attributes[tm.QUESTION_KIND]
+    prefix = tm.DECISION_PREFIX + "."
+    for key, value in span.attributes.items():
         if key.startswith(prefix):
             qid, _, figure = key[len(prefix):].rpartition(".")
-            if qid and figure in tm.FIGURES:
+            if qid and (figure in tm.FIGURES or figure == "kind"):
                 out.setdefault(qid, {})[figure] = value
     return out
 
@@ -206,6 +150,8 @@ def _from_line(doc: Mapping[str, Any]) -> SpanRecord:
         end_time_ns=int(doc["end_time_ns"]), attributes=dict(doc.get("attributes") or {}),
         status=str(status.get("code") or "UNSET"), status_message=status.get("message"),
         kind=str(doc.get("kind") or "INTERNAL"), resource=dict(doc.get("resource") or {}),
+        events=tuple(SpanEvent(name=str(e["name"]), time_ns=int(e.get("time_ns") or 0),
+                               attributes=dict(e.get("attributes") or {})) for e in doc.get("events") or ()),
     )
 
 
@@ -223,6 +169,9 @@ def _from_otlp(doc: Mapping[str, Any]) -> Iterator[SpanRecord]:
                     status=_enum(status.get("code"), _STATUS, "STATUS_CODE_", "UNSET"),
                     status_message=status.get("message"),
                     kind=_enum(sp.get("kind"), _KINDS, "SPAN_KIND_", "UNSPECIFIED"), resource=resource,
+                    events=tuple(SpanEvent(name=str(e["name"]), time_ns=int(e.get("timeUnixNano") or 0),
+                                           attributes=_otlp_attributes(e.get("attributes") or []))
+                                 for e in sp.get("events") or ()),
                 )
 
 

@@ -23,13 +23,24 @@ questions and options in, the answers out; state text only under the content swi
 status OK, or ERROR with `error.type`.
 
 Engine reads and escalations carry the GenAI semantic conventions
-(`gen_ai.operation.name`, `gen_ai.provider.name`, the older `gen_ai.system`,
-`gen_ai.request.model`, `gen_ai.usage.*`, `server.*`, `error.type`) and record the
-GenAI client metrics (`gen_ai.client.operation.duration`, `gen_ai.client.token.usage`).
-A canvas read uses the operation name `canvas_read`: no well-known operation fits one
-denoising pass that returns distributions. Routing figures live under `canvasroute.*`,
-never under `gen_ai.*`. The decide span carries no `gen_ai.*`, so token counts are
-never double-counted by backends that sum them over a trace.
+(`gen_ai.operation.name`, `gen_ai.provider.name`, `gen_ai.request.model`,
+`gen_ai.response.model`, `gen_ai.request.seed` on canvas reads, `gen_ai.usage.*`,
+`server.*`, `error.type`) and record the GenAI client metrics
+(`gen_ai.client.operation.duration`, `gen_ai.client.token.usage`). The deprecated
+`gen_ai.system` is not written: no consumer the suite runs reads it (Phoenix and the
+dashboard read `gen_ai.provider.name`). A canvas read uses the operation name
+`canvas_read`: no well-known operation fits one denoising pass that returns
+distributions. Every span of a decision made in a LangGraph thread carries
+`gen_ai.conversation.id` (and OpenInference's `session.id`). Routing figures live under
+`canvasroute.*`, never under `gen_ai.*`; the decide span carries no GenAI usage, so token
+counts are never double-counted by backends that sum them over a trace.
+
+The key set is fixed: a question id is always a value (`canvasroute.question.id` on one
+`canvasroute.question` event per question of a decide span), never part of a key.
+
+`JsonlSpanExporter` writes finished spans as JSONL (the file `canvasroute dashboard`
+reads); `add_otlp_exporter` adds the standard OTLP/HTTP exporter when
+`OTEL_EXPORTER_OTLP_ENDPOINT` is set. Both are exported from `canvasroute` too.
 
 State and prompt content are recorded only when `CANVASROUTE_RECORD_CONTENT=1`;
 secrets (API keys, headers) never.
@@ -39,71 +50,12 @@ so an SDK installed after `import router` is honoured.
 """
 
 
+from typing import TYPE_CHECKING, Any
+
+from . import _names
 from ._decision import mark_error, record_reports
 from ._export import add_otlp_exporter
-from ._names import (
-    CACHE_HIT,
-    CANVAS_READS,
-    DECISION_PREFIX,
-    DECISION_SET,
-    ERROR_TYPE,
-    ESCALATED_QUESTIONS,
-    FIGURES,
-    GEN_AI_INPUT_MESSAGES,
-    GEN_AI_INPUT_TOKENS,
-    GEN_AI_MODEL,
-    GEN_AI_OPERATION,
-    GEN_AI_OUTPUT_TOKENS,
-    GEN_AI_PROVIDER,
-    GEN_AI_SYSTEM,
-    GEN_AI_TOKEN_TYPE,
-    GRAPH_NODE,
-    GRAPH_STRUCTURE,
-    GRAPH_THREAD,
-    INPUT_MIME,
-    INPUT_VALUE,
-    JSON_MIME,
-    LLM_COMPLETION_TOKENS,
-    LLM_MODEL_NAME,
-    LLM_PROMPT_TOKENS,
-    LLM_PROVIDER,
-    LLM_SYSTEM,
-    LLM_TOTAL_TOKENS,
-    METRIC_KIND,
-    METRIC_PATH,
-    METRIC_QUESTION,
-    OI_CHAIN,
-    OI_LLM,
-    OI_SPAN_KIND,
-    OPERATION_CANVAS_READ,
-    OPERATION_CHAT,
-    OPERATION_ESCALATE,
-    OPERATION_GRAPH,
-    OPERATION_ROUTE,
-    OPERATION_SHADOW,
-    OUTPUT_MIME,
-    OUTPUT_VALUE,
-    PROMPTS_CONTENT,
-    QUESTIONS,
-    READ_BATCH,
-    READ_KIND,
-    REMOTE_PROVIDERS,
-    ROUTE_DESTINATION,
-    SCOPE,
-    SERVER_ADDRESS,
-    SERVER_PORT,
-    SESSION_ID,
-    SHADOW_AGREES,
-    SHADOW_CANVAS_ALONE,
-    SHADOW_CANVAS_DESTINATION,
-    SHADOW_CANVAS_ERROR,
-    SHADOW_CANVAS_LATENCY,
-    SHADOW_DESTINATION,
-    SHADOW_ROUTER_LATENCY,
-    SHADOW_WOULD_ESCALATE,
-    STATE_CONTENT,
-    record_content,
-)
+from ._names import *  # noqa: F403 - every attribute name: the fixed key set lives in `_names`
 from ._spans import (
     Call,
     engine_call,
@@ -116,68 +68,12 @@ from ._spans import (
     span,
 )
 
+if TYPE_CHECKING:
+    from ._jsonl import JsonlSpanExporter, span_json
+
 __all__ = [
-    "CACHE_HIT",
-    "CANVAS_READS",
     "Call",
-    "DECISION_PREFIX",
-    "DECISION_SET",
-    "ERROR_TYPE",
-    "ESCALATED_QUESTIONS",
-    "FIGURES",
-    "GEN_AI_INPUT_MESSAGES",
-    "GEN_AI_INPUT_TOKENS",
-    "GEN_AI_MODEL",
-    "GEN_AI_OPERATION",
-    "GEN_AI_OUTPUT_TOKENS",
-    "GEN_AI_PROVIDER",
-    "GEN_AI_SYSTEM",
-    "GEN_AI_TOKEN_TYPE",
-    "GRAPH_NODE",
-    "GRAPH_STRUCTURE",
-    "GRAPH_THREAD",
-    "INPUT_MIME",
-    "INPUT_VALUE",
-    "JSON_MIME",
-    "LLM_COMPLETION_TOKENS",
-    "LLM_MODEL_NAME",
-    "LLM_PROMPT_TOKENS",
-    "LLM_PROVIDER",
-    "LLM_SYSTEM",
-    "LLM_TOTAL_TOKENS",
-    "METRIC_KIND",
-    "METRIC_PATH",
-    "METRIC_QUESTION",
-    "OI_CHAIN",
-    "OI_LLM",
-    "OI_SPAN_KIND",
-    "OPERATION_CANVAS_READ",
-    "OPERATION_CHAT",
-    "OPERATION_ESCALATE",
-    "OPERATION_GRAPH",
-    "OPERATION_ROUTE",
-    "OPERATION_SHADOW",
-    "OUTPUT_MIME",
-    "OUTPUT_VALUE",
-    "PROMPTS_CONTENT",
-    "QUESTIONS",
-    "READ_BATCH",
-    "READ_KIND",
-    "REMOTE_PROVIDERS",
-    "ROUTE_DESTINATION",
-    "SCOPE",
-    "SERVER_ADDRESS",
-    "SERVER_PORT",
-    "SESSION_ID",
-    "SHADOW_AGREES",
-    "SHADOW_CANVAS_ALONE",
-    "SHADOW_CANVAS_DESTINATION",
-    "SHADOW_CANVAS_ERROR",
-    "SHADOW_CANVAS_LATENCY",
-    "SHADOW_DESTINATION",
-    "SHADOW_ROUTER_LATENCY",
-    "SHADOW_WOULD_ESCALATE",
-    "STATE_CONTENT",
+    "JsonlSpanExporter",
     "add_otlp_exporter",
     "engine_call",
     "escalation_call",
@@ -185,9 +81,18 @@ __all__ = [
     "mark_error",
     "model_call",
     "provider_of",
-    "record_content",
     "record_reports",
     "set_io",
     "set_usage",
     "span",
+    "span_json",
 ]
+__all__ += _names.__all__
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("JsonlSpanExporter", "span_json"):  # loads the OTel SDK: only when asked for
+        from . import _jsonl
+
+        return getattr(_jsonl, name)
+    raise AttributeError(f"module 'canvasroute.router.telemetry' has no attribute {name!r}")

@@ -1,4 +1,9 @@
-"""The decision set's figures on its `decide` span and in the metrics."""
+"""The decision set's figures on its `decide` span and in the metrics.
+
+Per question, one `canvasroute.question` span event carries the figures under fixed keys
+(`canvasroute.question.id` holds the id as a value), so the attribute key set stays
+bounded however many question ids an application uses.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,16 @@ from typing import Any
 from opentelemetry.trace import Span, Status, StatusCode
 
 from ._names import (
-    DECISION_PREFIX,
     ERROR_TYPE,
+    FIGURE_KEYS,
     GEN_AI_MODEL,
     GRAPH_NODE,
     METRIC_KIND,
     METRIC_PATH,
     METRIC_QUESTION,
+    QUESTION_EVENT,
+    QUESTION_ID,
+    QUESTION_KIND,
     STATE_CONTENT,
 )
 from ._spans import _instruments, set_io
@@ -24,7 +32,7 @@ __all__ = ["mark_error", "record_reports"]
 
 def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: str, policy: Any = None,
                    attributes: Mapping[str, Any] | None = None) -> None:
-    """Per-question attributes on the decision-set span, and the metric points.
+    """One `canvasroute.question` event per question on the decision-set span, and the metric points.
 
     `policy` (a `GatePolicy`) supplies each question's temperature; a `canvasroute.graph.node`
     in `attributes` labels the metric points too.
@@ -38,10 +46,9 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
     asked: dict[str, Any] = {}
     answered: dict[str, Any] = {}
     for r in reports:
-        prefix = f"{DECISION_PREFIX}.{r.question_id}"
         canvas = r.canvas_probabilities
         values = {} if not recording else {
-            "answer": r.answer, "path": r.path, "escalated": r.escalation_model is not None, "kind": r.kind,
+            "answer": r.answer, "path": r.path, "escalated": r.escalation_model is not None,
             "reads": r.reads, "entropy": r.entropy, "normalized_entropy": r.normalized_entropy,
             "confidence": r.confidence, "margin": r.margin, "label_mass": r.label_mass, "agreement": r.agreement,
             "escalation_model": r.escalation_model, "over_budget": r.over_budget or None,
@@ -50,10 +57,9 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
             "canvas_answer": max(canvas, key=canvas.__getitem__) if canvas else None,
             "temperature": policy.for_question(r.question_id).temperature if policy is not None and canvas else None,
         }
-        for key, value in values.items():
-            if value is not None:
-                s.set_attribute(f"{prefix}.{key}", value)
         if recording:
+            s.add_event(QUESTION_EVENT, {QUESTION_ID: r.question_id, QUESTION_KIND: r.kind,
+                                         **{FIGURE_KEYS[k]: v for k, v in values.items() if v is not None}})
             asked[r.question_id] = {"kind": r.kind, "options": list(canvas) if canvas else None}
             answered[r.question_id] = {"answer": r.answer, "path": r.path, "confidence": r.confidence}
         if inst is None:

@@ -12,17 +12,20 @@ __all__ = [
     "ERROR_TYPE",
     "ESCALATED_QUESTIONS",
     "FIGURES",
+    "FIGURE_KEYS",
+    "GEN_AI_CONVERSATION_ID",
     "GEN_AI_INPUT_MESSAGES",
     "GEN_AI_INPUT_TOKENS",
     "GEN_AI_MODEL",
     "GEN_AI_OPERATION",
     "GEN_AI_OUTPUT_TOKENS",
     "GEN_AI_PROVIDER",
+    "GEN_AI_REQUEST_SEED",
+    "GEN_AI_RESPONSE_MODEL",
     "GEN_AI_SYSTEM",
     "GEN_AI_TOKEN_TYPE",
     "GRAPH_NODE",
     "GRAPH_STRUCTURE",
-    "GRAPH_THREAD",
     "INPUT_MIME",
     "INPUT_VALUE",
     "JSON_MIME",
@@ -48,6 +51,9 @@ __all__ = [
     "OUTPUT_VALUE",
     "PROMPTS_CONTENT",
     "QUESTIONS",
+    "QUESTION_EVENT",
+    "QUESTION_ID",
+    "QUESTION_KIND",
     "READ_BATCH",
     "READ_KIND",
     "REMOTE_PROVIDERS",
@@ -72,8 +78,15 @@ __all__ = [
 GEN_AI_OPERATION = "gen_ai.operation.name"
 GEN_AI_PROVIDER = "gen_ai.provider.name"
 GEN_AI_SYSTEM = "gen_ai.system"
-"""Older name of `gen_ai.provider.name`, still mapped by LangSmith; written alongside."""
+"""The deprecated name of `gen_ai.provider.name`. No longer written: no consumer the suite runs
+needs it (Phoenix reads `gen_ai.provider.name` first, the dashboard too); read from older trace files."""
 GEN_AI_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+"""The model that answered, as the engine or the escalation target names it."""
+GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+"""A canvas read's noise seed (the decision's seed; re-read k of a canvas uses seed + 7919 k)."""
+GEN_AI_CONVERSATION_ID = "gen_ai.conversation.id"
+"""The LangGraph thread, on every span of a decision made in a thread."""
 GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_TOKEN_TYPE = "gen_ai.token.type"
@@ -98,7 +111,8 @@ OUTPUT_VALUE = "output.value"
 OUTPUT_MIME = "output.mime_type"
 JSON_MIME = "application/json"
 SESSION_ID = "session.id"
-"""The LangGraph thread id (viewers group a thread's traces into one session)."""
+"""The LangGraph thread id (viewers group a thread's traces into one session), beside
+`gen_ai.conversation.id`."""
 LLM_MODEL_NAME = "llm.model_name"
 LLM_PROVIDER = "llm.provider"
 LLM_SYSTEM = "llm.system"
@@ -111,24 +125,28 @@ DECISION_SET = "canvasroute.decision_set"
 QUESTIONS = "canvasroute.questions"
 CANVAS_READS = "canvasroute.canvas_reads"
 GRAPH_NODE = "canvasroute.graph.node"
-GRAPH_THREAD = "canvasroute.graph.thread_id"
 READ_BATCH = "canvasroute.read.batch_size"
 READ_KIND = "canvasroute.read.kind"
 """`first` or `reread`."""
 ESCALATED_QUESTIONS = "canvasroute.escalation.questions"
 STATE_CONTENT = "canvasroute.content.state"
-CACHE_HIT = "canvasroute.cache.hit"
-"""On a decide span when the model has a `DecisionCache`: True when answered from it (no read)."""
 """Opt-in content: the rendered state (only with CANVASROUTE_RECORD_CONTENT=1)."""
 PROMPTS_CONTENT = "canvasroute.content.prompts"
 """Opt-in content: every distinct prompt of a read batch that holds more than one."""
+QUESTION_EVENT = "canvasroute.question"
+"""Span event on a decide span, one per question: `canvasroute.question.id`, `.kind` and the
+figures under `FIGURE_KEYS`. A question id is always a value, never part of a key."""
+QUESTION_ID = "canvasroute.question.id"
+QUESTION_KIND = "canvasroute.question.kind"
 DECISION_PREFIX = "canvasroute.decision"
-"""Per-question figures on the decide span: `canvasroute.decision.<question id>.<figure>`."""
 FIGURES = ("answer", "canvas_answer", "options", "canvas_probabilities", "temperature", "entropy",
            "normalized_entropy", "confidence", "margin", "label_mass", "path", "escalated",
-           "escalation_model", "over_budget", "reads", "agreement", "kind")
+           "escalation_model", "over_budget", "reads", "agreement")
 """Figures recorded per question (`canvas_*`: the canvas read before escalation, with
 `canvas_probabilities` in `options` order, at `temperature`)."""
+FIGURE_KEYS = {figure: f"{DECISION_PREFIX}.{figure}" for figure in FIGURES}
+"""Figure -> its attribute key on a question event (`canvasroute.decision.entropy`, ...): a fixed set.
+(Trace files written before 0.2 hold them on the span as `canvasroute.decision.<question id>.<figure>`.)"""
 # the graph around the decisions (written by harness/, read by the dashboard)
 OPERATION_ROUTE = "route"
 """Span `route <node>`: where one decision node sent the graph (one per decision set)."""
@@ -157,8 +175,8 @@ SHADOW_CANVAS_ERROR = "canvasroute.shadow.canvas_error"
 """The exception type when the canvas read failed (the graph still follows the router)."""
 # metric attributes (low cardinality: developer-defined names only)
 METRIC_PATH = "canvasroute.path"
-METRIC_KIND = "canvasroute.question.kind"
-METRIC_QUESTION = "canvasroute.question.id"
+METRIC_KIND = QUESTION_KIND
+METRIC_QUESTION = QUESTION_ID
 
 SCOPE = "canvasroute"
 

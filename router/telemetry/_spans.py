@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,15 +19,16 @@ from ._names import (
     DECISION_SET,
     ERROR_TYPE,
     ESCALATED_QUESTIONS,
+    GEN_AI_CONVERSATION_ID,
     GEN_AI_INPUT_MESSAGES,
     GEN_AI_INPUT_TOKENS,
     GEN_AI_MODEL,
     GEN_AI_OPERATION,
     GEN_AI_OUTPUT_TOKENS,
     GEN_AI_PROVIDER,
-    GEN_AI_SYSTEM,
+    GEN_AI_REQUEST_SEED,
+    GEN_AI_RESPONSE_MODEL,
     GEN_AI_TOKEN_TYPE,
-    GRAPH_THREAD,
     INPUT_MIME,
     INPUT_VALUE,
     JSON_MIME,
@@ -81,6 +83,8 @@ class _Instruments:
 
 
 _cache: dict[str, tuple[Any, Any]] = {}
+_CONVERSATION: ContextVar[str | None] = ContextVar("canvasroute_conversation", default=None)
+"""The thread of the span being recorded, for the model calls under it (`gen_ai.conversation.id`)."""
 
 
 def _tracer() -> trace.Tracer | None:
@@ -136,8 +140,9 @@ def span(name: str, attributes: Mapping[str, Any],
     status on failure, and an OK status otherwise (unless the body marked an error).
 
     Spans are OpenInference CHAIN spans unless `attributes` say otherwise; a
-    `canvasroute.graph.thread_id` is mirrored to `session.id`. Without an SDK nothing is
-    built: the body gets the non-recording span a no-op tracer would give it.
+    `gen_ai.conversation.id` (the LangGraph thread) is mirrored to `session.id` and passed
+    on to the model calls under the span. Without an SDK nothing is built: the body gets the
+    non-recording span a no-op tracer would give it.
     """
     tracer = _tracer()
     return _IDLE_SPAN if tracer is None else _recording_span(tracer, name, attributes, kind)
@@ -147,13 +152,16 @@ def span(name: str, attributes: Mapping[str, Any],
 def _recording_span(tracer: trace.Tracer, name: str, attributes: Mapping[str, Any],
                     kind: SpanKind) -> Iterator[Span]:
     attrs = {OI_SPAN_KIND: OI_CHAIN, **attributes}
-    if GRAPH_THREAD in attrs:
-        attrs.setdefault(SESSION_ID, attrs[GRAPH_THREAD])
+    conversation = attrs.get(GEN_AI_CONVERSATION_ID) or _CONVERSATION.get()  # the thread, for spans under it
+    if conversation is not None:
+        attrs.setdefault(GEN_AI_CONVERSATION_ID, conversation)
+        attrs.setdefault(SESSION_ID, conversation)
     if DECISION_SET in attrs and INPUT_VALUE not in attrs:  # a decide span: what it was asked, even if it fails
         state = attrs.get(STATE_CONTENT)
         attrs[INPUT_VALUE] = json.dumps({"questions": str(attrs[DECISION_SET]).split(","),
                                          **({"state": state} if state is not None else {})}, ensure_ascii=False)
         attrs[INPUT_MIME] = JSON_MIME
+    token = _CONVERSATION.set(conversation)
     with tracer.start_as_current_span(name, kind=kind, attributes=attrs,
                                          record_exception=True, set_status_on_exception=True) as s:
         try:
@@ -161,6 +169,8 @@ def _recording_span(tracer: trace.Tracer, name: str, attributes: Mapping[str, An
         except BaseException as exc:
             s.set_attribute(ERROR_TYPE, type(exc).__qualname__)
             raise
+        finally:
+            _CONVERSATION.reset(token)
         status = getattr(s, "status", None)  # SDK spans: keep an ERROR set by mark_error
         if status is not None and status.status_code is StatusCode.UNSET:
             s.set_status(Status(StatusCode.OK))
@@ -226,11 +236,18 @@ class Call:
             out.append(canvas)
         self.output(out)
 
-    def output(self, value: Any) -> None:
-        """What the call answered, as `output.value` (on `escalate` too for an escalation)."""
+    def output(self, value: Any, response_model: str | None = None) -> None:
+        """What the call answered, as `output.value` (on `escalate` too for an escalation),
+        and the model that answered (`gen_ai.response.model`), when known."""
         set_io(self.span, output=value)
         if self.outer is not None:
             set_io(self.outer, output=value)
+        self.response_model(response_model)
+
+    def response_model(self, model: str | None) -> None:
+        """`gen_ai.response.model`: the model that answered."""
+        if model and self.span.is_recording():
+            self.span.set_attribute(GEN_AI_RESPONSE_MODEL, model)
 
 
 @contextmanager
@@ -272,18 +289,20 @@ def set_usage(s: Span, input_tokens: int, output_tokens: int) -> None:
 
 
 def genai_attributes(operation: str, provider: str, model: str) -> dict[str, Any]:
-    """The GenAI attributes of one model call (`gen_ai.system` mirrors the provider), and
-    their OpenInference twins (an LLM span)."""
-    return {GEN_AI_OPERATION: operation, GEN_AI_PROVIDER: provider, GEN_AI_SYSTEM: provider, GEN_AI_MODEL: model,
+    """The GenAI attributes of one model call and their OpenInference twins (an LLM span)."""
+    return {GEN_AI_OPERATION: operation, GEN_AI_PROVIDER: provider, GEN_AI_MODEL: model,
             OI_SPAN_KIND: OI_LLM, LLM_MODEL_NAME: model, LLM_PROVIDER: provider, LLM_SYSTEM: provider}
 
 
-def engine_call(info: Any, batch: Sequence[Any], kind: str) -> Any:
-    """Span `canvas_read <model>` around one engine call (`kind`: first or reread)."""
+def engine_call(info: Any, batch: Sequence[Any], kind: str, seed: int | None = None) -> Any:
+    """Span `canvas_read <model>` around one engine call (`kind`: first or reread; `seed`:
+    the decision's noise seed)."""
     if _tracer() is None and _instruments() is None:  # no SDK: nothing to build
         return _IDLE_CALL
     attrs = {**genai_attributes(OPERATION_CANVAS_READ, info.provider, info.model),
              READ_BATCH: len(batch), READ_KIND: kind}
+    if seed is not None:
+        attrs[GEN_AI_REQUEST_SEED] = seed
     if record_content():
         prompts = list({json.dumps(_semconv_messages(r.messages), ensure_ascii=False): None for r in batch})
         if len(prompts) == 1:
