@@ -212,15 +212,16 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         "fault_type": draw(st.sampled_from([EngineUnavailable, EngineResponseError])),
         "max_model_len": draw(st.sampled_from([4096, 4096, 800])),  # 800: a two-step question's in-group read
                                                                    # does not fit
-        "target": draw(st.sampled_from(["answers", "fails", None])),
+        "target": draw(st.sampled_from(["answers", "answers", "fails", None])),
         "on_engine_error": draw(st.sampled_from(["escalate", "raise", "fallback"])),
-        "fallback": draw(st.booleans()),
+        "fallback": draw(st.sampled_from([True, True, True, False])),
         "abstain": draw(st.booleans()), "on_abstain": draw(st.sampled_from(["escalate", "fallback"])),
         "on_unsure": draw(st.sampled_from(["answer", "fallback", "raise", "review"])),
         "order_views": draw(st.integers(0, 2)), "rereads": draw(st.integers(0, 2)),
         "budget": draw(st.sampled_from([None, "memory", "store"] if graph else [None, "memory"])),
         "per_window": draw(st.integers(0, 2)), "when_spent": draw(st.sampled_from(["keep", "fallback", "raise"])),
-        "model_cache": draw(st.booleans()), "node_cache": graph and draw(st.booleans()),
+        "model_cache": draw(st.sampled_from([True, True, False])),
+        "node_cache": graph and draw(st.sampled_from([True, True, False])),
         "state": state, "seed": draw(st.none() | st.integers(0, 2**31)),
     }
 
