@@ -203,15 +203,16 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         depends = {qids[-1]: (qids[0], draw(st.sampled_from(_options(kinds[0], _question(0, kinds[0])))))}
     shadow = graph and draw(st.booleans())
     review = graph and not shadow and draw(st.booleans())
-    state = draw(st.one_of(st.text(max_size=40), _json_like) if graph else st.one_of(
-        st.text(max_size=40), _json_like, _rich, st.just({"photo": _IMAGE}), st.just({"odd": object()})))
+    odd = not graph and draw(st.sampled_from([None] * 8 + ["image", "object"]))  # seldom: they end at once
+    state = ({"photo": _IMAGE} if odd == "image" else {"odd": object()} if odd == "object" else draw(
+        st.one_of(st.text(max_size=40), _json_like) if graph else st.one_of(st.text(max_size=40), _json_like, _rich)))
     return {
         "graph": graph, "kinds": kinds, "qids": qids, "depends": depends, "shadow": shadow, "review": review,
         "moods": {q: draw(st.sampled_from(["sure", "borderline", "unsure", "abstain"])) for q in qids},
         "fault": draw(st.sampled_from([None, None, "info", "first", "reread", "in_group"])),
         "fault_type": draw(st.sampled_from([EngineUnavailable, EngineResponseError])),
-        "max_model_len": draw(st.sampled_from([4096, 4096, 800])),  # 800: a two-step question's in-group read
-                                                                   # does not fit
+        "max_model_len": draw(st.sampled_from([4096, 4096, 4096, 800])),  # 800: a two-step question's
+                                                                         # in-group read does not fit
         "target": draw(st.sampled_from(["answers", "answers", "fails", None])),
         "on_engine_error": draw(st.sampled_from(["escalate", "raise", "fallback"])),
         "fallback": draw(st.sampled_from([True, True, True, False])),
