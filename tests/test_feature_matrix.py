@@ -62,7 +62,7 @@ from canvasroute.router import ABSTAIN, CanvasDecisionModel, DecisionCache, Esca
 from canvasroute.router._types import Path
 
 PATHS = frozenset(typing.get_args(Path))
-EXAMPLES = int(os.environ.get("CANVASROUTE_MATRIX_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("CANVASROUTE_MATRIX_EXAMPLES", "200"))
 MANY = 200
 """Options of the big Choice: past one read's 128 label ids, so it is read in two steps."""
 ABSTAIN_LINE = "none of these"
