@@ -201,6 +201,7 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
     depends = None
     if len(qids) > 1 and draw(st.sampled_from([True, True, True, False])):
         depends = {qids[-1]: (qids[0], draw(st.sampled_from(_options(kinds[0], _question(0, kinds[0])))))}
+    abstain = draw(st.booleans())
     shadow = graph and draw(st.booleans())
     review = graph and not shadow and draw(st.booleans())
     odd = not graph and draw(st.sampled_from([None] * 8 + ["image", "object"]))  # seldom: they end at once
@@ -208,15 +209,18 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         st.one_of(st.text(max_size=40), _json_like) if graph else st.one_of(st.text(max_size=40), _json_like, _rich)))
     return {
         "graph": graph, "kinds": kinds, "qids": qids, "depends": depends, "shadow": shadow, "review": review,
-        "moods": {q: draw(st.sampled_from(["sure", "borderline", "unsure", "abstain"])) for q in qids},
-        "fault": draw(st.sampled_from([None, None, "info", "first", "reread", "in_group"])),
+        "moods": {q: draw(st.sampled_from(["sure", "borderline", "unsure", "abstain", "abstain"] if abstain
+                                          else ["sure", "borderline", "unsure"])) for q in qids},
+        # only the faults that can happen: an in-group read needs a two-step question
+        "fault": draw(st.sampled_from([None, "info", "first", "reread", "in_group", "in_group"] if "many" in kinds
+                                      else [None, None, "info", "first", "reread"])),
         "fault_type": draw(st.sampled_from([EngineUnavailable, EngineResponseError])),
         # 800: a two-step question's group read fits, its in-group read does not
         "max_model_len": draw(st.sampled_from([4096, 4096, 800])) if "many" in kinds else 4096,
         "target": draw(st.sampled_from(["answers", "answers", "fails", None])),
         "on_engine_error": draw(st.sampled_from(["escalate", "raise", "fallback"])),
         "fallback": draw(st.sampled_from([True, True, True, False])),
-        "abstain": draw(st.booleans()), "on_abstain": draw(st.sampled_from(["escalate", "fallback"])),
+        "abstain": abstain, "on_abstain": draw(st.sampled_from(["escalate", "fallback"])),
         "on_unsure": draw(st.sampled_from(["answer", "fallback", "raise", "review"])),
         "order_views": draw(st.integers(0, 2)), "rereads": draw(st.integers(0, 2)),
         "budget": draw(st.sampled_from([None, "memory", "store"] if graph else [None, "memory"])),
