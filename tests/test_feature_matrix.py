@@ -202,6 +202,11 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
     if len(qids) > 1 and draw(st.sampled_from([True, True, True, False])):
         depends = {qids[-1]: (qids[0], draw(st.sampled_from(_options(kinds[0], _question(0, kinds[0])))))}
     abstain = draw(st.booleans())
+    # a two-step question meets a fault in either of its reads, or a context its in-group read
+    # does not fit (800 tokens: its group read fits); any setup may meet a fault elsewhere
+    two_step = draw(st.sampled_from(["fits", "too long", "in_group", "reread"])) if "many" in kinds else "fits"
+    fault = two_step if two_step in ("in_group", "reread") else draw(st.sampled_from([None, None, "info", "first",
+                                                                                    "reread"]))
     shadow = graph and draw(st.booleans())
     review = graph and not shadow and draw(st.booleans())
     odd = not graph and draw(st.sampled_from([None] * 8 + ["image", "object"]))  # seldom: they end at once
@@ -211,12 +216,9 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         "graph": graph, "kinds": kinds, "qids": qids, "depends": depends, "shadow": shadow, "review": review,
         "moods": {q: draw(st.sampled_from(["sure", "borderline", "unsure", "abstain", "abstain"] if abstain
                                           else ["sure", "borderline", "unsure"])) for q in qids},
-        # only the faults that can happen: an in-group read needs a two-step question
-        "fault": draw(st.sampled_from([None, "info", "first", "reread", "in_group", "in_group"] if "many" in kinds
-                                      else [None, None, "info", "first", "reread"])),
+        "fault": fault,
         "fault_type": draw(st.sampled_from([EngineUnavailable, EngineResponseError])),
-        # 800: a two-step question's group read fits, its in-group read does not
-        "max_model_len": draw(st.sampled_from([4096, 4096, 800])) if "many" in kinds else 4096,
+        "max_model_len": 800 if two_step == "too long" else 4096,
         "target": draw(st.sampled_from(["answers", "answers", "fails", None])),
         "on_engine_error": draw(st.sampled_from(["escalate", "raise", "fallback"])),
         "fallback": draw(st.sampled_from([True, True, True, False])),
