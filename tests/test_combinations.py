@@ -364,7 +364,8 @@ async def test_11_eval_runs_an_abstaining_policy():
     result = await evaluate(rows.engine, data, policy=GatePolicy(abstain=True))
     assert [i.canvas_answer for i in result.items] == ["billing", "billing"]  # billing beats tech at 0.2 each
     assert result.canvas.decisions == 2
-    cascade = await evaluate(rows.engine, data, policy=GatePolicy(abstain=True), target=Target({"team": "tech"}).runnable)
+    target = Target({"team": "tech"}).runnable
+    cascade = await evaluate(rows.engine, data, policy=GatePolicy(abstain=True), target=target)
     assert cascade.cascade.escalations == 2 and [i.cascade_path for i in cascade.items] == ["abstained"] * 2
 
 

@@ -219,7 +219,9 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         "fault": fault,
         "fault_type": draw(st.sampled_from([EngineUnavailable, EngineResponseError])),
         "max_model_len": 800 if two_step == "too long" else 4096,
-        "target": draw(st.sampled_from(["answers", "answers", "fails", None])),
+        # a review lane stands in for an escalation target, mostly
+        "target": draw(st.sampled_from([None, None, "answers", "fails"] if review
+                                       else ["answers", "answers", "fails", None])),
         "on_engine_error": draw(st.sampled_from(["escalate", "raise", "fallback"])),
         "fallback": draw(st.sampled_from([True, True, True, False])),
         "abstain": abstain, "on_abstain": draw(st.sampled_from(["escalate", "fallback"])),
@@ -470,7 +472,8 @@ def test_every_combination_holds(s):
     b.engine.healed = True
     second = run(b, "t1" if not s["graph"] else "t2")
     for r in (first, second):
-        event(f"outcome: {type(r.error).__name__ if r.error else 'decided'}" + (f" {str(r.error)[:60]}" if isinstance(r.error, DecisionError) else ""))
+        event(f"outcome: {type(r.error).__name__ if r.error else 'decided'}"
+              + (f" {str(r.error)[:60]}" if isinstance(r.error, DecisionError) else ""))
         for rec in (r.records or {}).values():
             event(f"path: {rec['path']}")
         check_error(b, r)
