@@ -551,3 +551,4 @@ async def test_17_engine_down_and_escalation_down_names_both():
     assert isinstance(err.__cause__, EngineUnavailable) and engine_url in str(err.__cause__)
     assert "gemma-3-27b" in err.message and "canvas engine failed" in err.message and engine_url in err.message
     assert "canvas engine" in err.hint and "escalation" in err.hint and err.retryable
+    assert err.failure == "network"  # langchain-openai's OpenAIConnectionError is a connection error

@@ -23,7 +23,6 @@ Examples are bounded and derandomized (a fixed seed: CI runs the same examples e
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import enum
 import hashlib
 import json
@@ -62,7 +61,7 @@ from canvasroute.router import ABSTAIN, CanvasDecisionModel, DecisionCache, Esca
 from canvasroute.router._types import Path
 
 PATHS = frozenset(typing.get_args(Path))
-EXAMPLES = int(os.environ.get("CANVASROUTE_MATRIX_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("CANVASROUTE_MATRIX_EXAMPLES", "500"))
 MANY = 200
 """Options of the big Choice: past one read's 128 label ids, so it is read in two steps."""
 ABSTAIN_LINE = "none of these"
@@ -147,7 +146,7 @@ class Target:
         if self.fails:
             raise ConnectionError("the escalation target is down")
         text = msgs[-1].content
-        asked = dict(re.findall(r'^Question "([^"]+)": .*? Options: "([^"]+)"', text, re.M))
+        asked = dict(re.findall(r'^Question "([^"]+)": .*? Options: "([^"]+)"', text, re.MULTILINE))
         self.questions += len(asked)
         return AIMessage(json.dumps(asked), usage_metadata={"input_tokens": 7, "output_tokens": 2, "total_tokens": 9})
 
@@ -430,8 +429,8 @@ def check_cache(b: Built, first: Run, second: Run) -> None:
         assert second.usage["input_tokens"] == second.usage["output_tokens"] == 0
         assert second.records == first.records, "a hit differs from the decision it replays"
     if b.cache is not None:
-        for _ns, entries in b.cache.cache._cache.items():
-            for _key, (enc, raw, _exp) in entries.items():
+        for entries in b.cache.cache._cache.values():  # what the inner LangGraph cache holds
+            for enc, raw, _expiry in entries.values():
                 for _channel, value in b.cache.serde.loads_typed((enc, raw)):
                     for rec in (value.values() if isinstance(value, Mapping) else ()):
                         read = rec.get("read", {}) if isinstance(rec, Mapping) else {}
