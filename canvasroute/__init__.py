@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         TraceFileError,
         TransformersEngine,
         UnsupportedQuestion,
+        UnsureAnswer,
         VLLMEngine,
         VLLMServerEngine,
         embedded_engine,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from canvasroute.harness import (
         DecisionEdge,
         DecisionNode,
+        NodeCache,
         ReviewPolicy,
         StoreBudgetMeter,
         decision_node,
@@ -77,15 +79,16 @@ _LAYERS = {
         "EmbeddedModelMissing", "Engine", "EngineInfo", "EngineOverloaded", "EngineRequestError",
         "EngineResponseError", "EngineTimeout", "EngineUnavailable", "EscalationError", "FunctionEngine",
         "GraphSetupError", "ImagesUnsupported", "InputTooLong", "LabelError", "ReadResult", "TraceFileError",
-        "TransformersEngine", "UnsupportedQuestion", "VLLMEngine", "VLLMServerEngine", "embedded_engine",
+        "TransformersEngine", "UnsupportedQuestion", "UnsureAnswer", "VLLMEngine", "VLLMServerEngine",
+        "embedded_engine",
     ],
     "router": [
         "CanvasDecisionModel", "CanvasResponse", "DecisionCache", "EscalationBudget", "GatePolicy",
         "JsonlSpanExporter", "ReadReport", "SystemOneDecisionModel", "add_otlp_exporter", "load_policy", "save_policy",
     ],
     "harness": [
-        "DecisionEdge", "DecisionNode", "ReviewPolicy", "StoreBudgetMeter", "decision_node", "merge_decisions",
-        "retry_on", "route_on",
+        "DecisionEdge", "DecisionNode", "NodeCache", "ReviewPolicy", "StoreBudgetMeter", "decision_node",
+        "merge_decisions", "retry_on", "route_on",
     ],
 }
 _HOME = {name: layer for layer, names in _LAYERS.items() for name in names}
@@ -118,6 +121,7 @@ __all__ = [
     "InputTooLong",
     "JsonlSpanExporter",
     "LabelError",
+    "NodeCache",
     "ReadReport",
     "ReadResult",
     "ReviewPolicy",
@@ -126,6 +130,7 @@ __all__ = [
     "TraceFileError",
     "TransformersEngine",
     "UnsupportedQuestion",
+    "UnsureAnswer",
     "VLLMEngine",
     "VLLMServerEngine",
     "__version__",

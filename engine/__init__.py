@@ -43,6 +43,7 @@ from .errors import (
     LabelError,
     TraceFileError,
     UnsupportedQuestion,
+    UnsureAnswer,
 )
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ __all__ = [
     "TraceFileError",
     "TransformersEngine",
     "UnsupportedQuestion",
+    "UnsureAnswer",
     "VLLMEngine",
     "VLLMServerEngine",
     "check_rows",

@@ -55,6 +55,9 @@ class VLLMServerEngine:
     `keepalive_expiry` seconds; a reply over `max_response_bytes` is an
     `EngineResponseError`; `HTTP(S)_PROXY`/`ALL_PROXY`/`NO_PROXY` are followed unless
     `trust_env=False`; URL userinfo is sent as Basic auth; `transport=` sends through httpx.
+    Discovery needs the served context length (`max_model_len` in `/v1/models`, as vLLM
+    lists it); a proxy that drops it gets `EngineResponseError` saying so, unless
+    `max_model_len=` is given. `canvas_width=` and `vocab_size=` skip their probes too.
 
     `enable_thinking` goes to the chat template (default False, the read mode). A server
     that refuses `diffusion_canvas_length` below its served width gets the full width from
@@ -81,6 +84,7 @@ class VLLMServerEngine:
         backoff: float = 0.2,
         replica_cooldown: float = 5.0,
         canvas_width: int | None = None,
+        max_model_len: int | None = None,
         vocab_size: int | None = None,
         enable_thinking: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -115,6 +119,7 @@ class VLLMServerEngine:
         self._model = model
         self.endpoint = endpoint
         self._canvas_width = canvas_width
+        self._max_model_len = max_model_len
         self._vocab_size = vocab_size
         self._template_kwargs = template_kwargs(enable_thinking, chat_template_kwargs)
         self._info: EngineInfo | None = None
@@ -158,7 +163,12 @@ class VLLMServerEngine:
         if entry is None:
             raise EngineRequestError(f"model {self._model!r} is not served here; served: {[m['id'] for m in served]}")
         self._model = str(entry["id"])
-        max_len = int(entry.get("max_model_len") or 0)
+        max_len = self._max_model_len or _positive(entry.get("max_model_len"))
+        if max_len is None:  # some proxies drop vLLM's extra fields
+            raise EngineResponseError(
+                f"the server does not say its context length: /v1/models lists {self._model!r} without "
+                "max_model_len", hint="pass VLLMServerEngine(..., max_model_len=N), N the served "
+                                      "--max-model-len (a proxy in front of vLLM may drop the field)")
         vocab = self._vocab_size or await self._discover_vocab()
         width = self._canvas_width or await self._discover_canvas(max_len)
         prompt, scaffold, specials = await asyncio.gather(
@@ -364,6 +374,11 @@ def session_key(messages: Sequence[Message]) -> str:
     the same in every process for the same messages, so all reads of one decision share it."""
     blob = json.dumps([[m.get("role"), m.get("content")] for m in messages], ensure_ascii=False)
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def _positive(value: Any) -> int | None:
+    """A positive int from a JSON field, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _object(data: Any, path: str) -> dict[str, Any]:

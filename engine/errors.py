@@ -10,6 +10,7 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 ├── EscalationError               the escalation target failed or answered garbage  retryable if it timed out or was unreachable
 │                                 (`failure`: network | target | format)
 ├── BudgetExhausted               escalation was needed, the budget is spent, policy says raise
+├── UnsureAnswer                  the gate stayed unsure, nothing to escalate to, on_unsure says raise
 ├── DecisionError                 ValueError: the questions cannot be asked as given
 │   ├── UnsupportedQuestion       a question type with no canvas form (e.g. Box)
 │   ├── LabelError                labels that cannot be one token at one slot
@@ -57,6 +58,7 @@ __all__ = [
     "LabelError",
     "TraceFileError",
     "UnsupportedQuestion",
+    "UnsureAnswer",
 ]
 
 
@@ -125,6 +127,11 @@ class EscalationError(CanvasRouteError):
 
 class BudgetExhausted(CanvasRouteError):
     """Escalation was needed, the budget is spent, and the budget says raise."""
+
+
+class UnsureAnswer(CanvasRouteError):
+    """A question stayed over the gate after its re-reads, nothing could answer it instead
+    (no escalation target), and `GatePolicy(on_unsure="raise")` says raise."""
 
 
 class DecisionError(CanvasRouteError, ValueError):

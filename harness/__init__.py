@@ -10,6 +10,8 @@
   a checkpointed task, so a resume anywhere never reads or escalates again.
 - `DECISION_EVENT`, `REVIEW_EVENT`: the custom-stream and callback events of a decision.
 - `merge_decisions`: the state reducer for the decisions key.
+- `NodeCache`: LangGraph's node cache, minus the decisions a fault or a budget refusal
+  produced (`builder.compile(cache=NodeCache(InMemoryCache()))`).
 - `retry_on`: the `RetryPolicy` predicate that retries transient faults only.
 - `StoreBudgetMeter`: escalation budgets counted in a LangGraph store, shared by workers
   (a node whose graph has a store uses one for its model's budget).
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from ._context import decision_seed
     from ._edge import DecisionEdge, route_on
     from ._node import DecisionNode, decision_node
+    from ._node_cache import NodeCache
     from ._records import merge_decisions
     from ._retry import retry_on
     from ._review import ReviewPolicy
@@ -37,6 +40,7 @@ __all__ = [
     "REVIEW_EVENT",
     "DecisionEdge",
     "DecisionNode",
+    "NodeCache",
     "ReviewPolicy",
     "StoreBudgetMeter",
     "decision_node",
@@ -51,6 +55,7 @@ _LAZY = {
     "REVIEW_EVENT": "._stream",
     "DecisionEdge": "._edge",
     "DecisionNode": "._node",
+    "NodeCache": "._node_cache",
     "ReviewPolicy": "._review",
     "StoreBudgetMeter": "._store_budget",
     "decision_node": "._node",

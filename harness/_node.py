@@ -34,16 +34,16 @@ from canvasroute.router import (
     QuestionSpec,
     image_digests,
     parse_questions,
-    render_state,
-    state_images,
+    read_state,
 )
 
 from ._context import GraphCall, Inputs, child_config, complete, decision_seed, graph_call, observed, select_inputs
 from ._durable import adurable, durable
 from ._fanout import Branch, BranchKeys, branch_key, grouped
 from ._graph import check_review, state_lacks, warn_dropped
+from ._node_cache import stable_json
 from ._records import entries, trace_route
-from ._review import ReviewPolicy, pending_review, review
+from ._review import ReviewPolicy, check_parents_unreviewed, pending_review, review, review_for
 from ._routes import Route, annotated_call, parse_route, route_destinations
 from ._shadow import ExistingRouter, Shadow, ShadowOutcome
 from ._stream import DECISION_EVENT, REVIEW_EVENT, aemit, emit, event
@@ -88,6 +88,8 @@ class DecisionNode(Runnable[Any, Command]):
         if self.depends_on and self.route_question in self.depends_on:
             raise ValueError(f"route question {self.route_question!r} cannot depend on another question: "
                              "when it is skipped there is no answer to route on")
+        if review is not None:
+            check_parents_unreviewed(self.name, self.depends_on, review.questions)
         if isinstance(questions, Mapping):
             self._check(parse_questions(questions))
         self.branch = branch
@@ -114,8 +116,10 @@ class DecisionNode(Runnable[Any, Command]):
         """A LangGraph `CachePolicy` keyed on this node's questions, decision state and policy.
 
         `builder.add_node("triage", node, cache_policy=node.cache_policy(ttl=300))` with
-        `builder.compile(cache=InMemoryCache())`: an identical decision about an identical
-        decision state is not read again (the key is `cache_key`).
+        `builder.compile(cache=NodeCache(InMemoryCache()))`: an identical decision about an
+        identical decision state is not read again (the key is `cache_key`). `NodeCache`
+        (`canvasroute.harness`) keeps LangGraph from storing a decision that an engine fault
+        or a budget refusal touched, which a plain LangGraph cache would replay for its TTL.
         """
         self._node_cache = True
         return CachePolicy(key_func=self.cache_key, ttl=ttl)
@@ -142,9 +146,9 @@ class DecisionNode(Runnable[Any, Command]):
         decision_state = select_inputs(state, self.inputs, self.output_key)
         model = self.model
         branch = branch_key(self.branch, state, {}) if self.branch is not None else None
-        blob = json.dumps([self.name, asked, self.depends_on, render_state(decision_state),
-                           list(image_digests(state_images(decision_state))), repr(model.policy), model.model,
-                           model.constrained, branch], sort_keys=True, default=_stable_json)
+        text, images = read_state(decision_state)
+        blob = json.dumps([self.name, asked, self.depends_on, text, list(image_digests(images)), repr(model.policy),
+                           model.model, model.constrained, branch], sort_keys=True, default=stable_json)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # -- Runnable -----------------------------------------------------------------------
@@ -154,11 +158,11 @@ class DecisionNode(Runnable[Any, Command]):
         config = complete(config)
         job = self._prepare(input, config, get_callback_manager_for_config)
         if self.shadow is not None:
-            model = self.shadow.canvas_only(job.call.model)
+            model = job.call.model.canvas_only()
             command, payload = self._finish_shadow(job, *self.shadow.run(
                 input, config, lambda: model.invoke(job.shadow_request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
-        elif self.review is None:
+        elif job.review is None:
             command, payload = self._finish(job, self._read(job, config))
         else:
             response, fresh = durable(lambda: self._read(job, config))
@@ -173,11 +177,11 @@ class DecisionNode(Runnable[Any, Command]):
         config = complete(config)
         job = self._prepare(input, config, get_async_callback_manager_for_config)
         if self.shadow is not None:
-            model = self.shadow.canvas_only(job.call.model)
+            model = job.call.model.canvas_only()
             command, payload = self._finish_shadow(job, *await self.shadow.arun(
                 input, config, lambda: model.ainvoke(job.shadow_request, child_config(config)), self._canvas_goto,
                 job.call.attributes, job.call.node))
-        elif self.review is None:
+        elif job.review is None:
             command, payload = self._finish(job, await self._aread(job, config))
         else:
             response, fresh = await adurable(lambda: self._aread(job, config))
@@ -191,16 +195,18 @@ class DecisionNode(Runnable[Any, Command]):
 
     def _prepare(self, state: Any, config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> _Job:
         call = graph_call(config, self.model, self.name)
-        if self.review is not None:
+        questions = dict(self.questions(state) if callable(self.questions) else self.questions)
+        reviewing = None if self.shadow is not None else review_for(
+            self.review, call.policy or call.model.policy, questions, self.depends_on, call.node)
+        if reviewing is not None:
             check_review(config, call.node)  # before any read: an interrupt nobody could resume
         if not self._schema_checked:  # once per node, at its first run in a graph
             lacks = state_lacks(config, self.output_key)
             self._schema_checked = lacks is not None
             if lacks:
                 warn_dropped(call.node, self.output_key)
-        questions = dict(self.questions(state) if callable(self.questions) else self.questions)
         specs: Mapping[str, QuestionSpec] = {}  # static questions were checked when the node was built
-        if callable(self.questions) or self.review is not None:
+        if callable(self.questions) or reviewing is not None:
             specs = parse_questions(questions)
         if callable(self.questions):
             self._check(specs)
@@ -218,7 +224,7 @@ class DecisionNode(Runnable[Any, Command]):
         request = {"state": decision_state, "questions": questions, **options}
         options = {k: v for k, v in options.items() if v is not None}
         return _Job(call, specs, questions, decision_state, seed, request, options, branch,
-                    observed(config, manager_for))
+                    observed(config, manager_for), reviewing)
 
     def _read(self, job: _Job, config: RunnableConfig) -> CanvasResponse:
         if not job.observed:
@@ -232,8 +238,8 @@ class DecisionNode(Runnable[Any, Command]):
 
     def _review_event(self, job: _Job, response: CanvasResponse, fresh: bool) -> dict[str, Any] | None:
         """The event a decision waiting for a human sends before its interrupt (once: not on a resume)."""
-        assert self.review is not None
-        pending = pending_review(self.review, response)
+        assert job.review is not None
+        pending = pending_review(job.review, response)
         if not (pending and fresh):
             return None
         return event(REVIEW_EVENT, job.call.node, None, entries(response, {}), job.seed, branch=job.branch,
@@ -241,9 +247,9 @@ class DecisionNode(Runnable[Any, Command]):
 
     def _human(self, job: _Job, response: CanvasResponse) -> dict[str, str]:
         """The human's options (interrupts the first time; a resume returns them)."""
-        assert self.review is not None
+        assert job.review is not None
         options = {qid: spec.options for qid, spec in job.specs.items()}
-        return review(self.review, job.call.node, response, options, job.questions, job.state)
+        return review(job.review, job.call.node, response, options, job.questions, job.state)
 
     def _finish(self, job: _Job, response: CanvasResponse,
                 human: Mapping[str, str] | None = None) -> tuple[Command, dict[str, Any]]:
@@ -310,6 +316,8 @@ class _Job:
     """The fan-out branch key its records are grouped under (None: flat)."""
     observed: bool
     """A callback handler would see the model's run (else `adecide` is called directly)."""
+    review: ReviewPolicy | None
+    """What goes to a human in this run (`review_for`; None: nothing)."""
 
     @property
     def shadow_request(self) -> dict[str, Any]:
@@ -389,10 +397,3 @@ def decision_node(
 
 
 __all__ = ["DecisionNode", "decision_node"]
-
-
-def _stable_json(value: Any) -> Any:
-    """JSON for what `json` cannot write, the same in every process: sets in sorted order."""
-    if isinstance(value, (set, frozenset)):
-        return sorted(value, key=lambda v: (type(v).__name__, repr(v)))
-    return str(value)

@@ -52,7 +52,7 @@ def answers_only(value: Any) -> Any:
     Mappings and lists are searched; anything else is returned as is.
     """
     if isinstance(value, Mapping):
-        if _is_record(value):
+        if is_record(value):
             return value["answer"]
         cleaned = {k: answers_only(v) for k, v in value.items()}
         return value if all(cleaned[k] is v for k, v in value.items()) else cleaned
@@ -64,7 +64,8 @@ def answers_only(value: Any) -> Any:
     return value
 
 
-def _is_record(value: Any) -> bool:
+def is_record(value: Any) -> bool:
+    """Whether `value` is one decision record (the keys `entries` writes)."""
     return isinstance(value, Mapping) and _STABLE_KEYS <= value.keys() <= RECORD_KEYS
 
 
@@ -92,8 +93,8 @@ def merge_decisions(left: Mapping[str, Any] | None, right: Mapping[str, Any] | N
 
 def _is_group(value: Any) -> bool:
     """A fan-out question's records by branch key (a mapping of records, not a record)."""
-    return (isinstance(value, Mapping) and not _is_record(value)
-            and all(_is_record(v) for v in value.values()))
+    return (isinstance(value, Mapping) and not is_record(value)
+            and all(is_record(v) for v in value.values()))
 
 
 def trace_route(attributes: Mapping[str, Any], goto: str | None) -> None:

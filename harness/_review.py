@@ -6,18 +6,23 @@ The node calls LangGraph's `interrupt()` with the pending answers; the graph pau
 questions are under review. With `interrupt="human_interrupt"` the payload and the
 resume are LangGraph's prebuilt `HumanInterrupt` / `HumanResponse` (Agent Inbox's
 shape; see `canvasroute.harness._inbox`).
+
+A node reviews what its `review=` policy says, and (without one) the questions whose gate
+says `on_unsure="review"` (`review_for`). A question other questions depend on
+(`depends_on`) is never reviewed: its children are asked on the canvas's answer, before a
+human could change it, so the node refuses that combination with `DecisionError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from langgraph.types import interrupt
 
 from canvasroute.engine import DecisionError
-from canvasroute.router import CanvasResponse, ReadReport
+from canvasroute.router import CanvasResponse, GatePolicy, ReadReport
 
 from ._inbox import human_interrupt, human_response
 from ._stream import REVIEW_EVENT
@@ -130,3 +135,27 @@ def _validate(value: Any, pending: list[str], options: Mapping[str, tuple[str, .
             raise DecisionError(f"{option!r} is not an option of {qid!r}; options: {list(options[qid])}")
         chosen[qid] = option
     return chosen
+
+
+def check_parents_unreviewed(node: str, depends_on: Mapping[str, Any] | None, reviewed: frozenset[str] | None) -> None:
+    """Refuse a review of a parent question (`reviewed`: the ids a review may take; None: all)."""
+    parents = sorted({parent for parent, _ in (depends_on or {}).values() if reviewed is None or parent in reviewed})
+    if parents:
+        raise DecisionError(
+            f"{node}: review and depends_on do not combine for the parent question(s) {parents}: their children "
+            "are asked on the canvas's answer before a reviewer could change it",
+            hint="review only questions no other question depends on (ReviewPolicy(questions=...), and "
+                 "on_unsure other than 'review' for parents), or drop depends_on")
+
+
+def review_for(review: ReviewPolicy | None, gate: GatePolicy, question_ids: Iterable[str],
+               depends_on: Mapping[str, Any] | None, node: str) -> ReviewPolicy | None:
+    """What a node run sends to a human: its `review=`, else the questions whose gate says
+    `on_unsure="review"` (a `depends_on` parent among them is refused); None: nothing."""
+    if review is not None:
+        return review
+    reviewed = frozenset(q for q in question_ids if gate.for_question(q).on_unsure == "review")
+    if not reviewed:
+        return None
+    check_parents_unreviewed(node, depends_on, reviewed)
+    return ReviewPolicy(questions=reviewed)

@@ -13,11 +13,13 @@ three places:
   `canvasroute.shadow.*` attributes of `canvasroute.router.telemetry`;
 - the `canvasroute.decision` custom-stream event, under `shadow`.
 
-The canvas reads without escalating (a copy of the model with no escalation target and
-no budget): shadow mode measures what the canvas alone would take at the current gate,
-and never pays an escalation the graph does not use. "Would escalate" is a question the
-gate did not accept (`read.confident` false) at the thresholds in effect. A canvas
-failure is recorded (`canvas_error`) and never fails the node: the router is in charge.
+The canvas reads without escalating (`CanvasDecisionModel.canvas_only()`: no escalation
+target, budget or cache): shadow mode measures what the canvas alone would take at the
+current gate, and never pays an escalation the graph does not use. "Would escalate" is an
+asked question the gate did not accept (`read.confident` false) at the thresholds in
+effect, an abstained one included; a dependent question that was skipped was not asked
+and is never counted. A canvas failure is recorded (`canvas_error`) and never fails the
+node: the router is in charge.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,7 @@ from typing import Any
 
 from langchain_core.runnables import Runnable, RunnableConfig
 
-from canvasroute.router import CanvasDecisionModel, CanvasResponse
+from canvasroute.router import CanvasResponse
 from canvasroute.router import telemetry as tm
 
 from ._context import child_config
@@ -104,21 +105,9 @@ class Shadow:
                              "somewhere to route to compare with the existing router")
         self.router = router
         self.destinations = destinations
-        self._copies: dict[int, tuple[CanvasDecisionModel, CanvasDecisionModel]] = {}
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Shadow({getattr(self.router, '__name__', type(self.router).__name__)})"
-
-    def canvas_only(self, model: CanvasDecisionModel) -> CanvasDecisionModel:
-        """`model` without an escalation target or budget (cached per model)."""
-        with self._lock:
-            hit = self._copies.get(id(model))
-            if hit is None or hit[0] is not model:
-                copy = model.model_copy(update={"escalate_to": None, "budget": None, "budget_meter": None})
-                copy.model_post_init(None)  # rebuild the outcome rules without the target
-                hit = self._copies[id(model)] = (model, copy)
-            return hit[1]
 
     # -- the existing router ---------------------------------------------------------------
 
@@ -207,6 +196,7 @@ async def _acanvas(aread: Callable[[], Awaitable[CanvasResponse]],
 
 def _outcome(destination: str, router_s: float, response: CanvasResponse | None, canvas_destination: str | None,
              canvas_s: float, error: str | None) -> ShadowOutcome:
-    unsure = () if response is None else tuple(q for q, r in response.reads.items() if not r.confident)
+    unsure = () if response is None else tuple(q for q, r in response.reads.items()
+                                               if not r.confident and r.path != "skipped")
     return ShadowOutcome(destination=destination, canvas_destination=canvas_destination, would_escalate=unsure,
                          router_latency_s=router_s, canvas_latency_s=canvas_s, canvas_error=error)

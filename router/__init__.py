@@ -29,13 +29,13 @@ from ._cache import DecisionCache
 from ._diagnostics import Diagnostics, ThoughtReport
 from ._distribution import SlotStats, aggregate, slot_stats
 from ._escalation import Escalated, escalate, target_name
-from ._images import image_digests, state_images
+from ._images import image_digests
 from ._model import CanvasDecisionModel
 from ._options import MAX_STEPS, MAX_THINK
 from ._policy import MAX_SAMPLES, EscalationBudget, GatePolicy
 from ._policy_file import load_policy, save_policy
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
-from ._state import render_state
+from ._state import read_state, render_state, state_images
 from ._types import CanvasResponse, ReadReport
 from .calibration import (
     Calibration,
@@ -82,6 +82,7 @@ __all__ = [
     "load_policy",
     "parse_questions",
     "question_set_key",
+    "read_state",
     "render_state",
     "save_policy",
     "slot_stats",

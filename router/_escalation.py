@@ -131,9 +131,10 @@ def failure(name: str, target: Any, exc: BaseException) -> EscalationError:
         retryable, attempts = exc.retryable, exc.attempts
     else:
         status = getattr(exc, "status_code", None)
-        network = isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ in _NETWORK_NAMES
+        names = {c.__name__ for c in type(exc).__mro__}  # langchain-openai's OpenAIConnectionError is an APIConnectionError
+        network = isinstance(exc, (ConnectionError, TimeoutError)) or bool(names & _NETWORK_NAMES)
         kind = "network" if network else "target"
-        retryable = network or type(exc).__name__ in _SHEDDING_NAMES or status in (429, 503, 529)
+        retryable = network or bool(names & _SHEDDING_NAMES) or status in (429, 503, 529)
         own = getattr(target, "max_retries", None)  # a client that retries itself owns its retries
         attempts = own + 1 if isinstance(own, int) and not isinstance(own, bool) and own > 0 else 1
     what = "could not be reached or timed out" if kind == "network" else "answered with an error"

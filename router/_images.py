@@ -1,7 +1,9 @@
 """Images in a decision state: LangChain content blocks as data URLs for the canvas read.
 
-A state can carry images inside its messages (a `HumanMessage` whose content is a list
-of blocks). Accepted block shapes, LangChain's standard and OpenAI's:
+A state can carry images as content blocks anywhere: in a message's content (a
+`HumanMessage` whose content is a list of blocks), in a dict message
+(`{"role": "user", "content": [...]}`), or as a value of its own; `_state.state_images`
+finds them all. Accepted block shapes, LangChain's standard and OpenAI's:
 
 - `{"type": "image", "base64": ..., "mime_type": "image/png"}` (or `"url": ...`)
 - `{"type": "image", "source_type": "base64", "data": ..., "mime_type": ...}` (v0.3)
@@ -9,7 +11,8 @@ of blocks). Accepted block shapes, LangChain's standard and OpenAI's:
 
 They are sent as OpenAI image parts (`{"type": "image_url", "image_url": {"url": ...}}`)
 beside the state's text in the user message, with the same canvas. The rendered state
-text keeps only the text blocks, so the images take part in the cache key by digest.
+text holds no image data (a message's text, `{"type": "image"}` in place of any other
+block), so the images take part in the cache key by digest.
 """
 
 from __future__ import annotations
@@ -19,20 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from langchain_core.messages import BaseMessage
-
 from canvasroute.engine import DecisionError, ImagesUnsupported
 
-__all__ = ["ImageEngine", "check_images", "image_digests", "state_images"]
-
-_MAX_DEPTH = 6
-
-
-def state_images(state: Any) -> tuple[str, ...]:
-    """The image URLs (data URLs for inline images) in `state`'s messages, in order."""
-    found: list[str] = []
-    _walk(state, found, 0)
-    return tuple(found)
+__all__ = ["ImageEngine", "check_images", "image_digests", "image_url"]
 
 
 def image_digests(images: Sequence[str]) -> tuple[str, ...]:
@@ -40,24 +32,9 @@ def image_digests(images: Sequence[str]) -> tuple[str, ...]:
     return tuple(hashlib.sha256(url.encode()).hexdigest()[:16] for url in images)
 
 
-def _walk(value: Any, found: list[str], depth: int) -> None:
-    if depth > _MAX_DEPTH or isinstance(value, (str, bytes)):
-        return
-    if isinstance(value, BaseMessage):
-        if isinstance(value.content, list):
-            for block in value.content:
-                if isinstance(block, Mapping) and (url := _image_url(block)) is not None:
-                    found.append(url)
-        return
-    if isinstance(value, Mapping):
-        for v in value.values():
-            _walk(v, found, depth + 1)
-    elif isinstance(value, Sequence):
-        for v in value:
-            _walk(v, found, depth + 1)
-
-
-def _image_url(block: Mapping[str, Any]) -> str | None:
+def image_url(block: Mapping[str, Any]) -> str | None:
+    """The URL (a data URL for inline data) of an image content block; None for any other
+    mapping; `DecisionError` for an image block without a usable source."""
     kind = block.get("type")
     if kind == "image_url":
         inner = block.get("image_url")

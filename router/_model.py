@@ -20,29 +20,24 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 if TYPE_CHECKING:
     from langchain_core.runnables import RunnableConfig
 
-from canvasroute.engine import (
-    CanvasRouteError,
-    DecisionError,
-    Engine,
-    EngineInfo,
-    run_sync,
-)
+from canvasroute.engine import CanvasRouteError, Engine, EngineInfo, run_sync
 
 from . import telemetry as tm
 from ._budget import BudgetMeter, InMemoryBudgetMeter
-from ._cache import DecisionCache, decision_key, replay
+from ._cache import DecisionCache, decision_key, replay, replayable
 from ._depends import parse_depends_on
 from ._diagnostics import DiagnosticsLog
 from ._escalation import EscalationOutput, is_target
 from ._escalation_prompt import check_prompt
-from ._images import ImageEngine, check_images, image_digests, state_images
+from ._images import ImageEngine, check_images, image_digests
+from ._length import check_length
 from ._options import REQUEST_OPTIONS, ReadOptions, read_options, request_options
 from ._outcome import Outcomes, skipped_report
-from ._plan import Plan, plan
-from ._policy import EscalationBudget, GatePolicy, check_abstain
-from ._questions import QuestionSpec, parse_questions, question_set_key, with_abstain
-from ._reading import QuestionRead, Reading, check_length, messages
-from ._state import default_seed, render_state
+from ._plans import Planner, shaped
+from ._policy import EscalationBudget, GatePolicy, check_fallbacks
+from ._questions import QuestionSpec, parse_questions, question_set_key
+from ._reading import QuestionRead, Reading
+from ._state import default_seed, read_state
 from ._types import CanvasResponse, ReadReport, answer_of
 
 
@@ -139,7 +134,7 @@ class CanvasDecisionModel(BaseDecisionModel):
                                     on_engine_error=self.on_engine_error, fallback=dict(self.fallback),
                                     escalation_timeout=self.escalation_timeout,
                                     escalation_prompt=self.escalation_prompt,
-                                    escalation_output=self.escalation_output))
+                                    escalation_output=self.escalation_output), Planner(self.engine))
 
     @property
     def _memo(self) -> _Memo:
@@ -232,12 +227,10 @@ class CanvasDecisionModel(BaseDecisionModel):
         start = time.perf_counter()
         policy = policy or self.policy
         key, specs = self._specs(questions)
-        for qid, option in self.fallback.items():
-            if qid in specs and option not in specs[qid].options:
-                raise DecisionError(f"fallback {option!r} is not an option of {qid!r}")
-        check_abstain(specs, policy, self.escalate_to is not None, self.fallback)
-        deps = parse_depends_on(depends_on, specs)
         outcomes = self._memo.outcomes
+        if not outcomes.canvas_only:  # every fallback is an option; every abstaining or unsure question has a way out
+            check_fallbacks(specs, policy, self.escalate_to is not None, self.fallback)
+        deps = parse_depends_on(depends_on, specs)
         if budget_meter is not None:
             if self.budget is None:
                 raise ValueError("budget_meter needs the model's budget= (its when_spent decides what a refusal does)")
@@ -252,11 +245,11 @@ class CanvasDecisionModel(BaseDecisionModel):
         specials = info.special_tokens if info is not None else None
         opts = read_options(specs, policy, self.constrained, instructions=instructions, alone=alone, steps=steps,
                             think=think, images=images, special_tokens=specials)
-        images = (*state_images(state), *opts.images)
+        state_text, state_imgs = read_state(state, specials)
+        images = (*state_imgs, *opts.images)
         if info is not None:
             check_images(info, images)  # before any read: an engine that cannot see them refuses
         model_name = info.model if info is not None else self.model
-        state_text = render_state(state, specials)
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **(attributes or {})}
         if tm.record_content():
             attrs[tm.STATE_CONTENT] = state_text
@@ -275,6 +268,13 @@ class CanvasDecisionModel(BaseDecisionModel):
             done: dict[str, ReadReport] = {}
             log = DiagnosticsLog(opts)
             last: list[tuple[QuestionRead, Any, dict[str, Any] | None]] = []  # reported once the latency is known
+            if info is not None and fault is None:
+                try:  # before any read: every read a plan of any layer can send is length-checked
+                    await self._memo.planner.check(info, state_text, key, specs, deps.layers, policy, opts)
+                except CanvasRouteError as exc:
+                    if not outcomes.absorbs(exc):
+                        raise
+                    fault = exc
             for i, layer in enumerate(deps.layers):
                 asked = [qid for qid in layer if deps.applies(qid, answers)]
                 for qid in layer:
@@ -284,8 +284,9 @@ class CanvasDecisionModel(BaseDecisionModel):
                 if not asked:
                     continue
                 text = state_text + deps.restated(asked, answers, specs, specials)
+                # a later layer's prompt restates its parents' answers: checked again as read
                 reads, reading = await self._read_layer(key, specs, asked, info, fault, text, seed, policy, usage,
-                                                        opts, images)
+                                                        opts, images, checked=i == 0 and len(asked) == len(layer))
                 log.add(asked, reading)
                 canvas_reads += reading.canvas_reads if reading is not None else 0
                 escalated = await outcomes.escalate(state, text, reads, usage, thread_id)
@@ -312,35 +313,29 @@ class CanvasDecisionModel(BaseDecisionModel):
             "latency_s": latency,
             "diagnostics": log.build(),
         })
-        if cache_key is not None and not any(r.error for r in reports):
-            self.cache.put(cache_key, response)  # a faulted decision is never replayed
+        if cache_key is not None and replayable(response):  # a fault or budget refusal is decided again
+            self.cache.put(cache_key, response.model_copy(deep=True))  # its own copy: callers may edit theirs
         return response
 
     async def _read_layer(self, key: str, specs: Mapping[str, QuestionSpec], asked: Sequence[str],
                           info: EngineInfo | None, fault: CanvasRouteError | None, state_text: str,
                           seed: int | None, policy: GatePolicy, usage: dict[str, int],
-                          opts: ReadOptions, images: Sequence[str] = ()) -> tuple[dict[str, QuestionRead], Any]:
-        """Read and gate one layer's asked questions: their state, and its `Reading` (None on a fault)."""
-        policies = {qid: policy.for_question(qid) for qid in asked}
-        shaped = {qid: with_abstain(specs[qid]) if p.abstain else specs[qid] for qid, p in policies.items()}
-        views = {qid: p.order_views for qid, p in policies.items() if p.order_views}
-        alone = sorted(opts.alone.intersection(asked))
-        plan_key: Any = key
-        if len(asked) != len(specs) or views or alone or opts.think or any(s.abstain for s in shaped.values()):
-            plan_key = (key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain), tuple(views.items()),
-                        tuple(alone), bool(opts.think))
-        absorbs = self._memo.outcomes.absorbs
+                          opts: ReadOptions, images: Sequence[str] = (),
+                          checked: bool = False) -> tuple[dict[str, QuestionRead], Reading | None]:
+        """Read and gate the asked questions of one layer: their state, and its `Reading` (None on
+        a fault). `checked`: `Planner.check` has length-checked this plan for this prompt."""
+        absorbs, planner = self._memo.outcomes.absorbs, self._memo.planner
         if info is not None and fault is None:
             try:
-                the_plan = await self._plan(plan_key, shaped, views, alone, "" if opts.think else None)
-                await check_length(self.engine, info, the_plan.chunks,
-                                   [messages(c, state_text, opts.instructions) for c in the_plan.chunks], opts.think)
+                the_plan = await planner.layer(key, specs, asked, policy, opts)
+                if not checked:
+                    await check_length(self.engine, info, the_plan, state_text, planner.member, opts)
             except CanvasRouteError as exc:
                 if not absorbs(exc):
                     raise
                 fault = exc
         if fault is not None:  # every question goes down the escalation/fallback path, none is answered from nothing
-            reads = {qid: QuestionRead(spec, -1, ()) for qid, spec in shaped.items()}
+            reads = {qid: QuestionRead(spec, -1, ()) for qid, spec in shaped(specs, asked, policy).items()}
             for r in reads.values():
                 r.fail(fault)
             return reads, None
@@ -349,8 +344,24 @@ class CanvasDecisionModel(BaseDecisionModel):
                           plan=the_plan, state_text=state_text,
                           seed=default_seed(state_text, the_plan) if seed is None else seed,
                           policy=policy, options=opts, absorbs=absorbs,
-                          member_plan=self._member_plan, usage=usage)
+                          member_plan=planner.member, usage=usage)
         return await reading.run(), reading
+
+    def canvas_only(self) -> CanvasDecisionModel:
+        """This model measuring the canvas alone, as shadow mode and `canvasroute eval` do.
+
+        No escalation target, budget or cache: every question gets the canvas's best real
+        option, flagged `confident=False` where the model would have escalated, abstained
+        or taken a fallback, and an engine fault raises. Made once per model.
+        """
+        memo = self._memo
+        if memo.canvas_only is None:
+            copy = self.model_copy(update={"escalate_to": None, "budget": None, "budget_meter": None, "cache": None})
+            copy.model_post_init(None)
+            copy._memo.outcomes = replace(copy._memo.outcomes, canvas_only=True)
+            copy._memo.parsed, copy._memo.planner = memo.parsed, memo.planner  # same engine, same plans
+            memo.canvas_only = copy
+        return memo.canvas_only
 
     def _specs(self, questions: Mapping[str, Any]) -> tuple[str, dict[str, QuestionSpec]]:
         """Parsed questions and their cache key; a question set seen before is not re-parsed."""
@@ -362,19 +373,6 @@ class CanvasDecisionModel(BaseDecisionModel):
         parsed.move_to_end(key)
         return key, parsed[key]
 
-    async def _plan(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None,
-                    alone: Collection[str] = (), canvas_prefix: str | None = None) -> Plan:
-        plans = self._memo.plans
-        if key not in plans:
-            _remember(plans, key, await plan(self.engine, specs, views, alone=alone, canvas_prefix=canvas_prefix))
-        plans.move_to_end(key)
-        return plans[key]
-
-    async def _member_plan(self, the_plan: Plan, qid: str, group: int) -> Plan:
-        """The in-group plan of a routed question (cached like decision-set plans)."""
-        spec = the_plan.routes[qid].member_spec(the_plan.specs[qid], group)
-        return await self._plan(("member", qid, spec.question.model_dump_json()), {qid: spec})
-
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -384,10 +382,17 @@ class _Memo:
     """What a model keeps between decisions: its outcome rules, parsed question sets and plans."""
 
     outcomes: Outcomes
+    planner: Planner
     served: str | None = None
     """The engine's served model name, once known (for callback tracers)."""
     parsed: OrderedDict[str, dict[str, QuestionSpec]] = field(default_factory=OrderedDict)
-    plans: OrderedDict[Any, Plan] = field(default_factory=OrderedDict)
+    canvas_only: CanvasDecisionModel | None = None
+    """The model's `canvas_only()` copy, once made."""
+
+    @property
+    def plans(self) -> OrderedDict[Any, Any]:
+        """The plans made so far, by key."""
+        return self.planner.plans
 
 
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any, size: int = 256) -> None:

@@ -2,9 +2,12 @@
 
 The rules, in order: a confident canvas answer stands; an uncertain one (or one an
 engine fault hit) escalates while the budget grants it; past the budget `when_spent`
-decides (`keep` the canvas answer, `fallback` label, or `raise`). An engine fault
-never becomes a cheap answer: it escalates, takes a declared fallback label, or raises.
-Every budget grant that does not become an escalation is refunded.
+decides (`keep` the canvas answer, `fallback` label, or `raise`); with nothing to
+escalate to, `GatePolicy.on_unsure` decides (path `unsure`). A question whose abstain
+label won goes where `on_abstain` says, however narrowly it won. An engine fault never
+becomes a cheap answer: it escalates, takes a declared fallback label, or raises; when
+its escalation fails too, the error names both. Every budget grant that does not become
+an escalation is refunded.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from canvasroute.engine import BudgetExhausted, CanvasRouteError, DecisionError, EscalationError
+from canvasroute.engine import BudgetExhausted, CanvasRouteError, DecisionError, EscalationError, UnsureAnswer
 
 from . import telemetry as tm
 from ._budget import BudgetMeter
@@ -40,22 +43,28 @@ class Outcomes:
     escalation_timeout: float
     escalation_prompt: Any = None
     escalation_output: EscalationOutput = "auto"
+    canvas_only: bool = False
+    """Measure the canvas alone (shadow mode, `canvasroute eval`): nothing escalates, every
+    question gets the canvas's best real option (not confident where it would have
+    escalated, abstained or taken a fallback), and an engine fault raises."""
 
     def absorbs(self, exc: CanvasRouteError) -> bool:
         """Whether an engine fault goes to escalation or the fallback label instead of raising.
 
         Misuse (`DecisionError`) always raises; so does a fault with nowhere expensive to go.
         """
-        if isinstance(exc, DecisionError) or self.on_engine_error == "raise":
+        if isinstance(exc, DecisionError) or self.on_engine_error == "raise" or self.canvas_only:
             return False
         return self.escalate_to is not None or self.on_engine_error == "fallback"
 
     async def escalate(self, state: Any, state_text: str, reads: Mapping[str, QuestionRead],
                        usage: dict[str, int], thread_id: str | None) -> Escalated | None:
         """Escalate the uncertain and faulted questions the budget grants, in one call."""
-        # engine faults first: under a partial budget they are the ones that cannot keep a canvas answer
-        wanted = sorted((r for r in reads.values() if r.error is not None or r.crossed
-                         or (r.abstained and r.on_abstain == "escalate")), key=lambda r: r.error is None)
+        # engine faults first: under a partial budget they are the ones that cannot keep a canvas answer;
+        # an abstained question goes where on_abstain says, however narrowly the abstain label won
+        wanted = sorted((r for r in reads.values() if r.error is not None
+                         or (r.on_abstain == "escalate" if r.abstained else bool(r.crossed))),
+                        key=lambda r: r.error is None)
         if self.on_engine_error == "fallback":
             wanted = [r for r in wanted if r.error is None]  # faults take the fallback label
         if not wanted or self.escalate_to is None:
@@ -68,6 +77,17 @@ class Outcomes:
             if not wanted:
                 return None
             result = await self._call(state, state_text, wanted)
+        except EscalationError as exc:
+            if self.meter and granted:
+                await self.meter.refund(granted, thread_id)  # nothing was escalated
+            fault = next((r.fault for r in wanted if r.fault is not None), None)
+            if fault is None:
+                raise
+            raise EscalationError(
+                f"{exc.message}, after the canvas engine failed: {type(fault).__name__}: {fault.message}",
+                failure=exc.failure, attempts=exc.attempts, retryable=exc.retryable or fault.retryable,
+                hint=f"the canvas engine: {fault.hint or 'check it'}; the escalation: {exc.hint or 'check it'}",
+            ) from fault
         except BaseException:
             if self.meter and granted:
                 await self.meter.refund(granted, thread_id)  # nothing was escalated
@@ -128,7 +148,7 @@ class Outcomes:
                            escalation_model=escalated.model)
         over_budget = base["over_budget"] and self.budget is not None and self.budget.when_spent == "fallback"
         if r.abstained:  # not escalated: the fallback option, or past the budget ("keep") the best real option
-            if r.on_abstain == "fallback" or over_budget:
+            if (r.on_abstain == "fallback" or over_budget) and not self.canvas_only:
                 if spec.id not in self.fallback:
                     raise BudgetExhausted(f"question {spec.id!r} abstained, could not escalate (budget spent) "
                                           "and has no fallback option", hint="add it to fallback=")
@@ -147,8 +167,21 @@ class Outcomes:
             answer = self.fallback[spec.id]
             return _report(base, answer, {o: float(o == answer) for o in options}, "fallback")
         probs = answer_probs(spec, st) if spec.abstain else canvas  # (validation copies each dict)
-        return _report(base, spec.options[st.top], probs, "reread" if len(r.runs) > r.samples else "canvas",
-                       confident=not r.crossed)
+        if not r.crossed:
+            return _report(base, spec.options[st.top], probs, "reread" if len(r.runs) > r.samples else "canvas",
+                           confident=True)
+        # unsure: past the budget ("keep"), or nothing to escalate to (then on_unsure decides)
+        if self.escalate_to is None and not self.canvas_only and not base["over_budget"]:
+            if r.on_unsure == "raise":
+                raise UnsureAnswer(
+                    f"question {spec.id!r} stayed unsure after {len(r.runs)} read(s) (crossed "
+                    f"{', '.join(base['crossed'])}; normalized entropy {st.normalized_entropy:.3f}) and there "
+                    "is no escalation target", hint="set escalate_to=, or GatePolicy(on_unsure='answer' | "
+                                                    "'fallback' | 'review')")
+            if r.on_unsure == "fallback":
+                answer = self.fallback[spec.id]
+                return _report(base, answer, {o: float(o == answer) for o in options}, "unsure")
+        return _report(base, spec.options[st.top], probs, "unsure")
 
 
 def _report(base: dict[str, Any], answer: str, probabilities: Mapping[str, float], path: str, *,

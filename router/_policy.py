@@ -104,6 +104,13 @@ class GatePolicy:
     """An abstained question escalates (under the budget; needs `escalate_to`) or takes
     the model's `fallback` option for it."""
 
+    on_unsure: Literal["answer", "fallback", "raise", "review"] = "answer"
+    """What a question still uncertain after its re-reads answers when nothing can answer it
+    instead (the model has no `escalate_to`); its path is `unsure` whatever this says.
+    `answer` (default): the canvas answer, flagged `confident=False`; `fallback`: the model's
+    `fallback` option for it; `raise`: `UnsureAnswer`; `review`: the canvas answer, and a
+    decision node sends it to a human through `interrupt()` (its `review=`, else `ReviewPolicy()`)."""
+
     order_views: int = 0
     """Extra listings of a Choice's options in cyclically shifted label order, as extra
     slots of the same canvas (0 off, at most 2); the aligned distributions are averaged
@@ -123,6 +130,8 @@ class GatePolicy:
             raise ValueError(f"on_abstain must be escalate or fallback, not {self.on_abstain!r}")
         if not 1 <= self.samples <= MAX_SAMPLES:
             raise ValueError(f"samples must be within 1..{MAX_SAMPLES}, got {self.samples}")
+        if self.on_unsure not in ("answer", "fallback", "raise", "review"):
+            raise ValueError(f"on_unsure must be answer, fallback, raise or review, not {self.on_unsure!r}")
         if not 0 <= self.rereads <= MAX_REREADS:
             raise ValueError(f"rereads must be within 0..{MAX_REREADS}, got {self.rereads}")
         for name in ("max_normalized_entropy", "min_confidence", "min_margin", "min_label_mass"):
@@ -201,17 +210,22 @@ class EscalationBudget:
             raise ValueError(f"when_spent must be keep, fallback or raise, not {self.when_spent!r}")
 
 
-def check_abstain(specs: Mapping[str, Any], policy: GatePolicy, has_target: bool, fallback: Mapping[str, str]) -> None:
-    """An abstaining question needs somewhere to go: an escalation target or a fallback."""
-    if not policy.abstain and not policy.per_question:
+def check_fallbacks(specs: Mapping[str, Any], policy: GatePolicy, has_target: bool, fallback: Mapping[str, str]) -> None:
+    """Before anything is read: every fallback is an option of its question, and every
+    question that may abstain or stay unsure has somewhere to go (a target or a fallback)."""
+    for qid, option in fallback.items():
+        if qid in specs and option not in specs[qid].options:
+            raise DecisionError(f"fallback {option!r} is not an option of {qid!r}",
+                                hint=f"one of {list(specs[qid].options)[:8]}")
+    if policy.on_unsure != "fallback" and not policy.abstain and not policy.per_question:
         return
     for qid in specs:
         p = policy.for_question(qid)
-        if not p.abstain:
-            continue
-        if p.on_abstain == "escalate" and not has_target:
+        if p.abstain and p.on_abstain == "escalate" and not has_target:
             raise DecisionError(f"question {qid!r} may abstain and on_abstain='escalate', but the model "
                                 "has no escalate_to", hint="set escalate_to, or on_abstain='fallback'")
-        if p.on_abstain == "fallback" and qid not in fallback:
-            raise DecisionError(f"question {qid!r} may abstain and on_abstain='fallback', but has no "
-                                "fallback option", hint="add it to fallback=")
+        for name, wanted in (("on_abstain", p.abstain and p.on_abstain == "fallback"),
+                             ("on_unsure", p.on_unsure == "fallback" and not has_target)):
+            if wanted and qid not in fallback:
+                raise DecisionError(f"question {qid!r} has {name}='fallback', but no fallback option",
+                                    hint="add it to fallback=")

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from canvasroute.engine import (
     CanvasRead,
     CanvasRouteError,
-    Engine,
     EngineInfo,
     EngineResponseError,
-    InputTooLong,
     Thought,
 )
 
@@ -64,6 +62,8 @@ class QuestionRead:
     """The abstain label won the final canvas distribution."""
     on_abstain: str = "escalate"
     """Where an abstained question goes: `escalate` or `fallback` (its policy's)."""
+    on_unsure: str = "answer"
+    """What an unsure question answers when nothing can answer it instead (its policy's)."""
     rereadable: bool = True
     """False when a re-read could not have changed this question's read (a causal readout's
     slot that sees no noisy position), so none was made for it."""
@@ -176,10 +176,15 @@ class Reading:
         if uncertain:
             await self._jobs(self._jobs_for(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
         await self._in_group(reads)
+        for qid in self.plan.routes:
+            if reads[qid].error is not None:  # a group distribution is no distribution over the options
+                reads[qid].stats = None
         for qid, r in reads.items():
+            policy = self.policy.for_question(qid)
+            r.on_unsure = policy.on_unsure
             if r.spec.abstain and r.error is None and r.stats is not None:
                 r.abstained = r.stats.top == len(r.spec.options) - 1
-                r.on_abstain = self.policy.for_question(qid).on_abstain
+                r.on_abstain = policy.on_abstain
         return reads
 
     def _fixed(self) -> set[str]:
@@ -300,21 +305,3 @@ class Reading:
             out.append([slot_stats(row, s.label_ids, self.policy.for_question(s.question_id).temperature)
                         for row, s in zip(result.rows, chunk.slots, strict=True)])
         return out
-
-
-async def check_length(engine: Engine, info: EngineInfo, chunks: Sequence[Chunk],
-                       prompts: Sequence[tuple[Mapping[str, str], ...]], extra: int = 0) -> None:
-    """Refuse before any read when prompt + canvas (+ `extra` tokens, a thought's) exceed the context.
-
-    A token covers at least one UTF-8 byte, so a byte count bounds the prompt cheaply;
-    only prompts near the limit are tokenized exactly.
-    """
-    for chunk, msgs in zip(chunks, prompts, strict=True):
-        budget = info.max_model_len - chunk.width - extra
-        if info.chat_overhead + sum(len(m["content"].encode()) for m in msgs) <= budget:
-            continue
-        n = await engine.count_prompt(msgs)
-        if n > budget:
-            raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width}" + (f" + thought of {extra}"
-                               if extra else "") + f" exceed the model's {info.max_model_len}-token context",
-                               hint="shorten the state or ask fewer questions per node")

@@ -1,45 +1,221 @@
-"""The state as the model sees it: prompt text (defused), and the noise seed it implies."""
+"""The state as the model sees it: prompt text (defused), its images, and the noise seed it implies.
+
+How a state is rendered (`render_state`): a string as it is, a message or a list of
+messages as a transcript (`role: text`), anything else as JSON, where the values JSON
+lacks are written as text:
+
+- `datetime`, `date`, `time` as ISO 8601; `timedelta`, `UUID`, `Decimal`, paths as `str()`;
+- `bytes` as their UTF-8 text; an `Enum` as its value;
+- `set` and `frozenset` as lists, sorted by their JSON (the same order in every process);
+- dataclasses and pydantic models as their fields (`model_dump()`, then these rules);
+  a message inside a state as `{"role", "content"}` (its text);
+- tuples as lists; a mapping key that is not a string, number, bool or None as text
+  (a tuple key as its JSON);
+- an image content block, anywhere, as `{"type": "image"}`: the image itself travels
+  beside the text (`state_images`, `canvasroute.router._images`), never as base64 text;
+- other values pydantic can serialize (`SecretStr`, URLs, IP addresses...) as it does.
+
+A lone surrogate, which no UTF-8 text can carry, becomes U+FFFD. What has no text form
+(an arbitrary object, bytes that are not UTF-8, a cycle, nesting deeper than
+`MAX_DEPTH`) raises `DecisionError` naming where it is in the state, with a hint.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import hashlib
 import json
-from collections.abc import Sequence
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from enum import Enum
+from pathlib import PurePath
 from typing import Any
 
 from langchain_core.messages import BaseMessage
 
-from canvasroute.engine import SPECIAL_CANDIDATES, defuse
+from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 
+from ._images import image_url
 from ._plan import Plan
 
-__all__ = ["default_seed", "json_default", "render_state"]
+__all__ = ["MAX_DEPTH", "default_seed", "plain_state", "read_state", "render_state", "state_images"]
+
+MAX_DEPTH = 64
+"""Deepest nesting of containers a state may have."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_HINT = ("a state is text, messages, or JSON-like values (dicts, lists, str, numbers, bool, None, and the "
+         "types canvasroute.router._state lists); turn other values into one of those before deciding")
 
 
 def render_state(state: Any, special_tokens: Sequence[str] | None = None) -> str:
-    """The user message: a string as is, messages as a transcript, anything else as JSON.
+    """The user message: a string as is, messages as a transcript, anything else as JSON
+    (the rules in this module's docstring).
 
     Every special-token text of the engine's tokenizer (`EngineInfo.special_tokens`;
     default: the texts `engine` probes servers for) is defused with a zero-width space, so
     a state cannot close the turn or forge template tokens.
     """
+    return read_state(state, special_tokens)[0]
+
+
+def state_images(state: Any) -> tuple[str, ...]:
+    """The image URLs (data URLs for inline images) of every image content block in
+    `state`, wherever it is (in a message, a dict message, or a value of its own), in order."""
+    return read_state(state)[1]
+
+
+def read_state(state: Any, special_tokens: Sequence[str] | None = None) -> tuple[str, tuple[str, ...]]:
+    """`render_state` and `state_images` in one pass over the state."""
+    images: list[str] = []
     if isinstance(state, str):
         text = state
     elif isinstance(state, BaseMessage):
+        _Walk(images).plain(state, (), 0)
         text = f"{state.type}: {state.text}"
     elif isinstance(state, Sequence) and state and all(isinstance(m, BaseMessage) for m in state):
+        _Walk(images).plain(state, (), 0)
         text = "\n".join(f"{m.type}: {m.text}" for m in state)
     else:
-        text = json.dumps(state, ensure_ascii=False, default=json_default, sort_keys=False)
-    return defuse(text, special_tokens or SPECIAL_CANDIDATES)
+        text = json.dumps(_Walk(images).plain(state, (), 0), ensure_ascii=False)
+    if not text.isascii():
+        text = _SURROGATE.sub("\ufffd", text)
+    return defuse(text, special_tokens or SPECIAL_CANDIDATES), tuple(images)
 
 
-def json_default(value: Any) -> Any:
-    if isinstance(value, BaseMessage):
-        return {"role": value.type, "content": value.text}
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    raise TypeError(f"state holds a {type(value).__name__}, which is not JSON")
+def plain_state(state: Any) -> Any:
+    """`state` as JSON-able values by the rules above, image blocks kept as they are
+    (for a wire that carries them, e.g. `/v1/systemone`)."""
+    return _Walk(None).plain(state, (), 0)
+
+
+class _Walk:
+    """One pass over a state: JSON-able values out; image blocks collected into `images`
+    and replaced by `{"type": "image"}` (None: kept as they are)."""
+
+    __slots__ = ("active", "images")
+
+    def __init__(self, images: list[str] | None) -> None:
+        self.images = images
+        self.active: set[int] = set()  # containers on the current path (a repeat is a cycle)
+
+    def plain(self, value: Any, where: Where, depth: int) -> Any:
+        kind = type(value)
+        if kind in _SCALARS:
+            return value
+        if depth >= MAX_DEPTH:
+            raise DecisionError(f"the state nests deeper than {MAX_DEPTH} levels at {_at(where)}", hint=_HINT)
+        if kind is dict or kind is list:  # the common containers, without the general dispatch
+            return self._enter(value, where, depth + 1, self._dict if kind is dict else self._list)
+        if isinstance(value, Enum):
+            return self.plain(value.value, where, depth)
+        if isinstance(value, (str, int, float)):
+            return value
+        if isinstance(value, BaseMessage):
+            self._message_images(value)
+            return {"role": value.type, "content": value.text}
+        leaf = _leaf(value, where)
+        if leaf is not _CONTAINER:
+            return leaf
+        return self._enter(value, where, depth + 1, self._container)
+
+    def _enter(self, value: Any, where: Where, depth: int, walk: Any) -> Any:
+        if id(value) in self.active:
+            raise DecisionError(f"the state holds a cycle at {_at(where)}", hint=_HINT)
+        self.active.add(id(value))
+        try:
+            return walk(value, where, depth)
+        finally:
+            self.active.discard(id(value))
+
+    def _dict(self, value: Mapping[Any, Any], where: Where, depth: int) -> Any:
+        if "type" in value and self.images is not None and (url := image_url(value)) is not None:
+            self.images.append(url)
+            return {"type": "image"}
+        return {k if type(k) in _SCALARS else self._key(k, where, depth):
+                v if type(v) in _SCALARS else self.plain(v, (where, (k,)), depth) for k, v in value.items()}
+
+    def _list(self, value: Sequence[Any], where: Where, depth: int) -> list[Any]:
+        return [v if type(v) in _SCALARS else self.plain(v, (where, i), depth) for i, v in enumerate(value)]
+
+    def _container(self, value: Any, where: Where, depth: int) -> Any:
+        if isinstance(value, Mapping):
+            return self._dict(value, where, depth)
+        if isinstance(value, (set, frozenset)):
+            items = [self.plain(v, (where, " (in a set)"), depth) for v in value]
+            return sorted(items, key=lambda v: json.dumps(v, sort_keys=True, ensure_ascii=False))
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: self.plain(getattr(value, f.name), (where, f".{f.name}"), depth)
+                    for f in dataclasses.fields(value)}
+        if hasattr(value, "model_dump") and callable(value.model_dump):  # pydantic models
+            try:
+                dumped = value.model_dump()
+            except Exception as exc:  # a serializer of the model's own
+                raise DecisionError(f"{_at(where)}: {type(value).__name__}.model_dump() failed: {exc}",
+                                    hint=_HINT) from exc
+            return self.plain(dumped, where, depth)
+        return self._list(value, where, depth)
+
+    def _key(self, key: Any, where: Where, depth: int) -> Any:
+        if isinstance(key, Enum):
+            key = key.value
+        if key is None or isinstance(key, (str, int, float)):
+            return key
+        text = self.plain(key, (where, " (a key)"), depth)
+        return text if isinstance(text, str) else json.dumps(text, sort_keys=True, ensure_ascii=False)
+
+    def _message_images(self, message: BaseMessage) -> None:
+        if self.images is not None and isinstance(message.content, list):
+            for block in message.content:
+                if isinstance(block, Mapping) and (url := image_url(block)) is not None:
+                    self.images.append(url)
+
+
+_CONTAINER = object()
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+Where = tuple[Any, ...]
+"""Where a value sits: () for the state, (parent, step) below it, a step being a list index,
+a 1-tuple holding a mapping key, or text (formatted only for an error)."""
+
+
+def _at(where: Where) -> str:
+    steps: list[str] = []
+    while where:
+        where, step = where
+        steps.append(f"[{step}]" if isinstance(step, int) else f"[{step[0]!r}]" if isinstance(step, tuple) else step)
+    return "state" + "".join(reversed(steps))
+
+
+def _leaf(value: Any, where: Where) -> Any:
+    """The text form of a value JSON lacks, or `_CONTAINER` for the values walked into."""
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, (dt.timedelta, uuid.UUID, Decimal, PurePath)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(value).decode()
+        except UnicodeDecodeError:
+            raise DecisionError(f"{_at(where)} holds bytes that are not UTF-8 text",
+                                hint="decode them yourself, or pass an image as a content block "
+                                     "({'type': 'image', 'base64': ..., 'mime_type': ...})") from None
+    if isinstance(value, (Mapping, set, frozenset, list, tuple)) or hasattr(value, "model_dump") or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        return _CONTAINER
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return _CONTAINER
+    try:  # what pydantic can serialize (SecretStr, URLs, IP addresses, ...)
+        from pydantic_core import to_jsonable_python
+
+        out = to_jsonable_python(value)
+    except Exception:  # noqa: BLE001 - pydantic has no text form for it either
+        raise DecisionError(f"{_at(where)} is a {type(value).__name__}, which has no text form", hint=_HINT) from None
+    if out is None or isinstance(out, (str, int, float)):
+        return out
+    raise DecisionError(f"{_at(where)} is a {type(value).__name__}, which has no text form", hint=_HINT)
 
 
 def default_seed(state_text: str, the_plan: Plan) -> int:

@@ -12,11 +12,17 @@ from ._diagnostics import Diagnostics
 if TYPE_CHECKING:
     from ._questions import QuestionSpec
 
-Path = Literal["canvas", "reread", "escalated", "fallback", "abstained", "skipped"]
-"""Where an answer came from. `abstained`: the canvas chose "none of these / can't tell"
-and the answer came from the escalation (`escalation_model` set), the fallback option, or,
-past the budget under `when_spent="keep"`, the best real option. `skipped`: a dependent
-question whose condition did not hold; it has no answer."""
+Path = Literal["canvas", "reread", "escalated", "fallback", "abstained", "unsure", "skipped"]
+"""Where an answer came from. `canvas` and `reread`: the gate passed the canvas answer
+(at the first read, or on the mean of its re-reads). `escalated`: the escalation model
+answered. `fallback`: the declared fallback option, after an engine fault or past the
+budget (`when_spent="fallback"`). `abstained`: the canvas chose "none of these / can't
+tell" and the answer came from the escalation (`escalation_model` set), the fallback
+option, or, past the budget under `when_spent="keep"`, the best real option. `unsure`: the
+gate did not pass the canvas answer and nothing answered instead (no escalation target, or
+past the budget under `when_spent="keep"`): the answer is what `GatePolicy.on_unsure` says
+(the canvas answer by default, or the fallback option). `skipped`: a dependent question
+whose condition did not hold; it has no answer."""
 
 
 class ReadReport(BaseModel):
@@ -51,7 +57,7 @@ class ReadReport(BaseModel):
     """Canvas probability of its chosen label (mean over reads)."""
     path: Path
     confident: bool
-    """Whether the gate passed the canvas answer (False on escalated/fallback/uncertain)."""
+    """Whether the gate passed the canvas answer: True exactly on paths `canvas` and `reread`."""
     crossed: list[str] = Field(default_factory=list)
     """Thresholds the canvas answer crossed at its last gate."""
     reads: int = 0

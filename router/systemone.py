@@ -8,7 +8,6 @@ Usable on its own, as a fast path, or as `CanvasDecisionModel(escalate_to=...)`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,11 +16,11 @@ from langchain_core.messages import BaseMessage
 from opentelemetry.trace import SpanKind
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationError
 
-from canvasroute.engine import Connection, DecisionError, EngineResponseError, run_sync
+from canvasroute.engine import Connection, EngineResponseError, run_sync
 
 from . import telemetry as tm
 from ._questions import validate_questions
-from ._state import json_default
+from ._state import plain_state
 
 __all__ = ["SystemOneDecisionModel"]
 
@@ -159,10 +158,7 @@ def _wire_state(state: Any) -> Any:
         return f"{state.type}: {state.text}"
     if isinstance(state, Sequence) and state and all(isinstance(m, BaseMessage) for m in state):
         return "\n".join(f"{m.type}: {m.text}" for m in state)
-    try:
-        return json.loads(json.dumps(state, default=json_default))
-    except (TypeError, ValueError) as exc:
-        raise DecisionError(f"the state is not JSON: {exc}") from exc
+    return plain_state(state)  # values JSON lacks rendered as text (canvasroute.router._state); else DecisionError
 
 
 def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: str | None,

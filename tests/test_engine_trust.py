@@ -139,7 +139,7 @@ async def test_the_real_server_gets_exactly_one_thought_block(vllm_url, thinking
     info = await engine.info()
     assert info.canvas_prefix == (THOUGHT_SCAFFOLD if thinking else "")
     resp = await CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0)).adecide("hi", QUESTIONS)
-    assert {r.path for r in resp.reads.values()} == {"canvas"}
+    assert {r.path for r in resp.reads.values()} <= {"canvas", "unsure"}  # one read each, no escalation
     [body] = bodies
     async with httpx.AsyncClient() as client:
         prompt = (await client.post(f"{vllm_url}/tokenize", json={

@@ -193,11 +193,11 @@ async def test_path_per_threshold_side_and_mode(threshold, side, mode):
         assert resp.answers["team"].choice == "billing" and resp.canvas_reads == 1
         assert recorder.calls == []
         return
-    if mode == "answer":  # no re-reads, nowhere to escalate: the canvas answer, flagged
-        assert (r.path, r.confident, r.crossed, r.reads) == ("canvas", False, [threshold], 1)
+    if mode == "answer":  # no re-reads, nowhere to escalate: the canvas answer, path unsure
+        assert (r.path, r.confident, r.crossed, r.reads) == ("unsure", False, [threshold], 1)
         assert resp.answers["team"].choice == "billing"
     elif mode == "reread":  # same rows each time: still uncertain after 2 re-reads
-        assert (r.path, r.confident, r.crossed, r.reads) == ("reread", False, [threshold], 3)
+        assert (r.path, r.confident, r.crossed, r.reads) == ("unsure", False, [threshold], 3)
         assert r.agreement == 1.0 and r.stderr == pytest.approx(0.0, abs=1e-12)
         assert resp.canvas_reads == 3 and script.engine.calls == 2  # first read + one batch of 2
     else:
@@ -258,7 +258,7 @@ async def test_per_question_override_replaces_the_whole_policy():
     policy = GatePolicy(**{**OFF, "min_confidence": 0.99}, rereads=1, per_question={"team": GatePolicy(**OFF)})
     resp = await CanvasDecisionModel(engine=script.engine, policy=policy).adecide(STATE, questions("team", "urgent"))
     assert (resp.reads["team"].path, resp.reads["team"].confident, resp.reads["team"].reads) == ("canvas", True, 1)
-    assert (resp.reads["urgent"].path, resp.reads["urgent"].confident) == ("reread", False)
+    assert (resp.reads["urgent"].path, resp.reads["urgent"].confident) == ("unsure", False)
     assert resp.reads["urgent"].crossed == ["min_confidence"] and resp.reads["urgent"].reads == 2
 
 
@@ -282,7 +282,7 @@ async def test_a_confident_question_keeps_its_first_read_when_its_chunk_is_rerea
     team = resp.reads["team"]
     assert (team.path, team.confident, team.reads) == ("canvas", True, 1)
     assert team.canvas_probabilities == pytest.approx({"billing": 0.99, "tech": 0.01})
-    assert resp.reads["urgent"].path == "reread"
+    assert resp.reads["urgent"].path == "unsure"
 
 
 async def test_per_call_policy_overrides_the_model_policy():
@@ -349,7 +349,7 @@ async def test_rereads_zero_turns_rereading_off():
     script = Script({"team": [((0.6, 0.4), 1.0)]})
     resp = await CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0)).adecide(
         STATE, questions("team"))
-    assert resp.canvas_reads == 1 and resp.reads["team"].path == "canvas" and not resp.reads["team"].confident
+    assert resp.canvas_reads == 1 and resp.reads["team"].path == "unsure" and not resp.reads["team"].confident
 
 
 # -- escalation: only the uncertain questions, in one call ----------------------------------------
@@ -445,7 +445,7 @@ async def test_the_n_plus_first_escalation_in_a_window_behaves_as_declared(when_
         assert r.over_budget and not r.confident and r.crossed == ["max_normalized_entropy"]
         assert r.escalation_model is None
         if when_spent == "keep":
-            assert (r.path, r.answer) == ("canvas", "billing")  # the canvas argmax (0.6)
+            assert (r.path, r.answer) == ("unsure", "billing")  # the canvas argmax (0.6), acted on unsure
         else:
             assert (r.path, r.answer) == ("fallback", "tech")
             assert r.probabilities == {"billing": 0.0, "tech": 1.0}
@@ -466,7 +466,7 @@ async def test_per_thread_budget(when_spent):
             await model.adecide(STATE, questions("team"), thread_id="t1")
     else:
         r = (await model.adecide(STATE, questions("team"), thread_id="t1")).reads["team"]
-        assert r.over_budget and r.path == {"keep": "canvas", "fallback": "fallback"}[when_spent]
+        assert r.over_budget and r.path == {"keep": "unsure", "fallback": "fallback"}[when_spent]
     # another thread has its own allowance; no thread id means no per-thread cap
     assert (await model.adecide(STATE, questions("team"), thread_id="t2")).reads["team"].path == "escalated"
     for _ in range(2):
@@ -482,7 +482,7 @@ async def test_a_partial_budget_escalates_what_it_can_in_one_call(clock):
                                 budget=EscalationBudget(max_per_window=2))
     resp = await model.adecide(STATE, questions("team", "urgent", "severity"))
     assert len(recorder.calls) == 1 and recorder.asked() == ["team", "urgent"]
-    assert [resp.reads[q].path for q in ("team", "urgent", "severity")] == ["escalated", "escalated", "canvas"]
+    assert [resp.reads[q].path for q in ("team", "urgent", "severity")] == ["escalated", "escalated", "unsure"]
     assert resp.reads["severity"].over_budget and not resp.reads["team"].over_budget
     assert model.budget_counters == {"granted": 2, "refused": 1, "refunded": 0, "in_window": 2}
 

@@ -357,7 +357,7 @@ async def test_a_decision_waiting_for_review_is_streamed_before_the_interrupt_on
     before = await custom({"ticket": "Hm."})
     [waiting] = before
     assert waiting["type"] == REVIEW_EVENT and waiting["review"] == ["urgent"] and waiting["goto"] is None
-    assert waiting["paths"] == {"team": "escalated", "urgent": "canvas"}
+    assert waiting["paths"] == {"team": "escalated", "urgent": "unsure"}
     after = await custom(Command(resume="no"))
     [final] = after  # the resume sends the final decision, not the review event again
     assert final["type"] == DECISION_EVENT and final["paths"]["urgent"] == "human" and final["goto"] == "tech"
@@ -402,7 +402,7 @@ def test_the_review_interrupt_is_langgraphs_human_interrupt():
 @pytest.mark.parametrize("response, answer, path", [
     ({"type": "accept", "args": None}, "billing", "human"),
     ({"type": "response", "args": "Tech"}, "tech", "human"),
-    ({"type": "ignore", "args": None}, "billing", "canvas"),
+    ({"type": "ignore", "args": None}, "billing", "unsure"),  # the canvas's unsure answer stands
 ])
 def test_accept_respond_and_ignore(response, answer, path):
     graph = inbox_graph(fixed_engine(UNSURE), {"team": TEAM}, InMemorySaver())

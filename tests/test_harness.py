@@ -479,7 +479,7 @@ async def test_review_of_several_questions_resumes_with_a_mapping():
     done = await graph.ainvoke(Command(resume={"team": "tech", "urgent": "no"}), thread("several-3"))
     assert done["lane"] == "tech"
     assert {q: (d["answer"], d["path"]) for q, d in done["decisions"].items()} == {
-        "team": ("tech", "human"), "urgent": ("no", "human"), "severity": ("0", "canvas")}
+        "team": ("tech", "human"), "urgent": ("no", "human"), "severity": ("0", "unsure")}
 
 
 def test_review_policy_is_a_frozen_keyword_only_slotted_hashable_value():
@@ -768,7 +768,7 @@ def test_escalation_budgets_are_counted_per_graph_thread():
                                 budget=EscalationBudget(max_per_thread=1))
     graph = triage_graph(decision_node(model, {"team": TEAM}, route=("team", TEAMS)), checkpointer=InMemorySaver())
     paths = [graph.invoke({"ticket": "hm"}, thread(tid))["decisions"]["team"] for tid in ("a", "a", "b")]
-    assert [p["path"] for p in paths] == ["escalated", "canvas", "escalated"]
+    assert [p["path"] for p in paths] == ["escalated", "unsure", "escalated"]
     assert paths[1]["read"]["over_budget"] is True
 
 

@@ -9,7 +9,7 @@ from langchain_core.messages import HumanMessage
 from canvasroute.engine import DecisionError, FunctionEngine, ImagesUnsupported, VLLMServerEngine
 from canvasroute.engine.testing import LoopbackVLLM
 from canvasroute.router import CanvasDecisionModel, DecisionCache
-from canvasroute.router._images import state_images
+from canvasroute.router import state_images
 
 TEAM = Choice(instructions="Which team owns the screenshot's error?", criteria={"billing": None, "tech": None})
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="

@@ -11,7 +11,7 @@ from langchain_core.decisions import Box, Choice, Noul, Score
 
 from canvasroute.engine import DecisionError, EngineInfo, FunctionEngine, InputTooLong, LabelError, UnsupportedQuestion
 from canvasroute.router import CanvasDecisionModel, GatePolicy
-from canvasroute.router._plan import MAX_LABEL_IDS, canvas_width, plan
+from canvasroute.router._plan import canvas_width, plan
 from canvasroute.router._prompts import template_text
 from canvasroute.router._questions import MAX_OPTIONS, parse_questions
 

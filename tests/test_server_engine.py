@@ -358,7 +358,7 @@ async def test_unserved_model_and_vocab_probe_failures_are_clear():
 
     def no_range(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
-            return _json(200, {"data": [{"id": MODEL}]})
+            return _json(200, {"data": [{"id": MODEL, "max_model_len": 1024}]})
         return _json(400, {"error": {"message": "unknown field vllm_xargs"}})
 
     with pytest.raises(EngineRequestError, match="vocabulary size") as info:

@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     decisions = sum(paths.values())
     shares = ", ".join(f"{label} {paths[p]}/{decisions} ({paths[p] / max(1, decisions):.0%})"
                        for p, label in (("canvas", "canvas"), ("reread", "re-read"), ("escalated", "escalated"),
-                                        ("fallback", "fallback"), ("failed", "escalation failed")) if
+                                        ("unsure", "unsure"), ("fallback", "fallback"),
+                                        ("failed", "escalation failed")) if
                        paths[p] or p in ("canvas", "reread", "escalated"))
     print(f"\nsummary: {len(results)} tickets, {decisions} decisions in {len(results)} decision sets; "
           f"answered: {shares}; model load {loaded:.1f}s, decisions {elapsed:.2f}s "

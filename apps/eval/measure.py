@@ -3,8 +3,9 @@
 Each arm reads every labelled row on its own (arms run one after the other, so their
 latencies do not mix); per row it keeps the answers and what they cost.
 
-- **canvas**: `CanvasDecisionModel` with the gate off at the policy's temperatures (one
-  read per question, no re-reads, no escalation): its answers and normalized entropies.
+- **canvas**: `CanvasDecisionModel.canvas_only()` with the gate off at the policy's
+  temperatures (one read per question, no re-reads, no escalation; a question whose
+  abstain label wins answers its best real option): its answers and normalized entropies.
 - **target**: the escalation target asked directly with the same request the cascade
   sends (no canvas hint), one call per row.
 - **cascade**: `CanvasDecisionModel(policy=..., escalate_to=target)` as deployed: the gate,
@@ -98,7 +99,7 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
     `escalation_timeout` bounds each of the cascade's escalation calls)."""
     specs = check_rows(rows)
     slots = asyncio.Semaphore(max(1, concurrency))
-    reader = CanvasDecisionModel(engine=engine, policy=gate_off(policy))
+    reader = CanvasDecisionModel(engine=engine, policy=gate_off(policy)).canvas_only()  # abstain: best real option
     canvas = Arm("canvas")
 
     async def read(row: Row) -> Any:
@@ -152,7 +153,7 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
             else:
                 cascade.add(time.perf_counter() - start, resp.usage)
                 cascade.reads += resp.canvas_reads
-                escalated = [r for r in resp.reads.values() if r.path == "escalated"]
+                escalated = [r for r in resp.reads.values() if r.escalation_model is not None]  # abstained too
                 cascade.escalations += len(escalated)
                 cascade.target_calls += bool(escalated)
         for qid in row.gold:

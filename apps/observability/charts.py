@@ -11,7 +11,7 @@ from .report import PATHS, Decision
 from .stats import percentile
 
 COLORS = {"canvas": "#15803d", "reread": "#d19a00", "escalated": "#dc2626", "fallback": "#64748b",
-          "abstained": "#7c3aed", "skipped": "#cbd5e1"}
+          "abstained": "#7c3aed", "unsure": "#ea580c", "skipped": "#cbd5e1"}
 ENTROPY_BINS = 20
 
 

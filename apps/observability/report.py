@@ -15,7 +15,7 @@ from .traces import SpanRecord, decision_figures
 
 __all__ = ["PATHS", "Decision", "NodeStats", "Report", "ShadowStats", "build_report", "near_chance"]
 
-PATHS = ("canvas", "reread", "escalated", "fallback", "abstained", "skipped")
+PATHS = ("canvas", "reread", "escalated", "fallback", "abstained", "unsure", "skipped")
 NEAR_CHANCE_NOTE = ("Tiny and embedded models (the tiny random DiffusionGemma used in tests, the embedded "
                     "SmolLM2-135M) are near chance at decisions: figures from them show the pipeline at work, "
                     "not decision quality.")

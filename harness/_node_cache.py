@@ -1,0 +1,91 @@
+"""`NodeCache`: LangGraph's node cache, minus the decisions that must be decided again.
+
+LangGraph stores every finished node's writes in the graph's cache and replays them on a
+hit; a node cannot veto that. A decision an engine fault touched (its fallback, or the
+escalation that stood in for the canvas) or one the escalation budget turned away would
+be replayed after the engine is back or the budget refills, for the whole TTL.
+`NodeCache` wraps any LangGraph cache (`InMemoryCache`, `SqliteCache`, `RedisCache`...)
+and does not store the writes of such a decision, so the next run decides again: in this
+process and in every worker sharing the cache.
+
+```python
+builder.add_node("triage", node, cache_policy=node.cache_policy(ttl=300))
+graph = builder.compile(cache=NodeCache(InMemoryCache()))
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from langgraph.cache.base import BaseCache, FullKey, Namespace
+
+from ._records import is_record
+
+__all__ = ["NodeCache", "replayable_writes", "stable_json"]
+
+
+class NodeCache(BaseCache[Any]):
+    """A LangGraph cache that keeps no decision a fault or a budget refusal produced.
+
+    Args:
+        cache: The LangGraph cache that stores everything else.
+    """
+
+    def __init__(self, cache: BaseCache[Any]) -> None:
+        if not isinstance(cache, BaseCache):
+            raise TypeError(f"NodeCache wraps a LangGraph BaseCache (e.g. InMemoryCache()), not {type(cache).__name__}")
+        super().__init__(serde=cache.serde)
+        self.cache = cache
+        self.refused = 0
+        """Writes not stored (a decision a fault or a budget refusal touched)."""
+
+    def __repr__(self) -> str:
+        return f"NodeCache({self.cache!r})"
+
+    def get(self, keys: Sequence[FullKey]) -> dict[FullKey, Any]:
+        return self.cache.get(keys)
+
+    async def aget(self, keys: Sequence[FullKey]) -> dict[FullKey, Any]:
+        return await self.cache.aget(keys)
+
+    def set(self, pairs: Mapping[FullKey, tuple[Any, int | None]]) -> None:
+        if kept := self._kept(pairs):
+            self.cache.set(kept)
+
+    async def aset(self, pairs: Mapping[FullKey, tuple[Any, int | None]]) -> None:
+        if kept := self._kept(pairs):
+            await self.cache.aset(kept)
+
+    def clear(self, namespaces: Sequence[Namespace] | None = None) -> None:
+        self.cache.clear(namespaces)
+
+    async def aclear(self, namespaces: Sequence[Namespace] | None = None) -> None:
+        await self.cache.aclear(namespaces)
+
+    def _kept(self, pairs: Mapping[FullKey, tuple[Any, int | None]]) -> dict[FullKey, tuple[Any, int | None]]:
+        kept = {key: entry for key, entry in pairs.items() if replayable_writes(entry[0])}
+        self.refused += len(pairs) - len(kept)
+        return kept
+
+
+def replayable_writes(writes: Any) -> bool:
+    """Whether a node's writes `[(channel, value), ...]` may be replayed: no decision record
+    among the values carries an engine fault (`read.error`) or a budget refusal (`read.over_budget`)."""
+    for write in writes or ():
+        value = write[1] if isinstance(write, Sequence) and len(write) == 2 else None
+        if isinstance(value, Mapping):
+            for record in value.values():
+                if is_record(record) and isinstance(read := record.get("read"), Mapping) and (
+                        read.get("error") or read.get("over_budget")):
+                    return False
+    return True
+
+
+def stable_json(value: Any) -> Any:
+    """JSON for what `json` cannot write in a node's cache key, the same in every process:
+    sets in sorted order (hash randomisation would reorder them), anything else as text."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=lambda v: (type(v).__name__, repr(v)))
+    return str(value)
