@@ -6,7 +6,8 @@ One payload per decision set reaches two places: LangGraph's custom stream
 callback tracers record it). Types:
 
 - `canvasroute.decision` (`DECISION_EVENT`): a decision set is final (answers, paths,
-  entropies, where the graph goes);
+  entropies, where the graph goes, and its `tally`: `Tally.as_dict()` of the model's reads,
+  the counts the demo's console and the dashboard show);
 - `canvasroute.review` (`REVIEW_EVENT`): a decision set waits for a human, sent just
   before the review `interrupt()` (once: a resume does not send it again).
 
@@ -23,6 +24,8 @@ from typing import Any
 from langchain_core.callbacks import adispatch_custom_event, dispatch_custom_event
 from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_stream_writer
+
+from canvasroute.router import Tally
 
 __all__ = ["DECISION_EVENT", "REVIEW_EVENT", "aemit", "emit", "event"]
 
@@ -43,6 +46,7 @@ def event(kind: str, node: str, goto: str | None, decided: Mapping[str, Mapping[
         "paths": {qid: d["path"] for qid, d in decided.items()},
         "entropies": {qid: d["read"]["entropy"] for qid, d in decided.items()},
         "normalized_entropies": {qid: d["read"]["normalized_entropy"] for qid, d in decided.items()},
+        "tally": Tally.of(d["read"] for d in decided.values()).as_dict(),
         **more,
     }
 

@@ -36,6 +36,7 @@ from ._policy import MAX_SAMPLES, EscalationBudget, GatePolicy
 from ._policy_file import load_policy, save_policy
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
 from ._state import read_state, render_state, state_images
+from ._tally import Tally
 from ._types import CanvasResponse, ReadReport
 from .calibration import (
     Calibration,
@@ -71,6 +72,7 @@ __all__ = [
     "ReadReport",
     "SlotStats",
     "SystemOneDecisionModel",
+    "Tally",
     "ThoughtReport",
     "add_otlp_exporter",
     "aggregate",

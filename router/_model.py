@@ -322,8 +322,8 @@ class CanvasDecisionModel(BaseDecisionModel):
                           seed: int | None, policy: GatePolicy, usage: dict[str, int],
                           opts: ReadOptions, images: Sequence[str] = (),
                           checked: bool = False) -> tuple[dict[str, QuestionRead], Reading | None]:
-        """Read and gate the asked questions of one layer: their state, and its `Reading` (None on
-        a fault). `checked`: `Planner.check` has length-checked this plan for this prompt."""
+        # checked: `Planner.check` has length-checked this plan for this prompt
+        """One layer's asked questions read and gated, and its `Reading` (None on a fault)."""
         absorbs, planner = self._memo.outcomes.absorbs, self._memo.planner
         if info is not None and fault is None:
             try:
@@ -350,9 +350,8 @@ class CanvasDecisionModel(BaseDecisionModel):
     def canvas_only(self) -> CanvasDecisionModel:
         """This model measuring the canvas alone, as shadow mode and `canvasroute eval` do.
 
-        No escalation target, budget or cache: every question gets the canvas's best real
-        option, flagged `confident=False` where the model would have escalated, abstained
-        or taken a fallback, and an engine fault raises. Made once per model.
+        No escalation target, budget or cache: every question gets the canvas's best real option,
+        `confident=False` where the model would not have answered it so; an engine fault raises.
         """
         memo = self._memo
         if memo.canvas_only is None:

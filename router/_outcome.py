@@ -132,7 +132,7 @@ class Outcomes:
         base: dict[str, Any] = dict(
             question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
             reads=len(r.runs) + r.in_group_reads, error=r.error, latency_s=latency_s, asked_if=asked_if,
-            crossed=[c for c in r.crossed if c != OVER_BUDGET], over_budget=OVER_BUDGET in r.crossed,
+            crossed=[c for c in r.crossed if c != OVER_BUDGET], over_budget=OVER_BUDGET in r.crossed, gate=r.gate,
             slot=r.slot, read_entropies=[run.entropy for run in r.runs], rereadable=r.rereadable,
         )
         if st is not None:

@@ -151,6 +151,14 @@ class GatePolicy:
         return self.per_question.get(question_id, self)
 
     @property
+    def gate_text(self) -> str:
+        """What this gate passes, in words: `H/lnK <= 0.5` (thresholds joined by `, `; `none`)."""
+        tests = (("H/lnK", "<=", self.max_normalized_entropy), ("H", "<=", self.max_entropy),
+                 ("confidence", ">=", self.min_confidence), ("margin", ">=", self.min_margin),
+                 ("label mass", ">=", self.min_label_mass))
+        return ", ".join(f"{name} {op} {value:g}" for name, op, value in tests if value is not None) or "none"
+
+    @property
     def uses_label_mass(self) -> bool:
         """Whether any question's gate reads label mass (`min_label_mass`, here or in an override)."""
         return self.min_label_mass is not None or any(p.min_label_mass is not None

@@ -51,6 +51,8 @@ class QuestionRead:
     """One entry per read of the question's slot (the group slot, for a routed question)."""
     stats: SlotStats | None = None
     crossed: tuple[str, ...] = ()
+    gate: str | None = None
+    """The gate it was held to (`GatePolicy.gate_text`)."""
     error: str | None = None
     fault: CanvasRouteError | None = None
     """The engine fault behind `error`, re-raised when no escalation or fallback covers it."""
@@ -182,6 +184,7 @@ class Reading:
         for qid, r in reads.items():
             policy = self.policy.for_question(qid)
             r.on_unsure = policy.on_unsure
+            r.gate = policy.gate_text if r.runs else None
             if r.spec.abstain and r.error is None and r.stats is not None:
                 r.abstained = r.stats.top == len(r.spec.options) - 1
                 r.on_abstain = policy.on_abstain

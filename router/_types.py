@@ -59,7 +59,10 @@ class ReadReport(BaseModel):
     confident: bool
     """Whether the gate passed the canvas answer: True exactly on paths `canvas` and `reread`."""
     crossed: list[str] = Field(default_factory=list)
-    """Thresholds the canvas answer crossed at its last gate."""
+    """Thresholds the canvas answer crossed at its last gate (non-empty: over the gate)."""
+    gate: str | None = None
+    """The gate the canvas read was held to (`GatePolicy.gate_text`, e.g. `H/lnK <= 0.5`); None
+    when nothing was read (an engine fault before the read, a skipped question)."""
     reads: int = 0
     """Canvas reads of this question (1 + re-reads)."""
     agreement: float | None = None

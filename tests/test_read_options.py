@@ -25,8 +25,8 @@ QUESTIONS = {
     "severity": Score(instructions="How severe is it?", criteria=["minor", "major", "blocking"]),
 }
 TICKET = "I was charged twice for my subscription this month."
-ONE = GatePolicy(samples=1, rereads=0)
-"""Exactly one read per canvas."""
+ONE = GatePolicy(samples=1, rereads=0, max_normalized_entropy=None)
+"""Exactly one read per canvas, and a gate that passes every read (path `canvas`)."""
 UNSURE = GatePolicy(max_normalized_entropy=0.0)
 """Every question uncertain (the tiny model is random): re-reads always run."""
 
@@ -51,7 +51,8 @@ async def test_samples_are_fixed_reads_and_re_reads_continue_them(recorded):
     assert one.canvas_reads == 1 and len(transport.reads()) == 1
     assert {r.path for r in one.reads.values()} == {"canvas"} and {r.reads for r in one.reads.values()} == {1}
 
-    fixed = await model.adecide(TICKET, QUESTIONS, seed=3, policy=GatePolicy(samples=4, rereads=0))
+    fixed = await model.adecide(TICKET, QUESTIONS, seed=3, policy=GatePolicy(samples=4, rereads=0,
+                                                                             max_normalized_entropy=None))
     bodies = transport.reads()[1:]
     assert fixed.canvas_reads == 4 and len(bodies) == 4
     slots = [r.slot for r in fixed.reads.values()]
@@ -66,7 +67,7 @@ async def test_samples_are_fixed_reads_and_re_reads_continue_them(recorded):
         max_normalized_entropy=0.0, samples=1, rereads=3))
     assert reread.canvas_reads == 4
     for qid, r in reread.reads.items():
-        assert (r.path, r.reads) == ("reread", 4)
+        assert (r.path, r.reads) == ("unsure", 4)  # re-read, never passed, nothing to escalate to
         assert r.read_entropies == pytest.approx(fixed.reads[qid].read_entropies)  # the same four reads
         assert r.canvas_probabilities == pytest.approx(fixed.reads[qid].canvas_probabilities)
     await engine.aclose()
@@ -166,7 +167,7 @@ async def test_a_thought_is_written_once_per_canvas_and_every_read_continues_it(
     assert canvas[:2] == await engine.tokenize("q1")
     assert resp.usage["output_tokens"] >= thought.tokens
     for r in resp.reads.values():
-        assert r.path == "reread" and r.reads == 3
+        assert r.path == "unsure" and r.reads == 3  # re-read twice, never sure, nothing to escalate to
     await engine.aclose()
 
 

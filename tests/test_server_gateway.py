@@ -61,7 +61,8 @@ async def test_samples_one_n_and_auto(gateway):
     assert one.json()["diagnostics"]["samples"]["policy"] == {"mode": "fixed", "n": 1}
     three = await post({"state": STATE, "questions": QUESTIONS, "samples": 3})
     assert len(transport.reads()) == 4 and three.json()["diagnostics"]["samples"]["n"] == 3
-    assert {a["canvasroute"]["path"] for a in three.json()["answers"].values()} == {"canvas"}
+    # fixed reads, none of them re-reads; the gate (0.0) passes none and nothing escalates: unsure
+    assert {a["canvasroute"]["path"] for a in three.json()["answers"].values()} == {"unsure"}
     auto = await post({"state": STATE, "questions": QUESTIONS, "samples": "auto", "auto_max": 2})
     assert len(transport.reads()) == 6  # one read, then one more: every question is unsure
     diag = auto.json()["diagnostics"]

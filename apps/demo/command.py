@@ -17,7 +17,6 @@ import argparse
 import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
     from canvasroute.engine import EscalationError
-    from canvasroute.router import GatePolicy
+    from canvasroute.router import GatePolicy, Tally
     from canvasroute.router.telemetry import JsonlSpanExporter, add_otlp_exporter
 
     from .._console import print_table, progress, say
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(STAND_IN)
     target = escalation_target(args.escalate_url, args.escalate_model) if args.escalate_url else None
     policy = GatePolicy() if args.threshold is None else GatePolicy(max_normalized_entropy=args.threshold)
-    print(f"gate: answer from the canvas when H/lnK <= {policy.max_normalized_entropy}, else re-read up to "
+    print(f"gate: answer from the canvas when {policy.gate_text}, else re-read up to "
           f"{policy.rereads} times, then " + (f"escalate to {args.escalate_model} at {args.escalate_url}"
                                               if target else "escalate (no target set: reported, not sent)"))
     start = time.perf_counter()
@@ -94,19 +93,17 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start - loaded
     provider.shutdown()
 
-    paths: Counter[str] = Counter()
-    unsure = 0
+    tally, failed = Tally({p: 0 for p in Tally.PATHS}), 0
     columns = ["question", "answer", "path", "H/lnK", "gate", "probabilities"]
     for n, result in enumerate(results, 1):
         if "error" in result:
-            paths["failed"] += len(triage.QUESTIONS)
+            failed += 1
             print(f"\n[{n}] {result['ticket']}\n    escalation failed: {result['error']}")
             continue
+        tally += Tally.of(d["read"] for d in result["decisions"].values())
         rows, lines = [], [f"\n[{n}] {result['ticket']}"]
         for qid, d in result["decisions"].items():
-            paths[d["path"]] += 1
             gate = _gate(d, args.escalate_model)
-            unsure += gate.startswith("would escalate")
             probs = "  ".join(f"{k}={v:.2f}" for k, v in d["probabilities"].items())
             rows.append([qid, d["answer"], d["path"], _fmt(d["normalized_entropy"]), gate, probs])
             lines.append(f"    {qid:<9} {d['answer']:<10} path={d['path']:<9} "
@@ -114,18 +111,13 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"    -> routed to {result['handled_by']}")
         print_table(f"[{n}] {result['ticket']}", columns, rows, notes=[f"-> routed to {result['handled_by']}"],
                     plain="\n".join(lines))
-    decisions = sum(paths.values())
-    shares = ", ".join(f"{label} {paths[p]}/{decisions} ({paths[p] / max(1, decisions):.0%})"
-                       for p, label in (("canvas", "canvas"), ("reread", "re-read"), ("escalated", "escalated"),
-                                        ("unsure", "unsure"), ("fallback", "fallback"),
-                                        ("failed", "escalation failed")) if
-                       paths[p] or p in ("canvas", "reread", "escalated"))
-    print(f"\nsummary: {len(results)} tickets, {decisions} decisions in {len(results)} decision sets; "
-          f"answered: {shares}; model load {loaded:.1f}s, decisions {elapsed:.2f}s "
-          f"({1000 * elapsed / max(1, len(results)):.0f} ms per ticket)")
-    if target is None:
-        print(f"would have escalated at H/lnK > {policy.max_normalized_entropy}: {unsure}/{decisions} decisions "
-              f"(answered from the canvas instead: no escalation target). {ADD_TARGET}")
+    failures = f"; {failed} decision set(s) failed to escalate" if failed else ""
+    print(f"\nsummary: {len(results)} tickets, {tally.decisions} decisions in {len(results) - failed} decision sets"
+          f"{failures}; answered: {tally.shares()}; {tally.gate_line()}; model load {loaded:.1f}s, "
+          f"decisions {elapsed:.2f}s ({1000 * elapsed / max(1, len(results)):.0f} ms per ticket)")
+    if target is None and tally.over_gate:
+        print(f"{tally.over_gate} of them would have escalated: with no escalation target they were answered "
+              f"from the canvas (path unsure). {ADD_TARGET}")
     print(f"trace: {trace_path} (render it: canvasroute dashboard {trace_path} -o report.html)")
     return 0
 

@@ -83,7 +83,8 @@ def _handler(lane: str) -> Any:
 
 def run_samples(model: CanvasDecisionModel, tickets: Sequence[str] = SAMPLE_TICKETS, *,
                 progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
-    """Triage each ticket; per ticket the lane taken and, per question, answer, path and entropy.
+    """Triage each ticket; per ticket the lane taken and, per question, answer, path, entropy
+    and its whole `read` (the `ReadReport` as JSON).
 
     `progress(1)` is called after each ticket.
     """
@@ -99,7 +100,7 @@ def run_samples(model: CanvasDecisionModel, tickets: Sequence[str] = SAMPLE_TICK
             "decisions": {qid: {"answer": d["answer"], "path": d["path"],
                                 "normalized_entropy": d["read"]["normalized_entropy"],
                                 "probabilities": d["read"]["probabilities"], "confident": d["read"]["confident"],
-                                "escalation_model": d["read"]["escalation_model"]}
+                                "escalation_model": d["read"]["escalation_model"], "read": d["read"]}
                           for qid, d in out["decisions"].items()},
         })
     return results

@@ -12,6 +12,8 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+from canvasroute.router import Tally
+
 from .charts import COLORS, duration, entropy_histogram, latency_bars, path_shares, seconds
 from .graph import graph_svg, observed_structure
 from .report import NEAR_CHANCE_NOTE, PATHS, Decision, NodeStats, Report, near_chance
@@ -103,6 +105,18 @@ def _kpi(key: str, value: str, sub: str = "", kpi_id: str = "") -> str:
     ident = f' id="{kpi_id}"' if kpi_id else ""
     return f'<div class="kpi"{ident}><div class="k">{html.escape(key)}</div><div class="v">{value}</div>' \
            f'<div class="s">{sub}</div></div>'
+
+
+def _gate_kpi(tally: Tally, kpi_id: str = "") -> str:
+    """Over the gate, with the paths taken and the gate in words (as the demo's console says them)."""
+    n = tally.decisions
+    gates = "; ".join(tally.gates) or "no read gated"
+    return _kpi("over the gate", _pct(tally.over_gate / n if n else None),
+                f"{tally.over_gate} of {n} · passes {html.escape(gates)}<br>{html.escape(tally.shares())}", kpi_id)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _when(ns: int, *, date: bool = True) -> str:
@@ -198,6 +212,7 @@ def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str
     kpis = "".join([
         _kpi("decision sets", f"{len(node.set_latencies)}", f"{len(d)} questions"),
         _kpi("escalation rate", _pct(node.escalation_rate), f"{paths['escalated']} escalated"),
+        _gate_kpi(node.tally),
         _kpi("agreement", _pct(agree / escalated if escalated else None),
              f"canvas = escalation in {agree}/{escalated}"),
         _kpi("re-read", _pct(paths["reread"] / len(d) if d else None), f"{paths['reread']} answered after re-reads"),
@@ -294,10 +309,13 @@ def render(report: Report, *, title: str = "canvasroute decisions", top: int = 2
     votes = [d.agrees for d in ds if d.agrees is not None]
     sets = [x for n in report.nodes.values() for x in n.set_latencies]
     errors = sum(n.errors for n in report.nodes.values())
+    tally = report.tally
     kpis = "".join([
-        _kpi("decision sets", str(len(sets)), f"{len(ds)} questions · {len(report.nodes)} nodes", "kpi-sets"),
+        _kpi("decision sets", str(len(sets)), f"{_n(len(ds), 'question')} · {_n(len(report.nodes), 'node')}",
+             "kpi-sets"),
         _kpi("escalation rate", _pct(paths["escalated"] / len(ds) if ds else None),
              f"{paths['escalated']} of {len(ds)} questions", "kpi-escalation"),
+        _gate_kpi(tally, "kpi-gate"),
         _kpi("canvas vs escalation", _pct(sum(votes) / len(votes) if votes else None),
              f"agreed on {sum(votes)} of {len(votes)} escalated", "kpi-agreement"),
         _kpi("re-read", _pct(paths["reread"] / len(ds) if ds else None), f"{paths['reread']} answered after re-reads",

@@ -9,13 +9,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from canvasroute.engine import TraceFileError
+from canvasroute.router import Tally
 from canvasroute.router import telemetry as tm
 
 from .traces import SpanRecord, decision_figures
 
 __all__ = ["PATHS", "Decision", "NodeStats", "Report", "ShadowStats", "build_report", "near_chance"]
 
-PATHS = ("canvas", "reread", "escalated", "fallback", "abstained", "unsure", "skipped")
+PATHS = Tally.PATHS
+
 NEAR_CHANCE_NOTE = ("Tiny and embedded models (the tiny random DiffusionGemma used in tests, the embedded "
                     "SmolLM2-135M) are near chance at decisions: figures from them show the pipeline at work, "
                     "not decision quality.")
@@ -41,6 +43,10 @@ class Decision:
     reads: int
     escalation_model: str | None
     trace_id: str
+    crossed: tuple[str, ...] = ()
+    """The gate thresholds the canvas read crossed (non-empty: over the gate)."""
+    gate: str | None = None
+    """What the gate passes (`GatePolicy.gate_text`); None in traces written before 0.2."""
 
     @property
     def agrees(self) -> bool | None:
@@ -59,6 +65,11 @@ class NodeStats:
     set_latencies: list[float] = field(default_factory=list)
     """Duration of each decision set (decide span) at this node, seconds."""
     errors: int = 0
+
+    @property
+    def tally(self) -> Tally:
+        """Its decisions counted as the console and the stream events count them."""
+        return Tally.of(self.decisions)
 
     @property
     def paths(self) -> Counter[str]:
@@ -124,6 +135,10 @@ class Report:
     def decisions(self) -> list[Decision]:
         return [d for n in self.nodes.values() for d in n.decisions]
 
+    @property
+    def tally(self) -> Tally:
+        return Tally.of(self.decisions)
+
 
 def _is_decide(s: SpanRecord) -> bool:
     return s.name.startswith("decide ") and tm.DECISION_SET in s.attributes
@@ -153,7 +168,7 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
                 normalized_entropy=_float_or_none(f.get("normalized_entropy")),
                 confidence=_float_or_none(f.get("confidence")), margin=_float_or_none(f.get("margin")),
                 reads=int(f.get("reads") or 0), escalation_model=_str_or_none(f.get("escalation_model")),
-                trace_id=s.trace_id))
+                trace_id=s.trace_id, crossed=tuple(map(str, f.get("crossed") or ())), gate=_str_or_none(f.get("gate"))))
     reads: dict[str, list[float]] = defaultdict(list)
     escalations: list[float] = []
     escalation_models: dict[str, str] = {}

@@ -57,7 +57,7 @@ def diagnostics(resp: Any, parsed: Parsed, engine: str) -> dict[str, Any]:
 def _samples(answered: Mapping[str, Any], parsed: Parsed) -> dict[str, Any]:
     policy = dict(parsed.extensions.samples or {"mode": "server"})
     if policy["mode"] != "fixed":
-        policy["extended"] = any(r.path == "reread" for r in answered.values())
+        policy["extended"] = any(len(r.read_entropies) > 1 for r in answered.values())  # re-read, sure or not
         policy["first_read_entropy"] = {qid: r.read_entropies[0] for qid, r in answered.items() if r.read_entropies}
     return {"n": max((r.reads for r in answered.values()), default=0), "policy": policy}
 

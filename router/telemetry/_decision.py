@@ -56,6 +56,7 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
             "canvas_probabilities": [float(p) for p in canvas.values()] if canvas else None,
             "canvas_answer": max(canvas, key=canvas.__getitem__) if canvas else None,
             "temperature": policy.for_question(r.question_id).temperature if policy is not None and canvas else None,
+            "crossed": list(r.crossed) or None, "gate": r.gate,
         }
         if recording:
             s.add_event(QUESTION_EVENT, {QUESTION_ID: r.question_id, QUESTION_KIND: r.kind,

@@ -141,9 +141,10 @@ QUESTION_KIND = "canvasroute.question.kind"
 DECISION_PREFIX = "canvasroute.decision"
 FIGURES = ("answer", "canvas_answer", "options", "canvas_probabilities", "temperature", "entropy",
            "normalized_entropy", "confidence", "margin", "label_mass", "path", "escalated",
-           "escalation_model", "over_budget", "reads", "agreement")
+           "escalation_model", "over_budget", "reads", "agreement", "crossed", "gate")
 """Figures recorded per question (`canvas_*`: the canvas read before escalation, with
-`canvas_probabilities` in `options` order, at `temperature`)."""
+`canvas_probabilities` in `options` order, at `temperature`; `crossed`: the thresholds the read
+crossed, absent when it passed; `gate`: `GatePolicy.gate_text`)."""
 FIGURE_KEYS = {figure: f"{DECISION_PREFIX}.{figure}" for figure in FIGURES}
 """Figure -> its attribute key on a question event (`canvasroute.decision.entropy`, ...): a fixed set.
 (Trace files written before 0.2 hold them on the span as `canvasroute.decision.<question id>.<figure>`.)"""
