@@ -5,7 +5,9 @@ two steps among them), `depends_on`, abstain with each `on_abstain`, `on_unsure`
 `order_views`, the model's `DecisionCache`, the graph's `NodeCache`, shadow mode, human
 review, escalation budgets (in memory, or in the graph's store), an escalation target that
 answers, fails or is absent, an engine fault at one kind of read (discovery, first read,
-re-read, in-group read) or none, and a generated state. It runs twice (the engine healed
+re-read, in-group read) or none, a generated state, and the gateway's read options: fixed
+`samples`, request-level `instructions` and questions read `alone` (the last two on the
+model alone: a graph node takes no read options). It runs twice (the engine healed
 for the second run), and once more from scratch. Invariants, not examples:
 
 (a) no fault and no budget refusal is ever cached or replayed;
@@ -226,6 +228,11 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         "abstain": abstain, "on_abstain": draw(st.sampled_from(["escalate", "fallback"])),
         "on_unsure": draw(st.sampled_from(["answer", "fallback", "raise", "review"])),
         "order_views": draw(st.integers(0, 2)), "rereads": draw(st.integers(0, 2)),
+        "samples": draw(st.sampled_from([1, 1, 1, 2])),
+        # long instructions beside a two-step question and a small context: every read must still fit
+        "instructions": None if graph else draw(st.sampled_from([None, None, "All tickets are from EU customers.",
+                                                                 "Context. " * 40])),
+        "alone": () if graph else tuple(q for q in qids if draw(st.sampled_from([False, False, True]))),
         "budget": draw(st.sampled_from([None, "memory", "store"] if graph else [None, "memory"])),
         "per_window": draw(st.integers(0, 2)), "when_spent": draw(st.sampled_from(["keep", "fallback", "raise"])),
         "model_cache": draw(st.sampled_from([True, True, False])),
@@ -270,7 +277,7 @@ def build(s: dict[str, Any]) -> Built:
     model = CanvasDecisionModel(
         engine=engine, escalate_to=target.runnable if target else None, budget=budget,
         policy=GatePolicy(rereads=s["rereads"], abstain=s["abstain"], on_abstain=s["on_abstain"],
-                          on_unsure=s["on_unsure"], order_views=s["order_views"]),
+                          on_unsure=s["on_unsure"], order_views=s["order_views"], samples=s["samples"]),
         on_engine_error=s["on_engine_error"] if s["fallback"] or s["on_engine_error"] != "fallback" else "escalate",
         fallback={q: o[0] for q, o in options.items()} if s["fallback"] else {},
         cache=DecisionCache() if s["model_cache"] else None)
@@ -312,7 +319,7 @@ def run(b: Built, thread: str) -> Run:
         hits = b.model.cache.hits if b.model.cache else 0
         if not b.s["graph"]:
             resp = b.model.decide(b.s["state"], b.questions, seed=b.s["seed"], depends_on=b.s["depends"],
-                                  thread_id=thread)
+                                  thread_id=thread, instructions=b.s["instructions"], alone=b.s["alone"])
             got = Run(records={q: {"path": r.path, "answer": r.answer, "read": r.model_dump(exclude={"latency_s"})}
                                for q, r in resp.reads.items()}, usage=dict(resp.usage), faults=b.engine.faults,
                       hit=bool(b.model.cache and b.model.cache.hits > hits))
@@ -410,7 +417,7 @@ def check_records(b: Built, r: Run) -> None:
         elif path in ("canvas", "reread"):
             assert not read["crossed"] and not read["over_budget"]
             routed = b.s["kinds"][b.s["qids"].index(qid)] == "many" and read["reads"] >= 2
-            assert (read["reads"] - routed > 1) == (path == "reread")
+            assert (read["reads"] - routed > b.s["samples"]) == (path == "reread")  # samples are no re-reads
         if read["over_budget"]:
             assert b.s["budget"] and path in ("unsure", "fallback", "abstained")
 
