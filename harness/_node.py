@@ -28,14 +28,8 @@ from langchain_core.runnables.config import get_async_callback_manager_for_confi
 from langgraph.types import CachePolicy, Command
 
 from canvasroute.engine import DecisionError
-from canvasroute.router import (
-    CanvasDecisionModel,
-    CanvasResponse,
-    QuestionSpec,
-    image_digests,
-    parse_questions,
-    read_state,
-)
+from canvasroute.router import (READ_KEYS, CanvasDecisionModel, CanvasResponse, QuestionSpec, image_digests,
+                                parse_questions, read_state)
 
 from ._context import GraphCall, Inputs, child_config, complete, decision_seed, graph_call, observed, select_inputs
 from ._durable import adurable, durable
@@ -61,7 +55,8 @@ class DecisionNode(Runnable[Any, Command]):
     def __init__(self, model: CanvasDecisionModel, questions: Questions, *, inputs: Inputs, route: Route,
                  output_key: str, name: str | None, review: ReviewPolicy | None,
                  destinations: Sequence[str] | None, shadow: ExistingRouter | None = None,
-                 depends_on: Mapping[str, Any] | None = None, branch: Branch = None) -> None:
+                 depends_on: Mapping[str, Any] | None = None, branch: Branch = None,
+                 read_options: Mapping[str, Any] | None = None) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
         if not (callable(questions) or isinstance(questions, Mapping)):
@@ -74,6 +69,9 @@ class DecisionNode(Runnable[Any, Command]):
             raise TypeError("branch must be None, a state key, or a function of the node's input")
         if not output_key:
             raise ValueError("output_key must be a non-empty state key")
+        if unknown := sorted(set(read_options or ()) - set(READ_KEYS)):
+            raise ValueError(f"read_options takes {', '.join(READ_KEYS)}, not {', '.join(map(str, unknown))}")
+        self.read_options = dict(read_options or {})
         self.model = model
         self.questions = questions
         self.inputs = inputs
@@ -127,8 +125,8 @@ class DecisionNode(Runnable[Any, Command]):
     def cache_key(self, state: Any) -> str:
         """The node cache's key for deciding on `state`: a SHA-256 (hex) of what the node asks
         (its name, its questions, resolved from the state when they are a function of it,
-        and their conditions), what it reads (`inputs`, rendered as the model sees it,
-        images by digest) and its model's gate (policy, served name, constrained flag).
+        their conditions, its `read_options`), what it reads (`inputs`, rendered as the model
+        sees it, images by digest) and its model's gate (policy, served name, constrained flag).
 
         With `branch=`, the branch's key enters it too (a fan-out hit replays its own
         branch's records); a cached node in a `Send` fan-out needs `branch=`.
@@ -148,7 +146,8 @@ class DecisionNode(Runnable[Any, Command]):
         branch = branch_key(self.branch, state, {}) if self.branch is not None else None
         text, images = read_state(decision_state)
         blob = json.dumps([self.name, asked, self.depends_on, text, list(image_digests(images)), repr(model.policy),
-                           model.model, model.constrained, branch], sort_keys=True, default=stable_json)
+                           model.model, model.constrained, branch, self.read_options], sort_keys=True,
+                          default=stable_json)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # -- Runnable -----------------------------------------------------------------------
@@ -220,7 +219,7 @@ class DecisionNode(Runnable[Any, Command]):
         decision_state = select_inputs(state, self.inputs, self.output_key)
         seed = decision_seed(call.namespace, "node", questions, decision_state)
         options = {"seed": seed, "thread_id": call.thread_id, "policy": call.policy, "attributes": call.attributes,
-                   "depends_on": self.depends_on, "budget_meter": call.budget_meter}
+                   "depends_on": self.depends_on, "budget_meter": call.budget_meter, **self.read_options}
         request = {"state": decision_state, "questions": questions, **options}
         options = {k: v for k, v in options.items() if v is not None}
         return _Job(call, specs, questions, decision_state, seed, request, options, branch,
@@ -338,6 +337,7 @@ def decision_node(
     shadow: ExistingRouter | None = None,
     depends_on: Mapping[str, Any] | None = None,
     branch: Branch = None,
+    read_options: Mapping[str, Any] | None = None,
 ) -> DecisionNode:
     """A node that answers all its questions with ONE `CanvasDecisionModel` call and routes.
 
@@ -373,6 +373,7 @@ def decision_node(
             a key of the node's input or a function of it (e.g. a document id). Default: a
             `Send` branch is keyed by its position among the step's Sends (`"0"`, `"1"`, ...);
             a node run by an ordinary edge writes flat records. See `canvasroute.harness._fanout`.
+        read_options: `instructions`, `alone`, `steps`, `think`, `images`: as `adecide` takes them.
 
     Returns:
         A `DecisionNode`: add it with `builder.add_node("triage", node)`.
@@ -393,7 +394,7 @@ def decision_node(
     """
     return DecisionNode(model, questions, inputs=inputs, route=route, output_key=output_key, name=name,
                         review=review, destinations=destinations, shadow=shadow, depends_on=depends_on,
-                        branch=branch)
+                        branch=branch, read_options=read_options)
 
 
 __all__ = ["DecisionNode", "decision_node"]

@@ -31,7 +31,7 @@ from ._distribution import SlotStats, aggregate, slot_stats
 from ._escalation import Escalated, escalate, target_name
 from ._images import image_digests
 from ._model import CanvasDecisionModel
-from ._options import MAX_STEPS, MAX_THINK
+from ._options import MAX_STEPS, MAX_THINK, READ_KEYS
 from ._policy import MAX_SAMPLES, EscalationBudget, GatePolicy
 from ._policy_file import load_policy, save_policy
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
@@ -55,6 +55,7 @@ __all__ = [
     "MAX_SAMPLES",
     "MAX_STEPS",
     "MAX_THINK",
+    "READ_KEYS",
     "BudgetMeter",
     "Calibration",
     "CanvasDecisionModel",

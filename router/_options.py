@@ -20,13 +20,14 @@ from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 from ._policy import GatePolicy
 from ._questions import option_text
 
-__all__ = ["MAX_STEPS", "MAX_THINK", "OPTION_KEYS", "REQUEST_OPTIONS", "ReadOptions", "read_options",
+__all__ = ["MAX_STEPS", "MAX_THINK", "OPTION_KEYS", "READ_KEYS", "REQUEST_OPTIONS", "ReadOptions", "read_options",
            "request_options"]
 
 REQUEST_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("canvasroute_request_options", default={})
 """Request keys beyond state and questions, from `invoke` to `_classify` (the hooks take only those two)."""
-OPTION_KEYS = ("seed", "thread_id", "policy", "attributes", "depends_on", "budget_meter", "instructions", "alone",
-               "steps", "think", "images")
+READ_KEYS = ("instructions", "alone", "steps", "think", "images")
+"""The keywords that shape how the canvases are read (`read_options`)."""
+OPTION_KEYS = ("seed", "thread_id", "policy", "attributes", "depends_on", "budget_meter", *READ_KEYS)
 
 
 def request_options(request: Any) -> dict[str, Any]:

@@ -777,3 +777,31 @@ def test_a_node_runs_outside_a_graph_too():
                          route=("team", TEAMS))
     command = node.invoke({"ticket": "Crash"})
     assert command.goto == "tech" and command.update["decisions"]["team"]["answer"] == "tech"
+
+
+def test_a_node_reads_with_the_gateways_read_options():
+    """`decision_node(read_options=...)`: the instructions head every canvas's system prompt, a
+    question read `alone` gets a canvas of its own (observed or not: through `invoke` and
+    `decide` alike), the options enter the node cache key, and an unknown one is refused."""
+    questions = {"team": TEAM, "urgent": URGENT}
+    engine = fixed_engine(SURE_TECH)
+    model = CanvasDecisionModel(engine=engine)
+    told = {"instructions": "Every ticket is from an EU customer.", "alone": {"urgent"}}
+    node = decision_node(model, questions, inputs="ticket", read_options=told)
+    builder = StateGraph(State)
+    builder.add_node("triage", node)
+    builder.add_edge(START, "triage")
+    graph = builder.compile()
+    for observed in (False, True):
+        before = len(engine.reads)
+        config = {"callbacks": [BaseCallbackHandler()]} if observed else None
+        out = graph.invoke({"ticket": "Refund me"}, config)
+        reads = engine.reads[before:]
+        assert [len(r.slots) for r in reads] == [1, 1]  # urgent alone: two canvases of one slot
+        assert [URGENT.instructions in r.messages[0]["content"] for r in reads] == [False, True]
+        assert all(r.messages[0]["content"].startswith("Every ticket is from an EU customer.\n\n") for r in reads)
+        assert out["decisions"]["team"]["answer"] == "tech"
+    plain = decision_node(model, questions, inputs="ticket")
+    assert node.cache_key({"ticket": "Refund me"}) != plain.cache_key({"ticket": "Refund me"})
+    with pytest.raises(ValueError, match="read_options takes instructions, alone, steps, think, images, not tone"):
+        decision_node(model, questions, read_options={"tone": "formal"})
