@@ -8,7 +8,7 @@ from typing import Any
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 
-from canvasroute.router import CanvasDecisionModel, CanvasResponse, parse_questions
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, fixed_read_options, parse_questions
 
 from ._context import Inputs, child_config, decision_seed, graph_call, select_inputs
 from ._records import entries, trace_route
@@ -22,7 +22,7 @@ class DecisionEdge(Runnable[Any, str]):
     """
 
     def __init__(self, model: CanvasDecisionModel, question: Any, path_map: Mapping[Any, str], *,
-                 inputs: Inputs, question_id: str) -> None:
+                 inputs: Inputs, question_id: str, read_options: Mapping[str, Any] | None = None) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
         if not isinstance(path_map, Mapping) or not path_map:
@@ -39,6 +39,7 @@ class DecisionEdge(Runnable[Any, str]):
         self.question_id = question_id
         self.path_map = dict(path_map)
         self.inputs = inputs
+        self.read_options = fixed_read_options(read_options)
         self.name = f"route_on_{question_id}"
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> str:
@@ -70,7 +71,7 @@ class DecisionEdge(Runnable[Any, str]):
         decision_state = select_inputs(state, self.inputs)
         seed = decision_seed(call.namespace, self.name, questions, decision_state)
         return call, {"state": decision_state, "questions": questions, "seed": seed, "thread_id": call.thread_id,
-                      "policy": call.policy, "attributes": call.attributes}
+                      "policy": call.policy, "attributes": call.attributes, **self.read_options}
 
     def _finish(self, call: Any, request: dict[str, Any], response: CanvasResponse) -> tuple[str, dict[str, Any]]:
         decided = entries(response, {})
@@ -80,7 +81,8 @@ class DecisionEdge(Runnable[Any, str]):
 
 
 def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, str], *,
-             inputs: Inputs = None, question_id: str = "route") -> DecisionEdge:
+             inputs: Inputs = None, question_id: str = "route",
+             read_options: Mapping[str, Any] | None = None) -> DecisionEdge:
     """A path function for `add_conditional_edges` that routes on one canvas-read question.
 
     The adapter for graphs that already branch with conditional edges. Prefer
@@ -95,6 +97,7 @@ def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, s
             these targets). Noul options are `yes`/`no`, Score levels `"0"`, `"1"`...
         inputs: What the model reads: None (the whole state), a state key, or a function.
         question_id: The question's id in spans and decision events.
+        read_options: `instructions`, `alone`, `steps`, `think`, `images`: as `adecide` takes them.
 
     Returns:
         A `DecisionEdge` returning the chosen option; pass the same `path_map` to LangGraph.
@@ -105,7 +108,7 @@ def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, s
         builder.add_conditional_edges("retrieve", route_on(model, Noul(instructions="Relevant?"), paths), paths)
         ```
     """
-    return DecisionEdge(model, question, path_map, inputs=inputs, question_id=question_id)
+    return DecisionEdge(model, question, path_map, inputs=inputs, question_id=question_id, read_options=read_options)
 
 
 __all__ = ["DecisionEdge", "route_on"]

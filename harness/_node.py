@@ -28,8 +28,8 @@ from langchain_core.runnables.config import get_async_callback_manager_for_confi
 from langgraph.types import CachePolicy, Command
 
 from canvasroute.engine import DecisionError
-from canvasroute.router import (READ_KEYS, CanvasDecisionModel, CanvasResponse, QuestionSpec, image_digests,
-                                parse_questions, read_state)
+from canvasroute.router import (CanvasDecisionModel, CanvasResponse, QuestionSpec, fixed_read_options,
+                                image_digests, parse_questions, read_state)
 
 from ._context import GraphCall, Inputs, child_config, complete, decision_seed, graph_call, observed, select_inputs
 from ._durable import adurable, durable
@@ -69,9 +69,7 @@ class DecisionNode(Runnable[Any, Command]):
             raise TypeError("branch must be None, a state key, or a function of the node's input")
         if not output_key:
             raise ValueError("output_key must be a non-empty state key")
-        if unknown := sorted(set(read_options or ()) - set(READ_KEYS)):
-            raise ValueError(f"read_options takes {', '.join(READ_KEYS)}, not {', '.join(map(str, unknown))}")
-        self.read_options = dict(read_options or {})
+        self.read_options = fixed_read_options(read_options)
         self.model = model
         self.questions = questions
         self.inputs = inputs

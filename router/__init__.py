@@ -31,7 +31,7 @@ from ._distribution import SlotStats, aggregate, slot_stats
 from ._escalation import Escalated, escalate, target_name
 from ._images import image_digests
 from ._model import CanvasDecisionModel
-from ._options import MAX_STEPS, MAX_THINK, READ_KEYS
+from ._options import MAX_STEPS, MAX_THINK, READ_KEYS, fixed_read_options
 from ._policy import MAX_SAMPLES, EscalationBudget, GatePolicy
 from ._policy_file import load_policy, save_policy
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
@@ -81,6 +81,7 @@ __all__ = [
     "escalate",
     "expected_calibration_error",
     "fit_temperature",
+    "fixed_read_options",
     "image_digests",
     "load_policy",
     "parse_questions",

@@ -20,7 +20,8 @@ from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 from ._policy import GatePolicy
 from ._questions import option_text
 
-__all__ = ["MAX_STEPS", "MAX_THINK", "OPTION_KEYS", "READ_KEYS", "REQUEST_OPTIONS", "ReadOptions", "read_options",
+__all__ = ["MAX_STEPS", "MAX_THINK", "OPTION_KEYS", "READ_KEYS", "REQUEST_OPTIONS", "ReadOptions",
+           "fixed_read_options", "read_options",
            "request_options"]
 
 REQUEST_OPTIONS: ContextVar[Mapping[str, Any]] = ContextVar("canvasroute_request_options", default={})
@@ -35,6 +36,13 @@ def request_options(request: Any) -> dict[str, Any]:
     if not isinstance(request, Mapping) or "state" not in request or "questions" not in request:
         raise DecisionError("a decision request is {'state': ..., 'questions': {...}}")
     return {k: request[k] for k in OPTION_KEYS if request.get(k) is not None}
+
+def fixed_read_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Read options fixed by a graph node or edge (`READ_KEYS` only; values are checked per decision)."""
+    if unknown := sorted(set(options or ()) - set(READ_KEYS)):
+        raise ValueError(f"read_options takes {', '.join(READ_KEYS)}, not {', '.join(map(str, unknown))}")
+    return dict(options or {})
+
 
 MAX_STEPS = 8
 """Denoising steps one read may take (vLLM's gateway caps `steps` there too)."""

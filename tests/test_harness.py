@@ -805,3 +805,17 @@ def test_a_node_reads_with_the_gateways_read_options():
     assert node.cache_key({"ticket": "Refund me"}) != plain.cache_key({"ticket": "Refund me"})
     with pytest.raises(ValueError, match="read_options takes instructions, alone, steps, think, images, not tone"):
         decision_node(model, questions, read_options={"tone": "formal"})
+    # the edge adapter takes them too
+    edge = route_on(model, TEAM, TEAMS, inputs="ticket", read_options={"instructions": "EU customers only."})
+    routed = StateGraph(State)
+    routed.add_node("start", lambda state: {})
+    for lane in TEAMS.values():
+        routed.add_node(lane, lambda state, lane=lane: {"lane": lane})
+        routed.add_edge(lane, END)
+    routed.add_edge(START, "start")
+    routed.add_conditional_edges("start", edge, TEAMS)
+    before = len(engine.reads)
+    assert routed.compile().invoke({"ticket": "Refund me"})["lane"] == "tech"
+    assert engine.reads[before].messages[0]["content"].startswith("EU customers only.\n\n")
+    with pytest.raises(ValueError, match="not tone"):
+        route_on(model, TEAM, TEAMS, read_options={"tone": "formal"})
