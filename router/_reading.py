@@ -181,10 +181,12 @@ class Reading:
         for qid in self.plan.routes:
             if reads[qid].error is not None:  # a group distribution is no distribution over the options
                 reads[qid].stats = None
+        gates: dict[int, str] = {}  # each policy's text made once (most questions share the model's policy)
         for qid, r in reads.items():
             policy = self.policy.for_question(qid)
             r.on_unsure = policy.on_unsure
-            r.gate = policy.gate_text if r.runs else None
+            if r.runs:
+                r.gate = gates.get(id(policy)) or gates.setdefault(id(policy), policy.gate_text)
             if r.spec.abstain and r.error is None and r.stats is not None:
                 r.abstained = r.stats.top == len(r.spec.options) - 1
                 r.on_abstain = policy.on_abstain

@@ -41,7 +41,10 @@ class Tally:
         paths = dict.fromkeys(PATHS, 0)
         over, gates = 0, {}
         for d in decisions:
-            path, crossed, gate = (_field(d, k) for k in ("path", "crossed", "gate"))
+            if isinstance(d, Mapping):
+                path, crossed, gate = d.get("path"), d.get("crossed"), d.get("gate")
+            else:
+                path, crossed, gate = getattr(d, "path", None), getattr(d, "crossed", None), getattr(d, "gate", None)
             if path not in paths:
                 raise ValueError(f"unknown decision path {path!r}; paths are {', '.join(PATHS)}")
             paths[path] += 1
@@ -79,7 +82,3 @@ class Tally:
         """`over the gate: 7/9 (the gate passes H/lnK <= 0.5)`."""
         gates = "; ".join(self.gates) or "no read was gated"
         return f"over the gate: {self.over_gate}/{self.decisions} (the gate passes {gates})"
-
-
-def _field(d: Any, name: str) -> Any:
-    return d.get(name) if isinstance(d, Mapping) else getattr(d, name, None)

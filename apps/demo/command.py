@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start - loaded
     provider.shutdown()
 
-    tally, failed = Tally({p: 0 for p in Tally.PATHS}), 0
+    tally, failed = Tally.of(()), 0
     columns = ["question", "answer", "path", "H/lnK", "gate", "probabilities"]
     for n, result in enumerate(results, 1):
         if "error" in result:

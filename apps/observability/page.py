@@ -206,13 +206,14 @@ def _shadow_section(report: Report, index: dict[str, int]) -> str:
 
 def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str, int]) -> str:
     d = node.decisions
-    paths = node.paths
+    tally = node.tally
+    paths = tally.paths
     agree, escalated = node.agreement
     ents = [x.normalized_entropy for x in d if x.normalized_entropy is not None]
     kpis = "".join([
         _kpi("decision sets", f"{len(node.set_latencies)}", f"{len(d)} questions"),
         _kpi("escalation rate", _pct(node.escalation_rate), f"{paths['escalated']} escalated"),
-        _gate_kpi(node.tally),
+        _gate_kpi(tally),
         _kpi("agreement", _pct(agree / escalated if escalated else None),
              f"canvas = escalation in {agree}/{escalated}"),
         _kpi("re-read", _pct(paths["reread"] / len(d) if d else None), f"{paths['reread']} answered after re-reads"),
@@ -305,11 +306,11 @@ def _uncertain_section(report: Report, top: int, index: dict[str, int]) -> str:
 def render(report: Report, *, title: str = "canvasroute decisions", top: int = 20, buckets: int = 24) -> str:
     """The whole page as one HTML string."""
     ds = report.decisions
-    paths = Counter(d.path for d in ds)
+    tally = report.tally
+    paths = tally.paths
     votes = [d.agrees for d in ds if d.agrees is not None]
     sets = [x for n in report.nodes.values() for x in n.set_latencies]
     errors = sum(n.errors for n in report.nodes.values())
-    tally = report.tally
     kpis = "".join([
         _kpi("decision sets", str(len(sets)), f"{_n(len(ds), 'question')} · {_n(len(report.nodes), 'node')}",
              "kpi-sets"),
