@@ -135,6 +135,9 @@ def test_console_stream_and_dashboard_count_the_same(tmp_path, capsys):
     assert f"{streamed.over_gate} of {streamed.decisions} · passes H/lnK &lt;= 0.015" in kpi
     assert html.escape(streamed.shares()) in kpi
     assert "1 node</div>" in page or "· 1 node<" in page  # one node, in the singular
+    assert main(["dashboard", str(trace), "-o", str(tmp_path / "report.html")]) == 0
+    assert f"({streamed.decisions} questions in {events} decision sets, 1 node, model loopback)" in \
+        capsys.readouterr().out  # the command's own line, in the singular too
 
 
 def test_tally_counts_paths_and_the_gate_from_reports():

@@ -26,7 +26,7 @@ from pathlib import Path
 from canvasroute.engine import TraceFileError
 
 from .graph import load_graph
-from .page import render
+from .page import plural, render
 from .report import Decision, NodeStats, Report, build_report, near_chance
 from .stats import percentile
 from .traces import read_spans
@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     out.write_text(render(report, title=args.title, top=args.top, buckets=args.buckets), encoding="utf-8")
     ds = report.decisions
-    print(f"wrote {out} ({len(ds)} questions in {sum(len(n.set_latencies) for n in report.nodes.values())} "
-          f"decision sets, {len(report.nodes)} nodes, model {', '.join(report.models) or 'unknown'})")
+    sets = sum(len(n.set_latencies) for n in report.nodes.values())
+    print(f"wrote {out} ({plural(len(ds), 'question')} in {plural(sets, 'decision set')}, "
+          f"{plural(len(report.nodes), 'node')}, model {', '.join(report.models) or 'unknown'})")
     return 0

@@ -19,7 +19,7 @@ from .graph import graph_svg, observed_structure
 from .report import NEAR_CHANCE_NOTE, PATHS, Decision, NodeStats, Report, near_chance
 from .stats import percentile
 
-__all__ = ["render"]
+__all__ = ["plural", "render"]
 
 
 # -- the page -----------------------------------------------------------------------------
@@ -115,7 +115,8 @@ def _gate_kpi(tally: Tally, kpi_id: str = "") -> str:
                 f"{tally.over_gate} of {n} · passes {html.escape(gates)}<br>{html.escape(tally.shares())}", kpi_id)
 
 
-def _n(count: int, noun: str) -> str:
+def plural(count: int, noun: str) -> str:
+    """`1 node`, `2 nodes`."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
@@ -312,7 +313,7 @@ def render(report: Report, *, title: str = "canvasroute decisions", top: int = 2
     sets = [x for n in report.nodes.values() for x in n.set_latencies]
     errors = sum(n.errors for n in report.nodes.values())
     kpis = "".join([
-        _kpi("decision sets", str(len(sets)), f"{_n(len(ds), 'question')} · {_n(len(report.nodes), 'node')}",
+        _kpi("decision sets", str(len(sets)), f"{plural(len(ds), 'question')} · {plural(len(report.nodes), 'node')}",
              "kpi-sets"),
         _kpi("escalation rate", _pct(paths["escalated"] / len(ds) if ds else None),
              f"{paths['escalated']} of {len(ds)} questions", "kpi-escalation"),
