@@ -10,7 +10,7 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 ├── EscalationError               the escalation target failed or answered garbage  retryable if it timed out or was unreachable
 │                                 (`failure`: network | target | format)
 ├── BudgetExhausted               escalation was needed, the budget is spent, policy says raise
-├── UnsureAnswer                  the gate stayed unsure, nothing to escalate to, on_unsure says raise
+├── UnsureAnswer                  the gate stayed unsure and OutcomePolicy(uncertain="raise")
 ├── DecisionError                 ValueError: the questions cannot be asked as given
 │   ├── UnsupportedQuestion       a question type with no canvas form (e.g. Box)
 │   ├── LabelError                labels that cannot be one token at one slot
@@ -126,12 +126,13 @@ class EscalationError(CanvasRouteError):
 
 
 class BudgetExhausted(CanvasRouteError):
-    """Escalation was needed, the budget is spent, and the budget says raise."""
+    """Escalation was needed, the budget is spent, and `OutcomePolicy(over_budget="raise")` says
+    raise (an engine fault past the budget with no fallback raises it too)."""
 
 
 class UnsureAnswer(CanvasRouteError):
-    """A question stayed over the gate after its re-reads, nothing could answer it instead
-    (no escalation target), and `GatePolicy(on_unsure="raise")` says raise."""
+    """A question stayed over the gate after its re-reads and `OutcomePolicy(uncertain="raise")`
+    says raise."""
 
 
 class DecisionError(CanvasRouteError, ValueError):

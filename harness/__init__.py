@@ -27,13 +27,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._context import decision_seed
     from ._edge import DecisionEdge, route_on
-    from ._node import DecisionNode, decision_node
+    from ._node import DecisionNode, decision_node, retry_on
     from ._node_cache import NodeCache
-    from ._records import merge_decisions
-    from ._retry import retry_on
+    from ._records import DECISION_EVENT, REVIEW_EVENT, merge_decisions
     from ._review import ReviewPolicy
     from ._store_budget import StoreBudgetMeter
-    from ._stream import DECISION_EVENT, REVIEW_EVENT
 
 __all__ = [
     "DECISION_EVENT",
@@ -51,8 +49,8 @@ __all__ = [
 ]
 
 _LAZY = {
-    "DECISION_EVENT": "._stream",
-    "REVIEW_EVENT": "._stream",
+    "DECISION_EVENT": "._records",
+    "REVIEW_EVENT": "._records",
     "DecisionEdge": "._edge",
     "DecisionNode": "._node",
     "NodeCache": "._node_cache",
@@ -61,7 +59,7 @@ _LAZY = {
     "decision_node": "._node",
     "decision_seed": "._context",
     "merge_decisions": "._records",
-    "retry_on": "._retry",
+    "retry_on": "._node",
     "route_on": "._edge",
 }
 

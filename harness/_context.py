@@ -1,34 +1,42 @@
-"""Where a decision runs in a graph: node, thread, namespace, run context, and its seed.
+"""Where a decision runs in a graph, and the request it becomes there.
 
-Read once per node run from the `RunnableConfig` and LangGraph's `Runtime`, so the node
-and the edge adapter derive seeds, telemetry attributes and run-scoped overrides the
-same way.
+Read once per node (or edge) run from the `RunnableConfig` and LangGraph's `Runtime`
+(`graph_call`), so the node and the edge adapter build their `DecisionRequest` the same way
+(`GraphCall.request`): the run's model (`Runtime.context.decision_model`), its gate
+(`Runtime.context.gate`, applied over the model's policy for every question), the seed of
+where it runs, the thread, span attributes, and the graph store's budget meter.
+
+Also what a node can tell about the graph running it: a checkpointer (a review lane pauses
+with `interrupt()`, which only a checkpointed graph can resume) and its state keys (a node's
+records go to its `output_key`, which LangGraph drops without a word when the state schema
+has no such key).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from typing import Any
 
 from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import ensure_config
+from langgraph.constants import CONF, CONFIG_KEY_CHECKPOINTER
 from langgraph.runtime import get_runtime
 
-from canvasroute.router import CanvasDecisionModel, GatePolicy, question_set_key, render_state
+from canvasroute.engine import GraphSetupError
+from canvasroute.router import CanvasDecisionModel, DecisionRequest, GatePolicy, question_set_key, render_state
 from canvasroute.router.telemetry import GEN_AI_CONVERSATION_ID, GRAPH_NODE
 
 from ._records import answers_only
-from ._store_budget import StoreBudgetMeter, store_meter
+from ._store_budget import store_meter
 
 Inputs = str | Callable[[Any], Any] | None
 """What a decision reads: None (the graph state, minus the output key), a state key,
 or a function of the state."""
-
-_GATE_FIELDS = frozenset(f.name for f in fields(GatePolicy))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,10 +55,10 @@ class GraphCall:
     """The checkpoint the step started from: one per superstep."""
     model: CanvasDecisionModel
     """The decision model for this run (`Runtime.context.decision_model` wins)."""
-    budget_meter: StoreBudgetMeter | None
-    """With a graph store (`Runtime.store`), where the model's budget is counted."""
-    policy: GatePolicy | None
-    """The gate for this run from `Runtime.context.gate`; None keeps the model's."""
+    store: Any
+    """The graph's store (`Runtime.store`), where the model's budget is counted; None: none."""
+    gate: GatePolicy | Mapping[str, Any] | None
+    """The run's gate layer from `Runtime.context.gate` (a policy, or fields over the model's); None: none."""
 
     @property
     def attributes(self) -> dict[str, str]:
@@ -59,6 +67,17 @@ class GraphCall:
         if self.thread_id is not None:
             attrs[GEN_AI_CONVERSATION_ID] = self.thread_id
         return attrs
+
+    def request(self, site: str, questions: Mapping[str, Any], decision_state: Any, *,
+                depends_on: Mapping[str, Any] | None = None, read: Any = None,
+                branch: str | None = None) -> DecisionRequest:
+        """The decision this run makes at `site` (a node's or an edge's name): seeded by where it
+        runs, what it asks and reads; the run's gate; the store's budget meter; the branch."""
+        request = self.model.request(decision_state, questions, read=read, depends_on=depends_on, gate=self.gate,
+                                     seed=decision_seed(self.namespace, site, questions, decision_state),
+                                     thread_id=self.thread_id, attributes=self.attributes)
+        request = request.metered(store_meter(self.model, self.store))
+        return request if branch is None else replace(request, identity=replace(request.identity, branch=branch))
 
 
 def graph_call(config: RunnableConfig, model: CanvasDecisionModel, default_name: str) -> GraphCall:
@@ -82,8 +101,8 @@ def graph_call(config: RunnableConfig, model: CanvasDecisionModel, default_name:
         task_id=info.task_id if info is not None else None,
         checkpoint_id=info.checkpoint_id if info is not None else None,
         model=chosen,
-        budget_meter=store_meter(chosen, getattr(runtime, "store", None)),
-        policy=_gate(_from_context(context, "gate"), chosen.policy),
+        store=getattr(runtime, "store", None),
+        gate=_gate(_from_context(context, "gate")),
     )
 
 
@@ -191,16 +210,47 @@ def _from_context(context: Any, key: str) -> Any:
     return getattr(context, key, None)
 
 
-def _gate(value: Any, base: GatePolicy) -> GatePolicy | None:
-    if value is None or isinstance(value, GatePolicy):
+def _gate(value: Any) -> GatePolicy | Mapping[str, Any] | None:
+    if value is None or isinstance(value, (GatePolicy, Mapping)):
         return value
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - _GATE_FIELDS)
-        if unknown:
-            raise ValueError(f"Runtime.context gate has unknown GatePolicy fields {unknown}")
-        value = dict(value)
-        if isinstance(value.get("per_question"), Mapping):
-            value["per_question"] = {qid: q if isinstance(q, GatePolicy) else GatePolicy(**q)
-                                     for qid, q in value["per_question"].items()}
-        return base.with_overrides(**value)
     raise TypeError(f"Runtime.context gate must be a GatePolicy or a dict of its fields, not {type(value).__name__}")
+
+
+# -- what a node can tell about the graph ----------------------------------------------------
+_READ = "__pregel_read"
+"""The step's state reader in its config (LangGraph's `CONFIG_KEY_READ`; not public)."""
+
+
+def has_checkpointer(config: RunnableConfig) -> bool:
+    """Whether the running graph saves checkpoints (its own, or a parent graph's)."""
+    return (config.get(CONF) or {}).get(CONFIG_KEY_CHECKPOINTER) is not None
+
+
+def check_review(config: RunnableConfig, node: str) -> None:
+    """Refuse a review lane that could never be resumed: no checkpointer (or no graph at all)."""
+    if not has_checkpointer(config):
+        raise GraphSetupError(f"decision node {node!r} has a review lane, but the graph has no checkpointer: "
+                              "its interrupt() could never be resumed",
+                              hint="compile with a checkpointer, e.g. builder.compile(checkpointer=InMemorySaver())")
+
+
+def state_lacks(config: RunnableConfig, key: str) -> bool | None:
+    """True when the running graph's state has no key `key`, False when it has, None when
+    this cannot be told (outside a graph run, or a reader this LangGraph does not have)."""
+    read = (config.get(CONF) or {}).get(_READ)
+    if read is None:
+        return None
+    try:
+        read(key, False)
+    except KeyError:
+        return True
+    except Exception:  # a reader that works differently: no warning rather than a wrong one
+        return None
+    return False
+
+
+def warn_dropped(node: str, key: str) -> None:
+    """Say once that a node's records are dropped, and how to keep them."""
+    warnings.warn(f"decision node {node!r} writes its records to the state key {key!r}, which the graph's state "
+                  f"schema does not have: LangGraph drops them. Add `{key}: Annotated[dict, merge_decisions]` "
+                  "to the state (or pass output_key= naming a key it has).", UserWarning, stacklevel=3)

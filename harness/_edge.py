@@ -8,12 +8,11 @@ from typing import Any
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 
-from canvasroute.router import CanvasDecisionModel, CanvasResponse, fixed_read_options, parse_questions
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions
 
-from ._context import Inputs, child_config, decision_seed, graph_call, select_inputs
-from ._records import entries, trace_route
-from ._stream import DECISION_EVENT, aemit, emit, event
-
+from ._context import GraphCall, Inputs, child_config, graph_call, select_inputs
+from ._node import check_path_map
+from ._records import DECISION_EVENT, aemit, emit, entries, event, trace_route
 
 class DecisionEdge(Runnable[Any, str]):
     """A conditional-edge path function that returns the chosen option of one question.
@@ -22,24 +21,21 @@ class DecisionEdge(Runnable[Any, str]):
     """
 
     def __init__(self, model: CanvasDecisionModel, question: Any, path_map: Mapping[Any, str], *,
-                 inputs: Inputs, question_id: str, read_options: Mapping[str, Any] | None = None) -> None:
+                 inputs: Inputs, question_id: str, read: ReadOptions | Mapping[str, Any] | None = None) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
         if not isinstance(path_map, Mapping) or not path_map:
             raise TypeError("route_on needs an explicit path_map {option: node}, so the graph draws its real edges")
         if any(not isinstance(k, str) for k in path_map):
             raise ValueError("path_map keys are option names as strings (Score levels too: '0', '1', ...)")
-        spec = parse_questions({question_id: question})[question_id]
-        missing, unknown = sorted(set(spec.options) - set(path_map)), sorted(set(path_map) - set(spec.options))
-        if missing or unknown:
-            raise ValueError(f"path_map must map every option of {question_id!r} to a node; "
-                             f"missing {missing}, not options {unknown}")
+        built = model.request("", {question_id: question}, read=read)
+        check_path_map(question_id, built.questions.specs[question_id].options, path_map, "path_map")
         self.model = model
         self.question = question
         self.question_id = question_id
         self.path_map = dict(path_map)
         self.inputs = inputs
-        self.read_options = fixed_read_options(read_options)
+        self.read = read
         self.name = f"route_on_{question_id}"
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> str:
@@ -55,34 +51,38 @@ class DecisionEdge(Runnable[Any, str]):
 
     def _decide(self, state: Any, config: RunnableConfig) -> str:
         call, request = self._prepare(state, config)
-        option, payload = self._finish(call, request, call.model.invoke(request, child_config(config)))
+        response = call.model.invoke(_input(request), child_config(config))  # type: ignore[arg-type]
+        option, payload = self._finish(call, request, response)
         emit(payload, config)
         return option
 
     async def _adecide(self, state: Any, config: RunnableConfig) -> str:
         call, request = self._prepare(state, config)
-        option, payload = self._finish(call, request, await call.model.ainvoke(request, child_config(config)))
+        response = await call.model.ainvoke(_input(request), child_config(config))  # type: ignore[arg-type]
+        option, payload = self._finish(call, request, response)
         await aemit(payload, config)
         return option
 
-    def _prepare(self, state: Any, config: RunnableConfig) -> tuple[Any, dict[str, Any]]:
+    def _prepare(self, state: Any, config: RunnableConfig) -> tuple[GraphCall, DecisionRequest]:
         call = graph_call(config, self.model, self.name)
-        questions = {self.question_id: self.question}
-        decision_state = select_inputs(state, self.inputs)
-        seed = decision_seed(call.namespace, self.name, questions, decision_state)
-        return call, {"state": decision_state, "questions": questions, "seed": seed, "thread_id": call.thread_id,
-                      "policy": call.policy, "attributes": call.attributes, **self.read_options}
+        return call, call.request(self.name, {self.question_id: self.question}, select_inputs(state, self.inputs),
+                                  read=self.read)
 
-    def _finish(self, call: Any, request: dict[str, Any], response: CanvasResponse) -> tuple[str, dict[str, Any]]:
+    def _finish(self, call: GraphCall, request: DecisionRequest,
+                response: CanvasResponse) -> tuple[str, dict[str, Any]]:
         decided = entries(response, {})
         option = decided[self.question_id]["answer"]
         trace_route(call.attributes, self.path_map[option])
-        return option, event(DECISION_EVENT, call.node, self.path_map[option], decided, request["seed"])
+        return option, event(DECISION_EVENT, call.node, self.path_map[option], decided, request, response=response)
+
+
+def _input(request: DecisionRequest) -> dict[str, Any]:
+    return {"state": request.state.value, "questions": request.questions.asked, "request": request}
 
 
 def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, str], *,
              inputs: Inputs = None, question_id: str = "route",
-             read_options: Mapping[str, Any] | None = None) -> DecisionEdge:
+             read: ReadOptions | Mapping[str, Any] | None = None) -> DecisionEdge:
     """A path function for `add_conditional_edges` that routes on one canvas-read question.
 
     The adapter for graphs that already branch with conditional edges. Prefer
@@ -91,13 +91,14 @@ def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, s
     own (a transient engine fault fails the source node's task).
 
     Args:
-        model: The decision model (`Runtime.context` overrides apply as for nodes).
+        model: The decision model (`Runtime.context` overrides apply as for nodes, and a
+            graph store counts its budget as a node's would).
         question: One `Noul`, `Choice` or `Score`.
         path_map: `{option: node}` for every option (explicit, so the drawing shows only
             these targets). Noul options are `yes`/`no`, Score levels `"0"`, `"1"`...
         inputs: What the model reads: None (the whole state), a state key, or a function.
         question_id: The question's id in spans and decision events.
-        read_options: `instructions`, `alone`, `steps`, `think`, `images`: as `adecide` takes them.
+        read: How the canvas is read (`ReadOptions` or a dict of its fields).
 
     Returns:
         A `DecisionEdge` returning the chosen option; pass the same `path_map` to LangGraph.
@@ -108,7 +109,7 @@ def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, s
         builder.add_conditional_edges("retrieve", route_on(model, Noul(instructions="Relevant?"), paths), paths)
         ```
     """
-    return DecisionEdge(model, question, path_map, inputs=inputs, question_id=question_id, read_options=read_options)
+    return DecisionEdge(model, question, path_map, inputs=inputs, question_id=question_id, read=read)
 
 
 __all__ = ["DecisionEdge", "route_on"]

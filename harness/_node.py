@@ -3,47 +3,77 @@
 The node is a `Runnable` with a native async path (`ainvoke`, so parallel branches read
 concurrently and `TimeoutPolicy` applies) and a sync path (`invoke`, so `graph.invoke`
 works). It returns `Command(goto=..., update={output_key: ...})`, so the decision is
-written into state, checkpointed, cached and retried with the node.
+written into state, checkpointed, cached and retried with the node. Each run builds one
+`DecisionRequest` (`GraphCall.request`) and hands it whole to the read, the review, the
+shadow, the records and the event.
 
 How the drawing learns the targets: LangGraph's public ways are a node's
 `Command[Literal[...]]` return annotation (read from `__call__` by `add_node`) and
 `add_node(..., destinations=...)`. A node cannot reach `add_node`'s arguments, so each
-`DecisionNode` gets its own bound `__call__` annotated with exactly its destinations, and
-`builder.add_node("triage", decision_node(...))` draws only the real edges. Passing
-`destinations=node.destinations` draws the same; pass `destinations={node: label}` to
-label the edges.
+`DecisionNode` gets its own bound `__call__` annotated with exactly its destinations.
+
+Fan-out (`Send`): every branch asks the same question ids, so a branch's records are
+grouped under its key, `{question_id: {branch: record}}`, which `merge_decisions` merges:
+the key is `branch(state)` (or `state[branch]`) when the node has `branch=`; otherwise, for a
+node run by a `Send`, the Send's position among the step's Sends (`"0"`, `"1"`, ...); a node
+run by an ordinary edge writes flat records. Two branches of one superstep with the same
+key would overwrite each other: the second raises `DecisionError` instead.
+
+Retries (`retry_on`): inside a graph one layer retries a fault, never two (their attempts
+would multiply). A canvas read's transient faults belong to the engine (`VLLMServerEngine`
+retries each request itself, and the error that leaves it carries its `attempts`), so
+`retry_on` retries only a transient canvasroute fault no lower layer has retried
+(`attempts == 1`). LangGraph's default predicate retries any exception it does not list, a
+malformed engine answer or a spent budget included: `retry_on` decides every canvasroute
+error by its `retryable` flag and leaves other exceptions to LangGraph's default.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_async_callback_manager_for_config, get_callback_manager_for_config
-from langgraph.types import CachePolicy, Command
+from langgraph.types import CachePolicy, Command, RetryPolicy
 
-from canvasroute.engine import DecisionError
-from canvasroute.router import (CanvasDecisionModel, CanvasResponse, QuestionSpec, fixed_read_options,
-                                image_digests, parse_questions, read_state)
+from canvasroute.engine import CanvasRouteError, DecisionError
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions
 
-from ._context import GraphCall, Inputs, child_config, complete, decision_seed, graph_call, observed, select_inputs
-from ._durable import adurable, durable
-from ._fanout import Branch, BranchKeys, branch_key, grouped
-from ._graph import check_review, state_lacks, warn_dropped
-from ._node_cache import stable_json
-from ._records import entries, trace_route
-from ._review import ReviewPolicy, check_parents_unreviewed, pending_review, review, review_for
-from ._routes import Route, annotated_call, parse_route, route_destinations
+from ._context import (
+    GraphCall,
+    Inputs,
+    check_review,
+    child_config,
+    complete,
+    graph_call,
+    observed,
+    select_inputs,
+    state_lacks,
+    warn_dropped,
+)
+from ._records import DECISION_EVENT, REVIEW_EVENT, aemit, emit, entries, event, is_record, trace_route
+from ._review import ReviewPolicy, adurable, check_parents_unreviewed, durable, pending_review, review, review_for
 from ._shadow import ExistingRouter, Shadow, ShadowOutcome
-from ._stream import DECISION_EVENT, REVIEW_EVENT, aemit, emit, event
 
 Questions = Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]
 """Static `{question_id: Noul | Choice | Score}`, or a function of the graph state."""
+Decisions = dict[str, dict[str, Any]]
+"""The node's records by question id, as a route function receives them."""
+Route = (tuple[str, Mapping[Any, str]] | Callable[[Decisions], str] | Callable[[Decisions, Any], str] | None)
+"""`(question_id, {option: node})`, a function of the decisions (or of the decisions and the
+graph state) returning a node, or None."""
+Branch = str | Callable[[Any], Any] | None
+"""What names a fan-out branch: a state key, a function of the node's input, or None."""
+MAX_HISTORY = 100
+"""Records a node keeps per question with `history=` (the bound)."""
 
 
 class DecisionNode(Runnable[Any, Command]):
@@ -56,7 +86,7 @@ class DecisionNode(Runnable[Any, Command]):
                  output_key: str, name: str | None, review: ReviewPolicy | None,
                  destinations: Sequence[str] | None, shadow: ExistingRouter | None = None,
                  depends_on: Mapping[str, Any] | None = None, branch: Branch = None,
-                 read_options: Mapping[str, Any] | None = None) -> None:
+                 read: ReadOptions | Mapping[str, Any] | None = None, history: int = 0) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
         if not (callable(questions) or isinstance(questions, Mapping)):
@@ -69,13 +99,19 @@ class DecisionNode(Runnable[Any, Command]):
             raise TypeError("branch must be None, a state key, or a function of the node's input")
         if not output_key:
             raise ValueError("output_key must be a non-empty state key")
-        self.read_options = fixed_read_options(read_options)
+        if isinstance(history, bool) or not isinstance(history, int) or not 0 <= history <= MAX_HISTORY:
+            raise ValueError(f"history must be an integer within 0..{MAX_HISTORY} (records kept per question)")
         self.model = model
         self.questions = questions
         self.inputs = inputs
         self.output_key = output_key
         self.review = review
+        self.read = read
+        """How the node's canvases are read (`ReadOptions` or a dict of its fields)."""
+        self.history = history
+        """Earlier records kept per question (and branch), newest last, under `history` (0: none)."""
         self.route_question, self.route_map, self.route_fn = parse_route(route)
+        self._route_takes_state = self.route_fn is not None and _takes_state(self.route_fn)
         self.destinations = route_destinations(self.route_map, self.route_fn, destinations)
         """The nodes this node can go to (what the graph drawing shows)."""
         self.name = name or (f"decide_{self.route_question}" if self.route_question else "decide")
@@ -84,10 +120,11 @@ class DecisionNode(Runnable[Any, Command]):
         if self.depends_on and self.route_question in self.depends_on:
             raise ValueError(f"route question {self.route_question!r} cannot depend on another question: "
                              "when it is skipped there is no answer to route on")
-        if review is not None:
-            check_parents_unreviewed(self.name, self.depends_on, review.questions)
         if isinstance(questions, Mapping):
-            self._check(parse_questions(questions))
+            built = self.model.request("", questions, read=read, depends_on=self.depends_on)
+            self._check(built)
+            if review is not None:  # a parent under review: refused when the node is built
+                check_parents_unreviewed(self.name, built.questions.depends.parent_ids, review.questions)
         self.branch = branch
         """What keys a fan-out branch's records (None: a `Send`'s position; no `Send`: flat records)."""
         self._branches = BranchKeys()
@@ -98,7 +135,7 @@ class DecisionNode(Runnable[Any, Command]):
         self.shadow = Shadow(shadow, self.destinations) if shadow is not None else None
         """The existing router this node shadows (None: the canvas routes)."""
         if self.destinations:
-            self.__call__ = MethodType(annotated_call(self.destinations), self)
+            self.__call__ = MethodType(annotated_call(self.destinations), self)  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
         route = self.route_question or ("callable" if self.route_fn else None)
@@ -108,44 +145,36 @@ class DecisionNode(Runnable[Any, Command]):
         """Run the node synchronously (what `invoke` does)."""
         return self.invoke(state, config)
 
-    def cache_policy(self, ttl: int | None = None) -> CachePolicy:
-        """A LangGraph `CachePolicy` keyed on this node's questions, decision state and policy.
+    def cache_policy(self, ttl: int | None = None) -> CachePolicy:  # type: ignore[type-arg]
+        """A LangGraph `CachePolicy` keyed on this node's decision (`cache_key`).
 
         `builder.add_node("triage", node, cache_policy=node.cache_policy(ttl=300))` with
         `builder.compile(cache=NodeCache(InMemoryCache()))`: an identical decision about an
-        identical decision state is not read again (the key is `cache_key`). `NodeCache`
-        (`canvasroute.harness`) keeps LangGraph from storing a decision that an engine fault
-        or a budget refusal touched, which a plain LangGraph cache would replay for its TTL.
+        identical decision state is not read again. `NodeCache` (`canvasroute.harness`) keeps
+        LangGraph from storing a decision that an engine fault or a budget refusal touched,
+        which a plain LangGraph cache would replay for its TTL.
         """
         self._node_cache = True
         return CachePolicy(key_func=self.cache_key, ttl=ttl)
 
     def cache_key(self, state: Any) -> str:
-        """The node cache's key for deciding on `state`: a SHA-256 (hex) of what the node asks
-        (its name, its questions, resolved from the state when they are a function of it,
-        their conditions, its `read_options`), what it reads (`inputs`, rendered as the model
-        sees it, images by digest) and its model's gate (policy, served name, constrained flag).
+        """The node cache's key for deciding on `state`: a SHA-256 (hex) of the node's name, the
+        request it would make (`DecisionRequest.key`: questions, dependencies, read options, the
+        decision state as read with its images, gate, outcomes), its model's name and, in a
+        fan-out with `branch=`, the branch's key.
 
-        With `branch=`, the branch's key enters it too (a fan-out hit replays its own
-        branch's records); a cached node in a `Send` fan-out needs `branch=`.
-        The rest of the graph state does not enter the key, so an unrelated key changing
-        does not cause a re-read. The key is the same in every process and Python run
-        (no hash-randomised ordering), so workers sharing a cache share its hits.
-        LangGraph calls it with the node's input only, not its config: a run-scoped
-        `Runtime.context` override (`decision_model`, `gate`) is not part of the key, so do
-        not combine a node cache with per-run overrides. A hit replays the node's `Command`
-        without running it (LangGraph marks it `{"__metadata__": {"cached": True}}` in the
-        `updates` stream) and emits no decide span.
+        The rest of the graph state does not enter the key, so an unrelated key changing does
+        not cause a re-read; the key is the same in every process. LangGraph calls it with the
+        node's input only, not its config: a run-scoped `Runtime.context` override
+        (`decision_model`, `gate`) is not part of the key, so do not combine a node cache with
+        per-run overrides. A hit replays the node's `Command` without running it and emits no
+        decide span.
         """
         questions = self.questions(state) if callable(self.questions) else self.questions
-        asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
         decision_state = select_inputs(state, self.inputs, self.output_key)
-        model = self.model
+        request = self.model.request(decision_state, questions, read=self.read, depends_on=self.depends_on)
         branch = branch_key(self.branch, state, {}) if self.branch is not None else None
-        text, images = read_state(decision_state)
-        blob = json.dumps([self.name, asked, self.depends_on, text, list(image_digests(images)), repr(model.policy),
-                           model.model, model.constrained, branch, self.read_options], sort_keys=True,
-                          default=stable_json)
+        blob = json.dumps([self.name, request.key, self.model.model, branch])
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # -- Runnable -----------------------------------------------------------------------
@@ -155,17 +184,17 @@ class DecisionNode(Runnable[Any, Command]):
         config = complete(config)
         job = self._prepare(input, config, get_callback_manager_for_config)
         if self.shadow is not None:
-            model = job.call.model.canvas_only()
+            canvas = job.request.canvas_only()
             command, payload = self._finish_shadow(job, *self.shadow.run(
-                input, config, lambda: model.invoke(job.shadow_request, child_config(config)), self._canvas_goto,
+                input, config, lambda: self._read(job, config, canvas), self._canvas_goto(input),
                 job.call.attributes, job.call.node))
         elif job.review is None:
-            command, payload = self._finish(job, self._read(job, config))
+            command, payload = self._finish(job, input, self._read(job, config, job.request))
         else:
-            response, fresh = durable(lambda: self._read(job, config))
+            response, fresh = durable(lambda: self._read(job, config, job.request))
             if (waiting := self._review_event(job, response, fresh)) is not None:
                 emit(waiting, config, job.observed)
-            command, payload = self._finish(job, response, self._human(job, response))
+            command, payload = self._finish(job, input, response, self._human(job, response))
         emit(payload, config, job.observed)
         return command
 
@@ -174,17 +203,17 @@ class DecisionNode(Runnable[Any, Command]):
         config = complete(config)
         job = self._prepare(input, config, get_async_callback_manager_for_config)
         if self.shadow is not None:
-            model = job.call.model.canvas_only()
+            canvas = job.request.canvas_only()
             command, payload = self._finish_shadow(job, *await self.shadow.arun(
-                input, config, lambda: model.ainvoke(job.shadow_request, child_config(config)), self._canvas_goto,
+                input, config, lambda: self._aread(job, config, canvas), self._canvas_goto(input),
                 job.call.attributes, job.call.node))
         elif job.review is None:
-            command, payload = self._finish(job, await self._aread(job, config))
+            command, payload = self._finish(job, input, await self._aread(job, config, job.request))
         else:
-            response, fresh = await adurable(lambda: self._aread(job, config))
+            response, fresh = await adurable(lambda: self._aread(job, config, job.request))
             if (waiting := self._review_event(job, response, fresh)) is not None:
                 await aemit(waiting, config, job.observed)
-            command, payload = self._finish(job, response, self._human(job, response))
+            command, payload = self._finish(job, input, response, self._human(job, response))
         await aemit(payload, config, job.observed)
         return command
 
@@ -192,21 +221,12 @@ class DecisionNode(Runnable[Any, Command]):
 
     def _prepare(self, state: Any, config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> _Job:
         call = graph_call(config, self.model, self.name)
-        questions = dict(self.questions(state) if callable(self.questions) else self.questions)
-        reviewing = None if self.shadow is not None else review_for(
-            self.review, call.policy or call.model.policy, questions, self.depends_on, call.node)
-        if reviewing is not None:
-            check_review(config, call.node)  # before any read: an interrupt nobody could resume
+        questions = self.questions(state) if callable(self.questions) else self.questions
         if not self._schema_checked:  # once per node, at its first run in a graph
             lacks = state_lacks(config, self.output_key)
             self._schema_checked = lacks is not None
             if lacks:
                 warn_dropped(call.node, self.output_key)
-        specs: Mapping[str, QuestionSpec] = {}  # static questions were checked when the node was built
-        if callable(self.questions) or reviewing is not None:
-            specs = parse_questions(questions)
-        if callable(self.questions):
-            self._check(specs)
         branch = branch_key(self.branch, state, config)
         if branch is not None:
             if self._node_cache and self.branch is None:  # a hit would replay another branch's key
@@ -214,24 +234,26 @@ class DecisionNode(Runnable[Any, Command]):
                                     "its records need a key of the branch's input",
                                     hint="pass decision_node(..., branch=<a key of the branch's input>)")
             self._branches.claim(call.node, call.checkpoint_id, branch, call.task_id)
-        decision_state = select_inputs(state, self.inputs, self.output_key)
-        seed = decision_seed(call.namespace, "node", questions, decision_state)
-        options = {"seed": seed, "thread_id": call.thread_id, "policy": call.policy, "attributes": call.attributes,
-                   "depends_on": self.depends_on, "budget_meter": call.budget_meter, **self.read_options}
-        request = {"state": decision_state, "questions": questions, **options}
-        options = {k: v for k, v in options.items() if v is not None}
-        return _Job(call, specs, questions, decision_state, seed, request, options, branch,
-                    observed(config, manager_for), reviewing)
+        request = call.request("node", questions, select_inputs(state, self.inputs, self.output_key),
+                               depends_on=self.depends_on, read=self.read, branch=branch)
+        if callable(self.questions):
+            self._check(request)
+        reviewing = None if self.shadow is not None else review_for(self.review, request, call.node)
+        if reviewing is not None:
+            check_review(config, call.node)  # before any read: an interrupt nobody could resume
+        return _Job(call, request, observed(config, manager_for), reviewing)
 
-    def _read(self, job: _Job, config: RunnableConfig) -> CanvasResponse:
+    def _read(self, job: _Job, config: RunnableConfig, request: DecisionRequest) -> CanvasResponse:
+        model = job.call.model
         if not job.observed:
-            return job.call.model.decide(job.state, job.questions, **job.options)
-        return job.call.model.invoke(job.request, child_config(config))
+            return model.run(request)
+        return model.invoke(_invoke_input(request), child_config(config))
 
-    async def _aread(self, job: _Job, config: RunnableConfig) -> CanvasResponse:
+    async def _aread(self, job: _Job, config: RunnableConfig, request: DecisionRequest) -> CanvasResponse:
+        model = job.call.model
         if not job.observed:
-            return await job.call.model.adecide(job.state, job.questions, **job.options)
-        return await job.call.model.ainvoke(job.request, child_config(config))
+            return await model.arun(request)
+        return await model.ainvoke(_invoke_input(request), child_config(config))
 
     def _review_event(self, job: _Job, response: CanvasResponse, fresh: bool) -> dict[str, Any] | None:
         """The event a decision waiting for a human sends before its interrupt (once: not on a resume)."""
@@ -239,26 +261,24 @@ class DecisionNode(Runnable[Any, Command]):
         pending = pending_review(job.review, response)
         if not (pending and fresh):
             return None
-        return event(REVIEW_EVENT, job.call.node, None, entries(response, {}), job.seed, branch=job.branch,
-                     review=pending)
+        return event(REVIEW_EVENT, job.call.node, None, entries(response, {}), job.request, review=pending)
 
     def _human(self, job: _Job, response: CanvasResponse) -> dict[str, str]:
         """The human's options (interrupts the first time; a resume returns them)."""
         assert job.review is not None
-        options = {qid: spec.options for qid, spec in job.specs.items()}
-        return review(job.review, job.call.node, response, options, job.questions, job.state)
+        return review(job.review, job.call.node, response, job.request)
 
-    def _finish(self, job: _Job, response: CanvasResponse,
+    def _finish(self, job: _Job, state: Any, response: CanvasResponse,
                 human: Mapping[str, str] | None = None) -> tuple[Command, dict[str, Any]]:
         decided = entries(response, human or {})
-        goto = self._goto(decided)
+        goto = self._goto(decided, state)
         trace_route(job.call.attributes, goto)
-        update = {self.output_key: grouped(decided, job.branch)}
+        update = {self.output_key: self._written(decided, state, job.request.identity.branch)}
         command = Command(update=update) if goto is None else Command(goto=goto, update=update)
-        return command, event(DECISION_EVENT, job.call.node, goto, decided, job.seed, branch=job.branch)
+        return command, event(DECISION_EVENT, job.call.node, goto, decided, job.request, response=response)
 
-    def _canvas_goto(self, response: CanvasResponse) -> str | None:
-        return self._goto(entries(response, {}))
+    def _canvas_goto(self, state: Any) -> Callable[[CanvasResponse], str | None]:
+        return lambda response: self._goto(entries(response, {}), state)
 
     def _finish_shadow(self, job: _Job, response: CanvasResponse | None,
                        outcome: ShadowOutcome) -> tuple[Command, dict[str, Any]]:
@@ -267,34 +287,45 @@ class DecisionNode(Runnable[Any, Command]):
         for qid, record in decided.items():
             record["shadow"] = outcome.record(qid)
         trace_route(job.call.attributes, outcome.destination)
-        update = {self.output_key: grouped(decided, job.branch)} if decided else None
+        update = {self.output_key: grouped(decided, job.request.identity.branch)} if decided else None
         return Command(goto=outcome.destination, update=update), event(
-            DECISION_EVENT, job.call.node, outcome.destination, decided, job.seed, branch=job.branch,
+            DECISION_EVENT, job.call.node, outcome.destination, decided, job.request, response=response,
             shadow=outcome.record())
 
-    def _goto(self, decided: dict[str, dict[str, Any]]) -> str | None:
+    def _written(self, decided: Decisions, state: Any, branch: str | None) -> dict[str, Any]:
+        """The records as the node writes them: grouped by branch, each with its question's
+        earlier records (`history`), newest last."""
+        if self.history:
+            before = _earlier(state, self.output_key)
+            for qid, record in decided.items():
+                prev = before.get(qid)
+                if branch is not None:
+                    prev = prev.get(branch) if isinstance(prev, Mapping) and not is_record(prev) else None
+                if is_record(prev):
+                    kept = [*prev.get("history", ()), {k: v for k, v in prev.items() if k != "history"}]
+                    record["history"] = kept[-self.history:]
+        return grouped(decided, branch)
+
+    def _goto(self, decided: Decisions, state: Any) -> str | None:
         if self.route_fn is not None:
-            goto = self.route_fn(decided)
+            goto = self.route_fn(decided, state) if self._route_takes_state else self.route_fn(decided)
             if goto not in self.destinations:
                 raise ValueError(f"{self.name}: route returned {goto!r}, which is not one of the declared "
                                  f"destinations {list(self.destinations)}")
             return goto
         if self.route_map is not None:
+            assert self.route_question is not None
             return self.route_map[decided[self.route_question]["answer"]]
         return None
 
-    def _check(self, specs: Mapping[str, QuestionSpec]) -> None:
+    def _check(self, request: DecisionRequest) -> None:
         """The routing question exists and every one of its options has a node."""
         if self.route_map is None:
             return
-        qid = self.route_question
+        qid, specs = self.route_question, request.questions.specs
         if qid not in specs:
             raise ValueError(f"route question {qid!r} is not among the questions {list(specs)}")
-        options = set(specs[qid].options)
-        missing, unknown = sorted(options - set(self.route_map)), sorted(set(self.route_map) - options)
-        if missing or unknown:
-            raise ValueError(f"route for {qid!r} must map every option to a node; "
-                             f"missing {missing}, not options {unknown}")
+        check_path_map(qid, specs[qid].options, self.route_map, "route")
 
 
 @dataclass(slots=True)
@@ -302,24 +333,21 @@ class _Job:
     """One node run between preparing the request and building the `Command`."""
 
     call: GraphCall
-    specs: Mapping[str, QuestionSpec]
-    questions: dict[str, Any]
-    state: Any
-    seed: int
-    request: dict[str, Any]
-    options: dict[str, Any]
-    """The request's keywords for `adecide` (those set)."""
-    branch: str | None
-    """The fan-out branch key its records are grouped under (None: flat)."""
+    request: DecisionRequest
     observed: bool
-    """A callback handler would see the model's run (else `adecide` is called directly)."""
+    """A callback handler would see the model's run (else `arun` is called directly)."""
     review: ReviewPolicy | None
     """What goes to a human in this run (`review_for`; None: nothing)."""
 
-    @property
-    def shadow_request(self) -> dict[str, Any]:
-        """The request a shadow read sends: no budget (the shadow never escalates)."""
-        return {**self.request, "budget_meter": None}
+
+def _invoke_input(request: DecisionRequest) -> dict[str, Any]:
+    """What `invoke` takes for a prebuilt request (callback tracers see state and questions)."""
+    return {"state": request.state.value, "questions": request.questions.asked, "request": request}
+
+
+def _earlier(state: Any, key: str) -> Mapping[str, Any]:
+    value = state.get(key) if isinstance(state, Mapping) else getattr(state, key, None)
+    return value if isinstance(value, Mapping) else {}
 
 
 def decision_node(
@@ -335,7 +363,8 @@ def decision_node(
     shadow: ExistingRouter | None = None,
     depends_on: Mapping[str, Any] | None = None,
     branch: Branch = None,
-    read_options: Mapping[str, Any] | None = None,
+    read: ReadOptions | Mapping[str, Any] | None = None,
+    history: int = 0,
 ) -> DecisionNode:
     """A node that answers all its questions with ONE `CanvasDecisionModel` call and routes.
 
@@ -348,8 +377,9 @@ def decision_node(
             key, or a function of the state.
         route: `(question_id, {option: node})` to go where the answer points (every option
             must map to a node; Noul options are `yes`/`no`, Score levels `"0"`, `"1"`...),
-            a function of the decisions returning a node (then `destinations` is required),
-            or None to only write the decisions and follow the graph's edges.
+            a function returning a node (then `destinations` is required) that takes the
+            decisions (`{question_id: record}`) or the decisions and the graph state (e.g. to
+            stop a retry loop after `max_retries`), or None to only write the decisions.
         output_key: State key the decisions are written to, `{question_id: {answer, path,
             result, read, timing}}`. Give it the `merge_decisions` reducer when several decision
             nodes (or `Send` branches) write it; a state schema without it drops the records
@@ -361,17 +391,20 @@ def decision_node(
         destinations: The nodes a route function may return (drawn as the node's edges).
         shadow: Shadow mode, the adoption path: your existing router (a function of the state
             returning a node, sync or async, or a Runnable) keeps routing the graph while the
-            canvas reads the questions beside it without escalating. Each record gets a
-            `shadow` entry (agreement, would-escalate, both latencies), and a `shadow <node>`
-            span and the custom-stream event carry the same. See `canvasroute.harness._shadow`.
-        depends_on: `{child: (parent, answers)}`: ask a child only when its parent's final
-            answer is one of `answers` (in a second read of the same call); a skipped child's
-            record has `answer=None` and path `skipped`. The route question cannot be a child.
+            canvas reads the questions beside it without escalating (see `canvasroute.harness._shadow`).
+        depends_on: `{child: (parent, answers)}` or `{child: {parent: answers or None}}`: ask a
+            child only when its parents' final answers match (in a later read of the same call);
+            a skipped child's record has `answer=None` and path `skipped`. The route question
+            cannot be a child.
         branch: Fan-out (`Send`): what keys a branch's records, `{question_id: {branch: record}}`:
             a key of the node's input or a function of it (e.g. a document id). Default: a
             `Send` branch is keyed by its position among the step's Sends (`"0"`, `"1"`, ...);
-            a node run by an ordinary edge writes flat records. See `canvasroute.harness._fanout`.
-        read_options: `instructions`, `alone`, `steps`, `think`, `images`: as `adecide` takes them.
+            a node run by an ordinary edge writes flat records.
+        read: How the canvases are read: `ReadOptions` (or a dict of its fields: `instructions`,
+            `alone`, `steps`, `think`, `images`, `constrained`).
+        history: Keep this many earlier records per question (and branch) across loop
+            iterations, newest last, under each record's `history` (0: only the newest record;
+            at most `MAX_HISTORY`).
 
     Returns:
         A `DecisionNode`: add it with `builder.add_node("triage", node)`.
@@ -392,7 +425,139 @@ def decision_node(
     """
     return DecisionNode(model, questions, inputs=inputs, route=route, output_key=output_key, name=name,
                         review=review, destinations=destinations, shadow=shadow, depends_on=depends_on,
-                        branch=branch, read_options=read_options)
+                        branch=branch, read=read, history=history)
 
 
-__all__ = ["DecisionNode", "decision_node"]
+# -- routes ----------------------------------------------------------------------------------
+
+
+def parse_route(route: Route) -> tuple[str | None, dict[str, str] | None, Callable[..., str] | None]:
+    if route is None:
+        return None, None, None
+    if callable(route):
+        return None, None, route
+    if (isinstance(route, tuple) and len(route) == 2 and isinstance(route[0], str)
+            and isinstance(route[1], Mapping) and route[1]):
+        paths = {str(option): target for option, target in route[1].items()}
+        bad = [t for t in paths.values() if not isinstance(t, str) or not t]
+        if bad:
+            raise ValueError(f"route targets must be node names, got {bad}")
+        return route[0], paths, None
+    raise TypeError("route must be (question_id, {option: node}), a function of the decisions, or None")
+
+
+def check_path_map(qid: str, options: Sequence[str], paths: Mapping[str, str], what: str) -> None:
+    """Every option of `qid` maps to a node, and nothing else does (`what`: route or path_map)."""
+    missing = [o for o in options if o not in paths]
+    unknown = [o for o in paths if o not in options]
+    if missing or unknown:
+        parts = [f"{what} for {qid!r} must map every option of the question to a node (its options: "
+                 f"{list(options)})"]
+        if missing:
+            parts.append(f"no node for {missing}")
+        if unknown:
+            parts.append(f"{unknown} {'is' if len(unknown) == 1 else 'are'} not among its options")
+        raise ValueError("; ".join(parts))
+
+
+def _takes_state(fn: Callable[..., Any]) -> bool:
+    """Whether a route function takes the graph state after the decisions (two positional parameters)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: decisions only
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def route_destinations(route_map: dict[str, str] | None, route_fn: Callable[..., str] | None,
+                       declared: Sequence[str] | None) -> tuple[str, ...]:
+    if route_fn is not None:
+        if not declared or isinstance(declared, str):
+            raise ValueError("a route function needs destinations=(node, ...) naming every node it may return")
+        return tuple(dict.fromkeys(declared))
+    if declared is not None:
+        raise ValueError("destinations= is only for route functions; a route mapping declares its own")
+    return tuple(dict.fromkeys(route_map.values())) if route_map else ()
+
+
+def annotated_call(destinations: tuple[str, ...]) -> Callable[..., Command]:
+    """A `__call__` whose return annotation is `Command[Literal[destinations]]` (read by `add_node`)."""
+
+    def __call__(self: Any, state: Any, config: RunnableConfig | None = None) -> Command:
+        return self.invoke(state, config)  # type: ignore[no-any-return]
+
+    __call__.__annotations__ = {"return": Command[Literal[destinations]]}  # type: ignore[valid-type]
+    return __call__
+
+
+# -- fan-out ---------------------------------------------------------------------------------
+
+_PUSH = "__pregel_push"
+"""LangGraph's trigger of a task started by a `Send`."""
+
+
+def branch_key(branch: Branch, state: Any, config: RunnableConfig) -> str | None:
+    """The key this run's records are grouped under (None: flat records)."""
+    if branch is not None:
+        value = branch(state) if callable(branch) else (
+            state[branch] if isinstance(state, Mapping) else getattr(state, branch))
+        if value is None or (isinstance(value, str) and not value):
+            raise DecisionError(f"branch= gave {value!r}: a fan-out branch needs a non-empty key")
+        return str(value)
+    metadata = config.get("metadata") or {}
+    path = metadata.get("langgraph_path")
+    if tuple(metadata.get("langgraph_triggers") or ()) == (_PUSH,) and path and len(path) > 1:
+        return str(path[1])
+    return None
+
+
+def grouped(decided: Decisions, key: str | None) -> dict[str, Any]:
+    """`decided` as the node writes it: flat, or each record under its branch key."""
+    return dict(decided) if key is None else {qid: {key: record} for qid, record in decided.items()}
+
+
+class BranchKeys:
+    """The branch keys claimed per superstep, so two branches never share one."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._claims: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def claim(self, node: str, step: str | None, key: str, task: str | None) -> None:
+        """Record that `task` writes branch `key` in superstep `step` (its checkpoint id);
+        raise when another task of the same step already does."""
+        if step is None or task is None:
+            return
+        with self._lock:
+            owner = self._claims.setdefault((step, key), task)
+            self._claims.move_to_end((step, key))
+            while len(self._claims) > self._size:
+                self._claims.popitem(last=False)
+        if owner != task:
+            raise DecisionError(f"two branches of decision node {node!r} in one step have the branch key {key!r}: "
+                                "their records would overwrite each other",
+                                hint="make branch= give each branch its own key (e.g. a document id)")
+
+
+# -- retries ---------------------------------------------------------------------------------
+
+_DEFAULT_RETRY = RetryPolicy().retry_on
+
+
+def retry_on(exc: Exception) -> bool:
+    """Whether LangGraph should retry a node that raised `exc`: a transient canvasroute
+    fault that no lower layer has retried already (`exc.attempts == 1`).
+
+    Example:
+        ```python
+        builder.add_node("triage", node, retry_policy=RetryPolicy(retry_on=retry_on))
+        ```
+    """
+    if isinstance(exc, CanvasRouteError):
+        return exc.retryable and exc.attempts <= 1
+    return bool(_DEFAULT_RETRY(exc)) if callable(_DEFAULT_RETRY) else False
+
+
+__all__ = ["MAX_HISTORY", "DecisionNode", "decision_node", "retry_on"]

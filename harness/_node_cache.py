@@ -72,14 +72,22 @@ class NodeCache(BaseCache[Any]):
 
 def replayable_writes(writes: Any) -> bool:
     """Whether a node's writes `[(channel, value), ...]` may be replayed: no decision record
-    among the values carries an engine fault (`read.error`) or a budget refusal (`read.over_budget`)."""
+    among the values, flat or grouped by fan-out branch (`{question_id: {branch: record}}`),
+    carries an engine fault (`read.error`) or a budget refusal (`read.cause == "over_budget"`)."""
     for write in writes or ():
         value = write[1] if isinstance(write, Sequence) and len(write) == 2 else None
-        if isinstance(value, Mapping):
-            for record in value.values():
-                if is_record(record) and isinstance(read := record.get("read"), Mapping) and (
-                        read.get("error") or read.get("over_budget")):
-                    return False
+        if isinstance(value, Mapping) and not all(_replayable(v) for v in value.values()):
+            return False
+    return True
+
+
+def _replayable(value: Any) -> bool:
+    """A record, or a branch group of records, that no fault or budget refusal touched."""
+    if is_record(value):
+        read = value.get("read")
+        return not (isinstance(read, Mapping) and (read.get("error") or read.get("cause") == "over_budget"))
+    if isinstance(value, Mapping):  # a fan-out question's records by branch key
+        return all(_replayable(v) for v in value.values() if isinstance(v, Mapping))
     return True
 
 

@@ -1,10 +1,19 @@
-"""What a decision leaves behind in state: plain-dict records, and the reducer that merges them.
+"""What a decision leaves behind: plain-dict records in state, the reducer that merges them, and its events.
 
 A record is `{answer, path, result, read, timing}`. Everything but `timing` follows from
 the node's inputs and seed, so replays reproduce it; `timing` (wall clock) does not, and no
 other decision ever reads it: `answers_only` turns records in a later decision's inputs
 into their answers. A fan-out branch groups its records by branch key
-(`{question_id: {branch: record}}`, `canvasroute.harness._fanout`).
+(`{question_id: {branch: record}}`, see `decision_node`'s `branch=`).
+
+Events: one payload per decision set reaches two places, LangGraph's custom stream
+(`stream_mode="custom"`, `get_stream_writer`) and the callback system as a custom event
+(`astream_events` shows it as `on_custom_event`, named by its `type`; LangSmith and other
+callback tracers record it). Types: `canvasroute.decision` (`DECISION_EVENT`: a decision set
+is final: answers, paths, entropies, where the graph goes, and its `tally`) and
+`canvasroute.review` (`REVIEW_EVENT`: a decision set waits for a human, sent just before the
+review `interrupt()`, once). The `messages` stream shows no decision: a decision is not a chat
+message, and the models a decision calls are tagged `nostream`.
 """
 
 from __future__ import annotations
@@ -12,12 +21,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from canvasroute.router import CanvasResponse
+from langchain_core.callbacks import adispatch_custom_event, dispatch_custom_event
+from langchain_core.runnables import RunnableConfig
+from langgraph.config import get_stream_writer
+
+from canvasroute.router import CanvasResponse, DecisionRequest, Tally, Totals
 from canvasroute.router import telemetry as tm
 
-RECORD_KEYS = frozenset({"answer", "path", "result", "read", "timing", "shadow"})
-"""The keys of one decision record in graph state (`shadow` only in shadow mode)."""
-_STABLE_KEYS = RECORD_KEYS - {"timing", "shadow"}
+DECISION_EVENT = "canvasroute.decision"
+REVIEW_EVENT = "canvasroute.review"
+
+RECORD_KEYS = frozenset({"answer", "path", "result", "read", "timing", "shadow", "history"})
+"""The keys of one decision record in graph state (`shadow` only in shadow mode, `history` only
+with a node's `history=`)."""
+_STABLE_KEYS = RECORD_KEYS - {"timing", "shadow", "history"}
 _UNSTABLE = frozenset({"latency_s"})
 """The report field a replay does not reproduce (kept under `timing`)."""
 
@@ -103,3 +120,56 @@ def trace_route(attributes: Mapping[str, Any], goto: str | None) -> None:
         node = attributes.get(tm.GRAPH_NODE, "")
         with tm.span(f"{tm.OPERATION_ROUTE} {node}", {**attributes, tm.ROUTE_DESTINATION: goto}):
             pass
+
+
+# -- events ------------------------------------------------------------------------------
+
+
+def event(kind: str, node: str, goto: str | None, decided: Mapping[str, Mapping[str, Any]],
+          request: DecisionRequest, *, response: CanvasResponse | None = None, **more: Any) -> dict[str, Any]:
+    """The payload of one decision event (plain JSON values): answers, paths, entropies, its
+    `tally` and, once decided, its `totals` (reads, canvases, escalations, tokens, seconds)."""
+    branch = request.identity.branch
+    return {
+        "type": kind,
+        "node": node,
+        **({"branch": branch} if branch is not None else {}),
+        "goto": goto,
+        "seed": request.identity.seed,
+        "answers": {qid: d["answer"] for qid, d in decided.items()},
+        "paths": {qid: d["path"] for qid, d in decided.items()},
+        "entropies": {qid: d["read"]["entropy"] for qid, d in decided.items()},
+        "normalized_entropies": {qid: d["read"]["normalized_entropy"] for qid, d in decided.items()},
+        "tally": Tally.of(d["read"] for d in decided.values()).as_dict(),
+        **({"totals": Totals.of(response).as_dict()} if response is not None else {}),
+        **more,
+    }
+
+
+def emit(payload: Mapping[str, Any], config: RunnableConfig | None, observed: bool = True) -> None:
+    """Send `payload` to the custom stream and, when a callback handler listens (`observed`),
+    as a custom callback event."""
+    _write(payload)
+    if observed and _has_parent_run(config):
+        dispatch_custom_event(payload["type"], dict(payload), config=config)
+
+
+async def aemit(payload: Mapping[str, Any], config: RunnableConfig | None, observed: bool = True) -> None:
+    """`emit` from async code (async callback handlers, e.g. `astream_events`, need it)."""
+    _write(payload)
+    if observed and _has_parent_run(config):
+        await adispatch_custom_event(payload["type"], dict(payload), config=config)
+
+
+def _write(payload: Mapping[str, Any]) -> None:
+    try:
+        writer = get_stream_writer()
+    except RuntimeError:  # outside a graph run: nobody is listening
+        return
+    writer(dict(payload))
+
+
+def _has_parent_run(config: RunnableConfig | None) -> bool:
+    """A custom callback event needs the run it belongs to (a graph step's callback manager)."""
+    callbacks = (config or {}).get("callbacks")
+    return getattr(callbacks, "parent_run_id", None) is not None

@@ -7,25 +7,46 @@ questions are under review. With `interrupt="human_interrupt"` the payload and t
 resume are LangGraph's prebuilt `HumanInterrupt` / `HumanResponse` (Agent Inbox's
 shape; see `canvasroute.harness._inbox`).
 
-A node reviews what its `review=` policy says, and (without one) the questions whose gate
-says `on_unsure="review"` (`review_for`). A question other questions depend on
-(`depends_on`) is never reviewed: its children are asked on the canvas's answer, before a
-human could change it, so the node refuses that combination with `DecisionError`.
+A node reviews what its `review=` policy says, and (without one) every question when the
+model's outcome policy says `uncertain="review"` (`review_for`). A question other questions
+depend on (`depends_on`) is never reviewed: its children are asked on the canvas's answer,
+before a human could change it, so the node refuses that combination with `DecisionError`.
+
+Durable decisions: a node that may pause for review re-runs from its start when the thread
+resumes, in whatever process resumes it. Its decision (canvas read, re-reads, escalation)
+therefore runs inside a LangGraph `task` (`durable`): the task's result is checkpointed before
+the `interrupt()`, and a resume, here or in another process, gets that result back instead of
+reading and escalating again. The task's input is a key into this process's table of pending
+calls, and its output the response as JSON. One case still pays twice: LangGraph numbers the
+tasks a node calls without resetting the count when its `RetryPolicy` re-runs the node, so a
+decision that failed, was retried by the node and then paused for review is read once more on
+resume (with the engine owning retries, `retry_on`, a node re-runs only for a fault no engine
+retried).
+
+Agent Inbox: with `ReviewPolicy(interrupt="human_interrupt")` the node interrupts with a list of
+one `HumanInterrupt` (the TypedDict `langgraph.prebuilt.interrupt` ships): `action_request`
+(the model's answers), `config` (accept, edit, respond, ignore all allowed) and a description
+(questions, options, odds); it resumes with a `HumanResponse` (or a list holding one, as Agent
+Inbox sends it): `accept` (the proposed answers, path `human`), `edit` with another option per
+question (questions left out keep the proposal), `response` with text naming an option (one
+question under review), or `ignore` (the model's answers stand with their own path).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from langgraph.func import task
 from langgraph.types import interrupt
 
 from canvasroute.engine import DecisionError
-from canvasroute.router import CanvasResponse, GatePolicy, ReadReport
+from canvasroute.router import CanvasResponse, DecisionRequest, ReadReport
 
-from ._inbox import human_interrupt, human_response
-from ._stream import REVIEW_EVENT
+from ._records import REVIEW_EVENT
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,17 +90,18 @@ class ReviewPolicy:
     def needs_review(self, report: ReadReport) -> bool:
         """Whether one answer goes to a human."""
         eligible = self.questions is None or report.question_id in self.questions
-        return (eligible and not report.confident and report.path != "skipped"
-                and report.escalation_model is None)  # escalated (or abstained, then escalated): answered
+        return eligible and not report.confident and report.path not in ("skipped", "escalated")
 
 
-def review(policy: ReviewPolicy, node: str, response: CanvasResponse, options: Mapping[str, tuple[str, ...]],
-           questions: Mapping[str, Any], state: Any) -> dict[str, str]:
+def review(policy: ReviewPolicy, node: str, response: CanvasResponse, request: DecisionRequest) -> dict[str, str]:
     """Interrupt for the answers under review; returns the human's option per question.
 
     Raises LangGraph's `GraphInterrupt` on the first run (never catch it); on resume,
     returns the validated resume value.
     """
+    specs = request.questions.specs
+    options = {qid: spec.options for qid, spec in specs.items()}
+    questions, state = request.questions.asked, request.state.value
     pending = pending_review(policy, response)
     if not pending:
         return {}
@@ -111,7 +133,7 @@ def _item(report: ReadReport, options: tuple[str, ...], question: Any) -> dict[s
         "path": report.path,
         "normalized_entropy": report.normalized_entropy,
         "crossed": list(report.crossed),
-        "over_budget": report.over_budget,
+        "cause": report.cause,
         "error": report.error,
     }
 
@@ -137,25 +159,147 @@ def _validate(value: Any, pending: list[str], options: Mapping[str, tuple[str, .
     return chosen
 
 
-def check_parents_unreviewed(node: str, depends_on: Mapping[str, Any] | None, reviewed: frozenset[str] | None) -> None:
-    """Refuse a review of a parent question (`reviewed`: the ids a review may take; None: all)."""
-    parents = sorted({parent for parent, _ in (depends_on or {}).values() if reviewed is None or parent in reviewed})
-    if parents:
-        raise DecisionError(
-            f"{node}: review and depends_on do not combine for the parent question(s) {parents}: their children "
-            "are asked on the canvas's answer before a reviewer could change it",
-            hint="review only questions no other question depends on (ReviewPolicy(questions=...), and "
-                 "on_unsure other than 'review' for parents), or drop depends_on")
-
-
-def review_for(review: ReviewPolicy | None, gate: GatePolicy, question_ids: Iterable[str],
-               depends_on: Mapping[str, Any] | None, node: str) -> ReviewPolicy | None:
-    """What a node run sends to a human: its `review=`, else the questions whose gate says
-    `on_unsure="review"` (a `depends_on` parent among them is refused); None: nothing."""
+def review_for(review: ReviewPolicy | None, request: DecisionRequest, node: str) -> ReviewPolicy | None:
+    """What a node run sends to a human: its `review=`, else every question when the outcome
+    policy says `uncertain="review"`; None: nothing. A question others depend on is refused."""
+    if review is None and request.outcomes.reviews():
+        review = ReviewPolicy()
     if review is not None:
-        return review
-    reviewed = frozenset(q for q in question_ids if gate.for_question(q).on_unsure == "review")
-    if not reviewed:
-        return None
-    check_parents_unreviewed(node, depends_on, reviewed)
-    return ReviewPolicy(questions=reviewed)
+        check_parents_unreviewed(node, request.questions.depends.parent_ids, review.questions)
+    return review
+
+
+def check_parents_unreviewed(node: str, parents: frozenset[str], reviewed: frozenset[str] | None) -> None:
+    """Refuse a review of a parent question (`parents`: every question another depends on;
+    `reviewed`: the ids a review may take, None: all)."""
+    refused = sorted(p for p in parents if reviewed is None or p in reviewed)
+    if refused:
+        raise DecisionError(
+            f"{node}: review and depends_on do not combine for the parent question(s) {refused}: their children "
+            "are asked on the canvas's answer before a reviewer could change it",
+            hint="review only questions no other question depends on (ReviewPolicy(questions=...)), or drop "
+                 "depends_on")
+
+
+# -- Agent Inbox's HumanInterrupt ------------------------------------------------------------
+
+ALLOW = {"allow_accept": True, "allow_edit": True, "allow_respond": True, "allow_ignore": True}
+
+
+def human_interrupt(node: str, response: CanvasResponse, pending: Sequence[str],
+                    options: Mapping[str, tuple[str, ...]], questions: Mapping[str, Any],
+                    state: Any | None) -> list[dict[str, Any]]:
+    """The interrupt value: one `HumanInterrupt` for the decision set's answers under review."""
+    lines = [f"The decision node `{node}` is unsure. Accept its answers, edit them (pick another option), "
+             "respond with an option, or ignore the review."]
+    for qid in pending:
+        report = response.reads[qid]
+        odds = ", ".join(f"`{o}` {report.probabilities.get(o, 0.0):.0%}" for o in options[qid])
+        instructions = getattr(questions[qid], "instructions", None) or qid
+        lines.append(f"- **{qid}**: {instructions} Options: {odds}. Proposed: `{report.answer}` "
+                     f"(path {report.path}).")
+    if state is not None:
+        lines.append(f"\nWhat was decided on:\n\n{state if isinstance(state, str) else repr(state)}")
+    return [{
+        "action_request": {"action": f"Review {node}", "args": {qid: response.reads[qid].answer for qid in pending}},
+        "config": dict(ALLOW),
+        "description": "\n".join(lines),
+    }]
+
+
+def human_response(value: Any, response: CanvasResponse, pending: Sequence[str],
+                   options: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
+    """The human's option per reviewed question from a `HumanResponse` (empty: ignored)."""
+    if isinstance(value, list | tuple) and len(value) == 1:
+        value = value[0]  # Agent Inbox resumes with a list of one response
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    proposed = {qid: str(response.reads[qid].answer) for qid in pending}
+    if kind == "accept":
+        return proposed
+    if kind == "ignore":
+        return {}
+    if kind == "edit":
+        request = value.get("args")
+        edited = request.get("args") if isinstance(request, Mapping) else None
+        if not isinstance(edited, Mapping):
+            raise DecisionError("an edit resumes with {'type': 'edit', 'args': {'action': ..., "
+                                "'args': {question_id: option}}}")
+        unknown = sorted(set(edited) - set(pending))
+        if unknown:
+            raise DecisionError(f"the edit names questions not under review: {unknown}; under review: {list(pending)}")
+        return {qid: _option(qid, edited.get(qid, proposed[qid]), options) for qid in pending}
+    if kind == "response":
+        if len(pending) != 1:
+            raise DecisionError(f"{len(pending)} questions are under review ({list(pending)}); a text response "
+                                "can answer only one", hint="resume with an edit naming an option per question")
+        return {pending[0]: _option(pending[0], value.get("args"), options)}
+    raise DecisionError(f"resume a human_interrupt review with a HumanResponse of type accept, edit, response or "
+                        f"ignore, not {value!r}")
+
+
+def _option(qid: str, value: Any, options: Mapping[str, tuple[str, ...]]) -> str:
+    """The option a reviewer named: exactly (stripped), else case-folded when that names one option."""
+    text = str(value).strip() if isinstance(value, str | int) and not isinstance(value, bool) else None
+    if text is not None and text in options[qid]:
+        return text
+    folded = [o for o in options[qid] if text is not None and o.casefold() == text.casefold()]
+    if len(folded) != 1:
+        raise DecisionError(f"{value!r} is not an option of {qid!r}; options: {list(options[qid])}")
+    return folded[0]
+
+
+# -- durable decisions ------------------------------------------------------------------
+
+TASK_NAME = "canvasroute_decision"
+
+_calls: dict[str, Callable[[], Any]] = {}
+_lock = threading.Lock()
+
+
+def _take(key: str) -> Callable[[], Any]:
+    with _lock:
+        return _calls.pop(key)
+
+
+@task(name=TASK_NAME)
+def _decision(key: str) -> dict[str, Any]:
+    return _take(key)().model_dump(mode="json")
+
+
+@task(name=TASK_NAME)
+async def _adecision(key: str) -> dict[str, Any]:
+    return (await _take(key)()).model_dump(mode="json")
+
+
+def durable(decide: Callable[[], CanvasResponse]) -> tuple[CanvasResponse, bool]:
+    """Run `decide` as a checkpointed task; returns its response and whether it ran now
+    (False: replayed from the checkpoint on a resume)."""
+    key = _register(decide)
+    try:
+        data = _decision(key).result()
+    finally:
+        ran = _unregister(key)
+    return CanvasResponse.model_validate(data), ran
+
+
+async def adurable(decide: Callable[[], Awaitable[CanvasResponse]]) -> tuple[CanvasResponse, bool]:
+    """`durable` for async code."""
+    key = _register(decide)
+    try:
+        data = await _adecision(key)
+    finally:
+        ran = _unregister(key)
+    return CanvasResponse.model_validate(data), ran
+
+
+def _register(decide: Callable[[], Any]) -> str:
+    key = uuid.uuid4().hex
+    with _lock:
+        _calls[key] = decide
+    return key
+
+
+def _unregister(key: str) -> bool:
+    """Drop the pending call; True when the task took it (it ran in this process now)."""
+    with _lock:
+        return _calls.pop(key, None) is None

@@ -64,7 +64,7 @@ class StoreBudgetMeter:
         with PostgresStore.from_conn_string(DSN) as store:
             store.setup()
             meter = StoreBudgetMeter(store, EscalationBudget(max_per_window=100, window_s=60))
-            model = CanvasDecisionModel(engine=..., budget=meter.budget, budget_meter=meter)
+            model = CanvasDecisionModel(engine=..., escalate_to=Escalation(target, budget=meter.budget, meter=meter))
         ```
     """
 
@@ -204,17 +204,22 @@ _METERS_LOCK = threading.Lock()
 
 
 def store_meter(model: Any, store: BaseStore | None) -> StoreBudgetMeter | None:
-    """The meter that counts `model`'s budget in the graph's `store` (one per store, budget
-    and model name, so every worker running the same model shares one count), or None when
-    there is no store, no budget, or the model brings its own `budget_meter`.
+    """The meter that counts `model`'s budget in the graph's `store`, or None when there is no
+    store, no budget, or the model's escalation brings its own meter.
+
+    One meter per store and budget scope (`CanvasDecisionModel.budget_scope`: the escalation's
+    `name`, else the model's name, its target and its budget), so every worker running the same
+    model shares one count, and two models with budgets of their own keep their own.
     """
-    if store is None or getattr(model, "budget", None) is None or model.budget_meter is not None:
+    scope = model.budget_scope if store is not None else None
+    if scope is None:
         return None
+    budget = model.escalation.budget
     with _METERS_LOCK:
         meters = _METERS.setdefault(store, {})
-        key = (model.budget, model.model)
+        key = (budget, scope)
         if key not in meters:
-            meters[key] = StoreBudgetMeter(store, model.budget, scope=model.model)
+            meters[key] = StoreBudgetMeter(store, budget, scope=scope)
         return meters[key]
 
 

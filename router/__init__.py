@@ -1,20 +1,20 @@
 """Decisions: questions about a state become canvas reads, gated and escalated.
 
 `router` knows questions and policies, not LangGraph (that is `harness`), and reaches
-the model only through the `engine` protocol. The modules follow one decision:
+the model only through the `engine` protocol. A decision is one frozen `DecisionRequest`,
+built once where it enters and read by every stage; the modules follow it:
 
 ```
-_questions   validate_questions / parse_questions: the one validator (model, client, server)
-_labels      one-token labels at a slot, checked against the engine's tokenizer
-_prompts     the system prompt (questions, defused) and the answer-canvas text
-_options     how a decision is read: instructions, alone, steps, think, images
-_plan        chunks that fit a canvas (lines or compact answers), slots, two-read routes
-_reading     samples, per-chunk re-reads, second reads -> per-question distributions (_think)
-_depends     dependency stages, conditions, restated answers
-_distribution  entropy, margin, label mass; re-read aggregation
-_outcome     gate, budget (_budget), fallback, fault -> escalation (_escalation) -> reports
-_diagnostics how the decision was read (stages, chunks, formats, thoughts)
-_model       CanvasDecisionModel: the BaseDecisionModel that connects them
+_model       CanvasDecisionModel: builds requests (`request`) and runs them (`arun`)
+_request     DecisionRequest: state as read, questions, read options, gate, outcomes, escalation, identity
+_questions   the one validator (model, client, server), canvas views of questions, dependencies
+_state       how a state is rendered as text, and its images
+_policy      GatePolicy, OutcomePolicy, Escalation, EscalationBudget; gate overrides; policy files
+_plan        chunks that fit a canvas, one-token labels, prompts, two-read routes, length checks
+_read        samples, per-chunk re-reads, in-group reads, thoughts -> per-question distributions
+_decision    one run: stages, escalation under the budget (_budget), the outcome rules, reports
+_escalation  the target call: prompt, structured output, reading the reply
+_types       ReadReport, CanvasResponse, Diagnostics, Tally: the outcome vocabulary (path, cause)
 systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
 ```
 
@@ -26,18 +26,24 @@ from typing import Any
 
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
-from ._diagnostics import Diagnostics, ThoughtReport
-from ._distribution import SlotStats, aggregate, slot_stats
-from ._escalation import Escalated, escalate, target_name
-from ._images import image_digests
+from ._escalation import ESCALATION_PROMPT, Asked, Escalated, escalate, target_name
 from ._model import CanvasDecisionModel
-from ._options import MAX_STEPS, MAX_THINK, READ_KEYS, fixed_read_options
-from ._policy import MAX_SAMPLES, EscalationBudget, GatePolicy
-from ._policy_file import load_policy, save_policy
+from ._policy import (
+    ACTIONS,
+    MAX_SAMPLES,
+    Escalation,
+    EscalationBudget,
+    GatePolicy,
+    OutcomePolicy,
+    load_policy,
+    resolve_gate,
+    save_policy,
+)
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
-from ._state import read_state, render_state, state_images
-from ._tally import Tally
-from ._types import CanvasResponse, ReadReport
+from ._read import SlotStats, aggregate, slot_stats
+from ._request import MAX_STEPS, MAX_THINK, DecisionRequest, Identity, QuestionSet, ReadOptions, StateView
+from ._state import image_digests, read_state, render_state, state_images
+from ._types import CAUSES, PATHS, CanvasResponse, Diagnostics, ReadReport, Tally, ThoughtReport, Totals
 from .calibration import (
     Calibration,
     Labelled,
@@ -51,43 +57,55 @@ from .telemetry import add_otlp_exporter
 
 __all__ = [
     "ABSTAIN",
+    "ACTIONS",
+    "CAUSES",
+    "ESCALATION_PROMPT",
     "MAX_OPTIONS",
     "MAX_SAMPLES",
     "MAX_STEPS",
     "MAX_THINK",
-    "READ_KEYS",
+    "PATHS",
+    "Asked",
     "BudgetMeter",
     "Calibration",
     "CanvasDecisionModel",
     "CanvasResponse",
     "DecisionCache",
+    "DecisionRequest",
     "Diagnostics",
     "Escalated",
+    "Escalation",
     "EscalationBudget",
     "GatePolicy",
+    "Identity",
     "InMemoryBudgetMeter",
     "JsonlSpanExporter",
     "Labelled",
+    "OutcomePolicy",
     "QuestionCalibration",
+    "QuestionSet",
     "QuestionSpec",
+    "ReadOptions",
     "ReadReport",
     "SlotStats",
+    "StateView",
     "SystemOneDecisionModel",
     "Tally",
     "ThoughtReport",
+    "Totals",
     "add_otlp_exporter",
     "aggregate",
     "calibrate",
     "escalate",
     "expected_calibration_error",
     "fit_temperature",
-    "fixed_read_options",
     "image_digests",
     "load_policy",
     "parse_questions",
     "question_set_key",
     "read_state",
     "render_state",
+    "resolve_gate",
     "save_policy",
     "slot_stats",
     "state_images",

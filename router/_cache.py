@@ -2,9 +2,10 @@
 
 An in-process LRU with an optional time to live, for `CanvasDecisionModel(cache=...)`
 outside graphs (inside a LangGraph graph, prefer the node's `cache_policy()`, which
-uses LangGraph's own cache). The key is a SHA-256 of everything that decides the
-answer: the questions, the rendered state (images included, by digest), the gate
-policy, the noise seed, the engine's served model and whether reads are constrained.
+uses LangGraph's own cache). The key is the request's (`DecisionRequest.key`: a SHA-256 of
+everything that decides the answer: questions and dependencies, read options, the rendered
+state with its images, the gate, the outcome policy, the noise seed) with the engine's served
+model and whether reads are constrained.
 Two distinct states never share an entry. A response that any engine fault or budget
 refusal touched is never stored: it is decided again on the next call, not replayed.
 The cache keeps its own copy of a response and hands out copies, so a caller editing
@@ -13,25 +14,13 @@ its response changes no later hit; a hit reports no token usage (nothing was spe
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DecisionCache", "decision_key", "replay", "replayable"]
-
-
-def decision_key(*, questions: str, state_text: str, policy: Any, seed: int | None, model: str,
-                 constrained: bool = False, images: Sequence[str] = ()) -> str:
-    """The cache key of one decision set (hex SHA-256; `images` are data URLs or URLs)."""
-    h = hashlib.sha256()
-    for part in (questions, state_text, repr(policy), repr(seed), model, repr(constrained), *images):
-        data = part.encode()
-        h.update(len(data).to_bytes(8, "big"))  # length-prefixed: no two part lists collide
-        h.update(data)
-    return h.hexdigest()
+__all__ = ["DecisionCache"]
 
 
 class DecisionCache:
@@ -94,24 +83,3 @@ class DecisionCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-
-
-NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-"""What a hit spends (langchain-core records a response's usage on its run)."""
-
-
-def replayable(response: Any) -> bool:
-    """Whether a response may be stored: no engine fault and no budget refusal touched it
-    (both are decided again next time, never replayed)."""
-    return not any(r.error or r.over_budget for r in response.reads.values())
-
-
-def replay(response: Any, span_name: str, attrs: dict[str, Any], latency_s: float) -> Any:
-    """A cached response as this call's answer: a decide span marked as a hit, no reads,
-    no token usage, and a copy of its own (the stored one is never handed out)."""
-    from . import telemetry as tm
-
-    with tm.span(span_name, {**attrs, tm.CACHE_HIT: True}) as span:
-        span.set_attribute(tm.CANVAS_READS, 0)
-    return response.model_copy(update={"canvas_reads": 0, "latency_s": latency_s, "usage": dict(NO_USAGE)},
-                               deep=True)

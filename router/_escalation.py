@@ -1,13 +1,24 @@
 """Escalation: ask a larger model the questions the canvas was unsure about, in one call.
 
 Targets: a chat model (`BaseChatModel`), any `Runnable` that takes messages (e.g. a
-structured-output chain), or another `BaseDecisionModel`. A chat model is asked for its
-structured output (`with_structured_output` over the answer schema of
-`_escalation_prompt`: a JSON schema on OpenAI-compatible servers, guided decoding on
-vLLM); one without it, and any Runnable, replies with a JSON object in text. The
-messages come from the escalation prompt (`escalation_prompt=`, default
-`ESCALATION_PROMPT`): the state, the questions with their options, the canvas
-probabilities.
+structured-output chain), or another decision model (`BaseDecisionModel`). The target is
+asked what the canvas read had (`Asked`): the state (its images included), the decision's
+instructions, and for a dependent question its parents' answers.
+
+A chat model is asked for its structured output (`with_structured_output` over
+`answer_schema`: a JSON schema on OpenAI-compatible servers, guided decoding on vLLM); one
+without it, and any Runnable, replies with a JSON object in text. The messages come from
+the escalation prompt (`Escalation.prompt`, default `ESCALATION_PROMPT`), a langchain-core
+`ChatPromptTemplate` over `{state}` (the rendered state), `{questions}` (one line per
+question: instructions, options, the canvas probabilities as a hint), `{keys}` (the question
+ids, quoted) and `{instructions}` (the decision's instructions; a prompt without that
+variable gets them ahead of the state). Images go with the last human message as image parts.
+
+Replies are read leniently but only into allowed options: an option by name (exactly,
+else stripped, else case-folded when that names one option), by its description when that
+is unambiguous, a bool for a Noul, an int for a Score level. A distribution comes from
+OpenAI-shaped logprobs at the answer's first token when the reply carries them; a
+decision-model target reports its own.
 
 A call is sent once: the target's own client owns transport retries (`ChatOpenAI`'s
 `max_retries`). Only a reply outside the allowed options is asked again, once, with the
@@ -17,28 +28,48 @@ invalid reply shown. A failure is an `EscalationError` whose `failure` says what
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
-from langchain_core.decisions import BaseDecisionModel
+from langchain_core.decisions import BaseDecisionModel, ChoiceAnswer, NoulAnswer, ScoreAnswer
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.prompts import BasePromptTemplate, ChatPromptTemplate
 
 from canvasroute.engine.errors import CanvasRouteError, EngineUnavailable, EscalationError
 
-from ._escalation_prompt import answer_schema, prompt_messages
-from ._escalation_reply import Escalated, from_decision, from_reply, usage_of
-from ._questions import QuestionSpec
+from ._policy import Escalation, EscalationOutput
+from ._questions import QuestionSpec, option_text, parse_questions
 
-__all__ = ["EscalationOutput", "Escalated", "escalate", "failure", "is_target", "target_name"]
+__all__ = ["ESCALATION_PROMPT", "PROMPT_VARIABLES", "Asked", "Escalated", "answer_schema", "check_prompt",
+           "escalate", "failure", "is_target", "target_name"]
 
-EscalationOutput = Literal["auto", "json_schema", "function_calling", "json_mode", "text"]
-"""How a chat-model target answers: `auto` (its own structured output, a JSON reply in text
-when it has none), a `with_structured_output` method by name, or `text`."""
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """What one escalation asks: what the canvas read had, for the questions it hands on."""
+
+    specs: tuple[QuestionSpec, ...]
+    """The questions as the caller asked them (no abstain label)."""
+    state: Any
+    """The state as given (a decision-model target reads it)."""
+    state_text: str
+    """The rendered state, with a dependent question's parents' answers restated after it."""
+    instructions: str = ""
+    """The decision's instructions (`ReadOptions.instructions`)."""
+    images: tuple[str, ...] = ()
+    """Every image the canvas read saw."""
+    canvas: Mapping[str, Mapping[str, float] | None] = field(default_factory=dict)
+    """The canvas distribution per question, as a hint (None where the engine failed)."""
 
 _HINTS = {
     "network": "check the escalation target's URL and that its server is up and answering in time",
     "target": "check the escalation target's model name, API key and quota",
+    "raised": "the escalation target's own code raised: see the chained exception",
     "format": "give the target structured output (escalation_output='auto' on a chat model that has it), "
               "or a clearer escalation_prompt",
 }
@@ -55,16 +86,16 @@ def target_name(target: Any) -> str:
     return type(target).__name__
 
 
-async def escalate(target: Any, state_text: str, state: Any, specs: Sequence[QuestionSpec],
-                   canvas: Mapping[str, Mapping[str, float] | None], *, prompt: Any = None,
-                   output: EscalationOutput = "auto") -> Escalated:
-    """Answer `specs` with `target`, one call for all of them (and one more for a malformed reply)."""
+async def escalate(escalation: Escalation, asked: Asked) -> Escalated:
+    """Answer `asked.specs` with `escalation.target`, one call for all of them (and one more
+    for a malformed reply)."""
+    target, specs = escalation.target, list(asked.specs)
     name = target_name(target)
-    config = {"tags": ["nostream"]}
+    config: Any = {"tags": ["nostream"]}
     if isinstance(target, BaseDecisionModel):
-        request = {"state": state, "questions": {s.id: s.question for s in specs}}
+        request = {"state": asked.state, "questions": {s.id: s.question for s in specs}}
         try:
-            resp = await target.ainvoke(request, config=config)
+            resp = await target.ainvoke(request, config=config)  # type: ignore[arg-type]
         except Exception as exc:
             _reraise_control_flow(exc)
             raise failure(name, target, exc) from exc
@@ -72,8 +103,8 @@ async def escalate(target: Any, state_text: str, state: Any, specs: Sequence[Que
             return from_decision(name, resp, specs)
         except ValueError as exc:
             raise _format_error(name, f"returned {exc}") from exc
-    messages = await prompt_messages(prompt, state_text, specs, canvas)
-    runner, structured = _runner(target, name, specs, output)
+    messages = await prompt_messages(escalation.prompt, asked)
+    runner, structured = _runner(target, name, specs, escalation.output)
     usage = {"input_tokens": 0, "output_tokens": 0}
     cause: ValueError | None = None
     for _ in range(2):
@@ -125,7 +156,9 @@ def _unpack(reply: Any) -> tuple[Any, Any, Any]:
 
 def failure(name: str, target: Any, exc: BaseException) -> EscalationError:
     """The `EscalationError` for a target call that raised `exc`: network (unreachable, timed
-    out) or target (it answered with an error), retryable when it may pass by itself."""
+    out) or target (it answered with an error, or its own code raised), retryable when it may
+    pass by itself."""
+    hint_kind = "target"
     if isinstance(exc, CanvasRouteError):  # a decision-model target's own typed fault
         kind = "network" if isinstance(exc, EngineUnavailable) else "target"
         retryable, attempts = exc.retryable, exc.attempts
@@ -134,12 +167,16 @@ def failure(name: str, target: Any, exc: BaseException) -> EscalationError:
         names = {c.__name__ for c in type(exc).__mro__}  # langchain-openai's OpenAIConnectionError is an APIConnectionError
         network = isinstance(exc, (ConnectionError, TimeoutError)) or bool(names & _NETWORK_NAMES)
         kind = "network" if network else "target"
+        answered = status is not None or getattr(exc, "response", None) is not None or bool(names & _API_NAMES)
+        hint_kind = kind if network or answered else "raised"
         retryable = network or bool(names & _SHEDDING_NAMES) or status in (429, 503, 529)
         own = getattr(target, "max_retries", None)  # a client that retries itself owns its retries
         attempts = own + 1 if isinstance(own, int) and not isinstance(own, bool) and own > 0 else 1
-    what = "could not be reached or timed out" if kind == "network" else "answered with an error"
+    what = ("could not be reached or timed out" if kind == "network" else "answered with an error"
+            if hint_kind == "target" else f"raised {type(exc).__name__}")
     return EscalationError(f"escalation to {name} failed ({kind}: the target {what}): {exc!r}", failure=kind,
-                           hint=_HINTS[kind], retryable=retryable, attempts=attempts)
+                           hint=_HINTS[hint_kind if kind == "target" else kind], retryable=retryable,
+                           attempts=attempts)
 
 
 def _format_error(name: str, what: str) -> EscalationError:
@@ -150,6 +187,8 @@ _NETWORK_NAMES = {"APIConnectionError", "APITimeoutError", "ConnectError", "Read
                   "RemoteProtocolError", "ReadError", "WriteError", "PoolTimeout"}
 """Transport errors of the OpenAI and httpx clients, named so neither has to be imported."""
 _SHEDDING_NAMES = {"RateLimitError", "InternalServerError", "ServiceUnavailableError"}
+_API_NAMES = {"APIError", "APIStatusError", "HTTPStatusError", "BadRequestError", "AuthenticationError",
+              "PermissionDeniedError", "NotFoundError", "UnprocessableEntityError"}
 """A target that answered but shed load: it may pass by itself."""
 
 
@@ -163,3 +202,249 @@ def _reraise_control_flow(exc: Exception) -> None:
 def is_target(target: Any) -> bool:
     """Whether `target` can be escalated to."""
     return isinstance(target, (BaseChatModel, BaseDecisionModel)) or hasattr(target, "ainvoke")
+
+
+# -- the prompt and the answer schema -----------------------------------------------------
+
+PROMPT_VARIABLES = frozenset({"state", "questions", "keys", "instructions"})
+"""The variables an escalation prompt may use."""
+
+INSTRUCTIONS = ("You answer classification questions about an input. For each question choose exactly one "
+                "of its allowed options. A fast model's probabilities are given as a hint; they may be wrong. "
+                "Reply with only a JSON object that maps each question id to one allowed option.")
+REQUEST = "{instructions}Input:\n{state}\n\n{questions}\n\nJSON with the keys {keys}:"
+
+
+def question_lines(specs: Sequence[QuestionSpec], canvas: Mapping[str, Mapping[str, float] | None]) -> str:
+    """One compact line per question (options, canvas hint): small models stay on track."""
+    lines = []
+    for spec in specs:
+        options = ", ".join(f'"{o}"' + (f" ({d})" if d else "")
+                            for o, d in zip(spec.options, spec.descriptions, strict=True))
+        line = f'Question "{spec.id}": {option_text(spec.question.instructions)} Options: {options}.'
+        if hint := canvas.get(spec.id):
+            line += " Fast model's probabilities: " + json.dumps({k: round(v, 3) for k, v in hint.items()})
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def variables(asked: Asked) -> dict[str, str]:
+    """The prompt's variables for one escalation."""
+    return {"state": asked.state_text, "questions": question_lines(asked.specs, asked.canvas),
+            "keys": ", ".join(f'"{s.id}"' for s in asked.specs),
+            "instructions": f"Context for every question: {asked.instructions}\n\n" if asked.instructions else ""}
+
+
+def _example() -> tuple[HumanMessage, AIMessage]:
+    """A one-shot example of the reply format (small models need it; large ones don't mind)."""
+    specs = parse_questions({"weather": {"type": "choice", "instructions": "What is the weather like?",
+                                         "criteria": {"sunny": None, "rainy": None}},
+                             "cold": {"type": "noul", "instructions": "Is it cold?"}})
+    hint = {"weather": {"sunny": 0.6, "rainy": 0.4}, "cold": {"yes": 0.3, "no": 0.7}}
+    asked = Asked(specs=tuple(specs.values()), state=None, state_text="It is a bright, sunny day in July.",
+                  canvas=hint)
+    return HumanMessage(REQUEST.format(**variables(asked))), AIMessage('{"weather": "sunny", "cold": "no"}')
+
+
+ESCALATION_PROMPT = ChatPromptTemplate.from_messages([SystemMessage(INSTRUCTIONS), *_example(), ("human", REQUEST)])
+"""The default escalation prompt: instructions, a one-shot example, the request."""
+
+
+def check_prompt(prompt: Any) -> Any:
+    """`prompt` if it is a prompt template over `PROMPT_VARIABLES` only (or None)."""
+    if prompt is None:
+        return None
+    if not isinstance(prompt, BasePromptTemplate):
+        raise ValueError(f"escalation prompt must be a langchain-core ChatPromptTemplate, not {type(prompt).__name__}")
+    unknown = sorted(set(prompt.input_variables) - PROMPT_VARIABLES)
+    if unknown:
+        raise ValueError(f"escalation prompt uses unknown variables {unknown}; it may use {sorted(PROMPT_VARIABLES)}")
+    return prompt
+
+
+async def prompt_messages(prompt: Any, asked: Asked) -> list[BaseMessage]:
+    """The escalation's messages: `prompt` (default `ESCALATION_PROMPT`) filled in, the
+    instructions ahead of the state where the prompt has no place for them, and the images
+    with the last human message."""
+    template = prompt or ESCALATION_PROMPT
+    values = variables(asked)
+    if "instructions" not in template.input_variables and values["instructions"]:
+        values["state"] = values["instructions"] + values["state"]
+    filled = (await template.ainvoke({k: values[k] for k in template.input_variables})).to_messages()
+    if asked.images:
+        last = max((i for i, m in enumerate(filled) if isinstance(m, HumanMessage)), default=None)
+        if last is None:
+            filled.append(HumanMessage(content=[]))
+            last = len(filled) - 1
+        message = filled[last]
+        text = message.content if isinstance(message.content, list) else [{"type": "text", "text": message.content}]
+        images = [{"type": "image_url", "image_url": {"url": url}} for url in asked.images]
+        filled[last] = HumanMessage(content=[*text, *images])
+    return filled
+
+
+def answer_schema(specs: Sequence[QuestionSpec]) -> dict[str, Any]:
+    """The JSON schema of a reply: `{question id: one of its options}`, every id required."""
+    return {
+        "title": "answers",
+        "description": "One allowed option per question id.",
+        "type": "object",
+        "properties": {s.id: {"type": "string", "enum": list(s.options),
+                              "description": option_text(s.question.instructions)} for s in specs},
+        "required": [s.id for s in specs],
+        "additionalProperties": False,
+    }
+
+
+# -- the reply ---------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Escalated:
+    """The escalation's answers: option and (if the target reported one) distribution."""
+
+    model: str
+    answers: dict[str, str]
+    probabilities: dict[str, dict[str, float] | None]
+    usage: dict[str, int] = field(default_factory=dict)
+    response_model: str | None = None
+    """The model that answered, as the target's reply names it (None when it does not)."""
+
+
+def usage_of(reply: Any) -> dict[str, int]:
+    """Token usage a chat reply reports (empty when it reports none)."""
+    if isinstance(reply, AIMessage) and reply.usage_metadata:
+        return {"input_tokens": int(reply.usage_metadata.get("input_tokens", 0)),
+                "output_tokens": int(reply.usage_metadata.get("output_tokens", 0))}
+    return {}
+
+
+def from_reply(name: str, reply: Any, specs: Sequence[QuestionSpec], parsed: Any = None) -> Escalated:
+    """Validate a chat/runnable reply (or, with structured output, its `parsed` mapping beside
+    the raw message) and read a distribution from logprobs if present."""
+    usage = usage_of(reply)
+    logprobs, served = None, None
+    if isinstance(reply, BaseMessage):
+        text = reply.text if isinstance(reply.text, str) else reply.text()
+        metadata = reply.response_metadata or {}
+        logprobs, served = metadata.get("logprobs"), metadata.get("model_name") or metadata.get("model")
+        data: Any = parsed if parsed is not None else _parse_json(text)
+    elif isinstance(reply, Mapping):
+        data, text = dict(reply), ""
+    elif hasattr(reply, "model_dump"):
+        data, text = reply.model_dump(), ""
+    else:
+        text = str(reply)
+        data = _parse_json(text)
+    answers: dict[str, str] = {}
+    by_description: dict[str, bool] = {}  # answered by an option's description, not its name
+    for spec in specs:
+        value = data.get(spec.id) if isinstance(data, Mapping) else None
+        option = _match(spec, value)
+        if option is None:
+            raise ValueError(f"{spec.id!r}: {value!r} is not one of {list(spec.options)}")
+        answers[spec.id] = option
+        by_description[spec.id] = isinstance(value, str) and value.strip().casefold() != option.casefold()
+    probs = {s.id: _logprob_distribution(logprobs, text, s, by_description[s.id]) if logprobs else None
+             for s in specs}
+    for qid, dist in probs.items():  # a distribution that disagrees with the answer was mis-mapped
+        if dist and max(dist, key=dist.__getitem__) != answers[qid]:
+            probs[qid] = None
+    return Escalated(name, answers, probs, usage, served if isinstance(served, str) and served else None)
+
+
+def _parse_json(text: str) -> Any:
+    """The first JSON object in `text` (prose or code fences around it are ignored)."""
+    decoder = json.JSONDecoder()
+    start, error = (text or "").find("{"), "no JSON object"
+    while start != -1:
+        try:
+            value, _ = decoder.raw_decode(text, start)
+        except json.JSONDecodeError as exc:
+            error = f"invalid JSON ({exc.msg})"
+        else:
+            if isinstance(value, dict):
+                return value
+        start = text.find("{", start + 1)
+    raise ValueError(f"{error} in {(text or '')[:120]!r}")
+
+
+def _match(spec: QuestionSpec, value: Any) -> str | None:
+    """The option a reply value names: its name (exactly, else stripped, else case-folded if
+    that names one option), or (if unambiguous) its description."""
+    if isinstance(value, bool) and spec.kind == "noul":
+        return "yes" if value else "no"
+    if isinstance(value, int) and not isinstance(value, bool) and spec.kind == "score":
+        value = str(value)
+    if not isinstance(value, str):
+        return None
+    if value in spec.options:
+        return value
+    stripped = {o.strip(): o for o in spec.options}
+    if value.strip() in stripped:
+        return stripped[value.strip()]
+    key = value.strip().casefold()
+    folded = [o for o in spec.options if o.strip().casefold() == key]
+    if len(folded) == 1:
+        return folded[0]
+    described = [o for o, d in zip(spec.options, spec.descriptions, strict=True) if d and d.casefold() == key]
+    return described[0] if len(described) == 1 else None
+
+
+def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec,
+                          by_description: bool = False) -> dict[str, float] | None:
+    """Distribution over options from OpenAI-shaped logprobs at the answer's first token.
+
+    Approximate: each option takes the best alternative whose text is a prefix of its
+    name (of its description, when the reply named the answer by its description);
+    options sharing a first token share that mass. None when the token is not found.
+    """
+    content = logprobs.get("content") if isinstance(logprobs, Mapping) else logprobs
+    if not content:
+        return None
+    m = re.search(r'"%s"\s*:\s*"?' % re.escape(spec.id), text)
+    if m is None:
+        return None
+    offset = 0
+    for entry in content:
+        token = entry.get("token", "")
+        if offset + len(token) > m.end() or (offset >= m.end()):
+            alts = {a["token"].strip().strip('"'): a["logprob"] for a in entry.get("top_logprobs") or []}
+            alts.setdefault(token.strip().strip('"'), entry.get("logprob", 0.0))
+            scores = {}
+            for option, desc in zip(spec.options, spec.descriptions, strict=True):
+                name = (desc if by_description else option).casefold()
+                hits = [lp for tok, lp in alts.items() if tok and name and name.startswith(tok.casefold())]
+                scores[option] = max(hits) if hits else None
+            known = [v for v in scores.values() if v is not None]
+            if not known:
+                return None
+            floor = min(known) - 5.0
+            weights = {o: math.exp(v if v is not None else floor) for o, v in scores.items()}
+            total = sum(weights.values())
+            return {o: w / total for o, w in weights.items()}
+        offset += len(token)
+    return None
+
+
+def from_decision(name: str, resp: Any, specs: Sequence[QuestionSpec]) -> Escalated:
+    """A decision-model target's answers (ValueError: one it did not answer usably)."""
+    name = getattr(resp, "model", None) or name  # the model that answered, as it reports itself
+    answers: dict[str, str] = {}
+    probs: dict[str, dict[str, float] | None] = {}
+    for spec in specs:
+        ans = resp.answers.get(spec.id) if resp is not None else None
+        if isinstance(ans, NoulAnswer):
+            answers[spec.id] = "yes" if ans.noul >= 0.5 else "no"
+            probs[spec.id] = {"yes": ans.noul, "no": 1.0 - ans.noul}
+        elif isinstance(ans, ChoiceAnswer) and ans.choice in spec.options:
+            answers[spec.id] = ans.choice
+            probs[spec.id] = {o: float(ans.probabilities.get(o, 0.0)) for o in spec.options}
+        elif isinstance(ans, ScoreAnswer):
+            dist = {str(k): float(v) for k, v in ans.probabilities.items()}
+            answers[spec.id] = max(dist, key=dist.__getitem__) if dist else str(round(ans.score))
+            probs[spec.id] = {o: dist.get(o, 0.0) for o in spec.options}
+        else:
+            raise ValueError(f"no usable answer for {spec.id!r}: {ans!r}")
+    usage = dict(resp.usage) if getattr(resp, "usage", None) else {}
+    return Escalated(name, answers, probs, {k: int(usage.get(k, 0)) for k in ("input_tokens", "output_tokens")},
+                     name)

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Collection, Mapping, Sequence
+import string
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-from langchain_core.decisions import Choice
+from langchain_core.decisions import Choice, Noul
 
-from canvasroute.engine import MAX_LABEL_IDS, Engine, EngineInfo, InputTooLong, LabelError
+from canvasroute.engine import SPECIAL_CANDIDATES, MAX_LABEL_IDS, Engine, EngineInfo, InputTooLong, LabelError, defuse
 
-from ._labels import one_token_labels
-from ._prompts import system_prompt, template_text
-from ._questions import QuestionSpec, rotated, view_shifts
+from ._questions import ABSTAIN_TEXT, QuestionSpec, option_text, rotated, view_shifts, with_abstain
+
+if TYPE_CHECKING:
+    from ._request import DecisionRequest
 
 COMPACT_ABOVE = 10
 """Sets of more questions than this may answer in the compact format (vLLM's gateway's
@@ -276,3 +280,204 @@ async def _slot(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpec],
             return f"{alphabet[0]!r} merges with the question id in the compact format"
     return Slot(specs[i].id, position, tuple(alphabet), tuple(ids), specs[i].shift)
 
+
+# -- prompts ---------------------------------------------------------------------------
+
+LINES_FORMAT = 'Reply with one line per question, in this order, formatted as "id: label".'
+COMPACT_FORMAT = ("Reply on one line: each question's id directly followed by its label, in this order, "
+                  "separated by single spaces (for example q1A q2B).")
+
+
+def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]],
+                  special_tokens: Sequence[str] | None = None, *, compact: bool = False) -> str:
+    """The question list for one chunk. Caller ids are hidden behind q1, q2, ...
+
+    Instructions, option names and criteria are defused like the state (`canvasroute.engine.defuse`
+    with the engine's special tokens): a question built from state cannot forge tokens.
+    """
+    specials = special_tokens or SPECIAL_CANDIDATES
+
+    def text(content: Any) -> str:
+        return defuse(option_text(content), specials)
+
+    parts = ["Read the input and answer every question below."]
+    for n, (spec, alphabet) in enumerate(zip(specs, labels, strict=True), 1):
+        q = spec.question
+        again = " (the same question again, options in another order)" if spec.shift else ""
+        lines = [f"Question q{n}: {text(q.instructions)}{again}"]
+        if spec.abstain:  # the last label is "none of these / can't tell"
+            alphabet, abstain = alphabet[:-1], alphabet[-1]
+        if isinstance(q, Noul):
+            crit = q.criteria
+            yes = text(crit.true) if crit and crit.true is not None else "yes"
+            no = text(crit.false) if crit and crit.false is not None else "no"
+            lines += [f"{alphabet[0]}: {yes}", f"{alphabet[1]}: {no}"]
+        elif isinstance(q, Choice):
+            for label, (name, desc) in zip(alphabet, q.criteria.items(), strict=True):
+                lines.append(f"{label}: {text(name)}" + (f" ({text(desc)})" if desc not in (None, "") else ""))
+        else:
+            lines += [f"{label}: {text(desc)}" for label, desc in zip(alphabet, q.criteria, strict=True)]
+        if spec.abstain:
+            lines.append(f"{abstain}: {ABSTAIN_TEXT}")
+        parts.append("\n".join(lines))
+    parts.append(COMPACT_FORMAT if compact else LINES_FORMAT)
+    return "\n\n".join(parts)
+
+
+def template_text(info: EngineInfo, labels: Sequence[str], *, compact: bool = False) -> str:
+    """The answer canvas text: the thought block where the prompt lacks it
+    (`info.canvas_prefix`), the answers, and the end of turn right after the last one (as
+    vLLM's reference gateway builds it). Answers are `qN: label` lines, or `qNlabel` words
+    separated by spaces when `compact` (a token or more less per question)."""
+    if compact:
+        body = " ".join(f"q{n}{label}" for n, label in enumerate(labels, 1))
+    else:
+        body = "\n".join(f"q{n}: {label}" for n, label in enumerate(labels, 1))
+    return f"{info.canvas_prefix}{body}{info.end_of_turn}"
+
+
+# -- one-token labels --------------------------------------------------------------------
+
+Tokenize = Callable[[str], Awaitable[list[int]]]
+
+LABEL_POOL: tuple[str, ...] = tuple(
+    list(string.ascii_uppercase) + list(string.ascii_lowercase) + list(string.digits)
+    + [a + b for a in string.ascii_uppercase for b in string.ascii_uppercase]
+    + [a + b for a in string.ascii_uppercase for b in string.ascii_lowercase]
+    + [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]
+    + [str(i) for i in range(10, 100)]
+)
+"""Candidate labels, best first: letters, digits, then two-character labels."""
+
+_BATCH = 64
+
+
+async def one_token_labels(tokenize: Tokenize, render: Callable[[str], str], want: int,
+                           pool: Sequence[str] = LABEL_POOL) -> tuple[str, ...]:
+    """Up to `want` labels from `pool` that are each one distinct token at one slot.
+
+    `render(label)` is the canvas text with the question's slot holding `label`. The
+    slot is where the first two one-token pool entries differ; returns () when the
+    pool offers no such pair.
+    """
+    found: list[str] = []
+    ids: set[int] = set()
+    reference: list[int] | None = None
+    position: int | None = None
+    for start in range(0, len(pool), _BATCH):
+        batch = pool[start:start + _BATCH]
+        variants = await asyncio.gather(*(tokenize(render(label)) for label in batch))
+        for label, toks in zip(batch, variants, strict=True):
+            if reference is None:
+                reference, reference_label = toks, label
+                continue
+            if len(toks) != len(reference):
+                continue
+            diff = [p for p, (x, y) in enumerate(zip(reference, toks)) if x != y]
+            if len(diff) != 1 or (position is not None and diff[0] != position):
+                continue
+            if position is None:  # the first label that differs in one token fixes the slot
+                position = diff[0]
+                found.append(reference_label)
+                ids.add(reference[position])
+            if toks[position] not in ids:
+                found.append(label)
+                ids.add(toks[position])
+            if len(found) >= want:
+                return tuple(found[:want])
+    return tuple(found)
+
+
+# -- the plans a model keeps -------------------------------------------------------------
+
+KEEP = 256
+"""Plans kept (least recently used dropped first)."""
+
+Messages = tuple[Mapping[str, str], ...]
+
+
+def messages(chunk: Chunk, state_text: str, instructions: str = "") -> Messages:
+    """The chat messages one chunk is read with (the decision's `instructions` head its system prompt)."""
+    system = f"{instructions}\n\n{chunk.system}" if instructions else chunk.system
+    return ({"role": "system", "content": system}, {"role": "user", "content": state_text})
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What a decision stage's canvases are read about, defused for the engine's tokenizer."""
+
+    state_text: str
+    """The state (and, past the first stage, its parents' answers restated)."""
+    instructions: str
+    """`ReadOptions.instructions`, defused."""
+
+
+@dataclass(slots=True)
+class Planner:
+    """One engine's plans, by key (an LRU of `KEEP`)."""
+
+    engine: Engine
+    plans: OrderedDict[Any, Plan] = field(default_factory=OrderedDict)
+
+    async def layer(self, request: DecisionRequest, asked: Sequence[str]) -> Plan:
+        """The plan of the asked questions of a decision, as read (abstain labels, order views,
+        questions read alone, a thought first)."""
+        specs, gate, read = request.questions.specs, request.gate, request.read
+        shaped = {qid: with_abstain(specs[qid]) if gate.for_question(qid).abstain else specs[qid] for qid in asked}
+        views = {qid: gate.for_question(qid).order_views for qid in asked if gate.for_question(qid).order_views}
+        alone = sorted(read.alone.intersection(asked))
+        plan_key: Any = request.questions.key
+        if len(asked) != len(specs) or views or alone or read.think or any(s.abstain for s in shaped.values()):
+            plan_key = (plan_key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain),
+                        tuple(views.items()), tuple(alone), bool(read.think))
+        return await self._get(plan_key, shaped, views, alone, "" if read.think else None)
+
+    async def member(self, the_plan: Plan, qid: str, group: int, think: bool = False) -> Plan:
+        """The in-group plan of a question read in two steps (`think`: its read continues a thought)."""
+        spec = the_plan.routes[qid].member_spec(the_plan.specs[qid], group)
+        return await self._get(("member", qid, spec.question.model_dump_json(), think), {qid: spec},
+                               canvas_prefix="" if think else None)
+
+    async def check(self, request: DecisionRequest, info: EngineInfo, prompt: Prompt) -> None:
+        """`InputTooLong` unless every read of every stage (all of it asked) fits the model."""
+        for layer in request.questions.depends.layers:
+            await self.check_plan(await self.layer(request, layer), request, info, prompt)
+
+    async def check_plan(self, the_plan: Plan, request: DecisionRequest, info: EngineInfo, prompt: Prompt) -> None:
+        """`InputTooLong` unless every read `the_plan` can send fits the model: each chunk's first
+        read (its re-reads share its prompt), and for a question read in two steps the in-group
+        read of every group (which one is read is known only after the first read)."""
+        think = request.read.think
+        for chunk in the_plan.chunks:
+            await _check(self.engine, info, chunk, prompt, think, None)
+        for qid, route in the_plan.routes.items():
+            for group in range(len(route.groups)):
+                for chunk in (await self.member(the_plan, qid, group, bool(think))).chunks:
+                    await _check(self.engine, info, chunk, prompt, think, qid)
+
+    async def _get(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None,
+                   alone: Sequence[str] = (), canvas_prefix: str | None = None) -> Plan:
+        plans = self.plans
+        if key not in plans:
+            plans[key] = await plan(self.engine, specs, views, alone=alone, canvas_prefix=canvas_prefix)
+            while len(plans) > KEEP:
+                plans.popitem(last=False)
+        plans.move_to_end(key)
+        return plans[key]
+
+
+async def _check(engine: Engine, info: EngineInfo, chunk: Chunk, prompt: Prompt, think: int,
+                 routed: str | None) -> None:
+    """A byte count bounds a prompt cheaply (a token covers at least one UTF-8 byte); only a
+    prompt near the limit is tokenized exactly."""
+    budget = info.max_model_len - chunk.width - think
+    msgs = messages(chunk, prompt.state_text, prompt.instructions)
+    if info.chat_overhead + sum(len(m["content"].encode()) for m in msgs) <= budget:
+        return
+    n = await engine.count_prompt(msgs)
+    if n > budget:
+        step = f" (the in-group read of {routed!r}, which lists every option of a group)" if routed else ""
+        thought = f" + thought of {think}" if think else ""
+        raise InputTooLong(f"prompt of {n} tokens + canvas of {chunk.width}{thought} exceed the model's "
+                           f"{info.max_model_len}-token context{step}",
+                           hint="shorten the state or ask fewer questions (or options) per node")

@@ -1,20 +1,53 @@
-"""Policies: when a canvas answer is trusted, re-read, escalated, or budgeted."""
+"""Policies: when a canvas answer passes, what happens when it does not, and the escalation.
+
+Three frozen values, one concern each:
+
+- `GatePolicy`: the thresholds a read must pass and how it is read (temperature, samples,
+  re-reads, the abstain label, order views), with overrides per question;
+- `OutcomePolicy`: what happens when the gate is not passed, one action per cause
+  (`uncertain`, `abstained`, `engine_fault`, `over_budget`) from one vocabulary,
+  `ACTIONS`: `escalate`, `answer`, `fallback`, `raise`, `review`;
+- `Escalation`: where an escalated question goes (target, output mode, prompt, timeout)
+  and what it may spend (`EscalationBudget` and the meter that counts it).
+
+A decision's gate is resolved once per question, in one order (`resolve_gate`): the model's
+policy (in code or a policy file, per-question fits included), then each override layer in
+turn (`serve`/`eval` flags, `Runtime.context.gate`, the request's own keys); a layer replaces
+the fields it names, for every question, per-question fits included.
+
+The policy file (`canvasroute calibrate` writes it, `load_policy` reads it) is a `GatePolicy`
+as JSON: `{"format": "canvasroute.policy/1", "policy": {...}, "calibration": {...}}`.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from canvasroute.engine import DecisionError
+from canvasroute.engine import CalibrationError, DecisionError
 
-from ._distribution import SlotStats
+if TYPE_CHECKING:
+    from ._read import SlotStats
+
+__all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Escalation", "EscalationBudget", "EscalationOutput",
+           "GatePolicy", "OutcomePolicy", "check_fallbacks", "load_policy", "policy_from_dict", "policy_to_dict",
+           "resolve_gate", "save_policy"]
 
 MAX_SAMPLES = 32
 """Reads of one question in a decision, first reads and re-reads each (vLLM's gateway caps samples there too)."""
 MAX_REREADS = MAX_SAMPLES - 1
 MAX_ORDER_VIEWS = 2
+
+Action = Literal["escalate", "answer", "fallback", "raise", "review"]
+"""What happens to a question the gate did not pass (one vocabulary for every cause)."""
+ACTIONS: tuple[str, ...] = get_args(Action)
+EscalationOutput = Literal["auto", "json_schema", "function_calling", "json_mode", "text"]
+"""How a chat-model target answers: `auto` (its own structured output, a JSON reply in text
+when it has none), a `with_structured_output` method by name, or `text`."""
 
 
 class FrozenMapping(Mapping[str, "GatePolicy"]):
@@ -22,14 +55,14 @@ class FrozenMapping(Mapping[str, "GatePolicy"]):
 
     __slots__ = ("_data", "_hash")
 
-    def __init__(self, data: Mapping[str, GatePolicy] = ()) -> None:  # type: ignore[assignment]
-        self._data = dict(data)
+    def __init__(self, data: Mapping[str, GatePolicy] | None = None) -> None:
+        self._data = dict(data or {})
         self._hash: int | None = None
 
     def __getitem__(self, key: str) -> GatePolicy:
         return self._data[key]
 
-    def get(self, key: str, default: GatePolicy | None = None) -> GatePolicy | None:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         return self._data.get(key, default)  # the dict's own: `for_question` runs per question per gate
 
     def __iter__(self) -> Iterator[str]:
@@ -44,7 +77,7 @@ class FrozenMapping(Mapping[str, "GatePolicy"]):
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and dict(self._data) == dict(other)
+        return isinstance(other, Mapping) and self._data == dict(other)
 
     def __repr__(self) -> str:
         return repr(self._data)
@@ -52,13 +85,13 @@ class FrozenMapping(Mapping[str, "GatePolicy"]):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GatePolicy:
-    """Thresholds that decide whether a canvas answer is confident.
+    """When a canvas answer passes, and how its question is read.
 
-    A question is uncertain when any configured threshold is crossed; `None` turns a
-    check off. Every question is read `samples` times (1: one read), uncertain ones are
-    re-read `rereads` more times with fresh noise, gated again on the mean distribution,
-    and escalated if still uncertain. Read k of a canvas uses noise seed `seed + 7919 k`,
-    first reads and re-reads alike.
+    A question is uncertain when any configured threshold is crossed; `None` turns a check
+    off. Every question is read `samples` times (1: one read), uncertain ones are re-read
+    `rereads` more times with fresh noise and gated again on the mean distribution. Read k
+    of a canvas uses noise seed `seed + 7919 k`, first reads and re-reads alike. What happens
+    to a question still uncertain is the model's `OutcomePolicy`.
 
     Example:
         ```python
@@ -96,20 +129,14 @@ class GatePolicy:
     """Extra reads with fresh noise for questions still uncertain after their `samples`
     (0 turns re-reading off; `samples=1, rereads=0` is exactly one read)."""
 
+    reread_above: float | None = None
+    """Entropy in nats above which a question is re-read even when the gate passes it (vLLM's
+    gateway's `auto_threshold`). It asks for more reads only: whether the answer then passes
+    is still the thresholds' call. None: only questions the gate does not pass are re-read."""
+
     abstain: bool = False
     """Offer one more label in the question's slot, "none of these / can't tell". When it
-    wins the question takes path `abstained` and goes where `on_abstain` says."""
-
-    on_abstain: Literal["escalate", "fallback"] = "escalate"
-    """An abstained question escalates (under the budget; needs `escalate_to`) or takes
-    the model's `fallback` option for it."""
-
-    on_unsure: Literal["answer", "fallback", "raise", "review"] = "answer"
-    """What a question still uncertain after its re-reads answers when nothing can answer it
-    instead (the model has no `escalate_to`); its path is `unsure` whatever this says.
-    `answer` (default): the canvas answer, flagged `confident=False`; `fallback`: the model's
-    `fallback` option for it; `raise`: `UnsureAnswer`; `review`: the canvas answer, and a
-    decision node sends it to a human through `interrupt()` (its `review=`, else `ReviewPolicy()`)."""
+    wins the question is not passed, with cause `abstained` (`OutcomePolicy.abstained`)."""
 
     order_views: int = 0
     """Extra listings of a Choice's options in cyclically shifted label order, as extra
@@ -126,12 +153,8 @@ class GatePolicy:
         object.__setattr__(self, "per_question", FrozenMapping(self.per_question))
         if not 0 <= self.order_views <= MAX_ORDER_VIEWS:
             raise ValueError(f"order_views must be within 0..{MAX_ORDER_VIEWS}, got {self.order_views}")
-        if self.on_abstain not in ("escalate", "fallback"):
-            raise ValueError(f"on_abstain must be escalate or fallback, not {self.on_abstain!r}")
         if not 1 <= self.samples <= MAX_SAMPLES:
             raise ValueError(f"samples must be within 1..{MAX_SAMPLES}, got {self.samples}")
-        if self.on_unsure not in ("answer", "fallback", "raise", "review"):
-            raise ValueError(f"on_unsure must be answer, fallback, raise or review, not {self.on_unsure!r}")
         if not 0 <= self.rereads <= MAX_REREADS:
             raise ValueError(f"rereads must be within 0..{MAX_REREADS}, got {self.rereads}")
         for name in ("max_normalized_entropy", "min_confidence", "min_margin", "min_label_mass"):
@@ -140,15 +163,19 @@ class GatePolicy:
                 raise ValueError(f"{name} must be within [0, 1], got {value}")
         if not 0.0 < self.temperature < math.inf:
             raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
-        if self.max_entropy is not None and self.max_entropy < 0:
-            raise ValueError(f"max_entropy must be >= 0, got {self.max_entropy}")
+        for name in ("max_entropy", "reread_above"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         for qid, override in self.per_question.items():
             if not isinstance(override, GatePolicy):
                 raise TypeError(f"per_question[{qid!r}] must be a GatePolicy, got {type(override).__name__}")
+            if override.per_question:
+                raise ValueError(f"per_question[{qid!r}] has overrides of its own; an override is one question's policy")
 
     def for_question(self, question_id: str) -> GatePolicy:
         """The policy that applies to one question."""
-        return self.per_question.get(question_id, self)
+        return self.per_question.get(question_id, self)  # type: ignore[no-any-return]
 
     @property
     def gate_text(self) -> str:
@@ -164,12 +191,26 @@ class GatePolicy:
         return self.min_label_mass is not None or any(p.min_label_mass is not None
                                                       for p in self.per_question.values())
 
-    def with_overrides(self, **changes: object) -> GatePolicy:
-        """A copy with some fields changed (e.g. from `Runtime.context`)."""
-        return replace(self, **changes)  # type: ignore[arg-type]
+    def with_overrides(self, **changes: Any) -> GatePolicy:
+        """A copy with some fields changed, for every question: each per-question override gets
+        the same changes (a flag or a `Runtime.context` gate means every question's gate).
 
-    def crossed(self, stats: SlotStats) -> list[str]:
-        """Names of the thresholds this distribution crosses (empty: confident)."""
+        `per_question=` among the changes replaces the overrides instead (a mapping of
+        policies, or of field dicts applied over this policy's own per-question entry).
+        """
+        if unknown := sorted(set(changes) - _GATE_FIELDS):
+            raise ValueError(f"unknown GatePolicy fields {unknown}; fields are {sorted(_GATE_FIELDS)}")
+        per_question: Mapping[str, Any] | None = changes.pop("per_question", None)
+        if per_question is not None:
+            base = {qid: self.for_question(qid) for qid in per_question}
+            overrides = {qid: p if isinstance(p, GatePolicy) else replace(base[qid], per_question={}, **dict(p))
+                         for qid, p in per_question.items()}
+        else:
+            overrides = {qid: replace(p, **changes) for qid, p in self.per_question.items()}
+        return replace(self, **changes, per_question=overrides)
+
+    def crossed(self, stats: SlotStats) -> tuple[str, ...]:
+        """Names of the thresholds a distribution crosses (empty: it passes)."""
         out = []
         if self.max_normalized_entropy is not None and stats.normalized_entropy > self.max_normalized_entropy:
             out.append("max_normalized_entropy")
@@ -181,16 +222,98 @@ class GatePolicy:
             out.append("min_margin")
         if self.min_label_mass is not None and stats.label_mass < self.min_label_mass:
             out.append("min_label_mass")
-        return out
+        return tuple(out)
+
+
+_GATE_FIELDS = frozenset(f.name for f in fields(GatePolicy))
+
+
+def resolve_gate(policy: GatePolicy, *layers: GatePolicy | Mapping[str, Any] | None) -> GatePolicy:
+    """The gate one decision is held to: `policy`, then each layer in order (None: skipped).
+
+    A `GatePolicy` layer replaces everything before it; a mapping of fields replaces those
+    fields for every question (`GatePolicy.with_overrides`).
+
+    Raises:
+        ValueError: a mapping naming a field `GatePolicy` does not have.
+        TypeError: a layer that is neither.
+    """
+    for layer in layers:
+        if layer is None:
+            continue
+        if isinstance(layer, GatePolicy):
+            policy = layer
+        elif isinstance(layer, Mapping):
+            policy = policy.with_overrides(**layer) if layer else policy
+        else:
+            raise TypeError(f"a gate override is a GatePolicy or a dict of its fields, not {type(layer).__name__}")
+    return policy
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OutcomePolicy:
+    """What happens to a question the gate did not pass, by cause.
+
+    Every cause takes an action from one vocabulary (`ACTIONS`): `escalate` to the escalation
+    target; `answer` with the canvas's best option, flagged (path `unsure`); `fallback` to the
+    question's declared option (path `fallback`); `raise` a typed error (`UnsureAnswer`,
+    `BudgetExhausted`, the engine fault itself); `review`: the canvas answer, which a decision
+    node sends to a human through `interrupt()`. The cause is on every report (`cause`), in
+    traces and on the dashboard.
+
+    Example:
+        ```python
+        OutcomePolicy(uncertain="review", engine_fault="fallback", fallback={"team": "billing"})
+        ```
+    """
+
+    uncertain: Action = "escalate"
+    """A read that crossed a threshold after its re-reads. `escalate` with no escalation target
+    answers from the canvas instead (path `unsure`)."""
+
+    abstained: Literal["escalate", "fallback", "answer"] = "escalate"
+    """The abstain label won (`GatePolicy.abstain`), however narrowly; `answer` takes the best
+    real option. `escalate` needs an escalation target."""
+
+    engine_fault: Literal["escalate", "fallback", "raise"] = "escalate"
+    """The engine failed for this question: never a cheap answer. `escalate` with no target raises."""
+
+    over_budget: Literal["answer", "fallback", "raise"] = "answer"
+    """Escalation was wanted but the budget is spent (an engine fault over budget never answers
+    from nothing: it takes its fallback, or raises)."""
+
+    fallback: Mapping[str, str] = field(default_factory=dict)
+    """The fallback option per question id (for every `fallback` action)."""
+
+    def __post_init__(self) -> None:
+        allowed = {"uncertain": ACTIONS, "abstained": ("escalate", "fallback", "answer"),
+                   "engine_fault": ("escalate", "fallback", "raise"), "over_budget": ("answer", "fallback", "raise")}
+        for name, choices in allowed.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"OutcomePolicy.{name} must be one of {', '.join(choices)}, "
+                                 f"not {getattr(self, name)!r}")
+        if not isinstance(self.fallback, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.fallback.items()):
+            raise TypeError("OutcomePolicy.fallback maps question ids to option names")
+        object.__setattr__(self, "fallback", dict(self.fallback))
+
+    def __hash__(self) -> int:
+        return hash((self.uncertain, self.abstained, self.engine_fault, self.over_budget,
+                     tuple(sorted(self.fallback.items()))))
+
+    def reviews(self) -> bool:
+        """Whether an uncertain question goes to a human (a decision node's review lane)."""
+        return self.uncertain == "review"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EscalationBudget:
     """A cap on escalations, so an engine fault or a drift cannot buy unbounded AR calls.
+    What a question past it answers is `OutcomePolicy.over_budget`.
 
     Example:
         ```python
-        EscalationBudget(max_per_window=100, window_s=60, when_spent="keep")
+        EscalationBudget(max_per_window=100, window_s=60)
         ```
     """
 
@@ -203,10 +326,6 @@ class EscalationBudget:
     max_per_thread: int | None = None
     """Escalated questions allowed per LangGraph thread (None: no per-thread cap)."""
 
-    when_spent: Literal["keep", "fallback", "raise"] = "keep"
-    """`keep`: answer from the canvas, flagged `over_budget`; `fallback`: the configured
-    fallback label; `raise`: raise `BudgetExhausted`."""
-
     def __post_init__(self) -> None:
         for name in ("max_per_window", "max_per_thread"):
             value = getattr(self, name)
@@ -214,26 +333,140 @@ class EscalationBudget:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.window_s <= 0:
             raise ValueError("window_s must be > 0")
-        if self.when_spent not in ("keep", "fallback", "raise"):
-            raise ValueError(f"when_spent must be keep, fallback or raise, not {self.when_spent!r}")
 
 
-def check_fallbacks(specs: Mapping[str, Any], policy: GatePolicy, has_target: bool, fallback: Mapping[str, str]) -> None:
-    """Before anything is read: every fallback is an option of its question, and every
-    question that may abstain or stay unsure has somewhere to go (a target or a fallback)."""
-    for qid, option in fallback.items():
-        if qid in specs and option not in specs[qid].options:
+@dataclass(frozen=True, slots=True)
+class Escalation:
+    """Where the questions the gate did not pass go, and what they may spend.
+
+    `CanvasDecisionModel(escalate_to=...)` takes a bare target or an `Escalation`.
+
+    Example:
+        ```python
+        Escalation(ChatOpenAI(model="gemma-3-27b"), budget=EscalationBudget(max_per_window=100))
+        ```
+    """
+
+    target: Any
+    """A chat model (`BaseChatModel`), a `Runnable` over messages, or a decision model
+    (`BaseDecisionModel`: langchain-openai's `OpenAIDecisions`, `SystemOneDecisionModel`, ...)."""
+    _: KW_ONLY
+    output: EscalationOutput = "auto"
+    """How a chat-model target answers: its structured output (`auto`), a
+    `with_structured_output` method by name, or `text` (a JSON reply in text)."""
+    prompt: Any = None
+    """A `ChatPromptTemplate` over `{state}`, `{questions}`, `{keys}` (and `{instructions}`),
+    for chat targets (None: `ESCALATION_PROMPT`)."""
+    timeout: float = 60.0
+    """Seconds one escalation call may take."""
+    budget: EscalationBudget | None = None
+    """Cap on escalations (None: unbounded)."""
+    meter: Any = None
+    """The `BudgetMeter` counting `budget` (None: one in this process; a decision node with a
+    graph store counts in the store)."""
+    name: str | None = None
+    """Names this escalation's budget in a shared store (default: the target's name and the
+    budget), so two models with budgets of their own keep their own counts."""
+
+    def __post_init__(self) -> None:
+        if self.output not in get_args(EscalationOutput):
+            raise ValueError(f"Escalation.output must be one of {', '.join(get_args(EscalationOutput))}")
+        if not 0 < self.timeout < math.inf:
+            raise ValueError(f"Escalation.timeout must be a positive number of seconds, got {self.timeout}")
+        if self.budget is not None and not isinstance(self.budget, EscalationBudget):
+            raise TypeError(f"Escalation.budget must be an EscalationBudget, not {type(self.budget).__name__}")
+        if self.meter is not None and self.budget is None:
+            raise ValueError("Escalation.meter needs budget= (the caps it counts against)")
+
+
+def check_fallbacks(question_ids: Mapping[str, Any], options: Mapping[str, tuple[str, ...]],
+                    gate: GatePolicy, outcomes: OutcomePolicy, has_target: bool) -> None:
+    """Before anything is read: every fallback names an option, and every question that may
+    take a `fallback` action has one, and every abstaining question has somewhere to go.
+
+    Raises:
+        DecisionError: naming the question and what it lacks.
+    """
+    for qid, option in outcomes.fallback.items():
+        if qid in options and option not in options[qid]:
             raise DecisionError(f"fallback {option!r} is not an option of {qid!r}",
-                                hint=f"one of {list(specs[qid].options)[:8]}")
-    if policy.on_unsure != "fallback" and not policy.abstain and not policy.per_question:
-        return
-    for qid in specs:
-        p = policy.for_question(qid)
-        if p.abstain and p.on_abstain == "escalate" and not has_target:
-            raise DecisionError(f"question {qid!r} may abstain and on_abstain='escalate', but the model "
-                                "has no escalate_to", hint="set escalate_to, or on_abstain='fallback'")
-        for name, wanted in (("on_abstain", p.abstain and p.on_abstain == "fallback"),
-                             ("on_unsure", p.on_unsure == "fallback" and not has_target)):
-            if wanted and qid not in fallback:
-                raise DecisionError(f"question {qid!r} has {name}='fallback', but no fallback option",
-                                    hint="add it to fallback=")
+                                hint=f"one of {list(options[qid])[:8]}")
+    wants = [name for name in ("uncertain", "engine_fault", "over_budget") if getattr(outcomes, name) == "fallback"]
+    for qid in question_ids:
+        abstains = gate.for_question(qid).abstain
+        if abstains and outcomes.abstained == "escalate" and not has_target:
+            raise DecisionError(f"question {qid!r} may abstain and OutcomePolicy.abstained='escalate', but there "
+                                "is no escalation target", hint="set escalate_to=, or abstained='fallback'")
+        needs = [*wants, *(["abstained"] if abstains and outcomes.abstained == "fallback" else [])]
+        if needs and qid not in outcomes.fallback:
+            raise DecisionError(f"question {qid!r} may take a fallback ({', '.join(needs)}='fallback'), but has no "
+                                "fallback option", hint="add it to OutcomePolicy(fallback={...})")
+
+
+# -- the policy file ---------------------------------------------------------------------
+
+POLICY_FORMAT = "canvasroute.policy/1"
+
+
+def policy_to_dict(policy: GatePolicy) -> dict[str, Any]:
+    """A `GatePolicy` as plain JSON values (nested `per_question` included)."""
+    out: dict[str, Any] = {f.name: getattr(policy, f.name) for f in fields(GatePolicy) if f.name != "per_question"}
+    if policy.per_question:
+        out["per_question"] = {qid: policy_to_dict(p) for qid, p in policy.per_question.items()}
+    return out
+
+
+def policy_from_dict(data: Mapping[str, Any]) -> GatePolicy:
+    """The inverse of `policy_to_dict`; unknown keys and bad values raise `CalibrationError`."""
+    if not isinstance(data, Mapping):
+        raise CalibrationError(f"a policy is a JSON object, not {type(data).__name__}")
+    if unknown := set(data) - _GATE_FIELDS:
+        raise CalibrationError(f"unknown policy keys {sorted(unknown)}; known: {sorted(_GATE_FIELDS)}")
+    values = dict(data)
+    per_question = values.pop("per_question", None) or {}
+    if not isinstance(per_question, Mapping):
+        raise CalibrationError("per_question must map question ids to policies")
+    try:
+        return GatePolicy(**values, per_question={str(k): policy_from_dict(v) for k, v in per_question.items()})
+    except CalibrationError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise CalibrationError(f"invalid policy: {exc}") from exc
+
+
+def save_policy(path: str | Path, policy: GatePolicy, calibration: Mapping[str, Any] | None = None) -> Path:
+    """Write a policy file: `{"format", "policy", "calibration"}` (the last is informational)."""
+    path = Path(path)
+    doc = {"format": POLICY_FORMAT, "policy": policy_to_dict(policy), "calibration": dict(calibration or {})}
+    path.write_text(json.dumps(_clean(doc), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def load_policy(path: str | Path) -> GatePolicy:
+    """Read a policy file written by `canvasroute calibrate` (or by hand).
+
+    Example:
+        ```python
+        model = CanvasDecisionModel(engine=engine, policy=load_policy("policy.json"))
+        ```
+    """
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise CalibrationError(f"cannot read policy file {path}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"policy file {path} is not JSON: {exc}") from exc
+    if not isinstance(doc, Mapping) or doc.get("format") != POLICY_FORMAT:
+        raise CalibrationError(f"{path} is not a policy file (expected \"format\": \"{POLICY_FORMAT}\")")
+    return policy_from_dict(doc.get("policy") or {})
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe copy: tuples become lists, NaN and infinities become None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value

@@ -1,4 +1,4 @@
-"""The state as the model sees it: prompt text (defused), its images, and the noise seed it implies.
+"""The state as the model sees it: prompt text and its images.
 
 How a state is rendered (`render_state`): a string as it is, a message or a list of
 messages as a transcript (`role: text`), anything else as JSON, where the values JSON
@@ -18,6 +18,16 @@ lacks are written as text:
 A lone surrogate, which no UTF-8 text can carry, becomes U+FFFD. What has no text form
 (an arbitrary object, bytes that are not UTF-8, a cycle, nesting deeper than
 `MAX_DEPTH`) raises `DecisionError` naming where it is in the state, with a hint.
+
+Images: a state can carry LangChain content blocks anywhere (in a message's content, a dict
+message, or a value of its own). Accepted shapes, LangChain's standard and OpenAI's:
+
+- `{"type": "image", "base64": ..., "mime_type": "image/png"}` (or `"url": ...`)
+- `{"type": "image", "source_type": "base64", "data": ..., "mime_type": ...}` (v0.3)
+- `{"type": "image_url", "image_url": {"url": "data:..." | "https://..."}}` (or a string)
+
+They are sent as OpenAI image parts beside the state's text, with the same canvas; the
+rendered text holds no image data, so images enter keys by digest (`image_digests`).
 """
 
 from __future__ import annotations
@@ -36,12 +46,10 @@ from typing import Any
 
 from langchain_core.messages import BaseMessage
 
-from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
+from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, ImagesUnsupported, defuse
 
-from ._images import image_url
-from ._plan import Plan
-
-__all__ = ["MAX_DEPTH", "default_seed", "plain_state", "read_state", "render_state", "state_images"]
+__all__ = ["MAX_DEPTH", "check_images", "image_digests", "image_url", "plain_state", "read_state", "render_state",
+           "state_images"]
 
 MAX_DEPTH = 64
 """Deepest nesting of containers a state may have."""
@@ -59,7 +67,7 @@ def render_state(state: Any, special_tokens: Sequence[str] | None = None) -> str
     default: the texts `engine` probes servers for) is defused with a zero-width space, so
     a state cannot close the turn or forge template tokens.
     """
-    return read_state(state, special_tokens)[0]
+    return defuse(read_state(state)[0], special_tokens or SPECIAL_CANDIDATES)
 
 
 def state_images(state: Any) -> tuple[str, ...]:
@@ -68,8 +76,9 @@ def state_images(state: Any) -> tuple[str, ...]:
     return read_state(state)[1]
 
 
-def read_state(state: Any, special_tokens: Sequence[str] | None = None) -> tuple[str, tuple[str, ...]]:
-    """`render_state` and `state_images` in one pass over the state."""
+def read_state(state: Any) -> tuple[str, tuple[str, ...]]:
+    """The state's text (not yet defused: that depends on the engine's tokenizer) and its
+    images, in one pass over the state."""
     images: list[str] = []
     if isinstance(state, str):
         text = state
@@ -83,7 +92,7 @@ def read_state(state: Any, special_tokens: Sequence[str] | None = None) -> tuple
         text = json.dumps(_Walk(images).plain(state, (), 0), ensure_ascii=False)
     if not text.isascii():
         text = _SURROGATE.sub("\ufffd", text)
-    return defuse(text, special_tokens or SPECIAL_CANDIDATES), tuple(images)
+    return text, tuple(images)
 
 
 def plain_state(state: Any) -> Any:
@@ -218,6 +227,44 @@ def _leaf(value: Any, where: Where) -> Any:
     raise DecisionError(f"{_at(where)} is a {type(value).__name__}, which has no text form", hint=_HINT)
 
 
-def default_seed(state_text: str, the_plan: Plan) -> int:
-    blob = state_text + "\x00" + "\x00".join(c.system for c in the_plan.chunks)
-    return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
+# -- images ------------------------------------------------------------------------------
+
+
+def image_digests(images: Sequence[str]) -> tuple[str, ...]:
+    """A short SHA-256 per image, for keys and spans (never the image itself)."""
+    return tuple(hashlib.sha256(url.encode()).hexdigest()[:16] for url in images)
+
+
+def image_url(block: Mapping[str, Any]) -> str | None:
+    """The URL (a data URL for inline data) of an image content block; None for any other
+    mapping; `DecisionError` for an image block without a usable source."""
+    kind = block.get("type")
+    if kind == "image_url":
+        inner = block.get("image_url")
+        url = inner.get("url") if isinstance(inner, Mapping) else inner
+        if not isinstance(url, str) or not url:
+            raise DecisionError(f"an image_url block without a url: {str(block)[:120]}")
+        return url
+    if kind != "image":
+        return None
+    data = block.get("base64") or (block.get("data") if block.get("source_type") == "base64" else None)
+    if data:
+        mime = block.get("mime_type")
+        if not isinstance(mime, str) or not mime.startswith("image/"):
+            raise DecisionError(f"an inline image block needs mime_type 'image/...', got {mime!r}")
+        return f"data:{mime};base64,{data}"
+    url = block.get("url") or (block.get("data") if block.get("source_type") == "url" else None)
+    if isinstance(url, str) and url:
+        return url
+    raise DecisionError("an image block needs base64 (with mime_type) or url",
+                        hint="images in a state are LangChain content blocks, e.g. "
+                             "{'type': 'image', 'base64': ..., 'mime_type': 'image/png'}")
+
+
+def check_images(info: Any, images: Sequence[str]) -> None:
+    """Refuse a state with images before any read when the engine cannot take them."""
+    if images and not getattr(info, "accepts_images", False):
+        raise ImagesUnsupported(
+            f"the state holds {len(images)} image(s) and engine {info.model!r} ({info.provider}) cannot take images",
+            hint="read images with VLLMServerEngine (endpoint='chat') on a vision-capable vLLM server; the "
+                 "completions endpoint and in-process causal LMs read text only")

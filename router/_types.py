@@ -1,28 +1,78 @@
-"""What a decision returns: langchain-core answers plus a read report per question."""
+"""What a decision returns, in one outcome vocabulary: langchain-core answers, a report per question.
+
+Every report says who answered (`path`) and, when the gate did not pass the canvas answer,
+why (`cause`). The same words are on the wire (`diagnostics`), in traces
+(`canvasroute.decision.path`, `canvasroute.decision.cause`), in graph records and events, and
+on the dashboard, which count with one `Tally`.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from langchain_core.decisions import ChoiceAnswer, ClassifierResponse, NoulAnswer, ScoreAnswer
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._diagnostics import Diagnostics
-
 if TYPE_CHECKING:
     from ._questions import QuestionSpec
+    from ._read import Reading
+    from ._request import DecisionRequest
 
-Path = Literal["canvas", "reread", "escalated", "fallback", "abstained", "unsure", "skipped"]
-"""Where an answer came from. `canvas` and `reread`: the gate passed the canvas answer
-(at the first read, or on the mean of its re-reads). `escalated`: the escalation model
-answered. `fallback`: the declared fallback option, after an engine fault or past the
-budget (`when_spent="fallback"`). `abstained`: the canvas chose "none of these / can't
-tell" and the answer came from the escalation (`escalation_model` set), the fallback
-option, or, past the budget under `when_spent="keep"`, the best real option. `unsure`: the
-gate did not pass the canvas answer and nothing answered instead (no escalation target, or
-past the budget under `when_spent="keep"`): the answer is what `GatePolicy.on_unsure` says
-(the canvas answer by default, or the fallback option). `skipped`: a dependent question
-whose condition did not hold; it has no answer."""
+Path = Literal["canvas", "reread", "escalated", "fallback", "unsure", "human", "skipped"]
+"""Who answered. `canvas` and `reread`: the gate passed the canvas answer (at the first read,
+or on the mean of its re-reads). `escalated`: the escalation target answered. `fallback`: the
+question's declared fallback option. `unsure`: the canvas answer stands though the gate did
+not pass it (`OutcomePolicy` said `answer` or `review`, or there was nothing to escalate to).
+`human`: a reviewer chose (graph records only). `skipped`: a dependent question whose
+condition did not hold; it has no answer."""
+
+Cause = Literal["uncertain", "abstained", "engine_fault", "over_budget"]
+"""Why the gate did not pass the canvas answer (`OutcomePolicy` has one action per cause):
+`uncertain` (a threshold was crossed after the re-reads), `abstained` (the abstain label won),
+`engine_fault` (the engine failed for it), `over_budget` (escalation was wanted, the budget
+was spent)."""
+
+PATHS: tuple[str, ...] = get_args(Path)
+CAUSES: tuple[str, ...] = get_args(Cause)
+
+
+# -- how the decision was read -----------------------------------------------------------
+
+
+class ThoughtReport(BaseModel):
+    """A thought the model wrote before a canvas was read (`think`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    text: str
+    tokens: int
+    closed: bool
+    """Whether the model closed its thought channel (else the budget cut it)."""
+    latency_s: float
+
+
+class Diagnostics(BaseModel):
+    """How one decision was read."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stages: list[list[str]] = Field(default_factory=list)
+    """Question ids asked per dependency stage, in read order (one stage without `depends_on`)."""
+    chunks: list[list[str]] = Field(default_factory=list)
+    """Question ids per canvas prompt, over every stage."""
+    formats: list[Literal["lines", "compact"]] = Field(default_factory=list)
+    """Answer format of each chunk: `q1: A` lines, or `q1A q2B` (many questions)."""
+    conditioning: Literal["restated"] | None = None
+    """How a later stage saw earlier answers: restated after the state (None: one stage)."""
+    constrained: bool = False
+    steps: int = 1
+    thoughts: list[ThoughtReport] = Field(default_factory=list)
+    """The thought each chunk's reads continued (`think`), in chunk order."""
+    prompt_tokens: int = 0
+    """Prompt tokens of the first read (0 when the engine reports none)."""
+
 
 
 class ReadReport(BaseModel):
@@ -56,6 +106,8 @@ class ReadReport(BaseModel):
     confidence: float | None = None
     """Canvas probability of its chosen label (mean over reads)."""
     path: Path
+    cause: Cause | None = None
+    """Why the gate did not pass the canvas answer (None: it passed, or nothing was read)."""
     confident: bool
     """Whether the gate passed the canvas answer: True exactly on paths `canvas` and `reread`."""
     crossed: list[str] = Field(default_factory=list)
@@ -73,8 +125,7 @@ class ReadReport(BaseModel):
     """False when the gate wanted a re-read that could not have changed this read (a causal
     readout's slot that sees no noisy position: `EngineInfo.causal_readout`), so none was made."""
     escalation_model: str | None = None
-    over_budget: bool = False
-    """Escalation was wanted but the budget was spent."""
+    """The model that answered an escalated question."""
     error: str | None = None
     """The engine fault that sent this question down the escalated/fallback path."""
     asked_if: dict[str, Any] | None = None
@@ -122,3 +173,165 @@ def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnsw
     return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
                                        "legend": dict(enumerate(spec.question.criteria)),
                                        "probabilities": by_level, "confidence": confidence})
+
+
+@dataclass(slots=True)
+class DiagnosticsLog:
+    """Collects a decision's stages as they are read."""
+
+    request: DecisionRequest
+    stages: list[list[str]] = field(default_factory=list)
+    chunks: list[list[str]] = field(default_factory=list)
+    formats: list[str] = field(default_factory=list)
+    thoughts: list[ThoughtReport] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def add(self, asked: Sequence[str], reading: Reading | None) -> None:
+        """One stage: its questions and, when it was read (`Reading`), its canvases."""
+        self.stages.append(list(asked))
+        if reading is None:
+            return
+        for chunk in reading.plan.chunks:
+            self.chunks.append([s.question_id for s in chunk.slots if not s.shift])
+            self.formats.append("compact" if chunk.compact else "lines")
+        self.thoughts += [ThoughtReport(text=t.text, tokens=len(t.ids), closed=t.closed, latency_s=t.latency_s)
+                          for t in reading.thoughts]
+        self.prompt_tokens = self.prompt_tokens or reading.prompt_tokens
+
+    def build(self) -> Diagnostics:
+        return Diagnostics.model_validate({
+            "stages": self.stages, "chunks": self.chunks, "formats": self.formats,
+            "conditioning": "restated" if len(self.stages) > 1 else None, "constrained": self.request.constrained,
+            "steps": self.request.read.steps, "thoughts": self.thoughts, "prompt_tokens": self.prompt_tokens})
+
+
+# -- how a run's decisions ended ----------------------------------------------------------
+# The demo's console, each decision event of a graph stream and the dashboard all count with
+# `Tally`, so they cannot disagree: one count per path and per cause, and how many answers
+# came from a read the gate did not pass ("over the gate": the read crossed one of the gate's
+# thresholds, whether it then escalated, was re-read to no avail or stayed `unsure`), with the
+# gate's own words (`GatePolicy.gate_text`).
+
+_WORDS = {"reread": "re-read"}
+_ALWAYS = ("canvas", "reread", "escalated")
+"""Shown even when zero."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """Counts of decisions by path, and of those over the gate."""
+
+    PATHS: ClassVar[tuple[str, ...]] = PATHS
+    paths: Mapping[str, int]
+    """Every path, zeros included."""
+    over_gate: int = 0
+    gates: tuple[str, ...] = ()
+    """The gates the reads were held to (distinct, in first-seen order)."""
+    causes: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
+    """Answers the gate did not pass, by why (`Cause`), zeros included."""
+
+    @classmethod
+    def of(cls, decisions: Iterable[Any]) -> Tally:
+        """Count `ReadReport`s, their JSON dumps, or anything with `path`, `cause`, `crossed` and `gate`."""
+        paths = dict.fromkeys(PATHS, 0)
+        causes = dict.fromkeys(CAUSES, 0)
+        over, gates = 0, {}
+        for d in decisions:
+            get = d.get if isinstance(d, Mapping) else lambda k, d=d: getattr(d, k, None)
+            path, cause, crossed, gate = get("path"), get("cause"), get("crossed"), get("gate")
+            if path not in paths:
+                raise ValueError(f"unknown decision path {path!r}; paths are {', '.join(PATHS)}")
+            paths[path] += 1
+            if cause is not None:
+                if cause not in causes:
+                    raise ValueError(f"unknown decision cause {cause!r}; causes are {', '.join(CAUSES)}")
+                causes[cause] += 1
+            over += bool(crossed)
+            if gate:
+                gates.setdefault(gate, None)
+        return cls(paths, over, tuple(gates), causes)
+
+    @property
+    def decisions(self) -> int:
+        return sum(self.paths.values())
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally({p: self.paths[p] + other.paths[p] for p in PATHS}, self.over_gate + other.over_gate,
+                     tuple(dict.fromkeys((*self.gates, *other.gates))),
+                     {c: self.causes.get(c, 0) + other.causes.get(c, 0) for c in CAUSES})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON: `{"decisions", "paths", "causes", "over_gate", "gates"}`."""
+        return {"decisions": self.decisions, "paths": dict(self.paths), "causes": dict(self.causes),
+                "over_gate": self.over_gate, "gates": list(self.gates)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Tally:
+        """The inverse of `as_dict` (e.g. summing the tallies of a stream's decision events)."""
+        return cls({p: int(data["paths"].get(p, 0)) for p in PATHS}, int(data["over_gate"]), tuple(data["gates"]),
+                   {c: int((data.get("causes") or {}).get(c, 0)) for c in CAUSES})
+
+    def shares(self) -> str:
+        """`canvas 2/9 (22%), re-read 0/9 (0%), escalated 0/9 (0%), unsure 7/9 (78%)`: paths taken
+        (canvas, re-read and escalated always; the rest when they occur)."""
+        n = self.decisions
+        return ", ".join(f"{_WORDS.get(p, p)} {k}/{n} ({k / max(1, n):.0%})" for p, k in self.paths.items()
+                         if k or p in _ALWAYS)
+
+    def gate_line(self) -> str:
+        """`over the gate: 7/9 (the gate passes H/lnK <= 0.5)`."""
+        gates = "; ".join(self.gates) or "no read was gated"
+        return f"over the gate: {self.over_gate}/{self.decisions} (the gate passes {gates})"
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """What decisions cost, summed without any SDK: decision sets, questions, canvas reads,
+    distinct canvases (prompts), escalated questions, tokens and seconds.
+
+    `Totals.of(response)` is one decision set's; totals add up (`a + b`), so a graph run's are
+    the sum of its decision events' `totals` (`canvasroute.harness.run_totals`).
+    """
+
+    decisions: int = 0
+    questions: int = 0
+    reads: int = 0
+    """Canvas reads sent to the engine (first reads, re-reads, in-group reads)."""
+    canvases: int = 0
+    """Distinct canvas prompts read (chunks over every stage)."""
+    escalations: int = 0
+    """Questions the escalation target answered."""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    latency_s: float = 0.0
+
+    @classmethod
+    def of(cls, response: CanvasResponse) -> Totals:
+        """One decision set's totals (a cache hit read nothing and spent nothing)."""
+        usage = response.usage or {}
+        diagnostics = response.diagnostics
+        return cls(decisions=1, questions=len(response.reads), reads=response.canvas_reads,
+                   canvases=len(diagnostics.chunks) if diagnostics is not None and response.canvas_reads else 0,
+                   escalations=sum(r.path == "escalated" for r in response.reads.values()),
+                   input_tokens=int(usage.get("input_tokens", 0)), output_tokens=int(usage.get("output_tokens", 0)),
+                   latency_s=response.latency_s)
+
+    def __add__(self, other: Totals) -> Totals:
+        return Totals(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
+
+    def as_tuple(self) -> tuple[Any, ...]:
+        return (self.decisions, self.questions, self.reads, self.canvases, self.escalations, self.input_tokens,
+                self.output_tokens, self.latency_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON, the keys of the fields."""
+        return dict(zip(_TOTALS_KEYS, self.as_tuple(), strict=True))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Totals:
+        """The inverse of `as_dict` (missing keys count 0)."""
+        return cls(*(type(v)(data.get(k, 0)) for k, v in zip(_TOTALS_KEYS, cls().as_tuple(), strict=True)))
+
+
+_TOTALS_KEYS = ("decisions", "questions", "reads", "canvases", "escalations", "input_tokens", "output_tokens",
+                "latency_s")

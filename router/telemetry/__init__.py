@@ -53,7 +53,6 @@ so an SDK installed after `import router` is honoured.
 from typing import TYPE_CHECKING, Any
 
 from . import _names
-from ._decision import mark_error, record_reports
 from ._export import add_otlp_exporter
 from ._names import *  # noqa: F403 - every attribute name: the fixed key set lives in `_names`
 from ._spans import (
@@ -62,7 +61,10 @@ from ._spans import (
     escalation_call,
     genai_attributes,
     model_call,
+    mark_error,
     provider_of,
+    record_fault,
+    record_reports,
     set_io,
     set_usage,
     span,
@@ -81,6 +83,7 @@ __all__ = [
     "mark_error",
     "model_call",
     "provider_of",
+    "record_fault",
     "record_reports",
     "set_io",
     "set_usage",

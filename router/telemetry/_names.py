@@ -12,6 +12,11 @@ __all__ = [
     "ERROR_TYPE",
     "ESCALATED_QUESTIONS",
     "FIGURES",
+    "FAULT",
+    "FAULT_EVENT",
+    "FAULT_MESSAGE",
+    "FAULT_PATHS",
+    "FAULT_QUESTIONS",
     "FIGURE_KEYS",
     "GEN_AI_CONVERSATION_ID",
     "GEN_AI_INPUT_MESSAGES",
@@ -36,6 +41,7 @@ __all__ = [
     "LLM_SYSTEM",
     "LLM_TOTAL_TOKENS",
     "METRIC_KIND",
+    "METRIC_CAUSE",
     "METRIC_PATH",
     "METRIC_QUESTION",
     "OI_CHAIN",
@@ -141,10 +147,11 @@ QUESTION_KIND = "canvasroute.question.kind"
 DECISION_PREFIX = "canvasroute.decision"
 FIGURES = ("answer", "canvas_answer", "options", "canvas_probabilities", "temperature", "entropy",
            "normalized_entropy", "confidence", "margin", "label_mass", "path", "escalated",
-           "escalation_model", "over_budget", "reads", "agreement", "crossed", "gate")
+           "escalation_model", "cause", "reads", "agreement", "crossed", "gate")
 """Figures recorded per question (`canvas_*`: the canvas read before escalation, with
 `canvas_probabilities` in `options` order, at `temperature`; `crossed`: the thresholds the read
-crossed, absent when it passed; `gate`: `GatePolicy.gate_text`)."""
+crossed, absent when it passed; `gate`: `GatePolicy.gate_text`; `path` and `cause`: the outcome
+vocabulary of `ReadReport`)."""
 FIGURE_KEYS = {figure: f"{DECISION_PREFIX}.{figure}" for figure in FIGURES}
 """Figure -> its attribute key on a question event (`canvasroute.decision.entropy`, ...): a fixed set.
 (Trace files written before 0.2 hold them on the span as `canvasroute.decision.<question id>.<figure>`.)"""
@@ -174,8 +181,17 @@ SHADOW_ROUTER_LATENCY = "canvasroute.shadow.router_latency_s"
 SHADOW_CANVAS_LATENCY = "canvasroute.shadow.canvas_latency_s"
 SHADOW_CANVAS_ERROR = "canvasroute.shadow.canvas_error"
 """The exception type when the canvas read failed (the graph still follows the router)."""
+FAULT_EVENT = "canvasroute.fault"
+"""Span event on a decide span for each engine fault the decision absorbed: `error.type`,
+`canvasroute.fault.message`, `canvasroute.fault.questions`, `canvasroute.fault.paths` (what
+answered instead); the span also carries `canvasroute.fault` = the error type."""
+FAULT = "canvasroute.fault"
+FAULT_MESSAGE = "canvasroute.fault.message"
+FAULT_QUESTIONS = "canvasroute.fault.questions"
+FAULT_PATHS = "canvasroute.fault.paths"
 # metric attributes (low cardinality: developer-defined names only)
 METRIC_PATH = "canvasroute.path"
+METRIC_CAUSE = "canvasroute.cause"
 METRIC_KIND = QUESTION_KIND
 METRIC_QUESTION = QUESTION_ID
 

@@ -1,4 +1,9 @@
-"""Spans and metrics over the global OpenTelemetry providers (looked up when used, not at import)."""
+"""Spans and metrics over the global OpenTelemetry providers (looked up when used, not at import).
+
+A decision set's figures go on its `decide` span: per question, one `canvasroute.question` span
+event carries them under fixed keys (`canvasroute.question.id` holds the id as a value), so the
+attribute key set stays bounded however many question ids an application uses.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,20 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from ._names import (
     DECISION_SET,
     ERROR_TYPE,
+    FAULT,
+    FAULT_EVENT,
+    FAULT_MESSAGE,
+    FAULT_PATHS,
+    FAULT_QUESTIONS,
+    FIGURE_KEYS,
+    GRAPH_NODE,
+    METRIC_CAUSE,
+    METRIC_KIND,
+    METRIC_PATH,
+    METRIC_QUESTION,
+    QUESTION_EVENT,
+    QUESTION_ID,
+    QUESTION_KIND,
     ESCALATED_QUESTIONS,
     GEN_AI_CONVERSATION_ID,
     GEN_AI_INPUT_MESSAGES,
@@ -58,7 +77,8 @@ from ._names import (
     record_content,
 )
 
-__all__ = ["Call", "engine_call", "escalation_call", "genai_attributes", "model_call", "provider_of", "set_io", "set_usage", "span"]
+__all__ = ["Call", "engine_call", "escalation_call", "genai_attributes", "mark_error", "model_call", "provider_of",
+           "record_fault", "record_reports", "set_io", "set_usage", "span"]
 
 # -- providers, looked up lazily -------------------------------------------------------
 
@@ -76,6 +96,8 @@ class _Instruments:
             description="Canvas normalized entropy per question")
         self.escalations = meter.create_counter(
             "canvasroute.escalations", unit="{question}", description="Questions escalated to the AR model")
+        self.faults = meter.create_counter(
+            "canvasroute.faults", unit="{question}", description="Questions an engine fault hit, by what answered")
         self.operation_duration = meter.create_histogram(
             "gen_ai.client.operation.duration", unit="s", description="GenAI operation duration")
         self.token_usage = meter.create_histogram(
@@ -362,3 +384,73 @@ def _server(results: Sequence[Any]) -> dict[str, Any]:
                 out[SERVER_PORT] = parts.port
             return out
     return {}
+
+
+# -- a decision's figures ---------------------------------------------------------------
+
+
+def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: str, policy: Any = None,
+                   attributes: Mapping[str, Any] | None = None) -> None:
+    """One `canvasroute.question` event per question on the decision-set span, and the metric points.
+
+    `policy` (a `GatePolicy`) supplies each question's temperature; a `canvasroute.graph.node`
+    in `attributes` labels the metric points too.
+    """
+    inst = _instruments()
+    recording = s.is_recording()  # without an SDK, skip building attributes nobody keeps
+    if inst is None and not recording:
+        return
+    node = (attributes or {}).get(GRAPH_NODE)
+    base = {GEN_AI_MODEL: model, **({GRAPH_NODE: node} if node is not None else {})}
+    asked: dict[str, Any] = {}
+    answered: dict[str, Any] = {}
+    for r in reports:
+        canvas = r.canvas_probabilities
+        values = {} if not recording else {
+            "answer": r.answer, "path": r.path, "escalated": r.escalation_model is not None,
+            "reads": r.reads, "entropy": r.entropy, "normalized_entropy": r.normalized_entropy,
+            "confidence": r.confidence, "margin": r.margin, "label_mass": r.label_mass, "agreement": r.agreement,
+            "escalation_model": r.escalation_model, "cause": r.cause,
+            "options": list(canvas) if canvas else None,
+            "canvas_probabilities": [float(p) for p in canvas.values()] if canvas else None,
+            "canvas_answer": max(canvas, key=canvas.__getitem__) if canvas else None,
+            "temperature": policy.for_question(r.question_id).temperature if policy is not None and canvas else None,
+            "crossed": list(r.crossed) or None, "gate": r.gate,
+        }
+        if recording:
+            s.add_event(QUESTION_EVENT, {QUESTION_ID: r.question_id, QUESTION_KIND: r.kind,
+                                         **{FIGURE_KEYS[k]: v for k, v in values.items() if v is not None}})
+            asked[r.question_id] = {"kind": r.kind, "options": list(canvas) if canvas else None}
+            answered[r.question_id] = {"answer": r.answer, "path": r.path, "confidence": r.confidence}
+        if inst is None:
+            continue
+        labels = {**base, METRIC_QUESTION: r.question_id, METRIC_KIND: r.kind}
+        inst.decisions.add(1, {**labels, METRIC_PATH: r.path, **({METRIC_CAUSE: r.cause} if r.cause else {})})
+        if r.normalized_entropy is not None:
+            inst.entropy.record(r.normalized_entropy, labels)
+        if r.path == "escalated":
+            inst.escalations.add(1, {**labels, **({METRIC_CAUSE: r.cause} if r.cause else {})})
+    if inst is not None:
+        inst.decision_duration.record(duration_s, base)
+    if recording:
+        state = (attributes or {}).get(STATE_CONTENT)  # present only under CANVASROUTE_RECORD_CONTENT=1
+        set_io(s, input={"questions": asked, **({"state": state} if state is not None else {})}, output=answered)
+
+
+def mark_error(s: Span, exc: BaseException) -> None:
+    """Set an error status and `error.type` on a span that handled `exc`."""
+    s.set_attribute(ERROR_TYPE, type(exc).__qualname__)
+    s.set_status(Status(StatusCode.ERROR, str(exc)))
+
+
+def record_fault(s: Span, error: str, questions: Sequence[str], paths: Sequence[str]) -> None:
+    """An engine fault a decision absorbed: a `canvasroute.fault` event on its span (and the
+    span's `canvasroute.fault` attribute) and a point of the `canvasroute.faults` counter."""
+    kind = error.split(":", 1)[0]
+    if s.is_recording():
+        s.set_attribute(FAULT, kind)
+        s.add_event(FAULT_EVENT, {ERROR_TYPE: kind, FAULT_MESSAGE: error, FAULT_QUESTIONS: list(questions),
+                                  FAULT_PATHS: list(paths)})
+    inst = _instruments()
+    if inst is not None:
+        inst.faults.add(len(questions), {ERROR_TYPE: kind, METRIC_PATH: ",".join(paths)})

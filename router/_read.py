@@ -1,44 +1,56 @@
-"""Reading: a planned decision set becomes canvas reads, gated per question.
+"""Reading: a planned decision becomes canvas reads, gated per question.
 
-`Reading` holds one decision's engine, plan and seed. It sends the first reads of every
-chunk in one engine call (`GatePolicy.samples` each), re-reads each chunk holding an
-uncertain question (as many times as that chunk's uncertain questions ask), and gives
-routed questions their in-group read. With `think`, each chunk's reads continue a thought the model wrote for
-that chunk's prompt first (`_think`). Engine faults are recorded on the questions they
-hit when the model can absorb them (escalation or fallback), else raised.
+`Reading` holds one decision stage's request, engine, plan and prompt. It sends the first
+reads of every chunk in one engine call (`GatePolicy.samples` each), re-reads each chunk
+holding an uncertain question (as many times as that chunk's uncertain questions ask), and
+gives routed questions their in-group read. With `think`, each canvas prompt's reads
+continue a thought the model wrote for that prompt first, seeded like the reads (in-group
+reads included). Engine faults are recorded on the questions they hit when the decision can
+absorb them (escalation or fallback), else raised.
+
+Distribution math for one answer slot (`slot_stats`), for K labels and a row of
+log-probabilities `lp`:
+
+- every label id must be in the row: a missing one is a malformed row
+  (`EngineResponseError`, which fails expensive like any engine fault), never filled in;
+- `p = softmax(lp[labels] / T)`, the distribution over labels only, at temperature `T`;
+- `label_mass = sum(exp(lp[labels]))`, how much of the model's mass fell on labels;
+- `entropy = -sum(p ln p)` in nats; `normalized_entropy = entropy / ln K` (0 when K = 1);
+- `margin = p(top) - p(second)`; `confidence = p(top)` (for several reads: the mean's).
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import random
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from canvasroute.engine import (
     CanvasRead,
     CanvasRouteError,
+    DecisionError,
     EngineInfo,
     EngineResponseError,
     Thought,
 )
 
 from . import telemetry as tm
-from ._distribution import SlotStats, aggregate, slot_stats
-from ._options import ReadOptions
-from ._plan import Chunk, Plan, Route, Slot
-from ._policy import GatePolicy
+from ._plan import Chunk, Messages, Plan, Planner, Prompt, Route, Slot, messages
 from ._questions import QuestionSpec, unrotate
-from ._think import write_thoughts
+
+if TYPE_CHECKING:
+    from ._request import DecisionRequest
 
 REREAD_STRIDE = 7919
 """Read k of a canvas uses noise seed `seed + 7919 k` (vLLM's gateway convention)."""
 
-Messages = tuple[Mapping[str, str], ...]
-
 
 @dataclass(slots=True)
 class QuestionRead:
-    """Per-question canvas state while a decision set is answered."""
+    """Per-question canvas state while a decision is answered."""
 
     spec: QuestionSpec
     chunk: int
@@ -62,25 +74,15 @@ class QuestionRead:
     """Reads of the option within the chosen group (routed questions)."""
     abstained: bool = False
     """The abstain label won the final canvas distribution."""
-    on_abstain: str = "escalate"
-    """Where an abstained question goes: `escalate` or `fallback` (its policy's)."""
-    on_unsure: str = "answer"
-    """What an unsure question answers when nothing can answer it instead (its policy's)."""
     rereadable: bool = True
-    """False when a re-read could not have changed this question's read (a causal readout's
-    slot that sees no noisy position), so none was made for it."""
+    """False when another read could not have changed this question's read (a causal readout's
+    slot that sees no noisy position), so none was made: not for its samples, not as a re-read."""
 
     def fail(self, exc: CanvasRouteError) -> None:
         self.error, self.fault = f"{type(exc).__name__}: {exc}", exc
 
 
-def messages(chunk: Chunk, state_text: str, instructions: str = "") -> Messages:
-    """The chat messages one chunk is read with (the decision's `instructions` head its system prompt)."""
-    system = f"{instructions}\n\n{chunk.system}" if instructions else chunk.system
-    return ({"role": "system", "content": system}, {"role": "user", "content": state_text})
-
-
-def build_canvas(chunk: Chunk, msgs: Messages, info: EngineInfo, seed: int, options: ReadOptions,
+def build_canvas(chunk: Chunk, msgs: Messages, info: EngineInfo, seed: int, request: DecisionRequest,
                  thought: Thought | None = None) -> CanvasRead:
     """Template + pad to the chunk width, with a random non-label id at every slot."""
     draw, pad = random.Random(seed).randrange, info.pad_id
@@ -91,8 +93,8 @@ def build_canvas(chunk: Chunk, msgs: Messages, info: EngineInfo, seed: int, opti
             noise = draw(info.vocab_size)
         canvas[slot.position] = noise
     return CanvasRead(messages=msgs, canvas=tuple(canvas), slots=tuple(s.position for s in chunk.slots),
-                      label_ids=chunk.label_ids, constrained=options.constrained, steps=options.steps,
-                      thought=thought.ids if thought is not None else None)
+                      label_ids=chunk.label_ids, constrained=request.constrained, steps=request.read.steps,
+                      thought=thought.ids if thought is not None else None, images=request.state.images)
 
 
 def combine(groups: SlotStats, route: Route, group: int, within: SlotStats) -> SlotStats:
@@ -132,48 +134,54 @@ def fold_views(slots: Sequence[Slot], stats: Sequence[SlotStats]) -> dict[str, S
 
 @dataclass(slots=True)
 class Reading:
-    """The canvas reads of one decision: first reads, per-chunk re-reads, in-group reads."""
+    """The canvas reads of one decision stage: first reads, per-chunk re-reads, in-group reads."""
 
-    engine: object
+    request: DecisionRequest
+    engine: Any
     info: EngineInfo
     plan: Plan
-    state_text: str
-    seed: int
-    policy: GatePolicy
-    options: ReadOptions
+    prompt: Prompt
     absorbs: Callable[[CanvasRouteError], bool]
     """Whether an engine fault is recorded on the questions (True) or raised (False)."""
-    member_plan: Callable[[Plan, str, int], Awaitable[Plan]]
-    """The (cached) plan of a routed question's in-group read: (plan, question id, group)."""
+    planner: Planner
     usage: dict[str, int]
     canvas_reads: int = 0
     sent: list[int] = field(default_factory=list)
     """Reads sent per chunk so far (the next read's index k)."""
     thoughts: list[Thought] = field(default_factory=list)
-    """The thought each chunk's reads continue (`options.think`), in chunk order."""
+    """The thought each chunk's reads continue (`ReadOptions.think`), in chunk order."""
     prompt_tokens: int = 0
     """Prompt tokens of the first read (0 when the engine reports none)."""
 
+    @property
+    def seed(self) -> int:
+        return self.request.identity.seed
+
     async def run(self) -> dict[str, QuestionRead]:
         """Read, gate and re-read every question; returns each question's state."""
+        gate = self.request.gate
         reads = {s.question_id: QuestionRead(self.plan.specs[s.question_id], c, s.labels, s.position,
-                                             self.options.constrained)
+                                             self.request.constrained)
                  for c, chunk in enumerate(self.plan.chunks) for s in chunk.slots if not s.shift}
         for qid, route in self.plan.routes.items():  # "group/option" labels, in option order
             reads[qid].labels = tuple(f"{g}/{route.labels[j]}" for g, members in zip(reads[qid].labels, route.groups)
                                       for j in range(len(members)))
-        msgs = [messages(c, self.state_text, self.options.instructions) for c in self.plan.chunks]
+        msgs = [messages(c, self.prompt.state_text, self.prompt.instructions) for c in self.plan.chunks]
         self.sent = [0] * len(self.plan.chunks)
-        if self.options.think and not await self._think(msgs, reads):
-            return reads
-        samples = {qid: self.policy.for_question(qid).samples for qid in reads}
+        if self.request.read.think:
+            thoughts = await self._think(msgs, reads, list(reads))
+            if thoughts is None:
+                return reads
+            self.thoughts = thoughts
+        fixed = self._fixed()
+        samples = {qid: 1 if qid in fixed else gate.for_question(qid).samples for qid in reads}
         await self._jobs(self._jobs_for(reads, samples), msgs, reads, list(reads), "first", samples)
-        for r in reads.values():
+        for qid, r in reads.items():
             r.samples = len(r.runs)
-        uncertain = {qid: self.policy.for_question(qid).rereads for qid, r in reads.items()
-                     if r.error is None and r.crossed and self.policy.for_question(qid).rereads}
-        for qid in self._fixed().intersection(uncertain):
-            reads[qid].rereadable = False
+            r.rereadable = qid not in fixed
+        uncertain = {qid: gate.for_question(qid).rereads for qid, r in reads.items()
+                     if r.error is None and self._wants_more(qid, r) and gate.for_question(qid).rereads}
+        for qid in fixed.intersection(uncertain):
             del uncertain[qid]
         if uncertain:
             await self._jobs(self._jobs_for(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
@@ -181,19 +189,22 @@ class Reading:
         for qid in self.plan.routes:
             if reads[qid].error is not None:  # a group distribution is no distribution over the options
                 reads[qid].stats = None
-        gates: dict[int, str] = {}  # each policy's text made once (most questions share the model's policy)
+        texts: dict[int, str] = {}  # each policy's text made once (most questions share the model's policy)
         for qid, r in reads.items():
-            policy = self.policy.for_question(qid)
-            r.on_unsure = policy.on_unsure
+            policy = gate.for_question(qid)
             if r.runs:
-                r.gate = gates.get(id(policy)) or gates.setdefault(id(policy), policy.gate_text)
+                r.gate = texts.get(id(policy)) or texts.setdefault(id(policy), policy.gate_text)
             if r.spec.abstain and r.error is None and r.stats is not None:
                 r.abstained = r.stats.top == len(r.spec.options) - 1
-                r.on_abstain = policy.on_abstain
         return reads
 
+    def _wants_more(self, qid: str, r: QuestionRead) -> bool:
+        """Re-read: the gate did not pass it, or its first read is above `reread_above` nats."""
+        above = self.request.gate.for_question(qid).reread_above
+        return bool(r.crossed) or (above is not None and bool(r.runs) and r.runs[0].entropy > above)
+
     def _fixed(self) -> set[str]:
-        """Questions a re-read cannot change. Noise sits at the slots, so under a causal readout
+        """Questions another read cannot change. Noise sits at the slots, so under a causal readout
         (`EngineInfo.causal_readout`) a slot sees fresh noise only from the slots before it in its
         canvas: a question none of whose slots has one would read the same distribution again."""
         if not self.info.causal_readout:
@@ -225,7 +236,7 @@ class Reading:
         that many of its chunk's reads (the others read it for a neighbour). A fault is
         recorded on the questions in `hit`.
         """
-        batch = [build_canvas(self.plan.chunks[c], msgs[c], self.info, self.seed + REREAD_STRIDE * k, self.options,
+        batch = [build_canvas(self.plan.chunks[c], msgs[c], self.info, self.seed + REREAD_STRIDE * k, self.request,
                               self.thoughts[c] if self.thoughts else None) for c, k in jobs]
         try:
             stats = await self._read(batch, [self.plan.chunks[c] for c, _ in jobs], kind)
@@ -241,37 +252,49 @@ class Reading:
                 if taken.get(qid, 0) < wanted.get(qid, 0):
                     taken[qid] = taken.get(qid, 0) + 1
                     reads[qid].runs.append(st)
+        gate = self.request.gate
         for qid in hit:
             r = reads[qid]
             if r.runs and r.error is None:
                 r.stats = aggregate(r.runs)
-                r.crossed = tuple(self.policy.for_question(qid).crossed(r.stats))
+                r.crossed = gate.for_question(qid).crossed(r.stats)
 
-    async def _think(self, msgs: Sequence[Messages], reads: dict[str, QuestionRead]) -> bool:
-        """Each chunk's thought (False when an engine fault was recorded on every question instead)."""
+    async def _think(self, msgs: Sequence[Messages], reads: dict[str, QuestionRead],
+                     hit: Sequence[str]) -> list[Thought] | None:
+        """A thought per prompt, seeded by the decision (None when an engine fault was recorded on `hit`)."""
         try:
-            self.thoughts = await write_thoughts(self.engine, msgs, self.options.think)
+            thoughts = await write_thoughts(self.engine, msgs, self.request.read.think, self.seed)
         except CanvasRouteError as exc:
             if not self.absorbs(exc):
                 raise
-            for r in reads.values():
-                r.fail(exc)
-            return False
-        for t in self.thoughts:
+            for qid in hit:
+                reads[qid].fail(exc)
+            return None
+        for t in thoughts:
             self.usage["input_tokens"] += t.prompt_tokens
             self.usage["output_tokens"] += len(t.ids)
-        return True
+        return thoughts
 
     async def _in_group(self, reads: dict[str, QuestionRead]) -> None:
-        """The second read of each routed question: the option within its most likely group."""
+        """The second read of each routed question: the option within its most likely group
+        (continuing a thought of its own prompt, with `think`)."""
         routed = [(qid, route) for qid, route in self.plan.routes.items()
                   if reads[qid].error is None and reads[qid].stats is not None]
         if not routed:
             return
-        member_plans = [await self.member_plan(self.plan, qid, reads[qid].stats.top) for qid, _ in routed]
+        think = bool(self.request.read.think)
+        member_plans = [await self.planner.member(self.plan, qid, reads[qid].stats.top, think)  # type: ignore[union-attr]
+                        for qid, _ in routed]
         chunks = [p.chunks[0] for p in member_plans]
-        batch = [build_canvas(c, messages(c, self.state_text, self.options.instructions), self.info, self.seed,
-                              self.options) for c in chunks]
+        msgs = [messages(c, self.prompt.state_text, self.prompt.instructions) for c in chunks]
+        thoughts: list[Thought] | None = None
+        if think:
+            thoughts = await self._think(msgs, reads, [qid for qid, _ in routed])
+            if thoughts is None:
+                return
+            self.thoughts += thoughts
+        batch = [build_canvas(c, m, self.info, self.seed, self.request, thoughts[i] if thoughts else None)
+                 for i, (c, m) in enumerate(zip(chunks, msgs, strict=True))]
         try:
             stats = await self._read(batch, chunks, "in_group")
         except CanvasRouteError as exc:
@@ -280,18 +303,20 @@ class Reading:
             for qid, _ in routed:
                 reads[qid].fail(exc)
             return
+        gate = self.request.gate
         for (qid, route), (within,) in zip(routed, stats, strict=True):
             r = reads[qid]
             assert r.stats is not None
             r.stats = combine(r.stats, route, r.stats.top, within)
             r.in_group_reads = 1
-            r.crossed = tuple(self.policy.for_question(qid).crossed(r.stats))
+            r.crossed = gate.for_question(qid).crossed(r.stats)
 
     async def _read(self, batch: Sequence[CanvasRead], chunks: Sequence[Chunk], kind: str) -> list[list[SlotStats]]:
         """One engine call; returns stats per canvas, in slot order."""
         self.canvas_reads += len(batch)  # sent, whether or not the engine answers
+        gate = self.request.gate
         with tm.engine_call(self.info, batch, kind, self.seed) as call:
-            results = await self.engine.read(batch)  # type: ignore[attr-defined]
+            results = await self.engine.read(batch)
             if len(results) != len(batch):
                 raise EngineResponseError(f"the engine returned {len(results)} results for {len(batch)} canvases")
             tokens_in = sum(r.prompt_tokens for r in results)
@@ -307,6 +332,94 @@ class Reading:
             if len(result.rows) != len(chunk.slots):
                 raise EngineResponseError(f"the engine returned {len(result.rows)} slot rows for "
                                           f"{len(chunk.slots)} slots")
-            out.append([slot_stats(row, s.label_ids, self.policy.for_question(s.question_id).temperature)
+            out.append([slot_stats(row, s.label_ids, gate.for_question(s.question_id).temperature)
                         for row, s in zip(result.rows, chunk.slots, strict=True)])
         return out
+
+
+# -- distributions -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStats:
+    """Probabilities over one slot's labels and the figures the gate reads (computed once)."""
+
+    probs: tuple[float, ...]
+    label_mass: float
+    reads: int = 1
+    agreement: float | None = None
+    """Share of reads whose argmax equals the final answer (re-reads only)."""
+    stderr: float | None = None
+    """Standard error of the chosen label's probability across reads (re-reads only)."""
+    argmax_is_label: bool | None = None
+    """Whether the row's most likely token was one of the labels (of the first read)."""
+    top: int = field(init=False, compare=False, repr=False)
+    """Index of the most likely label (the first, on a tie)."""
+    entropy: float = field(init=False, compare=False, repr=False)
+    normalized_entropy: float = field(init=False, compare=False, repr=False)
+    margin: float = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        probs, log, put = self.probs, math.log, object.__setattr__
+        entropy = -sum([p * log(p) for p in probs if p > 0.0])
+        best = max(probs)
+        top = probs.index(best)  # the first, on a tie
+        k = len(probs)
+        put(self, "top", top)
+        put(self, "entropy", entropy)
+        put(self, "normalized_entropy", entropy / log(k) if k > 1 else 0.0)
+        put(self, "margin", best - max(probs[:top] + probs[top + 1:]) if k > 1 else 1.0)
+
+    @property
+    def confidence(self) -> float:
+        return self.probs[self.top]
+
+
+def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: float = 1.0) -> SlotStats:
+    """Label-normalized probabilities from one row of log-probabilities, at `temperature`."""
+    if not temperature > 0.0 or math.isinf(temperature):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    try:
+        lps = [row[i] for i in label_ids]
+    except KeyError as exc:
+        raise EngineResponseError(f"a slot row lacks label id {exc.args[0]} (a row must hold every requested "
+                                  "label id)") from None
+    exp = math.exp
+    mass = sum([exp(lp) for lp in lps])  # before the all--inf case below: that mass is 0
+    top = max(lps)
+    if top == -math.inf:
+        lps, top = [0.0] * len(lps), 0.0
+    weights = [exp((lp - top) / temperature) for lp in lps]
+    total = sum(weights)
+    return SlotStats(tuple([w / total for w in weights]), min(1.0, mass),
+                     argmax_is_label=max(row, key=row.__getitem__) in label_ids)
+
+
+def aggregate(reads: Sequence[SlotStats]) -> SlotStats:
+    """Mean distribution over several reads of one slot, with agreement and stderr."""
+    if len(reads) == 1:
+        return reads[0]
+    n, k = len(reads), len(reads[0].probs)
+    mean = tuple(sum(r.probs[j] for r in reads) / n for j in range(k))
+    top = max(range(k), key=mean.__getitem__)
+    agreement = sum(r.top == top for r in reads) / n
+    tops = [r.probs[top] for r in reads]
+    mu = sum(tops) / n
+    stderr = math.sqrt(sum((x - mu) ** 2 for x in tops) / (n - 1) / n)
+    mass = sum(r.label_mass for r in reads) / n
+    return SlotStats(mean, mass, reads=n, agreement=agreement, stderr=stderr,
+                     argmax_is_label=reads[0].argmax_is_label)
+
+
+# -- thoughts ------------------------------------------------------------------------------
+
+
+async def write_thoughts(engine: Any, prompts: Sequence[Sequence[Mapping[str, str]]], budget: int,
+                         seed: int) -> list[Thought]:
+    """One thought of up to `budget` tokens per prompt, written concurrently, seeded (`seed`) so
+    the same decision writes the same thought (the engine's `think`: `VLLMServerEngine.think`)."""
+    think = getattr(engine, "think", None)
+    if think is None:
+        raise DecisionError(f"think needs an engine that can write a thought; {type(engine).__name__} cannot",
+                            hint="use VLLMServerEngine")
+    return list(await asyncio.gather(*(think(msgs, budget, seed=seed) for msgs in prompts)))

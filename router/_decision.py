@@ -1,0 +1,419 @@
+"""One decision run: a `DecisionRequest` read stage by stage, gated, escalated and reported.
+
+The stages, each taking the request: look up the engine (`info`), the decision cache, the
+length check of every read a plan can send, then per dependency stage the plan, the reads
+(`Reading`), the escalation of what the gate did not pass, and one report per question.
+
+The outcome rules, one per cause (`OutcomePolicy`), in order: a canvas answer the gate
+passes stands; a question the engine failed for (`engine_fault`), whose abstain label won
+(`abstained`) or that stayed uncertain (`uncertain`) takes its cause's action: escalate
+while the budget grants it (engine faults first), else `over_budget` decides; `answer`,
+`fallback`, `raise` or `review`. An engine fault never becomes a cheap answer: it
+escalates, takes a declared fallback, or raises; when its escalation fails too, the error
+names both and keeps the engine's attempts. Every budget grant that does not become an
+escalation is refunded. Every absorbed fault is logged (WARNING, logger
+`canvasroute.router`), marked on the `decide` span and counted (`canvasroute.faults`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from canvasroute.engine import (
+    SPECIAL_CANDIDATES,
+    BudgetExhausted,
+    CanvasRouteError,
+    DecisionError,
+    EngineInfo,
+    EscalationError,
+    UnsureAnswer,
+    defuse,
+)
+
+from . import telemetry as tm
+from ._escalation import Asked, Escalated, escalate, target_name
+from ._plan import Planner
+from ._questions import QuestionSpec
+from ._read import Prompt, QuestionRead, Reading, SlotStats
+from ._request import DecisionRequest
+from ._state import check_images
+from ._types import CanvasResponse, Cause, DiagnosticsLog, ReadReport, answer_of
+
+__all__ = ["Decision", "NO_USAGE"]
+
+logger = logging.getLogger("canvasroute.router")
+
+NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+"""What a cache hit spends (langchain-core records a response's usage on its run)."""
+
+
+@dataclass(slots=True)
+class Decision:
+    """One request run against one engine (what `CanvasDecisionModel.arun` does)."""
+
+    request: DecisionRequest
+    engine: Any
+    planner: Planner
+    cache: Any
+    """The model's `DecisionCache` (None: every call reads)."""
+    name: str
+    """The model's name, for spans when the engine cannot say its own."""
+
+    def absorbs(self, exc: CanvasRouteError) -> bool:
+        """Whether an engine fault goes to escalation or a fallback instead of raising.
+
+        Misuse (`DecisionError`) always raises; so does a fault with nowhere expensive to go.
+        """
+        request = self.request
+        if isinstance(exc, DecisionError) or request.mode == "canvas_only":
+            return False
+        action = request.outcomes.engine_fault
+        return action == "fallback" or (action == "escalate" and request.escalation is not None)
+
+    async def run(self) -> CanvasResponse:
+        start = time.perf_counter()
+        request, specs = self.request, self.request.questions.specs
+        fault: CanvasRouteError | None = None
+        info: EngineInfo | None = None
+        try:
+            info = await self.engine.info()
+        except CanvasRouteError as exc:  # engine down before anything could be read
+            if not self.absorbs(exc):
+                raise
+            fault = exc
+        if info is not None:
+            check_images(info, request.state.images)  # before any read: an engine that cannot see them refuses
+        model = info.model if info is not None else self.name
+        attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **request.identity.attributes}
+        if tm.record_content():
+            attrs[tm.STATE_CONTENT] = request.state.text
+        cache_key = None
+        if self.cache is not None and info is not None:
+            cache_key = f"{request.key}:{info.model}:{request.constrained}"
+            if (hit := self.cache.get(cache_key)) is not None:
+                return _replay(hit, f"decide {model}", attrs, time.perf_counter() - start)
+            attrs[tm.CACHE_HIT] = False
+        with tm.span(f"decide {model}", attrs) as span:
+            run = _Run(self, info, fault)
+            await run.stages()
+            latency = time.perf_counter() - start
+            reports = run.finish(latency)
+            span.set_attribute(tm.CANVAS_READS, run.canvas_reads)
+            _note_faults(span, reports, request)
+            tm.record_reports(span, reports, latency, model, request.gate, attrs)
+        response = CanvasResponse.model_validate({
+            "model": model,
+            "answers": {r.question_id: answer_of(specs[r.question_id], r) for r in reports if r.path != "skipped"},
+            "reads": {r.question_id: r for r in reports},
+            "usage": run.usage,
+            "canvas_reads": run.canvas_reads,
+            "latency_s": latency,
+            "diagnostics": run.log.build(),
+        })
+        if cache_key is not None and replayable(response):  # a fault or budget refusal is decided again
+            self.cache.put(cache_key, response.model_copy(deep=True))  # its own copy: callers may edit theirs
+        return response
+
+
+class _Run:
+    """The mutable part of one decision run: per-stage reads, answers so far, usage."""
+
+    __slots__ = ("answers", "canvas_reads", "decision", "done", "fault", "info", "last", "log", "prompt", "refused",
+                 "usage")
+
+    def __init__(self, decision: Decision, info: EngineInfo | None, fault: CanvasRouteError | None) -> None:
+        self.decision, self.info, self.fault = decision, info, fault
+        self.usage = {"input_tokens": 0, "output_tokens": 0}
+        self.canvas_reads = 0
+        self.answers: dict[str, str | None] = {}
+        self.done: dict[str, ReadReport] = {}
+        self.last: list[tuple[QuestionRead, Escalated | None, dict[str, Any] | None]] = []
+        self.refused: set[str] = set()
+        """Questions the budget turned away."""
+        self.log = DiagnosticsLog(decision.request)
+        specials = info.special_tokens if info is not None else None
+        read = decision.request.read
+        self.prompt = Prompt(defuse(decision.request.state.text, specials or SPECIAL_CANDIDATES),
+                             defuse(read.instructions, specials or SPECIAL_CANDIDATES) if read.instructions else "")
+
+    async def stages(self) -> None:
+        decision, request = self.decision, self.decision.request
+        deps, specs = request.questions.depends, request.questions.specs
+        if self.info is not None and self.fault is None:
+            try:  # before any read: every read a plan of any stage can send is length-checked
+                await decision.planner.check(request, self.info, self.prompt)
+            except CanvasRouteError as exc:
+                if not decision.absorbs(exc):
+                    raise
+                self.fault = exc
+        for i, layer in enumerate(deps.layers):
+            asked = [qid for qid in layer if deps.applies(qid, self.answers)]
+            for qid in layer:
+                if qid not in asked:
+                    self.done[qid] = _skipped(specs[qid], deps.asked_if(qid, self.answers))
+                    self.answers[qid] = None
+            if not asked:
+                continue
+            specials = self.info.special_tokens if self.info is not None else None
+            text = self.prompt.state_text + deps.restated(asked, self.answers, specs, specials)
+            reads = await self._read(asked, replace(self.prompt, state_text=text), first=i == 0)
+            escalated = await self._escalate(reads, text)
+            for r in reads.values():
+                asked_if = deps.asked_if(r.spec.id, self.answers)
+                if i == len(deps.layers) - 1:
+                    self.last.append((r, escalated, asked_if))
+                    continue
+                report = self.report(r, escalated, asked_if=asked_if)  # its answer decides the next stage
+                self.done[r.spec.id], self.answers[r.spec.id] = report, report.answer
+
+    def finish(self, latency: float) -> list[ReadReport]:
+        """Every question's report, in the caller's order, with the decision's latency."""
+        done = {qid: report.model_copy(update={"latency_s": latency}) for qid, report in self.done.items()}
+        for r, escalated, asked_if in self.last:
+            done[r.spec.id] = self.report(r, escalated, latency, asked_if)
+        return [done[qid] for qid in self.decision.request.questions.specs]
+
+    async def _read(self, asked: Sequence[str], prompt: Prompt, *, first: bool) -> dict[str, QuestionRead]:
+        """One stage's asked questions read and gated (every one failed, on a fault)."""
+        decision, request = self.decision, self.decision.request
+        fault, info = self.fault, self.info
+        if info is not None and fault is None:
+            try:
+                the_plan = await decision.planner.layer(request, asked)
+            except CanvasRouteError as exc:
+                if not decision.absorbs(exc):
+                    raise
+                fault = exc
+        if fault is not None or info is None:  # every question goes down its fault's path: none answered from nothing
+            assert fault is not None
+            specs = request.questions.specs
+            reads = {qid: QuestionRead(specs[qid], -1, ()) for qid in asked}
+            for r in reads.values():
+                r.fail(fault)
+            self.log.add(asked, None)
+            return reads
+        if not (first and len(asked) == len(request.questions.depends.layers[0])):
+            # a later stage's prompt restates its parents' answers: checked again as read
+            await decision.planner.check_plan(the_plan, request, info, prompt)
+        reading = Reading(request=request, engine=decision.engine, info=info, plan=the_plan, prompt=prompt,
+                          absorbs=decision.absorbs, planner=decision.planner, usage=self.usage)
+        reads = await reading.run()
+        self.log.add(asked, reading)
+        self.canvas_reads += reading.canvas_reads
+        return reads
+
+    async def _escalate(self, reads: Mapping[str, QuestionRead], text: str) -> Escalated | None:
+        """Escalate what the gate did not pass, as the outcome policy says, under the budget, in one call."""
+        request = self.decision.request
+        escalation = request.escalation
+        if escalation is None or request.mode == "canvas_only":
+            return None
+        # engine faults first: under a partial budget they are the ones that cannot keep a canvas answer
+        wanted = sorted((r for r in reads.values() if _cause(r) is not None and _action(request, r) == "escalate"),
+                        key=lambda r: r.error is None)
+        if not wanted:
+            return None
+        meter, thread = escalation.meter, request.identity.thread_id
+        granted = await meter.take(len(wanted), thread) if meter is not None else len(wanted)
+        try:
+            if granted < len(wanted):
+                self._refuse(wanted[granted:])
+            wanted = wanted[:granted]
+            if not wanted:
+                return None
+            result = await self._call(wanted, text)
+        except EscalationError as exc:
+            if meter is not None and granted:
+                await meter.refund(granted, thread)  # nothing was escalated
+            fault = next((r.fault for r in wanted if r.fault is not None), None)
+            if fault is None:
+                raise
+            raise EscalationError(
+                f"{exc.message}, after the canvas engine failed: {type(fault).__name__}: {fault.message}",
+                failure=exc.failure, attempts=max(exc.attempts, fault.attempts),
+                retryable=exc.retryable or fault.retryable,
+                hint=f"the canvas engine: {fault.hint or 'check it'}; the escalation: {exc.hint or 'check it'}",
+            ) from fault
+        except BaseException:
+            if meter is not None and granted:
+                await meter.refund(granted, thread)  # nothing was escalated
+            raise
+        for key in ("input_tokens", "output_tokens"):
+            self.usage[key] += result.usage.get(key, 0)
+        return result
+
+    def _refuse(self, spent: Sequence[QuestionRead]) -> None:
+        """Mark the questions the budget turned away, or raise as `over_budget` says."""
+        action = self.decision.request.outcomes.over_budget
+        if action == "raise":
+            raise BudgetExhausted(f"escalation budget spent; {len(spent)} question(s) could not escalate",
+                                  hint="raise the budget, or set OutcomePolicy(over_budget='answer' | 'fallback')")
+        for r in spent:
+            if r.error is not None and action == "answer":
+                raise BudgetExhausted(f"engine failed ({r.error}) and the escalation budget is spent",
+                                      hint="an engine fault never becomes a cheap answer: give it "
+                                           "OutcomePolicy(over_budget='fallback') and a fallback option")
+        self.refused.update(r.spec.id for r in spent)
+
+    async def _call(self, wanted: Sequence[QuestionRead], text: str) -> Escalated:
+        request = self.decision.request
+        escalation = request.escalation
+        assert escalation is not None
+        canvas = {r.spec.id: answer_probs(r.spec, r.stats) if r.stats else None for r in wanted}
+        asked = Asked(specs=tuple(plain(r.spec) for r in wanted), state=request.state.value, state_text=text,
+                      instructions=request.read.instructions, images=request.state.images, canvas=canvas)
+        name = target_name(escalation.target)
+        with tm.escalation_call(escalation.target, name, list(canvas)) as call:
+            try:
+                result = await asyncio.wait_for(escalate(escalation, asked), escalation.timeout)
+            except TimeoutError as exc:
+                raise EscalationError(f"escalation to {name} timed out after {escalation.timeout}s (network)",
+                                      failure="network", retryable=True) from exc
+            call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
+            call.output(result.answers, result.response_model)
+        return result
+
+    def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,
+               asked_if: dict[str, Any] | None = None) -> ReadReport:
+        """The report for one question: who answered, and why the gate did not pass it."""
+        request = self.decision.request
+        outcomes, spec, st = request.outcomes, r.spec, r.stats
+        canvas = named(spec, st) if st else None
+        cause = _cause(r)
+        base: dict[str, Any] = dict(
+            question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
+            reads=len(r.runs) + r.in_group_reads, error=r.error, latency_s=latency_s, asked_if=asked_if,
+            crossed=list(r.crossed), gate=r.gate, slot=r.slot, read_entropies=[run.entropy for run in r.runs],
+            rereadable=r.rereadable, cause=cause,
+        )
+        if st is not None:
+            base.update(entropy=st.entropy, normalized_entropy=st.normalized_entropy, margin=st.margin,
+                        confidence=st.confidence, agreement=st.agreement, stderr=st.stderr)
+            if not r.constrained:  # a constrained row is normalized over the labels: nothing to measure
+                base.update(label_mass=st.label_mass, argmax_is_label=st.argmax_is_label)
+        options = spec.answer_options
+        if escalated is not None and spec.id in escalated.answers:
+            answer = escalated.answers[spec.id]
+            probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in options}
+            return _report(base, answer, probs, "escalated", escalation_model=escalated.model)
+        if cause is None:
+            assert st is not None
+            return _report(base, spec.options[st.top], canvas or {}, "reread" if len(r.runs) > r.samples else "canvas",
+                           confident=True)
+        canvas_only = request.mode == "canvas_only"
+        if spec.id in self.refused:
+            base["cause"] = "over_budget"
+            action = outcomes.over_budget
+        elif canvas_only:
+            action = "answer"
+        else:
+            action = _action(request, r)
+            if action == "escalate":  # nothing to escalate to (uncertain questions only)
+                action = "answer"
+        if cause == "engine_fault" and action != "fallback":
+            if action == "answer" and spec.id in self.refused:
+                raise BudgetExhausted(f"question {spec.id!r}: the engine failed and the escalation budget is spent",
+                                      hint="an engine fault never becomes a cheap answer") from r.fault
+            assert r.fault is not None
+            raise r.fault  # an engine fault never becomes a cheap answer
+        if action == "fallback":
+            if spec.id not in outcomes.fallback:
+                raise BudgetExhausted(f"question {spec.id!r} could not escalate (budget spent) and has no fallback "
+                                      "option", hint="add it to OutcomePolicy(fallback={...})") from r.fault
+            answer = outcomes.fallback[spec.id]
+            return _report(base, answer, {o: float(o == answer) for o in options}, "fallback")
+        assert st is not None
+        if action == "raise":
+            raise UnsureAnswer(
+                f"question {spec.id!r} stayed unsure after {len(r.runs)} read(s) (crossed "
+                f"{', '.join(r.crossed) or cause}; normalized entropy {st.normalized_entropy:.3f})",
+                hint="set escalate_to=, or OutcomePolicy(uncertain='answer' | 'fallback' | 'review')")
+        probs = answer_probs(spec, st)
+        return _report(base, max(probs, key=probs.__getitem__), probs, "unsure")  # answer and review
+
+
+def _cause(r: QuestionRead) -> Cause | None:
+    """Why the gate did not pass a question's read (None: it passed)."""
+    if r.error is not None:
+        return "engine_fault"
+    if r.abstained:
+        return "abstained"
+    return "uncertain" if r.crossed else None
+
+
+def _action(request: DecisionRequest, r: QuestionRead) -> str:
+    """The outcome policy's action for a question's cause (`over_budget` aside)."""
+    cause = _cause(r)
+    outcomes = request.outcomes
+    return (outcomes.engine_fault if cause == "engine_fault" else outcomes.abstained if cause == "abstained"
+            else outcomes.uncertain)
+
+
+def _report(base: dict[str, Any], answer: str, probabilities: Mapping[str, float], path: str, *,
+            confident: bool = False, **more: Any) -> ReadReport:
+    """`base` completed and validated as one mapping (`model_validate`: the constructor's
+    checks without its keyword-argument call)."""
+    base.update(answer=answer, probabilities=probabilities, path=path, confident=confident, **more)
+    return ReadReport.model_validate(base)
+
+
+def named(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:
+    """A distribution keyed by option name."""
+    return dict(zip(spec.options, st.probs, strict=True))
+
+
+def answer_probs(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:
+    """The distribution over the options an answer may name: without the abstain label's
+    share, renormalized (the canvas distribution itself when the question cannot abstain)."""
+    if not spec.abstain:
+        return named(spec, st)
+    real = st.probs[:-1]
+    total = sum(real) or 1.0
+    return {o: p / total for o, p in zip(spec.answer_options, real, strict=True)}
+
+
+def plain(spec: QuestionSpec) -> QuestionSpec:
+    """The question as asked by the caller (no abstain label), for the escalation."""
+    return replace(spec, options=spec.answer_options, abstain=False) if spec.abstain else spec
+
+
+def _skipped(spec: QuestionSpec, asked_if: dict[str, Any] | None) -> ReadReport:
+    """The report of a dependent question whose condition did not hold: no answer, no read."""
+    return ReadReport(question_id=spec.id, kind=spec.kind, answer=None, labels=[], probabilities={},  # type: ignore[arg-type]
+                      path="skipped", confident=False, asked_if=asked_if)
+
+
+def replayable(response: CanvasResponse) -> bool:
+    """Whether a response may be stored: no engine fault and no budget refusal touched it
+    (both are decided again next time, never replayed)."""
+    return not any(r.error or r.cause == "over_budget" for r in response.reads.values())
+
+
+def _replay(response: CanvasResponse, span_name: str, attrs: dict[str, Any], latency_s: float) -> CanvasResponse:
+    """A cached response as this call's answer: a decide span marked as a hit, no reads,
+    no token usage, and a copy of its own (the stored one is never handed out)."""
+    with tm.span(span_name, {**attrs, tm.CACHE_HIT: True}) as span:
+        span.set_attribute(tm.CANVAS_READS, 0)
+    return response.model_copy(update={"canvas_reads": 0, "latency_s": latency_s, "usage": dict(NO_USAGE)},
+                               deep=True)
+
+
+def _note_faults(span: Any, reports: Sequence[ReadReport], request: DecisionRequest) -> None:
+    """No silent fault: each engine fault a decision absorbed is logged (WARNING), marked on
+    its `decide` span and counted, with what answered instead."""
+    faults: dict[str, list[ReadReport]] = {}
+    for r in reports:
+        if r.error is not None:
+            faults.setdefault(r.error, []).append(r)
+    for error, hit in faults.items():
+        paths = sorted({r.path for r in hit})
+        target = target_name(request.escalation.target) if request.escalation is not None else None
+        instead = ", ".join("escalated to " + str(target) if p == "escalated" else p for p in paths)
+        logger.warning("engine fault absorbed for question(s) %s (%s): %s",
+                       ", ".join(r.question_id for r in hit), instead, error)
+        tm.record_fault(span, error, [r.question_id for r in hit], paths)

@@ -1,0 +1,231 @@
+"""The decision request: what one decision is, built once where it enters and carried whole.
+
+Every way into a decision (`CanvasDecisionModel.decide/invoke`, `decision_node`, `route_on`,
+`canvasroute serve` on either wire, shadow mode, `canvasroute eval`) builds one frozen
+`DecisionRequest` (`CanvasDecisionModel.request`) and hands it down. Each stage (plan, read,
+re-read, gate, escalate, review, cache, trace, record) takes the request, or the part it owns,
+and never receives one of its fields by hand or works one out again:
+
+```
+DecisionRequest
+├── state        StateView: the value as given, its rendered text, its images, a digest
+├── questions    QuestionSet: the parsed questions (QuestionSpec), their key, dependencies
+├── read         ReadOptions: instructions, alone, steps, think, images, constrained
+├── gate         GatePolicy, every override applied once (`resolve_gate`)
+├── outcomes     OutcomePolicy: what happens when the gate is not passed
+├── escalation   Escalation (target, output, prompt, timeout, budget, meter) or None
+└── identity     Identity: seed, thread, branch, span attributes; `key` for caches
+```
+
+A new option joins `ReadOptions` (how canvases are read) or the gate, once, and every
+stage sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Collection, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
+from typing import Any, Literal
+
+from canvasroute.engine import DecisionError
+
+from ._policy import Escalation, GatePolicy, OutcomePolicy
+from ._questions import Dependencies, QuestionSpec, option_text
+
+__all__ = ["MAX_STEPS", "MAX_THINK", "DecisionRequest", "Identity", "QuestionSet", "ReadOptions", "StateView",
+           "read_options"]
+
+MAX_STEPS = 8
+"""Denoising steps one read may take (vLLM's gateway caps `steps` there too)."""
+MAX_THINK = 4096
+"""Tokens a thought may take (vLLM's gateway's cap)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReadOptions:
+    """How a decision's canvases are read.
+
+    Example:
+        ```python
+        model.decide(ticket, questions, read=ReadOptions(instructions="All tickets are from EU customers"))
+        decision_node(model, questions, read={"alone": {"summary"}})   # a dict of the same fields
+        ```
+    """
+
+    instructions: str = ""
+    """Context for every question, at the head of each canvas's system prompt (defused like the state)."""
+    alone: frozenset[str] = frozenset()
+    """Questions each read in a canvas of their own."""
+    steps: int = 1
+    """Denoising steps per read (the template pinned past the first)."""
+    think: int = 0
+    """Token budget of the thought the model writes before each canvas is read (0: none)."""
+    images: tuple[str, ...] = ()
+    """Image URLs sent with every read, beside those in the state (`StateView.images` holds both)."""
+    constrained: bool | None = None
+    """Reads normalized over the request's label ids only (vLLM's `diffusion_constrained`); None:
+    the model's setting (constrained unless the gate reads label mass)."""
+
+    def __post_init__(self) -> None:
+        alone = self.alone
+        if isinstance(alone, str) or not isinstance(alone, Collection) or not all(isinstance(q, str) for q in alone):
+            raise DecisionError(f"alone must be a collection of question ids, got {alone!r}")
+        object.__setattr__(self, "alone", frozenset(alone))
+        for name, value, low, top in (("steps", self.steps, 1, MAX_STEPS), ("think", self.think, 0, MAX_THINK)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+                raise DecisionError(f"{name} must be an integer within {low}..{top}, got {value!r}")
+        images = self.images
+        if isinstance(images, str) or not isinstance(images, Collection) or not all(
+                isinstance(u, str) and u for u in images):
+            raise DecisionError("images must be a sequence of image URLs (data:image/...;base64,... or http(s))")
+        object.__setattr__(self, "images", tuple(images))
+        if not isinstance(self.instructions, str):
+            object.__setattr__(self, "instructions", option_text(self.instructions))
+        object.__setattr__(self, "instructions", self.instructions.strip())
+        if self.constrained is not None and not isinstance(self.constrained, bool):
+            raise DecisionError(f"constrained must be a bool or None, got {self.constrained!r}")
+
+    def key(self) -> str:
+        """What in these settings changes a read (for cache keys and the default seed)."""
+        return repr((self.constrained, self.instructions, sorted(self.alone), self.steps, self.think))
+
+
+READ_FIELDS = frozenset(f.name for f in fields(ReadOptions))
+NO_READ_OPTIONS = ReadOptions()
+
+
+def read_options(value: ReadOptions | Mapping[str, Any] | None) -> ReadOptions:
+    """`ReadOptions` from itself, a dict of its fields (instructions may be any JSON value), or None.
+
+    Raises:
+        DecisionError: a key `ReadOptions` does not have, or a value it refuses.
+    """
+    if value is None:
+        return NO_READ_OPTIONS
+    if isinstance(value, ReadOptions):
+        return value
+    if not isinstance(value, Mapping):
+        raise DecisionError(f"read options are a ReadOptions or a dict of its fields, not {type(value).__name__}")
+    if unknown := sorted(set(value) - READ_FIELDS):
+        raise DecisionError(f"unknown read options {unknown}; ReadOptions has {', '.join(sorted(READ_FIELDS))}")
+    values = {k: v for k, v in value.items() if v is not None}
+    if "instructions" in values and not isinstance(values["instructions"], str):
+        values["instructions"] = option_text(values["instructions"])
+    return ReadOptions(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class StateView:
+    """The state as the model reads it."""
+
+    value: Any
+    """The state as given (a decision-model escalation target and a human reviewer see it)."""
+    text: str
+    """Its rendered text (`render_state`; special tokens are defused per engine when read)."""
+    images: tuple[str, ...]
+    """Every image the reads send: the state's image blocks, then `ReadOptions.images`."""
+    digest: str
+    """SHA-256 (hex) of the text and the images: what the reads depend on."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuestionSet:
+    """The decision's questions, parsed once."""
+
+    specs: Mapping[str, QuestionSpec]
+    """Question id -> its canvas view, in the caller's order."""
+    key: str
+    """An exact key of the questions as asked (plans and caches use it)."""
+    depends: Dependencies
+    """Which questions wait for which answers, and the read stages they imply."""
+
+    @property
+    def asked(self) -> dict[str, Any]:
+        """The questions as the caller asked them (langchain-core models)."""
+        return {qid: spec.question for qid, spec in self.specs.items()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Identity:
+    """Who and where a decision is: its noise seed and the run it belongs to."""
+
+    seed: int
+    """The noise seed (read k uses `seed + 7919 k`); a hash of what is decided unless given."""
+    thread_id: str | None = None
+    """The LangGraph thread (per-thread budgets, span attributes)."""
+    branch: str | None = None
+    """The fan-out branch a decision node's records are grouped under (None: flat)."""
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+    """Span attributes naming where the decision runs (graph node, thread)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecisionRequest:
+    """One decision, whole: built once by `CanvasDecisionModel.request` and read by every stage."""
+
+    state: StateView
+    questions: QuestionSet
+    read: ReadOptions
+    gate: GatePolicy
+    """The gate, every override applied (`resolve_gate`); `gate.for_question(id)` per question."""
+    outcomes: OutcomePolicy
+    escalation: Escalation | None
+    identity: Identity
+    mode: Literal["deployed", "canvas_only"] = "deployed"
+    """`canvas_only`: measure the canvas alone (shadow mode, `canvasroute eval`): nothing
+    escalates, every question gets the canvas's best real option (flagged not confident where
+    the gate did not pass it), and an engine fault raises."""
+
+    @cached_property
+    def key(self) -> str:
+        """A SHA-256 (hex) of everything that decides the answers: questions and dependencies,
+        read options, state, gate, outcomes, seed and mode (the same in every process)."""
+        h = hashlib.sha256()
+        parts = (self.questions.key, self.questions.depends.key(), self.read.key(), self.state.digest,
+                 repr(self.gate), repr(self.outcomes), str(self.identity.seed), self.mode)
+        for part in parts:
+            data = part.encode()
+            h.update(len(data).to_bytes(8, "big"))  # length-prefixed: no two part lists collide
+            h.update(data)
+        return h.hexdigest()
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the reads are normalized over the labels (no label mass)."""
+        return not self.gate.uses_label_mass if self.read.constrained is None else self.read.constrained
+
+    def canvas_only(self) -> DecisionRequest:
+        """This decision measured on the canvas alone (no escalation, no fallback, faults raise)."""
+        return replace(self, escalation=None, mode="canvas_only")
+
+    def metered(self, meter: Any) -> DecisionRequest:
+        """This decision with its escalation budget counted by `meter` (e.g. a graph store's)."""
+        if self.escalation is None or self.escalation.budget is None or meter is None:
+            return self
+        return replace(self, escalation=replace(self.escalation, meter=meter))
+
+
+REQUEST: ContextVar[DecisionRequest | None] = ContextVar("canvasroute_request", default=None)
+"""A request built before langchain-core's Runnable machinery runs (`invoke` carries only
+state and questions to `_classify`): the harness's observed path sets it."""
+
+
+def state_digest(text: str, images: tuple[str, ...]) -> str:
+    """SHA-256 of a rendered state and its images (length-prefixed parts)."""
+    h = hashlib.sha256()
+    for part in (text, *images):
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def default_seed(questions_key: str, read: ReadOptions, digest: str) -> int:
+    """The noise seed of a decision that names none: a hash of what is decided, so identical
+    requests read identically in every process."""
+    blob = json.dumps([questions_key, read.key(), digest])
+    return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
