@@ -8,7 +8,7 @@ from typing import Any
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 
-from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions, read_options
 
 from ._context import GraphCall, Inputs, child_config, graph_call, select_inputs
 from ._node import check_path_map
@@ -35,7 +35,7 @@ class DecisionEdge(Runnable[Any, str]):
         self.question_id = question_id
         self.path_map = dict(path_map)
         self.inputs = inputs
-        self.read = read
+        self.read = read_options(read)
         self.name = f"route_on_{question_id}"
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> str:

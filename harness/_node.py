@@ -45,7 +45,7 @@ from langchain_core.runnables.config import get_async_callback_manager_for_confi
 from langgraph.types import CachePolicy, Command, RetryPolicy
 
 from canvasroute.engine import CanvasRouteError, DecisionError
-from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions, read_options
 
 from ._context import (
     GraphCall,
@@ -106,8 +106,8 @@ class DecisionNode(Runnable[Any, Command]):
         self.inputs = inputs
         self.output_key = output_key
         self.review = review
-        self.read = read
-        """How the node's canvases are read (`ReadOptions` or a dict of its fields)."""
+        self.read = read_options(read)
+        """How the node's canvases are read."""
         self.history = history
         """Earlier records kept per question (and branch), newest last, under `history` (0: none)."""
         self.route_question, self.route_map, self.route_fn = parse_route(route)

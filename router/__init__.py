@@ -41,7 +41,7 @@ from ._policy import (
 )
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
 from ._read import SlotStats, aggregate, slot_stats
-from ._request import MAX_STEPS, MAX_THINK, DecisionRequest, Identity, QuestionSet, ReadOptions, StateView
+from ._request import MAX_STEPS, MAX_THINK, DecisionRequest, Identity, QuestionSet, ReadOptions, StateView, read_options
 from ._state import image_digests, read_state, render_state, state_images
 from ._types import CAUSES, PATHS, CanvasResponse, Diagnostics, ReadReport, Tally, ThoughtReport, Totals
 from .calibration import (
@@ -103,6 +103,7 @@ __all__ = [
     "load_policy",
     "parse_questions",
     "question_set_key",
+    "read_options",
     "read_state",
     "render_state",
     "resolve_gate",

@@ -303,8 +303,8 @@ class _Run:
             return _report(base, answer, probs, "escalated", escalation_model=escalated.model)
         if cause is None:
             assert st is not None
-            return _report(base, spec.options[st.top], canvas or {}, "reread" if len(r.runs) > r.samples else "canvas",
-                           confident=True)
+            return _report(base, spec.options[st.top], answer_probs(spec, st),
+                           "reread" if len(r.runs) > r.samples else "canvas", confident=True)
         canvas_only = request.mode == "canvas_only"
         if spec.id in self.refused:
             base["cause"] = "over_budget"
@@ -323,8 +323,11 @@ class _Run:
             raise r.fault  # an engine fault never becomes a cheap answer
         if action == "fallback":
             if spec.id not in outcomes.fallback:
-                raise BudgetExhausted(f"question {spec.id!r} could not escalate (budget spent) and has no fallback "
-                                      "option", hint="add it to OutcomePolicy(fallback={...})") from r.fault
+                if spec.id in self.refused:
+                    raise BudgetExhausted(f"question {spec.id!r} could not escalate (budget spent) and has no "
+                                          "fallback option", hint="add it to OutcomePolicy(fallback={...})") from r.fault
+                assert r.fault is not None  # (uncertain and abstained fallbacks are checked before any read)
+                raise r.fault  # an engine fault never becomes a cheap answer
             answer = outcomes.fallback[spec.id]
             return _report(base, answer, {o: float(o == answer) for o in options}, "fallback")
         assert st is not None

@@ -70,7 +70,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         ```
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     engine: Any
     """The engine that reads canvases (`VLLMServerEngine`, `TransformersEngine`, ...)."""
@@ -286,6 +286,11 @@ class CanvasDecisionModel(BaseDecisionModel):
         prebuilt = value.get("request")
         if isinstance(prebuilt, DecisionRequest):
             return prebuilt
+        if unknown := sorted(set(value) - {"state", "questions", *REQUEST_KEYS}):
+            moved = {"policy": "gate", **{k: "read" for k in ("instructions", "alone", "steps", "think", "images")}}
+            hints = [f"{k!r} is now {moved[k]!r}" for k in unknown if k in moved]
+            raise DecisionError(f"a decision request has no key(s) {unknown}; it takes state, questions and "
+                                f"{', '.join(REQUEST_KEYS)}", hint="; ".join(hints) or None)
         return self.request(value["state"], value["questions"],
                             **{k: value[k] for k in REQUEST_KEYS if value.get(k) is not None})
 

@@ -209,7 +209,7 @@ class GatePolicy:
             overrides = {qid: replace(p, **changes) for qid, p in self.per_question.items()}
         return replace(self, **changes, per_question=overrides)
 
-    def crossed(self, stats: SlotStats) -> tuple[str, ...]:
+    def crossed(self, stats: SlotStats) -> list[str]:
         """Names of the thresholds a distribution crosses (empty: it passes)."""
         out = []
         if self.max_normalized_entropy is not None and stats.normalized_entropy > self.max_normalized_entropy:
@@ -222,7 +222,7 @@ class GatePolicy:
             out.append("min_margin")
         if self.min_label_mass is not None and stats.label_mass < self.min_label_mass:
             out.append("min_label_mass")
-        return tuple(out)
+        return out
 
 
 _GATE_FIELDS = frozenset(f.name for f in fields(GatePolicy))
@@ -296,6 +296,9 @@ class OutcomePolicy:
                 isinstance(k, str) and isinstance(v, str) for k, v in self.fallback.items()):
             raise TypeError("OutcomePolicy.fallback maps question ids to option names")
         object.__setattr__(self, "fallback", dict(self.fallback))
+        if not self.fallback and (wanted := [n for n in allowed if getattr(self, n) == "fallback"]):
+            raise ValueError(f"OutcomePolicy({', '.join(f'{n}={chr(39)}fallback{chr(39)}' for n in wanted)}) needs "
+                             "fallback={question id: option}")
 
     def __hash__(self) -> int:
         return hash((self.uncertain, self.abstained, self.engine_fault, self.over_budget,
@@ -381,8 +384,10 @@ class Escalation:
 
 def check_fallbacks(question_ids: Mapping[str, Any], options: Mapping[str, tuple[str, ...]],
                     gate: GatePolicy, outcomes: OutcomePolicy, has_target: bool) -> None:
-    """Before anything is read: every fallback names an option, and every question that may
-    take a `fallback` action has one, and every abstaining question has somewhere to go.
+    """Before anything is read: every fallback names an option, every question an uncertain or
+    abstained read sends to its fallback has one, and every abstaining question has somewhere to
+    go. (An engine fault or a spent budget with no fallback option for its question raises when
+    it happens: an engine fault never becomes a cheap answer.)
 
     Raises:
         DecisionError: naming the question and what it lacks.
@@ -391,7 +396,7 @@ def check_fallbacks(question_ids: Mapping[str, Any], options: Mapping[str, tuple
         if qid in options and option not in options[qid]:
             raise DecisionError(f"fallback {option!r} is not an option of {qid!r}",
                                 hint=f"one of {list(options[qid])[:8]}")
-    wants = [name for name in ("uncertain", "engine_fault", "over_budget") if getattr(outcomes, name) == "fallback"]
+    wants = ["uncertain"] if outcomes.uncertain == "fallback" else []
     for qid in question_ids:
         abstains = gate.for_question(qid).abstain
         if abstains and outcomes.abstained == "escalate" and not has_target:

@@ -257,7 +257,7 @@ class Reading:
             r = reads[qid]
             if r.runs and r.error is None:
                 r.stats = aggregate(r.runs)
-                r.crossed = gate.for_question(qid).crossed(r.stats)
+                r.crossed = tuple(gate.for_question(qid).crossed(r.stats))
 
     async def _think(self, msgs: Sequence[Messages], reads: dict[str, QuestionRead],
                      hit: Sequence[str]) -> list[Thought] | None:
@@ -309,7 +309,7 @@ class Reading:
             assert r.stats is not None
             r.stats = combine(r.stats, route, r.stats.top, within)
             r.in_group_reads = 1
-            r.crossed = gate.for_question(qid).crossed(r.stats)
+            r.crossed = tuple(gate.for_question(qid).crossed(r.stats))
 
     async def _read(self, batch: Sequence[CanvasRead], chunks: Sequence[Chunk], kind: str) -> list[list[SlotStats]]:
         """One engine call; returns stats per canvas, in slot order."""

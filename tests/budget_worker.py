@@ -28,7 +28,7 @@ from typing_extensions import TypedDict
 
 from canvasroute.engine import EscalationError, FunctionEngine
 from canvasroute.harness import decision_node
-from canvasroute.router import CanvasDecisionModel, EscalationBudget, GatePolicy
+from canvasroute.router import CanvasDecisionModel, Escalation, EscalationBudget, GatePolicy, OutcomePolicy
 
 FAIL_FIRST = 3
 """The first escalation calls of each worker fail (their grants are refunded)."""
@@ -53,10 +53,11 @@ def main(dsn: str, scope: str, n: int, per_window: int, per_thread: int, fail_al
         return AIMessage(json.dumps({"team": "tech"}))
 
     engine = FunctionEngine(lambda read: [{i: math.log(0.5) for i in read.label_ids}] * len(read.slots))
-    model = CanvasDecisionModel(engine=engine, model=scope, policy=GatePolicy(rereads=0),
-                                escalate_to=RunnableLambda(target),
-                                budget=EscalationBudget(max_per_window=per_window, window_s=3600,
-                                                        max_per_thread=per_thread, when_spent="keep"))
+    model = CanvasDecisionModel(engine=engine,
+                                model=scope,
+                                policy=GatePolicy(rereads=0),
+                                escalate_to=Escalation(RunnableLambda(target), budget=EscalationBudget(max_per_window=per_window, window_s=3600, max_per_thread=per_thread)),
+                                outcomes=OutcomePolicy(over_budget="answer"))
     builder = StateGraph(State)
     builder.add_node("triage", decision_node(model, {"team": TEAM}, inputs="ticket"))
     builder.add_edge(START, "triage")

@@ -39,7 +39,7 @@ from typing_extensions import TypedDict
 from canvasroute.engine import FunctionEngine
 from canvasroute.engine._types import CanvasRead
 from canvasroute.harness import ReviewPolicy, decision_node, merge_decisions
-from canvasroute.router import CanvasDecisionModel, EscalationBudget, GatePolicy
+from canvasroute.router import CanvasDecisionModel, Escalation, EscalationBudget, GatePolicy, OutcomePolicy
 
 QUESTIONS = {
     "team": Choice(instructions="Which team handles this ticket?",
@@ -92,9 +92,10 @@ def build(checkpointer: PostgresSaver, log: str, block: str | None, ar_log: str 
     if ar_log is None:
         model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=1.0))
     else:  # unsure of everything: team escalates (the budget's one), urgent goes to review
-        model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.01, rereads=0),
-                                    escalate_to=escalation_target(ar_log),
-                                    budget=EscalationBudget(max_per_thread=1, when_spent="keep"))
+        model = CanvasDecisionModel(engine=engine,
+                                    policy=GatePolicy(max_normalized_entropy=0.01, rereads=0),
+                                    escalate_to=Escalation(escalation_target(ar_log), budget=EscalationBudget(max_per_thread=1)),
+                                    outcomes=OutcomePolicy(over_budget="answer"))
     triage = decision_node(model, QUESTIONS, inputs="ticket",
                            route=("team", {"billing": "billing", "technical": "technical"}),
                            review=ReviewPolicy() if ar_log else None)

@@ -19,7 +19,7 @@ from canvasroute.engine import (
     VLLMServerEngine,
 )
 from canvasroute.engine.testing import LoopbackVLLM
-from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import CanvasDecisionModel, GatePolicy, OutcomePolicy
 
 QUESTIONS = {
     "team": Choice(instructions="Which team should handle this ticket?",
@@ -188,7 +188,7 @@ async def test_unaskable_questions_fail_clearly_before_any_request(case):
 
 async def test_a_fallback_that_is_not_an_option_is_refused():
     engine = FunctionEngine(instant)
-    model = CanvasDecisionModel(engine=engine, on_engine_error="fallback", fallback={"team": "finance"})
+    model = CanvasDecisionModel(engine=engine, outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "finance"}))
     with pytest.raises(DecisionError, match="finance"):
         await model.adecide(BENIGN, QUESTIONS)
     assert engine.calls == 0

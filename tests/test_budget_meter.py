@@ -13,7 +13,15 @@ from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 
 from canvasroute.engine import BudgetExhausted, EscalationError, FunctionEngine
-from canvasroute.router import BudgetMeter, CanvasDecisionModel, EscalationBudget, GatePolicy, InMemoryBudgetMeter
+from canvasroute.router import (
+    BudgetMeter,
+    CanvasDecisionModel,
+    Escalation,
+    EscalationBudget,
+    GatePolicy,
+    InMemoryBudgetMeter,
+    OutcomePolicy,
+)
 
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
 URGENT = Noul(instructions="Urgent?")
@@ -43,19 +51,20 @@ class Target:
         return AIMessage(json.dumps({q: {"team": "tech", "urgent": "yes"}[q] for q in asked}))
 
 
-def model(target: Target, when_spent: str, **budget) -> CanvasDecisionModel:
-    return CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0), escalate_to=target.runnable,
-                               budget=EscalationBudget(**budget, when_spent=when_spent),
-                               fallback={"team": "billing", "urgent": "no"})
+def model(target: Target, over_budget: str, **budget) -> CanvasDecisionModel:
+    return CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0),
+                               escalate_to=Escalation(target.runnable, budget=EscalationBudget(**budget)),
+                               outcomes=OutcomePolicy(over_budget=over_budget,
+                                                      fallback={"team": "billing", "urgent": "no"}))
 
 
 async def test_64_concurrent_decisions_keep_exact_counts():
     target = Target()
-    m = model(target, "keep", max_per_window=20, window_s=3600)
+    m = model(target, "answer", max_per_window=20, window_s=3600)
     results = await asyncio.gather(*(m.adecide(f"ticket {i}", {"team": TEAM}) for i in range(64)))
     paths = [r.reads["team"].path for r in results]
     assert paths.count("escalated") == 20 and paths.count("unsure") == 44
-    assert sum(r.reads["team"].over_budget for r in results) == 44
+    assert sum(r.reads["team"].cause == "over_budget" for r in results) == 44
     assert len(target.escalated) == 20
     assert m.budget_counters == {"granted": 20, "refused": 44, "refunded": 0, "in_window": 20}
 
@@ -108,7 +117,7 @@ async def test_a_raised_refusal_spends_no_budget():
 
 async def test_a_failed_escalation_is_refunded():
     target = Target()
-    m = model(target, "keep", max_per_window=1, window_s=3600)
+    m = model(target, "answer", max_per_window=1, window_s=3600)
     with pytest.raises(EscalationError):
         await m.adecide("please fail", {"team": TEAM})
     assert m.budget_counters == {"granted": 0, "refused": 0, "refunded": 1, "in_window": 0}
@@ -134,26 +143,28 @@ async def test_a_custom_meter_plugs_in():
 
     ledger = Ledger()
     assert isinstance(ledger, BudgetMeter) and isinstance(InMemoryBudgetMeter(EscalationBudget()), BudgetMeter)
-    m = CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0), escalate_to=Target().runnable,
-                            budget=EscalationBudget(when_spent="raise"), budget_meter=ledger)
+    m = CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0),
+                            escalate_to=Escalation(Target().runnable, budget=EscalationBudget(), meter=ledger),
+                            outcomes=OutcomePolicy(over_budget="raise"))
     with pytest.raises(BudgetExhausted):
         await m.adecide("x", {"team": TEAM, "urgent": URGENT}, thread_id="t")
     assert ledger.log == [("take", 2, "t"), ("refund", 1, "t")]
-    with pytest.raises(TypeError, match="BudgetMeter"):
-        CanvasDecisionModel(engine=uncertain_engine(), budget=EscalationBudget(), budget_meter=object())
+    with pytest.raises(ValueError, match="BudgetMeter"):
+        CanvasDecisionModel(engine=uncertain_engine(),
+                            escalate_to=Escalation(Target().runnable, budget=EscalationBudget(), meter=object()))
     with pytest.raises(ValueError, match="needs budget"):
-        CanvasDecisionModel(engine=uncertain_engine(), budget_meter=ledger)
+        Escalation(Target().runnable, meter=ledger)
 
 
 async def test_a_meter_for_one_request_counts_that_decision_only():
-    """`adecide(budget_meter=...)` (what a decision node passes with a graph store) counts
-    that decision against the model's budget; the model's own meter is left untouched."""
+    """`request.metered(meter)` (what a decision node does with a graph store) counts that
+    decision against the model's budget; the model's own meter is left untouched."""
     shared = InMemoryBudgetMeter(EscalationBudget(max_per_window=1, window_s=3600))
-    m = model(Target(), "keep", max_per_window=5, window_s=3600)
-    first = await m.adecide("one", {"team": TEAM}, budget_meter=shared)
-    second = await m.adecide("two", {"team": TEAM}, budget_meter=shared)
-    assert first.reads["team"].path == "escalated" and second.reads["team"].over_budget
+    m = model(Target(), "answer", max_per_window=5, window_s=3600)
+    first = await m.arun(m.request("one", {"team": TEAM}).metered(shared))
+    second = await m.arun(m.request("two", {"team": TEAM}).metered(shared))
+    assert first.reads["team"].path == "escalated" and second.reads["team"].cause == "over_budget"
     assert shared.snapshot()["granted"] == 1 and m.budget_counters["granted"] == 0
-    with pytest.raises(ValueError, match="needs the model's budget"):
-        await CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0)).adecide(
-            "x", {"team": TEAM}, budget_meter=shared)
+    plain = CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0))
+    request = plain.request("x", {"team": TEAM})
+    assert request.metered(shared) is request  # no budget: nothing to count

@@ -53,14 +53,15 @@ from canvasroute.harness import DECISION_EVENT, NodeCache, ReviewPolicy, decisio
 from canvasroute.router import (
     CanvasDecisionModel,
     DecisionCache,
+    Escalation,
     EscalationBudget,
     GatePolicy,
+    OutcomePolicy,
     parse_questions,
     render_state,
     state_images,
 )
-from canvasroute.router._plan import plan
-from canvasroute.router._reading import messages
+from canvasroute.router._plan import messages, plan
 
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
 URGENT = Noul(instructions="Is it urgent?")
@@ -199,7 +200,8 @@ def test_03_the_node_cache_never_replays_a_decision_a_fault_produced():
         return [{engine.token_id("A"): -0.05, engine.token_id("B"): -4.0}] * len(read.slots)
 
     engine = FunctionEngine(rows)
-    model = CanvasDecisionModel(engine=engine, on_engine_error="fallback", fallback={"team": "tech"})
+    model = CanvasDecisionModel(engine=engine,
+                                outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "tech"}))
     node = decision_node(model, {"team": TEAM}, inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
     cache = NodeCache(InMemoryCache())
     graph = lanes(node, cache=cache, cache_policy=node.cache_policy(ttl=300))
@@ -217,8 +219,11 @@ def test_03_budget_refusals_are_not_replayed_by_the_node_cache():
     """A decision the budget turned away is not stored either: another thread with budget
     left decides the same ticket again and escalates (a plain cache replayed the refusal)."""
     target = Target({"team": "tech"})
-    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), escalate_to=target.runnable, policy=NO_GATE.with_overrides(
-        max_normalized_entropy=0.5), budget=EscalationBudget(max_per_thread=1, when_spent="keep"))
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE),
+                                escalate_to=Escalation(target.runnable, budget=EscalationBudget(max_per_thread=1)),
+                                policy=NO_GATE.with_overrides(
+        max_normalized_entropy=0.5),
+                                outcomes=OutcomePolicy(over_budget="answer"))
     node = decision_node(model, {"team": TEAM}, inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
     cache = NodeCache(InMemoryCache())
     graph = lanes(node, cache=cache, cache_policy=node.cache_policy())
@@ -238,8 +243,11 @@ def test_04_the_decision_cache_keeps_no_budget_refusal():
     budget left, or the same after the window, decides again (it replayed the degraded
     answer for the whole TTL)."""
     target = Target({"team": "tech"})
-    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), escalate_to=target.runnable, policy=NO_GATE.with_overrides(
-        max_normalized_entropy=0.5), budget=EscalationBudget(max_per_thread=1), cache=DecisionCache())
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE),
+                                escalate_to=Escalation(target.runnable, budget=EscalationBudget(max_per_thread=1)),
+                                policy=NO_GATE.with_overrides(
+        max_normalized_entropy=0.5),
+                                cache=DecisionCache())
     assert model.decide("first", {"team": TEAM}, thread_id="t1").reads["team"].path == "escalated"
     spent = model.decide("second", {"team": TEAM}, thread_id="t1").reads["team"]
     assert spent.over_budget
@@ -320,7 +328,9 @@ def test_08_review_of_a_parent_question_with_depends_on_is_refused():
     done = graph.invoke(Command(resume="yes"), config)
     assert done["decisions"]["urgent"]["answer"] == "yes" and done["lane"] == "billing"
     # on_unsure="review" of a parent is the same combination
-    unsure_review = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(on_unsure="review"))
+    unsure_review = CanvasDecisionModel(engine=fixed_engine(UNSURE),
+                                        policy=GatePolicy(),
+                                        outcomes=OutcomePolicy(uncertain="review"))
     graph = lanes(decision_node(unsure_review, questions, inputs="ticket", route=route,
                                 depends_on={"urgent": ("team", "billing")}), checkpointer=InMemorySaver())
     with pytest.raises(DecisionError, match="review and depends_on"):
@@ -372,8 +382,10 @@ async def test_11_eval_runs_an_abstaining_policy():
 async def test_12_on_abstain_fallback_takes_the_fallback_however_narrowly_abstain_wins():
     narrow = PromptRows(lambda block: [0.3, 0.3, 0.4])  # abstain wins, and the read is uncertain
     target = Target({"team": "billing"})
-    model = CanvasDecisionModel(engine=narrow.engine, policy=GatePolicy(abstain=True, on_abstain="fallback"),
-                                escalate_to=target.runnable, fallback={"team": "tech"})
+    model = CanvasDecisionModel(engine=narrow.engine,
+                                policy=GatePolicy(abstain=True),
+                                escalate_to=target.runnable,
+                                outcomes=OutcomePolicy(fallback={"team": "tech"}, abstained="fallback"))
     r = (await model.adecide("Refund me", {"team": TEAM})).reads["team"]
     assert (r.path, r.answer, r.escalation_model, target.calls) == ("abstained", "tech", None, 0)
     assert r.crossed == ["max_normalized_entropy"] and r.reads == 4  # re-read, still abstaining
@@ -503,8 +515,9 @@ async def test_15_the_real_vllm_server_behind_a_proxy_without_max_model_len(vllm
 
 @pytest.mark.parametrize("on_unsure", ["answer", "fallback", "raise"])
 def test_16_an_unsure_answer_without_a_target_has_its_own_path_and_policy(on_unsure):
-    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=1, on_unsure=on_unsure),
-                                fallback={"team": "tech"})
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE),
+                                policy=GatePolicy(rereads=1),
+                                outcomes=OutcomePolicy(fallback={"team": "tech"}, uncertain=on_unsure))
     if on_unsure == "raise":
         with pytest.raises(UnsureAnswer, match="'team' stayed unsure after 2 read") as caught:
             model.decide("Refund me", {"team": TEAM})
@@ -514,12 +527,16 @@ def test_16_an_unsure_answer_without_a_target_has_its_own_path_and_policy(on_uns
     assert (r.path, r.confident, r.reads, r.crossed) == ("unsure", False, 2, ["max_normalized_entropy"])
     assert r.answer == {"answer": "billing", "fallback": "tech"}[on_unsure]
     with pytest.raises(DecisionError, match="on_unsure='fallback', but no fallback"):
-        CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(on_unsure="fallback")).decide(
+        CanvasDecisionModel(engine=fixed_engine(UNSURE),
+                            policy=GatePolicy(),
+                            outcomes=OutcomePolicy(uncertain="fallback")).decide(
             "x", {"team": TEAM})
 
 
 def test_16_unsure_is_on_the_stream_event_and_review_takes_it():
-    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(on_unsure="review"))
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE),
+                                policy=GatePolicy(),
+                                outcomes=OutcomePolicy(uncertain="review"))
     node = decision_node(model, {"team": TEAM}, inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
     graph = lanes(node, checkpointer=InMemorySaver())
     config = {"configurable": {"thread_id": "u"}}

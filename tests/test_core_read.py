@@ -70,7 +70,7 @@ async def test_one_invoke_is_one_read_on_the_served_canvas(vllm_url, endpoint):
     assert body["vllm_xargs"]["diffusion_constrained"] == 1  # the default: nothing here gates on label mass
     assert body["return_tokens_as_token_ids"] is True
     # every non-slot position holds the template, padded; slots hold non-label noise
-    plan = next(iter(model._memo.plans.values()))
+    plan = next(iter(model._memo.planner.plans.values()))
     (chunk,) = plan.chunks
     slots = {s.position: s for s in chunk.slots}
     # the canvas: template + 1 rounded up to 16, within the served width (narrower is cheaper)

@@ -10,7 +10,7 @@ import pytest
 from langchain_core.decisions import Choice, Noul
 
 from canvasroute.engine import VLLMServerEngine
-from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import CanvasDecisionModel, GatePolicy, OutcomePolicy
 
 pytestmark = pytest.mark.vllm
 
@@ -50,7 +50,9 @@ async def test_the_child_read_follows_the_parent_answer_on_the_server(vllm_url):
 async def test_abstain_is_one_more_label_on_the_server(vllm_url):
     engine = VLLMServerEngine(vllm_url)
     policy = GatePolicy(max_normalized_entropy=None, rereads=0, abstain=True, on_abstain="fallback")
-    model = CanvasDecisionModel(engine=engine, policy=policy, fallback={"team": "sales", "urgent": "no"})
+    model = CanvasDecisionModel(engine=engine,
+                                policy=policy,
+                                outcomes=OutcomePolicy(fallback={"team": "sales", "urgent": "no"}))
     resp = await model.adecide(TICKET, {"team": TEAM, "urgent": URGENT}, seed=3)
     for qid, q_options in (("team", list(TEAM.criteria)), ("urgent", ["yes", "no"])):
         report = resp.reads[qid]

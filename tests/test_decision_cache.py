@@ -12,7 +12,7 @@ from langgraph.graph import END, START, StateGraph
 
 from canvasroute.engine import EngineUnavailable, FunctionEngine
 from canvasroute.harness import decision_node
-from canvasroute.router import CanvasDecisionModel, DecisionCache, GatePolicy
+from canvasroute.router import CanvasDecisionModel, DecisionCache, GatePolicy, OutcomePolicy
 from canvasroute.router.telemetry import CACHE_HIT
 
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
@@ -55,7 +55,7 @@ def test_a_different_state_seed_or_policy_reads_again():
     assert len(engine.reads) == n + 1
     model.invoke({"state": "Refund me", "questions": q, "seed": 7})
     assert len(engine.reads) == n + 2
-    model.invoke({"state": "Refund me", "questions": q, "policy": GatePolicy(max_normalized_entropy=0.9)})
+    model.invoke({"state": "Refund me", "questions": q, "gate": GatePolicy(max_normalized_entropy=0.9)})
     assert len(engine.reads) == n + 3
     model.invoke({"state": "Refund me", "questions": {"urgent": URGENT}})
     assert len(engine.reads) == n + 4
@@ -87,8 +87,8 @@ def test_a_faulted_decision_is_never_cached():
         calls.append(read)
         raise EngineUnavailable("down")
 
-    model = CanvasDecisionModel(engine=FunctionEngine(rows), on_engine_error="fallback",
-                                fallback={"team": "tech"}, cache=DecisionCache())
+    model = CanvasDecisionModel(engine=FunctionEngine(rows), cache=DecisionCache(),
+                                outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "tech"}))
     request = {"state": "x", "questions": {"team": TEAM}}
     assert model.invoke(request).reads["team"].path == "fallback"
     model.invoke(request)

@@ -18,6 +18,7 @@ import socket
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -34,7 +35,13 @@ from canvasroute.engine import (
     VLLMServerEngine,
 )
 from canvasroute.engine.testing import FailingPaths, SleepingTransport
-from canvasroute.router import CanvasDecisionModel, CanvasResponse, EscalationBudget
+from canvasroute.router import (
+    CanvasDecisionModel,
+    CanvasResponse,
+    Escalation,
+    EscalationBudget,
+    OutcomePolicy,
+)
 
 N = 8
 QUESTIONS = {
@@ -62,11 +69,14 @@ class Target:
         return AIMessage(json.dumps({q: {"team": "billing", "urgent": "no"}[q] for q in asked}))
 
 
-def make_model(engine, mode: str, target: Target | None = None, **kwargs) -> CanvasDecisionModel:
+def make_model(engine, mode: str, target: Target | None = None, budget: EscalationBudget | None = None,
+               **outcomes: Any) -> CanvasDecisionModel:
+    """A model whose engine faults take `mode` (`outcomes`: `OutcomePolicy`'s other fields)."""
     if mode == "fallback":
-        return CanvasDecisionModel(engine=engine, on_engine_error="fallback", fallback=FALLBACK, **kwargs)
-    return CanvasDecisionModel(engine=engine, on_engine_error=mode,
-                               escalate_to=target.runnable if target else None, **kwargs)
+        return CanvasDecisionModel(engine=engine, outcomes=OutcomePolicy(engine_fault="fallback", fallback=FALLBACK))
+    escalation = Escalation(target.runnable, budget=budget) if target else None
+    return CanvasDecisionModel(engine=engine, escalate_to=escalation, outcomes=OutcomePolicy(engine_fault=mode,
+                                                                                            **outcomes))
 
 
 def outcome(result: CanvasResponse | BaseException) -> str:
@@ -202,10 +212,10 @@ async def test_a_real_socket_that_never_answers(mode):
 # -- budgets and a failing escalation while the engine is down ------------------------------------
 
 
-async def test_engine_down_with_a_keep_budget_escalates_what_it_may_and_raises_the_rest():
+async def test_engine_down_with_a_answer_budget_escalates_what_it_may_and_raises_the_rest():
     target = Target()
     engine = VLLMServerEngine(f"http://127.0.0.1:{closed_port()}", max_retries=0)
-    model = make_model(engine, "escalate", target, budget=EscalationBudget(max_per_window=6, when_spent="keep"))
+    model = make_model(engine, "escalate", target, budget=EscalationBudget(max_per_window=6))
     counts = await decide_all(model)
     # 2 questions per decision: 3 decisions fit the budget; the rest cannot keep a canvas answer
     assert counts == Counter({"escalated": 3, "BudgetExhausted": N - 3})
@@ -216,8 +226,8 @@ async def test_engine_down_with_a_keep_budget_escalates_what_it_may_and_raises_t
 async def test_engine_down_with_a_fallback_budget_falls_back_past_it():
     target = Target()
     engine = VLLMServerEngine(f"http://127.0.0.1:{closed_port()}", max_retries=0)
-    model = make_model(engine, "escalate", target, fallback=FALLBACK,
-                       budget=EscalationBudget(max_per_window=4, when_spent="fallback"))
+    model = make_model(engine, "escalate", target, budget=EscalationBudget(max_per_window=4), fallback=FALLBACK,
+                       over_budget="fallback")
     counts = await decide_all(model)
     assert counts == Counter({"escalated": 2, "fallback": N - 2})
     await engine.aclose()

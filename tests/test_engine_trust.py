@@ -26,8 +26,8 @@ from canvasroute.engine import (
     defuse,
 )
 from canvasroute.engine.testing import LoopbackVLLM
-from canvasroute.router import CanvasDecisionModel, GatePolicy
-from canvasroute.router._distribution import slot_stats
+from canvasroute.router import CanvasDecisionModel, GatePolicy, OutcomePolicy
+from canvasroute.router._read import slot_stats
 
 QUESTIONS = {
     "team": Choice(instructions="Which team owns this ticket?", criteria={"billing": "charges", "tech": None}),
@@ -45,12 +45,15 @@ def loopback_engine(**server: object) -> tuple[VLLMServerEngine, LoopbackVLLM]:
 
 async def test_a_server_returning_only_its_argmax_is_a_response_error_not_an_answer():
     engine, fake = loopback_engine(answer="argmax")
-    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0), on_engine_error="raise")
+    model = CanvasDecisionModel(engine=engine,
+                                policy=GatePolicy(rereads=0),
+                                outcomes=OutcomePolicy(engine_fault="raise"))
     with pytest.raises(EngineResponseError, match="lacks requested label ids"):
         await model.adecide("I was charged twice.", QUESTIONS)
     assert fake.reads == 1  # read once, not retried: a malformed row cannot pass by itself
-    fallback = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0), on_engine_error="fallback",
-                                   fallback={"team": "tech", "urgent": "yes"})
+    fallback = CanvasDecisionModel(engine=engine,
+                                   policy=GatePolicy(rereads=0),
+                                   outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "tech", "urgent": "yes"}))
     resp = await fallback.adecide("I was charged twice.", QUESTIONS)
     assert {r.path for r in resp.reads.values()} == {"fallback"}  # never "canvas"
     assert all(r.error.startswith("EngineResponseError") for r in resp.reads.values())
@@ -65,9 +68,9 @@ async def test_the_same_server_with_label_rows_answers():
 async def test_function_engine_rows_without_a_slots_label_fail_expensive():
     engine = FunctionEngine(lambda read: [{engine.token_id(t): -0.01 for t in ("A", "yes", "no")}] * len(read.slots))
     with pytest.raises(EngineResponseError, match="lacks label id"):  # team's "B" is missing
-        await CanvasDecisionModel(engine=engine, on_engine_error="raise").adecide("hi", QUESTIONS)
-    resp = await CanvasDecisionModel(engine=engine, on_engine_error="fallback",
-                                     fallback={"team": "tech", "urgent": "yes"}).adecide("hi", QUESTIONS)
+        await CanvasDecisionModel(engine=engine, outcomes=OutcomePolicy(engine_fault="raise")).adecide("hi", QUESTIONS)
+    resp = await CanvasDecisionModel(engine=engine,
+                                     outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "tech", "urgent": "yes"})).adecide("hi", QUESTIONS)
     assert (resp.reads["team"].path, resp.reads["team"].answer) == ("fallback", "tech")
     assert resp.reads["team"].error.startswith("EngineResponseError")
 

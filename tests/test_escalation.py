@@ -25,7 +25,7 @@ from langchain_core.runnables import RunnableLambda
 from pydantic import BaseModel
 
 from canvasroute.engine import CanvasRouteError, EngineUnavailable, EscalationError, FunctionEngine
-from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import CanvasDecisionModel, Escalation, GatePolicy, OutcomePolicy, ReadOptions
 
 STATE = "I was charged twice for my subscription, please refund me now!"
 TEAM = Choice(instructions="Which team should handle this ticket?",
@@ -46,8 +46,10 @@ def uncertain_engine() -> FunctionEngine:
     return engine
 
 
-def canvas_model(target: Any, **kwargs: Any) -> CanvasDecisionModel:
-    return CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0), escalate_to=target, **kwargs)
+def canvas_model(target: Any, **escalation: Any) -> CanvasDecisionModel:
+    """A model that escalates every question to `target` (`escalation`: `Escalation`'s other fields)."""
+    return CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0),
+                               escalate_to=Escalation(target, **escalation))
 
 
 class Prompts(BaseCallbackHandler):
@@ -107,10 +109,16 @@ async def test_options_differing_in_case_or_empty_are_asked_and_matched_exactly(
 # -- faults and retries (GenericFakeChatModel) ------------------------------------------------------
 
 
+class AuthenticationError(Exception):
+    """What an API client raises for a refused key (it carries the status, as openai's errors do)."""
+
+    status_code = 401
+
+
 @pytest.mark.parametrize("error, failure, retryable", [
     (ConnectionError("AR down"), "network", True),
     (TimeoutError("slow"), "network", True),
-    (PermissionError("401: invalid API key"), "target", False),
+    (AuthenticationError("401: invalid API key"), "target", False),
 ])
 async def test_a_failed_call_is_sent_once_and_says_what_failed(error, failure, retryable):
     """The target's own client owns transport retries: one call, then a typed error naming the failure."""
@@ -122,6 +130,16 @@ async def test_a_failed_call_is_sent_once_and_says_what_failed(error, failure, r
     assert info.value.retryable is retryable and info.value.attempts == 1
     assert f"failed ({failure}: the target" in str(info.value) and type(info.value.__cause__) is type(error)
     assert ("URL" if failure == "network" else "API key") in info.value.hint
+
+
+async def test_an_exception_inside_the_target_points_at_the_target_code_not_its_key():
+    """A target whose own code raises (a bug in a chain, not an API's answer) is told so, not sent
+    to check its API key and quota."""
+    chat, _ = fake(KeyError("missing field"), reply({"team": "tech"}))
+    with pytest.raises(EscalationError) as info:
+        await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))
+    assert info.value.failure == "target" and "raised KeyError" in str(info.value)
+    assert "own code raised" in info.value.hint and "API key" not in info.value.hint
 
 
 async def test_a_target_that_retries_itself_owns_its_retries():
@@ -191,7 +209,7 @@ async def test_a_slow_target_times_out_as_an_escalation_error():
     async def slow(messages):
         await asyncio.sleep(30)
 
-    model = canvas_model(RunnableLambda(slow), escalation_timeout=0.05)
+    model = canvas_model(RunnableLambda(slow), timeout=0.05)
     with pytest.raises(EscalationError, match="timed out") as info:
         await bounded(model.adecide(STATE, {"team": TEAM}), 5)
     assert info.value.failure == "network" and info.value.retryable
@@ -216,6 +234,23 @@ async def test_the_prompt_carries_state_questions_options_and_canvas_probabiliti
     assert text.endswith('JSON with the keys "team", "urgent":')
 
 
+async def test_the_decisions_instructions_reach_the_escalation_prompt():
+    """Defect (issue 28.3): `instructions` shaped the canvas read but never reached the target."""
+    chat, prompts = fake(reply({"team": "tech"}), reply({"team": "tech"}), reply({"team": "tech"}))
+    model = canvas_model(chat)
+    await bounded(model.adecide(STATE, {"team": TEAM}, read={"instructions": "All tickets are from EU customers"}))
+    await bounded(model.ainvoke({"state": STATE, "questions": {"team": TEAM},
+                                 "read": ReadOptions(instructions="Answer for the EU desk")}))
+    texts = [call[-1].content for call in prompts.calls]
+    assert texts[0].startswith("Context for every question: All tickets are from EU customers\n\nInput:\n")
+    assert "Answer for the EU desk" in texts[1]
+    from langchain_core.prompts import ChatPromptTemplate
+
+    own = ChatPromptTemplate.from_messages([("human", "Ticket: {state}\n{questions}")])  # no {instructions}
+    await bounded(canvas_model(chat, prompt=own).adecide(STATE, {"team": TEAM}, read={"instructions": "EU only"}))
+    assert prompts.calls[-1][-1].content.startswith("Ticket: Context for every question: EU only\n\n")
+
+
 async def test_the_escalation_prompt_is_a_template_of_the_model():
     from langchain_core.prompts import ChatPromptTemplate
 
@@ -223,21 +258,21 @@ async def test_the_escalation_prompt_is_a_template_of_the_model():
         ("system", "You route support tickets. Answer with JSON: {keys}."),
         ("human", "Ticket: {state}\n{questions}")])
     chat, prompts = fake(reply({"team": "tech"}))
-    await bounded(canvas_model(chat, escalation_prompt=prompt).adecide(STATE, {"team": TEAM}))
+    await bounded(canvas_model(chat, prompt=prompt).adecide(STATE, {"team": TEAM}))
     (call,) = prompts.calls
     assert [m.type for m in call] == ["system", "human"]
     assert call[0].content == 'You route support tickets. Answer with JSON: "team".'
     assert call[1].content.startswith(f"Ticket: {STATE}\nQuestion \"team\": Which team")
     with pytest.raises(ValueError, match=r"unknown variables \['ticket'\]"):
-        canvas_model(chat, escalation_prompt=ChatPromptTemplate.from_messages([("human", "{ticket}")]))
+        canvas_model(chat, prompt=ChatPromptTemplate.from_messages([("human", "{ticket}")]))
     with pytest.raises(ValueError, match="ChatPromptTemplate"):
-        canvas_model(chat, escalation_prompt="Answer in JSON")
+        canvas_model(chat, prompt="Answer in JSON")
 
 
 async def test_a_structured_output_method_the_target_lacks_is_a_target_error():
     chat, prompts = fake(reply({"team": "tech"}))  # GenericFakeChatModel has no structured output
     with pytest.raises(EscalationError, match="no structured output") as info:
-        await bounded(canvas_model(chat, escalation_output="json_schema").adecide(STATE, {"team": TEAM}))
+        await bounded(canvas_model(chat, output="json_schema").adecide(STATE, {"team": TEAM}))
     assert info.value.failure == "target" and not prompts.calls
     resp = await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))  # "auto": a JSON reply in text
     assert resp.reads["team"].answer == "tech" and len(prompts.calls) == 1
@@ -327,7 +362,7 @@ async def test_a_failing_decision_model_target_is_asked_once_and_keeps_its_engin
         raise EngineUnavailable("big model down", attempts=4)  # as VLLMServerEngine raises it, retried
 
     big_engine = FunctionEngine(down, model="big-canvas")
-    big = CanvasDecisionModel(engine=big_engine, on_engine_error="raise")
+    big = CanvasDecisionModel(engine=big_engine, outcomes=OutcomePolicy(engine_fault="raise"))
     with pytest.raises(EscalationError, match=r"failed \(network") as info:
         await bounded(canvas_model(big).adecide(STATE, {"team": TEAM}))
     assert isinstance(info.value.__cause__, EngineUnavailable) and big_engine.calls == 1
@@ -387,7 +422,7 @@ async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_structured_output_answers_three_questions_in_one_call(ar_server):
     before = len(ar_server.requests)
-    model = canvas_model(smollm2(ar_server), escalation_timeout=240)  # a 2-core CI box: ~10 s per prefill
+    model = canvas_model(smollm2(ar_server), timeout=240)  # a 2-core CI box: ~10 s per prefill
     resp = await bounded(model.adecide(STATE, ALL), 300)
     (sent,) = _requests_since(ar_server, before)  # three questions, one guided answer
     for qid in ALL:
@@ -402,13 +437,13 @@ async def test_real_ar_structured_output_answers_three_questions_in_one_call(ar_
 @pytest.mark.smollm
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_text_replies_are_retried_once_when_malformed_then_typed(ar_server):
-    """Without structured output (`escalation_output="text"`), three questions at once are
+    """Without structured output (`Escalation(output="text")`), three questions at once are
     beyond SmolLM2-135M more often than not: whatever it does, the outcome is either valid
     options or EscalationError (format) after exactly one retry that showed the model its
     invalid reply."""
     before = len(ar_server.requests)
     try:
-        resp = await bounded(canvas_model(smollm2(ar_server), escalation_output="text").adecide(STATE, ALL), 300)
+        resp = await bounded(canvas_model(smollm2(ar_server), output="text").adecide(STATE, ALL), 300)
     except EscalationError as exc:
         sent = _requests_since(ar_server, before)
         assert len(sent) == 2 and "outside the allowed options" in str(exc) and exc.failure == "format"

@@ -59,7 +59,15 @@ from canvasroute.engine import (
 )
 from canvasroute.harness import DECISION_EVENT, NodeCache, ReviewPolicy, decision_node, merge_decisions
 from canvasroute.harness._store_budget import store_meter
-from canvasroute.router import ABSTAIN, CanvasDecisionModel, DecisionCache, EscalationBudget, GatePolicy
+from canvasroute.router import (
+    ABSTAIN,
+    CanvasDecisionModel,
+    DecisionCache,
+    Escalation,
+    EscalationBudget,
+    GatePolicy,
+    OutcomePolicy,
+)
 from canvasroute.router._types import Path
 
 PATHS = frozenset(typing.get_args(Path))
@@ -274,13 +282,11 @@ def build(s: dict[str, Any]) -> Built:
     target = Target(s["target"] == "fails") if s["target"] else None
     budget = (EscalationBudget(max_per_window=s["per_window"], window_s=3600, when_spent=s["when_spent"])
               if s["budget"] else None)
-    model = CanvasDecisionModel(
-        engine=engine, escalate_to=target.runnable if target else None, budget=budget,
-        policy=GatePolicy(rereads=s["rereads"], abstain=s["abstain"], on_abstain=s["on_abstain"],
-                          on_unsure=s["on_unsure"], order_views=s["order_views"], samples=s["samples"]),
-        on_engine_error=s["on_engine_error"] if s["fallback"] or s["on_engine_error"] != "fallback" else "escalate",
-        fallback={q: o[0] for q, o in options.items()} if s["fallback"] else {},
-        cache=DecisionCache() if s["model_cache"] else None)
+    model = CanvasDecisionModel(engine=engine,
+                                escalate_to=Escalation(target.runnable if target else None, budget=budget),
+                                policy=GatePolicy(rereads=s["rereads"], abstain=s["abstain"], order_views=s["order_views"], samples=s["samples"]),
+                                cache=DecisionCache() if s["model_cache"] else None,
+                                outcomes=OutcomePolicy(engine_fault=s["on_engine_error"] if s["fallback"] or s["on_engine_error"] != "fallback" else "escalate", fallback={q: o[0] for q, o in options.items()} if s["fallback"] else {}, uncertain=s["on_unsure"], abstained=s["on_abstain"]))
     built = Built(s, engine, target, model, questions, options)
     if s["graph"]:
         route = (s["qids"][0], {o: f"lane{n}" for n, o in enumerate(options[s["qids"][0]])})
@@ -319,7 +325,7 @@ def run(b: Built, thread: str) -> Run:
         hits = b.model.cache.hits if b.model.cache else 0
         if not b.s["graph"]:
             resp = b.model.decide(b.s["state"], b.questions, seed=b.s["seed"], depends_on=b.s["depends"],
-                                  thread_id=thread, instructions=b.s["instructions"], alone=b.s["alone"])
+                                  thread_id=thread, read={"instructions": b.s["instructions"], "alone": b.s["alone"]})
             got = Run(records={q: {"path": r.path, "answer": r.answer, "read": r.model_dump(exclude={"latency_s"})}
                                for q, r in resp.reads.items()}, usage=dict(resp.usage), faults=b.engine.faults,
                       hit=bool(b.model.cache and b.model.cache.hits > hits))

@@ -29,8 +29,10 @@ from canvasroute.engine import (
 )
 from canvasroute.router import (
     CanvasDecisionModel,
+    Escalation,
     EscalationBudget,
     GatePolicy,
+    OutcomePolicy,
     SlotStats,
     aggregate,
     slot_stats,
@@ -290,8 +292,8 @@ async def test_per_call_policy_overrides_the_model_policy():
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0))
     assert (await model.adecide(STATE, questions("team"))).reads["team"].confident is False
     strict = GatePolicy(**OFF, rereads=0)
-    assert (await model.adecide(STATE, questions("team"), policy=strict)).reads["team"].confident is True
-    resp = await model.ainvoke({"state": STATE, "questions": questions("team"), "policy": strict})
+    assert (await model.adecide(STATE, questions("team"), gate=strict)).reads["team"].confident is True
+    resp = await model.ainvoke({"state": STATE, "questions": questions("team"), "gate": strict})
     assert resp.reads["team"].confident is True
 
 
@@ -421,30 +423,30 @@ def clock(monkeypatch) -> Clock:
     return c
 
 
-def _budgeted(when_spent: str, recorder: Recorder, **budget) -> tuple[CanvasDecisionModel, Script]:
+def _budgeted(over_budget: str, recorder: Recorder, **budget) -> tuple[CanvasDecisionModel, Script]:
     script = Script({"team": [((0.6, 0.4), 1.0)]})
-    model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0), escalate_to=recorder.runnable,
-                                budget=EscalationBudget(**budget, when_spent=when_spent),
-                                fallback={"team": "tech"})
+    model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0),
+                                escalate_to=Escalation(recorder.runnable, budget=EscalationBudget(**budget)),
+                                outcomes=OutcomePolicy(over_budget=over_budget, fallback={"team": "tech"}))
     return model, script
 
 
-@pytest.mark.parametrize("when_spent", ["keep", "fallback", "raise"])
-async def test_the_n_plus_first_escalation_in_a_window_behaves_as_declared(when_spent, clock):
+@pytest.mark.parametrize("over_budget", ["answer", "fallback", "raise"])
+async def test_the_n_plus_first_escalation_in_a_window_behaves_as_declared(over_budget, clock):
     recorder = Recorder({"team": "billing"})
-    model, _ = _budgeted(when_spent, recorder, max_per_window=2, window_s=60)
+    model, _ = _budgeted(over_budget, recorder, max_per_window=2, window_s=60)
     for _ in range(2):
         resp = await model.adecide(STATE, questions("team"))
-        assert resp.reads["team"].path == "escalated" and not resp.reads["team"].over_budget
+        assert (resp.reads["team"].path, resp.reads["team"].cause) == ("escalated", "uncertain")
     clock.now += 59.0
-    if when_spent == "raise":
+    if over_budget == "raise":
         with pytest.raises(BudgetExhausted):
             await model.adecide(STATE, questions("team"))
     else:
         r = (await model.adecide(STATE, questions("team"))).reads["team"]
-        assert r.over_budget and not r.confident and r.crossed == ["max_normalized_entropy"]
+        assert r.cause == "over_budget" and not r.confident and r.crossed == ["max_normalized_entropy"]
         assert r.escalation_model is None
-        if when_spent == "keep":
+        if over_budget == "answer":
             assert (r.path, r.answer) == ("unsure", "billing")  # the canvas argmax (0.6), acted on unsure
         else:
             assert (r.path, r.answer) == ("fallback", "tech")
@@ -456,17 +458,17 @@ async def test_the_n_plus_first_escalation_in_a_window_behaves_as_declared(when_
     assert model.budget_counters == {"granted": 3, "refused": 1, "refunded": 0, "in_window": 1}
 
 
-@pytest.mark.parametrize("when_spent", ["keep", "fallback", "raise"])
-async def test_per_thread_budget(when_spent):
+@pytest.mark.parametrize("over_budget", ["answer", "fallback", "raise"])
+async def test_per_thread_budget(over_budget):
     recorder = Recorder({"team": "billing"})
-    model, _ = _budgeted(when_spent, recorder, max_per_thread=1)
+    model, _ = _budgeted(over_budget, recorder, max_per_thread=1)
     assert (await model.adecide(STATE, questions("team"), thread_id="t1")).reads["team"].path == "escalated"
-    if when_spent == "raise":
+    if over_budget == "raise":
         with pytest.raises(BudgetExhausted):
             await model.adecide(STATE, questions("team"), thread_id="t1")
     else:
         r = (await model.adecide(STATE, questions("team"), thread_id="t1")).reads["team"]
-        assert r.over_budget and r.path == {"keep": "unsure", "fallback": "fallback"}[when_spent]
+        assert r.cause == "over_budget" and r.path == {"answer": "unsure", "fallback": "fallback"}[over_budget]
     # another thread has its own allowance; no thread id means no per-thread cap
     assert (await model.adecide(STATE, questions("team"), thread_id="t2")).reads["team"].path == "escalated"
     for _ in range(2):
@@ -478,12 +480,12 @@ async def test_per_thread_budget(when_spent):
 async def test_a_partial_budget_escalates_what_it_can_in_one_call(clock):
     script = Script({"team": [((0.6, 0.4), 1.0)], "urgent": [((0.5, 0.5), 1.0)], "severity": [((0.4, 0.3, 0.3), 1.0)]})
     recorder = Recorder({"team": "tech", "urgent": "yes", "severity": "1"})
-    model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0), escalate_to=recorder.runnable,
-                                budget=EscalationBudget(max_per_window=2))
+    model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(rereads=0),
+                                escalate_to=Escalation(recorder.runnable, budget=EscalationBudget(max_per_window=2)))
     resp = await model.adecide(STATE, questions("team", "urgent", "severity"))
     assert len(recorder.calls) == 1 and recorder.asked() == ["team", "urgent"]
     assert [resp.reads[q].path for q in ("team", "urgent", "severity")] == ["escalated", "escalated", "unsure"]
-    assert resp.reads["severity"].over_budget and not resp.reads["team"].over_budget
+    assert resp.reads["severity"].cause == "over_budget" and resp.reads["team"].cause == "uncertain"
     assert model.budget_counters == {"granted": 2, "refused": 1, "refunded": 0, "in_window": 2}
 
 
@@ -493,7 +495,7 @@ async def test_budget_validation_and_no_counters_without_budget():
     with pytest.raises(ValueError):
         EscalationBudget(window_s=0)
     with pytest.raises(ValueError):
-        EscalationBudget(when_spent="ignore")  # type: ignore[arg-type]
+        OutcomePolicy(over_budget="ignore")  # type: ignore[arg-type]
     script = Script({"team": [((0.6, 0.4), 1.0)]})
     assert CanvasDecisionModel(engine=script.engine).budget_counters == {}
 
@@ -504,8 +506,8 @@ async def test_budget_validation_and_no_counters_without_budget():
 async def test_a_fault_with_a_spent_keep_budget_raises_not_a_cheap_answer(clock):
     script = Script({"team": [((0.9, 0.1), 1.0)]}, fail_from=0)
     recorder = Recorder({"team": "tech"})
-    model = CanvasDecisionModel(engine=script.engine, escalate_to=recorder.runnable,
-                                budget=EscalationBudget(max_per_window=1, when_spent="keep"))
+    model = CanvasDecisionModel(engine=script.engine,
+                                escalate_to=Escalation(recorder.runnable, budget=EscalationBudget(max_per_window=1)))
     assert (await model.adecide(STATE, questions("team"))).reads["team"].path == "escalated"
     with pytest.raises(BudgetExhausted, match="engine failed"):
         await model.adecide(STATE, questions("team"))
@@ -513,29 +515,31 @@ async def test_a_fault_with_a_spent_keep_budget_raises_not_a_cheap_answer(clock)
 
 async def test_a_fault_with_a_spent_fallback_budget_takes_the_fallback_label(clock):
     script = Script({"team": [((0.9, 0.1), 1.0)]}, fail_from=0)
-    model = CanvasDecisionModel(engine=script.engine, escalate_to=Recorder({"team": "tech"}).runnable,
-                                budget=EscalationBudget(max_per_window=0, when_spent="fallback"),
-                                fallback={"team": "billing"})
+    model = CanvasDecisionModel(engine=script.engine,
+                                escalate_to=Escalation(Recorder({"team": "tech"}).runnable,
+                                                       budget=EscalationBudget(max_per_window=0)),
+                                outcomes=OutcomePolicy(over_budget="fallback", fallback={"team": "billing"}))
     r = (await model.adecide(STATE, questions("team"))).reads["team"]
-    assert (r.path, r.answer, r.over_budget) == ("fallback", "billing", True)
+    assert (r.path, r.answer, r.cause) == ("fallback", "billing", "over_budget")
     assert r.error is not None and "EngineUnavailable" in r.error and r.canvas_probabilities is None
 
 
 async def test_on_engine_error_fallback_answers_the_declared_label():
     script = Script({"team": [((0.9, 0.1), 1.0)], "urgent": [((0.9, 0.1), 1.0)]}, fail_from=0)
-    model = CanvasDecisionModel(engine=script.engine, on_engine_error="fallback",
-                                fallback={"team": "tech", "urgent": "no"})
+    model = CanvasDecisionModel(engine=script.engine, outcomes=OutcomePolicy(
+        engine_fault="fallback", fallback={"team": "tech", "urgent": "no"}))
     resp = await model.adecide(STATE, questions("team", "urgent"))
     for qid, label in (("team", "tech"), ("urgent", "no")):
         r = resp.reads[qid]
-        assert (r.path, r.answer, r.confident, r.reads) == ("fallback", label, False, 0)
+        assert (r.path, r.cause, r.answer, r.confident, r.reads) == ("fallback", "engine_fault", label, False, 0)
         assert r.error is not None and "replica down" in r.error
     assert resp.answers["urgent"].noul == 0.0 and resp.answers["team"].choice == "tech"
 
 
 async def test_a_reread_fault_under_fallback_takes_the_label_not_the_uncertain_read():
     script = Script({"team": [((0.6, 0.4), 1.0)], "urgent": [((0.99, 0.01), 1.0)]}, fail_from=1)
-    model = CanvasDecisionModel(engine=script.engine, on_engine_error="fallback", fallback={"team": "tech"})
+    model = CanvasDecisionModel(engine=script.engine,
+                                outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "tech"}))
     resp = await model.adecide(STATE, questions("team", "urgent"))
     team = resp.reads["team"]
     assert (team.path, team.answer, team.reads) == ("fallback", "tech", 1)
@@ -545,7 +549,8 @@ async def test_a_reread_fault_under_fallback_takes_the_label_not_the_uncertain_r
 
 async def test_a_fault_for_a_question_without_a_fallback_label_raises_the_engine_error():
     script = Script({"team": [((0.9, 0.1), 1.0)], "urgent": [((0.9, 0.1), 1.0)]}, fail_from=0)
-    model = CanvasDecisionModel(engine=script.engine, on_engine_error="fallback", fallback={"team": "tech"})
+    model = CanvasDecisionModel(engine=script.engine,
+                                outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "tech"}))
     with pytest.raises(EngineUnavailable, match="replica down"):
         await model.adecide(STATE, questions("team", "urgent"))
 
@@ -569,7 +574,8 @@ async def test_a_reread_fault_without_escalation_raises():
 async def test_fallback_configuration_is_validated():
     script = Script({"team": [((0.9, 0.1), 1.0)]})
     with pytest.raises(ValueError, match="fallback"):
-        CanvasDecisionModel(engine=script.engine, on_engine_error="fallback")
-    model = CanvasDecisionModel(engine=script.engine, on_engine_error="fallback", fallback={"team": "sales"})
+        OutcomePolicy(engine_fault="fallback")
+    model = CanvasDecisionModel(engine=script.engine,
+                                outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "sales"}))
     with pytest.raises(DecisionError, match="not an option"):
         await model.adecide(STATE, questions("team"))

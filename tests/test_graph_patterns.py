@@ -29,10 +29,12 @@ from canvasroute import (
     CanvasDecisionModel,
     DecisionError,
     EngineOverloaded,
+    Escalation,
     EscalationBudget,
     FunctionEngine,
     GatePolicy,
     GraphSetupError,
+    OutcomePolicy,
     ReviewPolicy,
     VLLMServerEngine,
     decision_node,
@@ -229,9 +231,10 @@ def counted_target(log: list[str]) -> RunnableLambda:
 
 def review_graph(log: list[str], checkpointer: Any, engine: FunctionEngine) -> Any:
     """team escalates (budget: one a decision); urgent is over budget, so a human reviews it."""
-    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0, max_normalized_entropy=0.5),
-                                escalate_to=counted_target(log),
-                                budget=EscalationBudget(max_per_thread=1, when_spent="keep"))
+    model = CanvasDecisionModel(engine=engine,
+                                policy=GatePolicy(rereads=0, max_normalized_entropy=0.5),
+                                escalate_to=Escalation(counted_target(log), budget=EscalationBudget(max_per_thread=1)),
+                                outcomes=OutcomePolicy(over_budget="answer"))
     return lanes_graph(decision_node(model, {"team": TEAM, "urgent": URGENT}, inputs="ticket",
                                      route=("team", LANES), review=ReviewPolicy()), checkpointer)
 
@@ -317,7 +320,7 @@ async def test_a_503_engine_costs_one_layers_attempts_not_their_product(vllm_url
 
     failing = FailingPaths({"/v1/chat/completions"}, status=503, message="overloaded (injected)")
     engine = VLLMServerEngine(vllm_url, transport=failing, max_retries=max_retries, backoff=0.001)
-    node = decision_node(CanvasDecisionModel(engine=engine, on_engine_error="raise"), {"team": TEAM}, inputs="ticket")
+    node = decision_node(CanvasDecisionModel(engine=engine, outcomes=OutcomePolicy(engine_fault="raise")), {"team": TEAM}, inputs="ticket")
     graph = lanes_graph(node, retry_policy=RetryPolicy(retry_on=retry_on, max_attempts=3, initial_interval=0.001,
                                                        jitter=False))
     try:

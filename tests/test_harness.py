@@ -43,7 +43,15 @@ from canvasroute.harness import (
     route_on,
 )
 from canvasroute.harness._context import strip_task_ids
-from canvasroute.router import CanvasDecisionModel, EscalationBudget, GatePolicy, render_state
+from canvasroute.router import (
+    CanvasDecisionModel,
+    Escalation,
+    EscalationBudget,
+    GatePolicy,
+    OutcomePolicy,
+    ReadOptions,
+    render_state,
+)
 from canvasroute.router.telemetry import FIGURE_KEYS, GEN_AI_CONVERSATION_ID, GRAPH_NODE, QUESTION_ID
 
 TEAM = Choice(instructions="Which team should handle the ticket?", criteria={"billing": "payments", "tech": "bugs"})
@@ -239,8 +247,10 @@ def test_drawing_of_route_on_shows_the_path_map():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"route": ("team", {"billing": "billing"})}, ValueError, r"missing \['tech'\]"),
-    ({"route": ("team", {**TEAMS, "sales": "sales"})}, ValueError, r"not options \['sales'\]"),
+    ({"route": ("team", {"billing": "billing"})}, ValueError,
+     r"route for 'team' must map every option of the question to a node \(its options: \['billing', 'tech'\]\); "
+     r"no node for \['tech'\]$"),
+    ({"route": ("team", {**TEAMS, "sales": "sales"})}, ValueError, r"; \['sales'\] is not among its options$"),
     ({"route": ("owner", TEAMS)}, ValueError, "route question 'owner' is not among"),
     ({"route": lambda d: "tech"}, ValueError, "needs destinations="),
     ({"route": ("team", TEAMS), "destinations": ["tech"]}, ValueError, "only for route functions"),
@@ -267,7 +277,7 @@ def test_route_function_returning_an_undeclared_node_fails_the_run():
 
 def test_route_on_needs_every_option_in_its_path_map():
     model = CanvasDecisionModel(engine=fixed_engine(SURE_TECH))
-    with pytest.raises(ValueError, match=r"missing \['no'\]"):
+    with pytest.raises(ValueError, match=r"path_map for 'route' .*\(its options: \['yes', 'no'\]\); no node for \['no'\]"):
         route_on(model, URGENT, {"yes": "tech"})
     with pytest.raises(TypeError, match="explicit path_map"):
         route_on(model, URGENT, None)
@@ -624,8 +634,9 @@ def test_retry_on_retries_only_transient_faults(error, ours, langgraphs):
 def test_retry_on_does_not_retry_a_spent_escalation_budget():
     escalations = iter([AIMessage('{"team": "tech"}')] * 3)
     model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=0),
-                                escalate_to=GenericFakeChatModel(messages=escalations),
-                                budget=EscalationBudget(max_per_thread=1, when_spent="raise"))
+                                escalate_to=Escalation(GenericFakeChatModel(messages=escalations),
+                                                       budget=EscalationBudget(max_per_thread=1)),
+                                outcomes=OutcomePolicy(over_budget="raise"))
     for retry_policy, runs in ((RetryPolicy(retry_on=retry_on, **FAST), 1), (RetryPolicy(**FAST), 3)):
         node_runs = []
         node = decision_node(model, {"team": TEAM}, inputs=lambda state: node_runs.append(1) or state["ticket"],
@@ -764,12 +775,12 @@ def test_route_on_uses_the_run_context_like_a_node():
 def test_escalation_budgets_are_counted_per_graph_thread():
     replies = iter([AIMessage('{"team": "tech"}')] * 4)
     model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=0),
-                                escalate_to=GenericFakeChatModel(messages=replies),
-                                budget=EscalationBudget(max_per_thread=1))
+                                escalate_to=Escalation(GenericFakeChatModel(messages=replies),
+                                                       budget=EscalationBudget(max_per_thread=1)))
     graph = triage_graph(decision_node(model, {"team": TEAM}, route=("team", TEAMS)), checkpointer=InMemorySaver())
     paths = [graph.invoke({"ticket": "hm"}, thread(tid))["decisions"]["team"] for tid in ("a", "a", "b")]
     assert [p["path"] for p in paths] == ["escalated", "unsure", "escalated"]
-    assert paths[1]["read"]["over_budget"] is True
+    assert paths[1]["read"]["cause"] == "over_budget"
 
 
 def test_a_node_runs_outside_a_graph_too():
@@ -780,14 +791,14 @@ def test_a_node_runs_outside_a_graph_too():
 
 
 def test_a_node_reads_with_the_gateways_read_options():
-    """`decision_node(read_options=...)`: the instructions head every canvas's system prompt, a
+    """`decision_node(read=...)`: the instructions head every canvas's system prompt, a
     question read `alone` gets a canvas of its own (observed or not: through `invoke` and
     `decide` alike), the options enter the node cache key, and an unknown one is refused."""
     questions = {"team": TEAM, "urgent": URGENT}
     engine = fixed_engine(SURE_TECH)
     model = CanvasDecisionModel(engine=engine)
     told = {"instructions": "Every ticket is from an EU customer.", "alone": {"urgent"}}
-    node = decision_node(model, questions, inputs="ticket", read_options=told)
+    node = decision_node(model, questions, inputs="ticket", read=told)
     builder = StateGraph(State)
     builder.add_node("triage", node)
     builder.add_edge(START, "triage")
@@ -803,10 +814,11 @@ def test_a_node_reads_with_the_gateways_read_options():
         assert out["decisions"]["team"]["answer"] == "tech"
     plain = decision_node(model, questions, inputs="ticket")
     assert node.cache_key({"ticket": "Refund me"}) != plain.cache_key({"ticket": "Refund me"})
-    with pytest.raises(ValueError, match="read_options takes instructions, alone, steps, think, images, not tone"):
-        decision_node(model, questions, read_options={"tone": "formal"})
+    with pytest.raises(ValueError, match=r"unknown read options \['tone'\]; ReadOptions has alone, constrained, "
+                                         "images, instructions, steps, think"):
+        decision_node(model, questions, read={"tone": "formal"})
     # the edge adapter takes them too
-    edge = route_on(model, TEAM, TEAMS, inputs="ticket", read_options={"instructions": "EU customers only."})
+    edge = route_on(model, TEAM, TEAMS, inputs="ticket", read=ReadOptions(instructions="EU customers only."))
     routed = StateGraph(State)
     routed.add_node("start", lambda state: {})
     for lane in TEAMS.values():
@@ -817,5 +829,5 @@ def test_a_node_reads_with_the_gateways_read_options():
     before = len(engine.reads)
     assert routed.compile().invoke({"ticket": "Refund me"})["lane"] == "tech"
     assert engine.reads[before].messages[0]["content"].startswith("EU customers only.\n\n")
-    with pytest.raises(ValueError, match="not tone"):
-        route_on(model, TEAM, TEAMS, read_options={"tone": "formal"})
+    with pytest.raises(ValueError, match="tone"):
+        route_on(model, TEAM, TEAMS, read={"tone": "formal"})

@@ -8,8 +8,7 @@ from langchain_core.messages import HumanMessage
 
 from canvasroute.engine import DecisionError, FunctionEngine, ImagesUnsupported, VLLMServerEngine
 from canvasroute.engine.testing import LoopbackVLLM
-from canvasroute.router import CanvasDecisionModel, DecisionCache
-from canvasroute.router import state_images
+from canvasroute.router import CanvasDecisionModel, DecisionCache, state_images
 
 TEAM = Choice(instructions="Which team owns the screenshot's error?", criteria={"billing": None, "tech": None})
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
@@ -95,3 +94,31 @@ async def test_the_real_cpu_server_with_images_off_refuses_them(vllm_url):
             await CanvasDecisionModel(engine=engine).ainvoke({"state": _state(), "questions": {"team": TEAM}})
     finally:
         await engine.aclose()
+
+
+async def test_an_unsure_image_question_escalates_to_a_target_that_sees_the_image():
+    """Defect (issue 28.2): the escalation target saw the state's text only, never its images."""
+    from langchain_core.language_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage
+
+    from canvasroute.router import GatePolicy
+
+    seen: list = []
+
+    class Target(GenericFakeChatModel):
+        def _generate(self, messages, stop=None, run_manager=None, **kwargs):  # type: ignore[no-untyped-def]
+            seen.append(messages)
+            return super()._generate(messages, stop, run_manager, **kwargs)
+
+    server = LoopbackVLLM(answer="uniform")
+    target = Target(messages=iter([AIMessage('{"team": "tech"}')]))
+    model = CanvasDecisionModel(engine=VLLMServerEngine("http://vllm.test", transport=server.transport()),
+                                policy=GatePolicy(rereads=0), escalate_to=target)
+    resp = await model.ainvoke({"state": _state(), "questions": {"team": TEAM},
+                                "read": {"images": ["https://example.test/extra.png"]}})
+    assert resp.reads["team"].path == "escalated"
+    (messages,) = seen
+    parts = messages[-1].content
+    urls = [p["image_url"]["url"] for p in parts if isinstance(p, dict) and p.get("type") == "image_url"]
+    assert urls == [f"data:image/png;base64,{PNG}", "https://example.test/b.png", "https://example.test/extra.png"]
+    assert "What does this screen show?" in parts[0]["text"]

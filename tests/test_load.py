@@ -95,7 +95,7 @@ async def test_ten_thousand_decisions_at_concurrency_256_with_bounded_memory():
         assert engine.connection.in_flight == 0 and engine.pending_fetches == 0  # every slot released
         idle, open_lanes = engine.connection.lanes
         assert 0 < idle == open_lanes <= MAX_IN_FLIGHT_REQUESTS  # clients bounded, all back
-        assert len(model._memo.plans) == 1 and engine.cached_prompts < 100  # caches hold plans, not states
+        assert len(model._memo.planner.plans) == 1 and engine.cached_prompts < 100  # caches hold plans, not states
         growth = rss["end"] - rss["warm"]
         assert growth < RSS_GROWTH_BOUND_MB, f"RSS grew {growth:.1f} MB over {DECISIONS - 1000} decisions"
         await engine.aclose()

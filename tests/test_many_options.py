@@ -18,8 +18,7 @@ from langchain_core.decisions import Choice, Score
 
 from canvasroute.engine import FunctionEngine, LabelError, ReadResult, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
-from canvasroute.router._plan import MAX_LABEL_IDS, plan
-from canvasroute.router._prompts import template_text
+from canvasroute.router._plan import MAX_LABEL_IDS, plan, template_text
 from canvasroute.router._questions import parse_questions
 
 P = 0.9

@@ -40,7 +40,7 @@ from canvasroute.engine import (
     VLLMServerEngine,
 )
 from canvasroute.engine.testing import Fault, LoopbackVLLM, spawn
-from canvasroute.router import CanvasDecisionModel, CanvasResponse, GatePolicy
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, GatePolicy, OutcomePolicy
 
 QUESTIONS = {
     "team": Choice(instructions="Which team should handle this ticket?",
@@ -62,8 +62,13 @@ def escalation_target() -> GenericFakeChatModel:
 
 def make_model(engine, mode: str, **kwargs) -> CanvasDecisionModel:
     if mode == "fallback":
-        return CanvasDecisionModel(engine=engine, on_engine_error="fallback", fallback=FALLBACK, **kwargs)
-    return CanvasDecisionModel(engine=engine, escalate_to=escalation_target(), on_engine_error=mode, **kwargs)
+        return CanvasDecisionModel(engine=engine,
+                                   **kwargs,
+                                   outcomes=OutcomePolicy(engine_fault="fallback", fallback=FALLBACK))
+    return CanvasDecisionModel(engine=engine,
+                               escalate_to=escalation_target(),
+                               **kwargs,
+                               outcomes=OutcomePolicy(engine_fault=mode))
 
 
 def outcome(result: CanvasResponse | BaseException) -> str:

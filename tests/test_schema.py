@@ -11,8 +11,7 @@ from langchain_core.decisions import Box, Choice, Noul, Score
 
 from canvasroute.engine import DecisionError, EngineInfo, FunctionEngine, InputTooLong, LabelError, UnsupportedQuestion
 from canvasroute.router import CanvasDecisionModel, GatePolicy
-from canvasroute.router._plan import canvas_width, plan
-from canvasroute.router._prompts import template_text
+from canvasroute.router._plan import canvas_width, plan, template_text
 from canvasroute.router._questions import MAX_OPTIONS, parse_questions
 
 TRIAGE = {
@@ -153,7 +152,7 @@ async def test_questions_that_do_not_fit_split_into_chunks_read_together():
     questions = {f"q{i}": Noul(instructions=f"question {i}?") for i in range(12)}
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
     resp = await model.ainvoke({"state": "x", "questions": questions})
-    the_plan = next(iter(model._memo.plans.values()))
+    the_plan = next(iter(model._memo.planner.plans.values()))
     assert len(the_plan.chunks) > 1
     assert engine.calls == 1 and len(engine.reads) == len(the_plan.chunks)  # one engine call for all chunks
     assert resp.canvas_reads == len(the_plan.chunks)

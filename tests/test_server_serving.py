@@ -25,6 +25,7 @@ from canvasroute.engine import FunctionEngine, VLLMServerEngine
 from canvasroute.engine.testing import Fault, LoopbackVLLM
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
+
 def _socket(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     return socket.create_connection((host, int(port)), timeout=10)

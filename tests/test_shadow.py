@@ -24,7 +24,7 @@ from typing_extensions import TypedDict
 
 from canvasroute.engine import EngineUnavailable, FunctionEngine
 from canvasroute.harness import DECISION_EVENT, decision_node, merge_decisions
-from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import CanvasDecisionModel, GatePolicy, OutcomePolicy
 from canvasroute.router import telemetry as tm
 
 TEAM = Choice(instructions="Which team should handle the ticket?", criteria={"billing": "payments", "tech": "bugs"})
@@ -146,7 +146,7 @@ async def test_async_router_and_unsure_canvas_record_what_would_escalate(spans):
 
 
 def test_a_failing_canvas_never_fails_the_node(spans):
-    model = CanvasDecisionModel(engine=failing_engine(), on_engine_error="raise")
+    model = CanvasDecisionModel(engine=failing_engine(), outcomes=OutcomePolicy(engine_fault="raise"))
     out = graph(model, lambda state: "tech").invoke({"ticket": "500 on every page"})
     assert out["lane"] == "tech" and not out.get("decisions")  # nothing read, nothing written
     (span,) = [s for s in spans.get_finished_spans() if s.name == "shadow triage"]
