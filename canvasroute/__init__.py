@@ -63,11 +63,17 @@ if TYPE_CHECKING:
         CanvasDecisionModel,
         CanvasResponse,
         DecisionCache,
+        DecisionRequest,
+        Escalation,
         EscalationBudget,
         GatePolicy,
         JsonlSpanExporter,
+        OutcomePolicy,
+        ReadOptions,
         ReadReport,
         SystemOneDecisionModel,
+        Tally,
+        Totals,
         add_otlp_exporter,
         load_policy,
         save_policy,
@@ -83,8 +89,9 @@ _LAYERS = {
         "embedded_engine",
     ],
     "router": [
-        "CanvasDecisionModel", "CanvasResponse", "DecisionCache", "EscalationBudget", "GatePolicy",
-        "JsonlSpanExporter", "ReadReport", "SystemOneDecisionModel", "add_otlp_exporter", "load_policy", "save_policy",
+        "CanvasDecisionModel", "CanvasResponse", "DecisionCache", "DecisionRequest", "Escalation", "EscalationBudget",
+        "GatePolicy", "JsonlSpanExporter", "OutcomePolicy", "ReadOptions", "ReadReport", "SystemOneDecisionModel",
+        "Tally", "Totals", "add_otlp_exporter", "load_policy", "save_policy",
     ],
     "harness": [
         "DecisionEdge", "DecisionNode", "NodeCache", "ReviewPolicy", "StoreBudgetMeter", "decision_node",
@@ -104,6 +111,7 @@ __all__ = [
     "DecisionEdge",
     "DecisionError",
     "DecisionNode",
+    "DecisionRequest",
     "EmbeddedModelMissing",
     "Engine",
     "EngineInfo",
@@ -112,6 +120,7 @@ __all__ = [
     "EngineResponseError",
     "EngineTimeout",
     "EngineUnavailable",
+    "Escalation",
     "EscalationBudget",
     "EscalationError",
     "FunctionEngine",
@@ -122,18 +131,21 @@ __all__ = [
     "JsonlSpanExporter",
     "LabelError",
     "NodeCache",
+    "OutcomePolicy",
+    "ReadOptions",
     "ReadReport",
     "ReadResult",
     "ReviewPolicy",
     "StoreBudgetMeter",
     "SystemOneDecisionModel",
+    "Tally",
+    "Totals",
     "TraceFileError",
     "TransformersEngine",
     "UnsupportedQuestion",
     "UnsureAnswer",
     "VLLMEngine",
     "VLLMServerEngine",
-    "__version__",
     "add_otlp_exporter",
     "decision_node",
     "embedded_engine",
@@ -142,6 +154,7 @@ __all__ = [
     "retry_on",
     "route_on",
     "save_policy",
+    "__version__",
 ]
 """Literal, so type checkers see the re-exports; `_LAYERS` says where each name lives."""
 
@@ -155,4 +168,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    """The public names, once each (not this module's own imports)."""
+    return sorted(set(__all__))

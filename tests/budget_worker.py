@@ -53,10 +53,9 @@ def main(dsn: str, scope: str, n: int, per_window: int, per_thread: int, fail_al
         return AIMessage(json.dumps({"team": "tech"}))
 
     engine = FunctionEngine(lambda read: [{i: math.log(0.5) for i in read.label_ids}] * len(read.slots))
-    model = CanvasDecisionModel(engine=engine,
-                                model=scope,
-                                policy=GatePolicy(rereads=0),
-                                escalate_to=Escalation(RunnableLambda(target), budget=EscalationBudget(max_per_window=per_window, window_s=3600, max_per_thread=per_thread)),
+    budget = EscalationBudget(max_per_window=per_window, window_s=3600, max_per_thread=per_thread)
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0),
+                                escalate_to=Escalation(RunnableLambda(target), budget=budget, name=scope),
                                 outcomes=OutcomePolicy(over_budget="answer"))
     builder = StateGraph(State)
     builder.add_node("triage", decision_node(model, {"team": TEAM}, inputs="ticket"))

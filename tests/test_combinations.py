@@ -130,7 +130,7 @@ async def test_01_a_fault_in_either_read_of_a_many_option_question_fails_expensi
 
     target = Target({"q": "line 7"})
     extra = ({"escalate_to": target.runnable} if expensive == "escalate"
-             else {"on_engine_error": "fallback", "fallback": {"q": "line 3"}})
+             else {"outcomes": OutcomePolicy(engine_fault="fallback", fallback={"q": "line 3"})})
     model = CanvasDecisionModel(engine=FunctionEngine(rows), policy=GatePolicy(rereads=1), **extra)
     r = (await model.adecide("an order", {"q": MANY})).reads["q"]
     assert r.error == "EngineUnavailable: engine down" and not r.confident
@@ -221,8 +221,7 @@ def test_03_budget_refusals_are_not_replayed_by_the_node_cache():
     target = Target({"team": "tech"})
     model = CanvasDecisionModel(engine=fixed_engine(UNSURE),
                                 escalate_to=Escalation(target.runnable, budget=EscalationBudget(max_per_thread=1)),
-                                policy=NO_GATE.with_overrides(
-        max_normalized_entropy=0.5),
+                                policy=NO_GATE.with_overrides(max_normalized_entropy=0.5),
                                 outcomes=OutcomePolicy(over_budget="answer"))
     node = decision_node(model, {"team": TEAM}, inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
     cache = NodeCache(InMemoryCache())
@@ -230,7 +229,7 @@ def test_03_budget_refusals_are_not_replayed_by_the_node_cache():
     t1, t2 = ({"configurable": {"thread_id": t}} for t in ("t1", "t2"))
     assert graph.invoke({"ticket": "Refund me"}, t1)["decisions"]["team"]["path"] == "escalated"
     spent = graph.invoke({"ticket": "My app crashes"}, t1)["decisions"]["team"]
-    assert spent["read"]["over_budget"] and cache.refused == 1
+    assert spent["read"]["cause"] == "over_budget" and cache.refused == 1
     fresh = graph.invoke({"ticket": "My app crashes"}, t2)["decisions"]["team"]
     assert (fresh["path"], fresh["answer"], target.calls) == ("escalated", "tech", 2)
     assert spent["path"] == "unsure"  # acted on the canvas answer the gate did not pass (item 16)
@@ -245,14 +244,12 @@ def test_04_the_decision_cache_keeps_no_budget_refusal():
     target = Target({"team": "tech"})
     model = CanvasDecisionModel(engine=fixed_engine(UNSURE),
                                 escalate_to=Escalation(target.runnable, budget=EscalationBudget(max_per_thread=1)),
-                                policy=NO_GATE.with_overrides(
-        max_normalized_entropy=0.5),
-                                cache=DecisionCache())
+                                policy=NO_GATE.with_overrides(max_normalized_entropy=0.5), cache=DecisionCache())
     assert model.decide("first", {"team": TEAM}, thread_id="t1").reads["team"].path == "escalated"
     spent = model.decide("second", {"team": TEAM}, thread_id="t1").reads["team"]
-    assert spent.over_budget
+    assert spent.cause == "over_budget"
     fresh = model.decide("second", {"team": TEAM}, thread_id="t2").reads["team"]
-    assert (fresh.path, fresh.answer, fresh.over_budget) == ("escalated", "tech", False)
+    assert (fresh.path, fresh.answer, fresh.cause) == ("escalated", "tech", "uncertain")
     assert target.calls == 2 and len(model.cache) == 2  # both escalations kept, the refusal not
     assert spent.path == "unsure"
 
@@ -327,10 +324,8 @@ def test_08_review_of_a_parent_question_with_depends_on_is_refused():
     assert list(paused["__interrupt__"][0].value["questions"]) == ["urgent"]
     done = graph.invoke(Command(resume="yes"), config)
     assert done["decisions"]["urgent"]["answer"] == "yes" and done["lane"] == "billing"
-    # on_unsure="review" of a parent is the same combination
-    unsure_review = CanvasDecisionModel(engine=fixed_engine(UNSURE),
-                                        policy=GatePolicy(),
-                                        outcomes=OutcomePolicy(uncertain="review"))
+    # OutcomePolicy(uncertain="review") of a parent is the same combination
+    unsure_review = CanvasDecisionModel(engine=fixed_engine(UNSURE), outcomes=OutcomePolicy(uncertain="review"))
     graph = lanes(decision_node(unsure_review, questions, inputs="ticket", route=route,
                                 depends_on={"urgent": ("team", "billing")}), checkpointer=InMemorySaver())
     with pytest.raises(DecisionError, match="review and depends_on"):
@@ -349,7 +344,8 @@ def test_09_shadow_mode_compares_with_an_abstaining_policy():
     chunks = list(lanes(node).stream({"ticket": "Refund me"}, stream_mode=["custom", "values"]))
     final = [c for mode, c in chunks if mode == "values"][-1]
     record = final["decisions"]["team"]
-    assert final["lane"] == "billing" and record["path"] == "abstained" and "canvas_error" not in record["shadow"]
+    assert final["lane"] == "billing" and (record["path"], record["read"]["cause"]) == ("unsure", "abstained")
+    assert "canvas_error" not in record["shadow"]
     assert record["shadow"]["canvas_destination"] == record["answer"] and record["shadow"]["would_escalate"] is True
     (event,) = [c for mode, c in chunks if mode == "custom" and c["type"] == DECISION_EVENT]
     assert event["shadow"]["would_escalate"] == ["team"] and event["shadow"]["canvas_destination"] is not None
@@ -376,18 +372,17 @@ async def test_11_eval_runs_an_abstaining_policy():
     assert result.canvas.decisions == 2
     target = Target({"team": "tech"}).runnable
     cascade = await evaluate(rows.engine, data, policy=GatePolicy(abstain=True), target=target)
-    assert cascade.cascade.escalations == 2 and [i.cascade_path for i in cascade.items] == ["abstained"] * 2
+    assert cascade.cascade.escalations == 2 and [i.cascade_path for i in cascade.items] == ["escalated"] * 2
 
 
 async def test_12_on_abstain_fallback_takes_the_fallback_however_narrowly_abstain_wins():
     narrow = PromptRows(lambda block: [0.3, 0.3, 0.4])  # abstain wins, and the read is uncertain
     target = Target({"team": "billing"})
     model = CanvasDecisionModel(engine=narrow.engine,
-                                policy=GatePolicy(abstain=True),
-                                escalate_to=target.runnable,
+                                policy=GatePolicy(abstain=True), escalate_to=target.runnable,
                                 outcomes=OutcomePolicy(fallback={"team": "tech"}, abstained="fallback"))
     r = (await model.adecide("Refund me", {"team": TEAM})).reads["team"]
-    assert (r.path, r.answer, r.escalation_model, target.calls) == ("abstained", "tech", None, 0)
+    assert (r.path, r.cause, r.answer, r.escalation_model, target.calls) == ("fallback", "abstained", "tech", None, 0)
     assert r.crossed == ["max_normalized_entropy"] and r.reads == 4  # re-read, still abstaining
 
 
@@ -513,30 +508,26 @@ async def test_15_the_real_vllm_server_behind_a_proxy_without_max_model_len(vllm
 # -- 16-17: say what happened -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("on_unsure", ["answer", "fallback", "raise"])
-def test_16_an_unsure_answer_without_a_target_has_its_own_path_and_policy(on_unsure):
-    model = CanvasDecisionModel(engine=fixed_engine(UNSURE),
-                                policy=GatePolicy(rereads=1),
-                                outcomes=OutcomePolicy(fallback={"team": "tech"}, uncertain=on_unsure))
-    if on_unsure == "raise":
+@pytest.mark.parametrize("uncertain", ["answer", "fallback", "raise"])
+def test_16_an_unsure_answer_without_a_target_has_its_own_path_and_policy(uncertain):
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=1),
+                                outcomes=OutcomePolicy(fallback={"team": "tech"}, uncertain=uncertain))
+    if uncertain == "raise":
         with pytest.raises(UnsureAnswer, match="'team' stayed unsure after 2 read") as caught:
             model.decide("Refund me", {"team": TEAM})
         assert caught.value.hint
         return
     r = model.decide("Refund me", {"team": TEAM}).reads["team"]
-    assert (r.path, r.confident, r.reads, r.crossed) == ("unsure", False, 2, ["max_normalized_entropy"])
-    assert r.answer == {"answer": "billing", "fallback": "tech"}[on_unsure]
-    with pytest.raises(DecisionError, match="on_unsure='fallback', but no fallback"):
-        CanvasDecisionModel(engine=fixed_engine(UNSURE),
-                            policy=GatePolicy(),
-                            outcomes=OutcomePolicy(uncertain="fallback")).decide(
-            "x", {"team": TEAM})
+    assert (r.path, r.confident, r.reads, r.crossed) == (
+        {"answer": "unsure", "fallback": "fallback"}[uncertain], False, 2, ["max_normalized_entropy"])
+    assert (r.answer, r.cause) == ({"answer": "billing", "fallback": "tech"}[uncertain], "uncertain")
+    with pytest.raises(DecisionError, match=r"uncertain='fallback'\), but has no fallback option"):
+        CanvasDecisionModel(engine=fixed_engine(UNSURE), outcomes=OutcomePolicy(
+            uncertain="fallback", fallback={"urgent": "no"})).decide("x", {"team": TEAM})
 
 
 def test_16_unsure_is_on_the_stream_event_and_review_takes_it():
-    model = CanvasDecisionModel(engine=fixed_engine(UNSURE),
-                                policy=GatePolicy(),
-                                outcomes=OutcomePolicy(uncertain="review"))
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), outcomes=OutcomePolicy(uncertain="review"))
     node = decision_node(model, {"team": TEAM}, inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
     graph = lanes(node, checkpointer=InMemorySaver())
     config = {"configurable": {"thread_id": "u"}}
@@ -546,7 +537,7 @@ def test_16_unsure_is_on_the_stream_event_and_review_takes_it():
     done = list(graph.stream(Command(resume="tech"), config, stream_mode=["custom", "values"]))
     (event,) = [c for mode, c in done if mode == "custom" and c["type"] == DECISION_EVENT]
     assert event["paths"] == {"team": "human"} and [c for m, c in done if m == "values"][-1]["lane"] == "tech"
-    plain = CanvasDecisionModel(engine=fixed_engine(UNSURE))  # default on_unsure="answer": no review, path unsure
+    plain = CanvasDecisionModel(engine=fixed_engine(UNSURE))  # default uncertain="escalate", no target: path unsure
     node = decision_node(plain, {"team": TEAM}, inputs="ticket", route=("team", {"billing": "billing", "tech": "tech"}))
     (event,) = [c for c in lanes(node).stream({"ticket": "Refund me"}, stream_mode="custom")
                 if c["type"] == DECISION_EVENT]

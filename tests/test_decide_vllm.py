@@ -49,10 +49,9 @@ async def test_the_child_read_follows_the_parent_answer_on_the_server(vllm_url):
 
 async def test_abstain_is_one_more_label_on_the_server(vllm_url):
     engine = VLLMServerEngine(vllm_url)
-    policy = GatePolicy(max_normalized_entropy=None, rereads=0, abstain=True, on_abstain="fallback")
-    model = CanvasDecisionModel(engine=engine,
-                                policy=policy,
-                                outcomes=OutcomePolicy(fallback={"team": "sales", "urgent": "no"}))
+    policy = GatePolicy(max_normalized_entropy=None, rereads=0, abstain=True)
+    model = CanvasDecisionModel(engine=engine, policy=policy,
+                                outcomes=OutcomePolicy(abstained="fallback", fallback={"team": "sales", "urgent": "no"}))
     resp = await model.adecide(TICKET, {"team": TEAM, "urgent": URGENT}, seed=3)
     for qid, q_options in (("team", list(TEAM.criteria)), ("urgent", ["yes", "no"])):
         report = resp.reads[qid]
@@ -61,7 +60,7 @@ async def test_abstain_is_one_more_label_on_the_server(vllm_url):
         assert sum(canvas.values()) == pytest.approx(1.0)
         won = max(canvas, key=canvas.__getitem__)
         if won == "(abstain)":
-            assert report.path == "abstained" and report.answer == model.fallback[qid]
+            assert (report.path, report.cause, report.answer) == ("fallback", "abstained", model.outcomes.fallback[qid])
         else:
             assert report.path == "canvas" and report.answer == won
             assert sum(report.probabilities.values()) == pytest.approx(1.0)
