@@ -69,7 +69,9 @@ if TYPE_CHECKING:
         ReadReport,
         SystemOneDecisionModel,
         add_otlp_exporter,
+        answers_to_schema,
         load_policy,
+        questions_from_schema,
         save_policy,
     )
 
@@ -84,7 +86,8 @@ _LAYERS = {
     ],
     "router": [
         "CanvasDecisionModel", "CanvasResponse", "DecisionCache", "EscalationBudget", "GatePolicy",
-        "JsonlSpanExporter", "ReadReport", "SystemOneDecisionModel", "add_otlp_exporter", "load_policy", "save_policy",
+        "JsonlSpanExporter", "ReadReport", "SystemOneDecisionModel", "add_otlp_exporter", "answers_to_schema",
+        "load_policy", "questions_from_schema", "save_policy",
     ],
     "harness": [
         "DecisionEdge", "DecisionNode", "NodeCache", "ReviewPolicy", "StoreBudgetMeter", "decision_node",
@@ -135,10 +138,12 @@ __all__ = [
     "VLLMServerEngine",
     "__version__",
     "add_otlp_exporter",
+    "answers_to_schema",
     "decision_node",
     "embedded_engine",
     "load_policy",
     "merge_decisions",
+    "questions_from_schema",
     "retry_on",
     "route_on",
     "save_policy",

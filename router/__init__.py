@@ -15,11 +15,13 @@ _distribution  entropy, margin, label mass; re-read aggregation
 _outcome     gate, budget (_budget), fallback, fault -> escalation (_escalation) -> reports
 _diagnostics how the decision was read (stages, chunks, formats, thoughts)
 _model       CanvasDecisionModel: the BaseDecisionModel that connects them
+_schema      questions from a pydantic model or TypedDict, answers back into it (with_structured_output)
 systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
 ```
 
 Public modules beside this surface: `canvasroute.router.telemetry` (span and attribute names,
-`JsonlSpanExporter`, `add_otlp_exporter`) and `canvasroute.router.calibration` (the math).
+`JsonlSpanExporter`, `add_otlp_exporter`), `canvasroute.router.calibration` (the math) and
+`canvasroute.router.testing` (`ScriptedTarget`, an escalation target for tests).
 """
 
 from typing import Any
@@ -35,6 +37,7 @@ from ._options import MAX_STEPS, MAX_THINK, READ_KEYS, fixed_read_options
 from ._policy import MAX_SAMPLES, EscalationBudget, GatePolicy
 from ._policy_file import load_policy, save_policy
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
+from ._schema import StructuredDecision, answers_to_schema, questions_from_schema
 from ._state import read_state, render_state, state_images
 from ._tally import Tally
 from ._types import CanvasResponse, ReadReport
@@ -72,11 +75,13 @@ __all__ = [
     "QuestionSpec",
     "ReadReport",
     "SlotStats",
+    "StructuredDecision",
     "SystemOneDecisionModel",
     "Tally",
     "ThoughtReport",
     "add_otlp_exporter",
     "aggregate",
+    "answers_to_schema",
     "calibrate",
     "escalate",
     "expected_calibration_error",
@@ -86,6 +91,7 @@ __all__ = [
     "load_policy",
     "parse_questions",
     "question_set_key",
+    "questions_from_schema",
     "read_state",
     "render_state",
     "save_policy",

@@ -12,13 +12,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from langchain_core.decisions import BaseDecisionModel, ClassifierRequest
+from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
-
-if TYPE_CHECKING:
-    from langchain_core.runnables import RunnableConfig
 
 from canvasroute.engine import CanvasRouteError, Engine, EngineInfo, run_sync
 
@@ -37,11 +35,12 @@ from ._plans import Planner, shaped
 from ._policy import EscalationBudget, GatePolicy, check_fallbacks
 from ._questions import QuestionSpec, parse_questions, question_set_key
 from ._reading import QuestionRead, Reading
+from ._schema import StructuredOutput
 from ._state import default_seed, read_state
 from ._types import CanvasResponse, ReadReport, answer_of
 
 
-class CanvasDecisionModel(BaseDecisionModel):
+class CanvasDecisionModel(StructuredOutput, BaseDecisionModel):
     """Answers Noul, Choice and Score questions with one DiffusionGemma canvas read.
 
     The questions about one state go into one canvas (split into chunks only when they
