@@ -75,7 +75,9 @@ if TYPE_CHECKING:
         Tally,
         Totals,
         add_otlp_exporter,
+        answers_to_schema,
         load_policy,
+        questions_from_schema,
         save_policy,
     )
 
@@ -91,11 +93,13 @@ _LAYERS = {
     "router": [
         "CanvasDecisionModel", "CanvasResponse", "DecisionCache", "DecisionRequest", "Escalation", "EscalationBudget",
         "GatePolicy", "JsonlSpanExporter", "OutcomePolicy", "ReadOptions", "ReadReport", "SystemOneDecisionModel",
-        "Tally", "Totals", "add_otlp_exporter", "load_policy", "save_policy",
+        "Tally", "Totals", "add_otlp_exporter", "answers_to_schema", "load_policy", "questions_from_schema",
+        "save_policy",
     ],
     "harness": [
         "DecisionEdge", "DecisionNode", "NodeCache", "ReviewPolicy", "StoreBudgetMeter", "decision_node",
-        "merge_decisions", "retry_on", "route_on",
+        "merge_decisions",
+    "questions_from_schema", "retry_on", "route_on",
     ],
 }
 _HOME = {name: layer for layer, names in _LAYERS.items() for name in names}
@@ -147,10 +151,12 @@ __all__ = [
     "VLLMEngine",
     "VLLMServerEngine",
     "add_otlp_exporter",
+    "answers_to_schema",
     "decision_node",
     "embedded_engine",
     "load_policy",
     "merge_decisions",
+    "questions_from_schema",
     "retry_on",
     "route_on",
     "save_policy",

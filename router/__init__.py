@@ -15,6 +15,7 @@ _read        samples, per-chunk re-reads, in-group reads, thoughts -> per-questi
 _decision    one run: stages, escalation under the budget (_budget), the outcome rules, reports
 _escalation  the target call: prompt, structured output, reading the reply
 _types       ReadReport, CanvasResponse, Diagnostics, Tally: the outcome vocabulary (path, cause)
+_schema      questions from a pydantic model or TypedDict, answers back into it (with_structured_output)
 systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
 ```
 
@@ -42,6 +43,7 @@ from ._policy import (
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
 from ._read import SlotStats, aggregate, slot_stats
 from ._request import MAX_STEPS, MAX_THINK, DecisionRequest, Identity, QuestionSet, ReadOptions, StateView, read_options
+from ._schema import StructuredDecision, answers_to_schema, questions_from_schema
 from ._state import image_digests, read_state, render_state, state_images
 from ._types import CAUSES, PATHS, CanvasResponse, Diagnostics, ReadReport, Tally, ThoughtReport, Totals
 from .calibration import (
@@ -89,12 +91,14 @@ __all__ = [
     "ReadReport",
     "SlotStats",
     "StateView",
+    "StructuredDecision",
     "SystemOneDecisionModel",
     "Tally",
     "ThoughtReport",
     "Totals",
     "add_otlp_exporter",
     "aggregate",
+    "answers_to_schema",
     "calibrate",
     "escalate",
     "expected_calibration_error",
@@ -103,6 +107,7 @@ __all__ = [
     "load_policy",
     "parse_questions",
     "question_set_key",
+    "questions_from_schema",
     "read_options",
     "read_state",
     "render_state",

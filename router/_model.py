@@ -40,6 +40,7 @@ from ._request import (
     read_options,
     state_digest,
 )
+from ._schema import StructuredDecision
 from ._state import read_state
 from ._types import CanvasResponse
 
@@ -238,6 +239,23 @@ class CanvasDecisionModel(BaseDecisionModel):
     def decide(self, state: Any, questions: Mapping[str, Any], **options: Any) -> CanvasResponse:
         """Sync `adecide` (the same keywords as `request`)."""
         return run_sync(self.adecide(state, questions, **options))
+
+    def with_structured_output(self, schema: type, *, include_raw: bool = False,
+                               **kwargs: Any) -> StructuredDecision:
+        """A Runnable that answers `schema` (a pydantic model or TypedDict of bool, `Literal` or
+        Enum fields) with one decision per call, as a chat model's structured output would
+        (`canvasroute.router._schema`): `llm.with_structured_output(Grade)` ports in one line.
+
+        `method` and `strict` (a chat model's structured-output options) are accepted and
+        ignored, as langchain-core's default does: a canvas can only answer the options.
+
+        Raises:
+            UnsupportedQuestion: a field with no question form (named), or not a schema.
+            ValueError: another keyword.
+        """
+        if unknown := sorted(set(kwargs) - {"method", "strict"}):
+            raise ValueError(f"with_structured_output takes schema, include_raw, method and strict, not {unknown}")
+        return StructuredDecision(self, schema, include_raw=include_raw)
 
     def canvas_only(self) -> CanvasDecisionModel:
         """This model measuring the canvas alone, as `canvasroute eval` does (shadow mode uses

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.decisions import Choice, Noul
 
-from canvasroute.engine import SPECIAL_CANDIDATES, MAX_LABEL_IDS, Engine, EngineInfo, InputTooLong, LabelError, defuse
+from canvasroute.engine import MAX_LABEL_IDS, SPECIAL_CANDIDATES, Engine, EngineInfo, InputTooLong, LabelError, defuse
 
 from ._questions import ABSTAIN_TEXT, QuestionSpec, option_text, rotated, view_shifts, with_abstain
 

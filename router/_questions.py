@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from langchain_core.decisions import Box, Choice, Noul, Question, Score
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from typing_extensions import is_typeddict
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, LabelError, UnsupportedQuestion, defuse
 
@@ -63,7 +64,7 @@ def validate_questions(questions: Any, *, allow_box: bool = False) -> dict[str, 
         ```
     """
     if not isinstance(questions, Mapping) or not questions:
-        raise DecisionError("questions must be a non-empty mapping of id to question")
+        raise DecisionError("questions must be a non-empty mapping of id to question", hint=_schema_hint(questions))
     out: dict[str, Noul | Choice | Score | Box] = {}
     for qid, raw in questions.items():
         if not isinstance(qid, str) or not qid.strip():
@@ -76,8 +77,16 @@ def validate_questions(questions: Any, *, allow_box: bool = False) -> dict[str, 
             out[qid] = raw if isinstance(raw, (Noul, Choice, Score, Box)) else _QUESTION.validate_python(raw)
         except ValidationError as exc:
             kinds = "Noul, Choice, Score or Box" if allow_box else "Noul, Choice or Score"
-            raise UnsupportedQuestion(f"question {qid!r} is not a {kinds}: {exc}") from exc
+            raise UnsupportedQuestion(f"question {qid!r} is not a {kinds}: {exc}", hint=_schema_hint(raw)) from exc
     return out
+
+
+def _schema_hint(value: Any) -> str | None:
+    """For a pydantic model or TypedDict given as questions: how a schema is asked."""
+    if isinstance(value, type) and (issubclass(value, BaseModel) or is_typeddict(value)):
+        return ("a schema is asked with questions_from_schema(schema), or as a chat model's structured output: "
+                "model.with_structured_output(schema)")
+    return None
 
 
 _QUESTION_TYPES = frozenset((Noul, Choice, Score))

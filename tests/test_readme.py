@@ -87,6 +87,13 @@ def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypat
     reviewed = next(ns for ns in sessions if "reviewed" in ns)  # durable review in Agent Inbox's shape
     assert reviewed["request"]["action_request"]["args"]["team"] in ("billing", "technical")
     assert (reviewed["done"]["handled_by"], reviewed["done"]["decisions"]["team"]["path"]) == ("tech", "human")
+    graders = next(ns for ns in sessions if "retrieval_grader" in ns)  # questions from a schema
+    assert graders["graded"].binary_score in ("yes", "no") and graders["routed"]["raw"].canvas_reads == 1
+    assert graders["routed"]["parsed"].datasource == graders["routed"]["raw"].reads["datasource"].answer
+    double = next(ns for ns in sessions if "ScriptedTarget" in ns)  # the escalation target's double
+    assert double["resp"].reads["team"].path == "escalated" and double["target"].calls == 1
+    assert double["resp"].answers["team"].probabilities == pytest.approx({"billing": 0.8, "technical": 0.2})
+    assert 'Fast model\'s probabilities: {"billing": 0.5, "technical": 0.5}' in double["target"].prompts[0][-1].text
     sure = next(ns for ns in sessions if "sure" in ns)  # the FunctionEngine block
     assert sure["sure"].invoke({"state": "x", "questions": {"team": sure["team"]}}).answers["team"].choice == "billing"
 
