@@ -1,0 +1,373 @@
+"""`/v1/decisions` parse and render (apps/server/decisions/), checked against the `openai` SDK's own types."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from langchain_core.decisions import Choice, Noul, Score
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage, convert_to_openai_messages
+from openai.types import Decision
+
+from canvasroute.apps.server import Limits
+from canvasroute.apps.server.decisions import (
+    DecisionsWireError,
+    QuestionResult,
+    Usage,
+    error_body,
+    from_refusal,
+    parse,
+    render,
+)
+from canvasroute.apps.server.wire import Refusal
+from canvasroute.router._state import state_images
+
+PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg=="
+URL = "https://example.com/cat.png"
+PREDICATE = {"type": "predicate", "name": "urgent", "instructions": "Is this urgent?"}
+CHOICE = {"type": "choice", "name": "team", "instructions": "Which team?",
+          "choices": [{"value": "billing", "description": "Payments."}, {"value": "tech"}]}
+SCORE = {"type": "score", "name": "severity", "instructions": "How severe?",
+         "levels": [{"label": "Cosmetic"}, {"label": "Workaround", "description": "Another way works."},
+                    {"label": "Blocked"}]}
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "gpt-6-luna", "input": "Stripe fails to connect. Help!",
+            "questions": [PREDICATE, CHOICE, SCORE], **fields}
+
+
+def wire_error(data: Any, **kwargs: Any) -> DecisionsWireError:
+    with pytest.raises(DecisionsWireError) as info:
+        parse(data, **kwargs)
+    return info.value
+
+
+# -- input -----------------------------------------------------------------------------------
+
+
+def test_text_input_and_the_three_question_types() -> None:
+    req = parse(body())
+    assert req.model == "gpt-6-luna"
+    assert req.state == req.text == "Stripe fails to connect. Help!"
+    assert req.images == ()
+    assert req.questions_by_id() == {
+        "urgent": Noul(instructions="Is this urgent?"),
+        "team": Choice(instructions="Which team?", criteria={"billing": "Payments.", "tech": None}),
+        "severity": Score(instructions="How severe?", criteria=["Cosmetic", "Workaround: Another way works.",
+                                                                "Blocked"]),
+    }
+    assert [q.options for q in req.questions] == [("yes", "no"), ("billing", "tech"), ("0", "1", "2")]
+    assert req.questions[2].labels == ("Cosmetic", "Workaround", "Blocked")
+    assert [(q.index, q.name, q.kind) for q in req.questions] == [
+        (0, "urgent", "predicate"), (1, "team", "choice"), (2, "severity", "score")]
+
+
+def test_messages_of_every_role_with_text_image_and_json_parts() -> None:
+    req = parse(body(input=[
+        {"role": "developer", "content": "Route support tickets."},
+        {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Be terse."}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "My card:"},
+                                     {"type": "input_image", "image_url": PNG, "detail": "low"},
+                                     {"type": "input_json", "data": {"order": 42, "paid": True}},
+                                     {"type": "input_image", "image_url": URL}]},
+        {"role": "assistant", "phase": "commentary",
+         "content": [{"type": "output_text", "text": "Looking."}, {"type": "refusal", "refusal": "No card data."}]},
+    ]))
+    assert isinstance(req.state, tuple)
+    developer, system, user, assistant = req.state
+    assert isinstance(developer, SystemMessage) and developer.additional_kwargs == {"__openai_role__": "developer"}
+    assert isinstance(system, SystemMessage) and system.additional_kwargs == {}
+    assert isinstance(user, HumanMessage) and isinstance(assistant, AIMessage)
+    assert user.content == [
+        {"type": "text", "text": "My card:"},
+        {"type": "image", "base64": PNG.split(",", 1)[1], "mime_type": "image/png"},
+        {"type": "text", "text": '{"order":42,"paid":true}'},
+        {"type": "image", "url": URL},
+    ]
+    assert assistant.additional_kwargs == {"phase": "commentary"}
+    assert req.images == (PNG, URL)
+    assert state_images(req.state) == req.images  # the router finds the same images in the messages
+    assert req.text == ("developer: Route support tickets.\nsystem: Be terse.\n"
+                        'human: My card:\n[image 1]\n{"order":42,"paid":true}\n[image 2]\n'
+                        "ai: Looking.\n[refusal] No card data.")
+    openai_roles = [m["role"] for m in convert_to_openai_messages(list(req.state))]
+    assert openai_roles == ["developer", "system", "user", "assistant"]  # langchain-core reads them back
+
+
+def test_agent_traffic_function_and_custom_tool_calls_with_their_outputs() -> None:
+    req = parse(body(input=[
+        {"role": "user", "content": "What is the weather in Paris, and how many orders?"},
+        {"role": "assistant", "content": "Checking."},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}',
+         "status": "completed"},
+        {"type": "custom_tool_call", "call_id": "call_2", "name": "run_sql", "namespace": "db",
+         "input": "SELECT count(*) FROM orders"},
+        {"type": "function_call_output", "call_id": "call_1",
+         "output": [{"type": "input_text", "text": "18C"}, {"type": "input_image", "image_url": PNG}]},
+        {"type": "custom_tool_call_output", "call_id": "call_2", "output": "7"},
+        {"type": "function_call", "call_id": "call_3", "name": "broken", "arguments": "{not json"},
+        {"type": "function_call_output", "call_id": "call_3", "output": "error"},
+    ]))
+    assert isinstance(req.state, tuple)
+    user, turn, weather, orders, broken, broken_out = req.state
+    assert isinstance(user, HumanMessage)
+    assert isinstance(turn, AIMessage)  # the assistant's text and the calls right after it: one AI turn
+    assert turn.tool_calls == [
+        {"type": "tool_call", "name": "get_weather", "args": {"city": "Paris"}, "id": "call_1"},
+        {"type": "tool_call", "name": "db.run_sql", "args": {"__arg1": "SELECT count(*) FROM orders"}, "id": "call_2"},
+    ]
+    assert turn.content == [{"type": "text", "text": "Checking."},
+                            {"type": "custom_tool_call", "call_id": "call_2", "name": "run_sql",
+                             "input": "SELECT count(*) FROM orders"}]
+    assert isinstance(weather, ToolMessage) and (weather.tool_call_id, weather.name) == ("call_1", "get_weather")
+    assert weather.content == [{"type": "text", "text": "18C"},
+                               {"type": "image", "base64": PNG.split(",", 1)[1], "mime_type": "image/png"}]
+    assert isinstance(orders, ToolMessage) and orders.additional_kwargs == {"type": "custom_tool_call_output"}
+    assert isinstance(broken, AIMessage) and broken.tool_calls == []
+    assert [(c["name"], c["args"]) for c in broken.invalid_tool_calls] == [("broken", "{not json")]
+    assert isinstance(broken_out, ToolMessage)
+    assert req.images == (PNG,)
+    assert req.text.splitlines() == [
+        "human: What is the weather in Paris, and how many orders?",
+        "ai: Checking.",
+        'ai: [call get_weather id=call_1] {"city": "Paris"}',
+        "ai: [custom call db.run_sql id=call_2] SELECT count(*) FROM orders",
+        "tool: [get_weather id=call_1] 18C",
+        "[image 1]",
+        "tool: [db.run_sql id=call_2] 7",
+        "ai: [call broken id=call_3] {not json",
+        "tool: [broken id=call_3] error",
+    ]
+
+
+@pytest.mark.parametrize(("items", "param", "code"), [
+    ([{"type": "function_call_output", "call_id": "nope", "output": "x"}], "input[0].call_id", "unknown_call_id"),
+    ([{"type": "custom_tool_call", "call_id": "c", "name": "t", "input": "x"},
+      {"type": "function_call_output", "call_id": "c", "output": "x"}], "input[1].call_id", "unknown_call_id"),
+    ([{"type": "function_call", "call_id": "c", "name": "t", "arguments": "{}"},
+      {"type": "function_call", "call_id": "c", "name": "u", "arguments": "{}"}], "input[1].call_id", "duplicate_value"),
+    ([{"type": "function_call", "call_id": "c", "name": "t"}], "input[0].arguments", "missing_required_parameter"),
+    ([{"role": "tool", "content": "x"}], "input[0].role", "invalid_value"),
+    ([{"content": "x"}], "input[0].type", "missing_required_parameter"),
+    ([{"type": "reasoning", "summary": []}], "input[0].type", "invalid_value"),
+    ([{"role": "developer", "content": [{"type": "input_image", "image_url": PNG}]}], "input[0].content[0].type",
+     "invalid_value"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "file-abc123"}]}],
+     "input[0].content[0].image_url", "invalid_value"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "data:text/plain;base64,aGk="}]}],
+     "input[0].content[0].image_url", "invalid_value"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": PNG, "detail": "max"}]}],
+     "input[0].content[0].detail", "invalid_value"),
+    ([{"role": "user", "content": [{"type": "input_json", "data": [1, 2]}]}], "input[0].content[0].data",
+     "invalid_type"),
+    ([{"role": "assistant", "phase": "draft", "content": "x"}], "input[0].phase", "invalid_value"),
+    ([], "input", "empty_array"),
+])
+def test_input_errors_name_the_field(items: list[Any], param: str, code: str) -> None:
+    error = wire_error(body(input=items))
+    assert (error.status, error.param, error.code) == (400, param, code)
+    assert param in error.message
+
+
+def test_input_json_bounds() -> None:
+    deep: Any = {}
+    for _ in range(32):
+        deep = {"a": deep}
+    error = wire_error(body(input=[{"role": "user", "content": [{"type": "input_json", "data": deep}]}]))
+    assert error.param == "input[0].content[0].data" and "32 container levels" in error.message
+    wide = {"v": list(range(10_000))}
+    assert "10000 values" in wire_error(body(input=[{"role": "user", "content": [
+        {"type": "input_json", "data": wide}]}])).message
+
+
+# -- questions -------------------------------------------------------------------------------
+
+
+def test_choice_values_are_typed_true_and_the_string_true_are_two_options() -> None:
+    req = parse(body(questions=[{"type": "choice", "name": "flag", "instructions": "Which?",
+                                 "choices": [{"value": True}, {"value": "true", "description": "the word"},
+                                             {"value": False}, {"value": "no"}]}]))
+    q = req.questions[0]
+    assert q.values == (True, "true", False, "no")
+    assert [type(v) for v in q.values] == [bool, str, bool, str]
+    assert q.options == ("true (boolean)", "true", "false", "no")
+    assert q.question == Choice(instructions="Which?", criteria={"true (boolean)": None, "true": "the word",
+                                                                 "false": None, "no": None})
+
+
+def test_unnamed_questions_get_ids_that_no_name_takes() -> None:
+    req = parse(body(questions=[{"type": "predicate", "instructions": "A?"},
+                                {"type": "predicate", "name": "questions[0]", "instructions": "B?"}]))
+    assert [(q.id, q.name) for q in req.questions] == [("questions[0]'", None), ("questions[0]", "questions[0]")]
+
+
+def test_instructions_as_parts_text_json_and_images() -> None:
+    req = parse(body(questions=[{"type": "predicate", "name": "match", "instructions": [
+        {"type": "input_text", "text": "Does the photo match the listing?"},
+        {"type": "input_json", "data": {"listing": "red bike"}},
+        {"type": "input_image", "image_url": PNG}]}]))
+    q = req.questions[0]
+    assert q.instructions == 'Does the photo match the listing?\n{"listing":"red bike"}'
+    assert q.question == Noul(instructions=q.instructions)
+    assert q.images == (PNG,)
+
+
+def four(bad: dict[str, Any]) -> dict[str, Any]:
+    return body(questions=[PREDICATE, CHOICE, SCORE, bad])
+
+
+@pytest.mark.parametrize(("data", "param", "code"), [
+    ({"input": "x", "questions": [PREDICATE]}, "model", "missing_required_parameter"),
+    (body(model=""), "model", "empty_string"),
+    (body(model=7), "model", "invalid_type"),
+    ({"model": "m", "questions": [PREDICATE]}, "input", "missing_required_parameter"),
+    (body(input=3), "input", "invalid_type"),
+    (body(questions=[]), "questions", "empty_array"),
+    (body(questions=[PREDICATE | {"name": f"q{i}"} for i in range(401)]), "questions", "array_above_max_length"),
+    (four({"type": "choice", "instructions": "x", "choices": [{"value": "a"}]}), "questions[3].choices",
+     "array_below_min_length"),
+    (four({"type": "choice", "instructions": "x", "choices": [{"value": str(i)} for i in range(256)]}),
+     "questions[3].choices", "array_above_max_length"),
+    (four({"type": "choice", "instructions": "x", "choices": [{"value": "a"}, {"value": "a"}]}),
+     "questions[3].choices[1].value", "duplicate_value"),
+    (four({"type": "choice", "instructions": "x", "choices": [{"value": "a"}, {"value": 1}]}),
+     "questions[3].choices[1].value", "invalid_type"),
+    (four({"type": "choice", "instructions": "x", "choices": [{"value": "a"}, {"description": "b"}]}),
+     "questions[3].choices[1].value", "missing_required_parameter"),
+    (four({"type": "score", "instructions": "x", "levels": [{"label": "only"}]}), "questions[3].levels",
+     "array_below_min_length"),
+    (four({"type": "score", "instructions": "x", "levels": [{"label": "a"}, {"label": ""}]}),
+     "questions[3].levels[1].label", "empty_string"),
+    (four({"type": "box", "instructions": "x"}), "questions[3].type", "invalid_value"),
+    (four({"type": "predicate", "instructions": ""}), "questions[3].instructions", "empty_string"),
+    (four({"type": "predicate"}), "questions[3].instructions", "missing_required_parameter"),
+    (four({"type": "predicate", "instructions": [{"type": "input_image", "image_url": PNG}]}),
+     "questions[3].instructions", "empty_string"),
+    (four({"type": "predicate", "name": "urgent", "instructions": "x"}), "questions[3].name", "duplicate_value"),
+    (four({"type": "predicate", "name": 3, "instructions": "x"}), "questions[3].name", "invalid_type"),
+    (body(prompt_cache_options={"mode": "sometimes"}), "prompt_cache_options.mode", "invalid_value"),
+    (body(safety_identifier=5), "safety_identifier", "invalid_type"),
+])
+def test_question_and_request_errors_name_the_field(data: dict[str, Any], param: str, code: str) -> None:
+    error = wire_error(data)
+    assert (error.status, error.param, error.code) == (400, param, code)
+    assert error.body() == {"error": {"message": error.message, "type": "invalid_request_error", "param": param,
+                                      "code": code}}
+
+
+def test_a_body_that_is_not_an_object() -> None:
+    error = wire_error([1, 2])
+    assert (error.status, error.param, error.code) == (400, None, "invalid_type")
+
+
+def test_limits_tighten_the_wire() -> None:
+    limits = Limits(max_questions=2, max_options=2, max_text_chars=20, max_state_chars=10)
+    assert wire_error(body(input="x"), limits=limits).param == "questions"
+    assert wire_error(body(questions=[PREDICATE]), limits=limits).param == "input"
+    small = body(input="x", questions=[{"type": "choice", "instructions": "x",
+                                        "choices": [{"value": "a"}, {"value": "b"}, {"value": "c"}]}])
+    assert wire_error(small, limits=limits).param == "questions[0].choices"
+    long = body(input="x", questions=[{"type": "predicate", "instructions": "y" * 21}])
+    assert wire_error(long, limits=limits).code == "string_above_max_length"
+
+
+def test_unknown_fields_are_listed_not_refused() -> None:
+    data = body(temperature=0, questions=[PREDICATE | {"criteria": {}}],
+                input=[{"role": "user", "content": "x", "id": "msg_1"}], prompt_cache_key="k",
+                prompt_cache_options={"mode": "explicit", "ttl": "30m"}, safety_identifier="user-1")
+    req = parse(data)
+    assert req.ignored == ("temperature", "input[0].id", "questions[0].criteria")
+    assert (req.prompt_cache_key, req.safety_identifier) == ("k", "user-1")
+
+
+def test_parse_does_not_change_the_body() -> None:
+    data = body(input=[{"role": "user", "content": [{"type": "input_image", "image_url": PNG}]}])
+    before = copy.deepcopy(data)
+    parse(data)
+    assert data == before
+
+
+# -- render ----------------------------------------------------------------------------------
+
+
+def test_render_validates_as_the_sdks_decision() -> None:
+    req = parse(body(questions=[PREDICATE, CHOICE, SCORE, {"type": "predicate", "instructions": "Unnamed?"},
+                                {"type": "choice", "name": "flag", "instructions": "Flag?",
+                                 "choices": [{"value": True}, {"value": "true"}]}]))
+    results = {
+        "urgent": QuestionResult(answer="yes", probabilities={"yes": 0.8, "no": 0.2}),
+        "team": QuestionResult(answer="tech", probabilities={"billing": 0.25, "tech": 0.75}, confidence=0.4),
+        "severity": QuestionResult(refusal="the canvas abstained"),
+        "questions[3]": QuestionResult(answer="no", probabilities={"yes": 0.1, "no": 0.9}),
+        "flag": QuestionResult(answer="true (boolean)", probabilities={"true (boolean)": 0.6, "true": 0.4}),
+    }
+    out = render(req, results, usage=Usage(input_tokens=40, output_tokens=5, cached_tokens=8, reasoning_tokens=2))
+    decision = Decision.model_validate(out)
+    assert [(a.type, a.name) for a in decision.answers] == [
+        ("predicate", "urgent"), ("choice", "team"), ("refusal", "severity"), ("predicate", None), ("choice", "flag")]
+    urgent, team, _, unnamed, flag = decision.answers
+    assert urgent.probability == pytest.approx(0.8) and unnamed.probability == pytest.approx(0.1)  # type: ignore[union-attr]
+    assert team.choice == "tech" and team.confidence == 0.4  # type: ignore[union-attr]
+    assert [(p.value, p.probability) for p in team.probabilities] == [("billing", 0.25), ("tech", 0.75)]  # type: ignore[union-attr]
+    assert flag.choice is True and flag.confidence == pytest.approx(0.6)  # type: ignore[union-attr]
+    assert [type(p.value) for p in flag.probabilities] == [bool, str]  # type: ignore[union-attr]
+    assert out["answers"][3]["name"] is None and "name" in out["answers"][3]
+    assert decision.model == "gpt-6-luna"
+    assert decision.usage.model_dump() == {"input_tokens": 40, "output_tokens": 5, "total_tokens": 45,
+                                           "input_tokens_details": {"cached_tokens": 8, "cache_write_tokens": 0},
+                                           "output_tokens_details": {"reasoning_tokens": 2}}
+    assert set(out) == {"answers", "model", "usage"}  # the SDK's Decision has no id, object or created
+
+
+def test_render_score_is_the_expected_level() -> None:
+    req = parse(body(questions=[SCORE]))
+    out = render(req, {"severity": QuestionResult(answer="2", probabilities={"0": 0.2, "1": 0.2, "2": 0.6})},
+                 model="canvas")
+    score = Decision.model_validate(out).answers[0]
+    assert score.type == "score" and score.score == pytest.approx(1.4) and score.confidence == pytest.approx(0.6)
+    assert [(p.label, p.value) for p in score.probabilities] == [("Cosmetic", 0), ("Workaround", 1), ("Blocked", 2)]
+    assert out["model"] == "canvas"
+
+
+def test_render_renormalizes_over_the_options_and_puts_all_on_an_answer_without_a_distribution() -> None:
+    req = parse(body())
+    out = render(req, {"urgent": QuestionResult(answer="yes", probabilities={"yes": 0.3, "no": 0.1}),
+                       "team": QuestionResult(answer="billing"),
+                       "severity": QuestionResult(answer="1", probabilities={"1": 2.0})})
+    urgent, team, severity = out["answers"]
+    assert urgent["probability"] == pytest.approx(0.75)
+    assert team["probabilities"] == [{"value": "billing", "probability": 1.0}, {"value": "tech", "probability": 0.0}]
+    assert team["confidence"] == 1.0
+    assert severity["score"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("results", "message"), [
+    ({"urgent": QuestionResult(answer="yes")}, "no result for question 'team'"),
+    ({"urgent": QuestionResult(answer="maybe")}, "'maybe' is not one of"),
+    ({"urgent": QuestionResult(answer="yes", probabilities={"yes": 0.5, "(abstain)": 0.5})}, "not options"),
+    ({"urgent": QuestionResult(answer="yes", probabilities={"yes": -1.0, "no": 2.0})}, "non-negative"),
+    ({"urgent": QuestionResult(answer="yes", probabilities={"yes": 0.0, "no": 0.0})}, "not all 0"),
+])
+def test_render_refuses_results_that_are_not_answers(results: dict[str, QuestionResult], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        render(parse(body()), results)
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_error_body_is_openais_shape() -> None:
+    assert error_body("Bad.", param="questions[0].type", code="invalid_value") == {
+        "error": {"message": "Bad.", "type": "invalid_request_error", "param": "questions[0].type",
+                  "code": "invalid_value"}}
+    assert error_body("Down.", status=503) == {"error": {"message": "Down.", "type": "server_error", "param": None,
+                                                         "code": None}}
+
+
+def test_from_refusal_keeps_status_kind_and_headers() -> None:
+    error = from_refusal(Refusal(529, "engine_overloaded", "the engine is overloaded; retry later",
+                                 headers={"retry-after": "1"}))
+    assert (error.status, error.code, error.headers) == (529, "engine_overloaded", {"retry-after": "1"})
+    assert error.body()["error"]["type"] == "server_error"
