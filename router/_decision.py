@@ -36,7 +36,7 @@ from canvasroute.engine import (
 )
 
 from . import telemetry as tm
-from ._escalation import Asked, Escalated, escalate, target_name
+from ._escalation import Asked, Escalated, Restated, escalate, target_name
 from ._plan import Planner
 from ._questions import QuestionSpec
 from ._read import Prompt, QuestionRead, Reading, SlotStats
@@ -160,9 +160,10 @@ class _Run:
             if not asked:
                 continue
             specials = self.info.special_tokens if self.info is not None else None
+            restated = deps.restatement(asked, self.answers, specs)
             text = self.prompt.state_text + deps.restated(asked, self.answers, specs, specials)
             reads = await self._read(asked, replace(self.prompt, state_text=text), first=i == 0)
-            escalated = await self._escalate(reads, text)
+            escalated = await self._escalate(reads, restated)
             for r in reads.values():
                 asked_if = deps.asked_if(r.spec.id, self.answers)
                 if i == len(deps.layers) - 1:
@@ -207,7 +208,7 @@ class _Run:
         self.canvas_reads += reading.canvas_reads
         return reads
 
-    async def _escalate(self, reads: Mapping[str, QuestionRead], text: str) -> Escalated | None:
+    async def _escalate(self, reads: Mapping[str, QuestionRead], restated: str) -> Escalated | None:
         """Escalate what the gate did not pass, as the outcome policy says, under the budget, in one call."""
         request = self.decision.request
         escalation = request.escalation
@@ -226,7 +227,7 @@ class _Run:
             wanted = wanted[:granted]
             if not wanted:
                 return None
-            result = await self._call(wanted, text)
+            result = await self._call(wanted, restated)
         except EscalationError as exc:
             if meter is not None and granted:
                 await meter.refund(granted, thread)  # nothing was escalated
@@ -260,12 +261,18 @@ class _Run:
                                            "OutcomePolicy(over_budget='fallback') and a fallback option")
         self.refused.update(r.spec.id for r in spent)
 
-    async def _call(self, wanted: Sequence[QuestionRead], text: str) -> Escalated:
+    async def _call(self, wanted: Sequence[QuestionRead], restated: str) -> Escalated:
+        """One call to the target for `wanted`, asked what the canvas had: the state and its images,
+        the instructions, the parents' answers (`restated`, and per question for decision targets)."""
         request = self.decision.request
         escalation = request.escalation
         assert escalation is not None
         canvas = {r.spec.id: answer_probs(r.spec, r.stats) if r.stats else None for r in wanted}
-        asked = Asked(specs=tuple(plain(r.spec) for r in wanted), state=request.state.value, state_text=text,
+        deps, specs = request.questions.depends, request.questions.specs
+        parents = {r.spec.id: tuple(Restated(q, a) for q, a in deps.parents_of(r.spec.id, self.answers, specs))
+                   for r in wanted}
+        asked = Asked(specs=tuple(plain(r.spec) for r in wanted), state=request.state.value, text=request.state.text,
+                      restated=restated, parents={q: p for q, p in parents.items() if p},
                       instructions=request.read.instructions, images=request.state.images, canvas=canvas)
         name = target_name(escalation.target)
         with tm.escalation_call(escalation.target, name, list(canvas)) as call:
@@ -275,7 +282,7 @@ class _Run:
                 raise EscalationError(f"escalation to {name} timed out after {escalation.timeout}s (network)",
                                       failure="network", retryable=True) from exc
             call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
-            call.output(result.answers, result.response_model)
+            call.output({**result.answers, **{q: None for q in result.refused}}, result.response_model)
         return result
 
     def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,
@@ -300,7 +307,12 @@ class _Run:
         if escalated is not None and spec.id in escalated.answers:
             answer = escalated.answers[spec.id]
             probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in options}
-            return _report(base, answer, probs, "escalated", escalation_model=escalated.model)
+            return _report(base, answer, probs, "escalated", escalation_model=escalated.model,
+                           escalation_confidence=escalated.confidence.get(spec.id))
+        refused = escalated is not None and spec.id in escalated.refused
+        if refused:  # not an answer: the question goes on as if nothing could answer it
+            assert escalated is not None
+            base.update(refusal=escalated.refused[spec.id], escalation_model=escalated.model)
         if cause is None:
             assert st is not None
             return _report(base, spec.options[st.top], answer_probs(spec, st),
@@ -313,7 +325,7 @@ class _Run:
             action = "answer"
         else:
             action = _action(request, r)
-            if action == "escalate":  # nothing to escalate to (uncertain questions only)
+            if action == "escalate":  # nothing to escalate to, or the target refused it
                 action = "answer"
         if cause == "engine_fault" and action != "fallback":
             if action == "answer" and spec.id in self.refused:

@@ -266,18 +266,28 @@ class Dependencies:
         """Whether `qid` is asked, given the final answers so far (None: skipped parent)."""
         return qid not in self.parents or all(answers.get(p) in a for p, a in self.parents.get(qid, {}).items() if a is not None)
 
-    def restated(self, asked: Sequence[str], answers: Mapping[str, str | None], specs: Mapping[str, QuestionSpec],
-                 special_tokens: Sequence[str] | None = None) -> str:
-        """What a stage reads after the state: its questions' parents' final answers (defused)."""
+    def restatement(self, asked: Sequence[str], answers: Mapping[str, str | None],
+                    specs: Mapping[str, QuestionSpec]) -> str:
+        """What a stage reads after the state: its questions' parents' final answers ("" for none)."""
         if not self.parents:
             return ""
         parents = {p for q in asked for p in self.parents.get(q, {})}
         lines = [f"- {option_text(specs[p].question.instructions)}: {_shown(specs[p], answers[p])}"
                  for p in specs if p in parents and answers.get(p) is not None]
-        if not lines:
-            return ""
-        text = "\n\nEarlier answers about this input:\n" + "\n".join(lines)
-        return defuse(text, special_tokens or SPECIAL_CANDIDATES)
+        return "\n\nEarlier answers about this input:\n" + "\n".join(lines) if lines else ""
+
+    def restated(self, asked: Sequence[str], answers: Mapping[str, str | None], specs: Mapping[str, QuestionSpec],
+                 special_tokens: Sequence[str] | None = None) -> str:
+        """`restatement`, defused for the engine's tokenizer (what the canvas reads)."""
+        text = self.restatement(asked, answers, specs)
+        return defuse(text, special_tokens or SPECIAL_CANDIDATES) if text else ""
+
+    def parents_of(self, qid: str, answers: Mapping[str, str | None],
+                   specs: Mapping[str, QuestionSpec]) -> tuple[tuple[str, str], ...]:
+        """One question's parents as (question text, its final answer as text), in question order."""
+        mine = self.parents.get(qid, {})
+        return tuple((option_text(specs[p].question.instructions), _shown(specs[p], answers[p]))
+                     for p in specs if p in mine and answers.get(p) is not None)
 
 
 def _shown(spec: QuestionSpec, answer: str | None) -> str:

@@ -125,7 +125,12 @@ class ReadReport(BaseModel):
     """False when the gate wanted a re-read that could not have changed this read (a causal
     readout's slot that sees no noisy position: `EngineInfo.causal_readout`), so none was made."""
     escalation_model: str | None = None
-    """The model that answered an escalated question."""
+    """The model that answered an escalated question (or refused it: `refusal`)."""
+    escalation_confidence: float | None = None
+    """The escalation target's own confidence in its answer, when it reports one (decision targets)."""
+    refusal: str | None = None
+    """Why the escalation target refused the question: not an answer, so the question went on as
+    if nothing could answer it (its cause's action, `escalate` meaning `answer`)."""
     error: str | None = None
     """The engine fault that sent this question down the escalated/fallback path."""
     asked_if: dict[str, Any] | None = None

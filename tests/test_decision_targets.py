@@ -1,4 +1,4 @@
-"""Escalating to decision models (router/_decision_targets.py) over real HTTP: langchain-openai's
+"""Escalating to decision models (router/_escalation.py) over real HTTP: langchain-openai's
 `OpenAIDecisions`, a plain `BaseDecisionModel` subclass on the `openai` SDK, and
 `SystemOneDecisionModel`, all against the known-answers server."""
 
@@ -31,8 +31,9 @@ from pydantic import SecretStr
 
 from canvasroute.engine import EscalationError
 from canvasroute.router import SystemOneDecisionModel
-from canvasroute.router._decision_targets import (
-    DecisionAsk,
+from canvasroute.router import parse_questions
+from canvasroute.router._escalation import (
+    Asked,
     Restated,
     TargetAnswer,
     ask_decision_target,
@@ -69,8 +70,10 @@ def openai_decisions(server: DecisionsServer, **kwargs: Any) -> OpenAIDecisions:
     return OpenAIDecisions(model="gpt-6-luna", api_key=SecretStr("test-key"), base_url=server.url + "/v1", **kwargs)
 
 
-def ask(**fields: Any) -> DecisionAsk:
-    return DecisionAsk(**{"state": TICKET, "text": TICKET, "questions": QUESTIONS, **fields})
+def ask(questions: dict[str, Any] | None = None, **fields: Any) -> Asked:
+    """What an escalation asks (`Asked`) about TICKET, for `questions` (default: all)."""
+    specs = tuple(parse_questions(QUESTIONS if questions is None else questions).values())
+    return Asked(**{"specs": specs, "state": TICKET, "text": TICKET, **fields})
 
 
 EXPECTED = {
@@ -322,3 +325,70 @@ def test_is_decision_target(server: DecisionsServer) -> None:
 async def test_anything_else_is_refused_before_a_call() -> None:
     with pytest.raises(TypeError, match="not a decision model"):
         await ask_decision_target(RunnableLambda(lambda x: x), ask())
+
+
+# -- through CanvasDecisionModel: escalate_to= a decision API ----------------------------------------
+
+
+def unsure_canvas() -> Any:
+    """A canvas engine unsure of everything (every slot 50/50 over its first labels)."""
+    import math
+
+    from canvasroute.engine import FunctionEngine
+
+    def rows(read: Any) -> list[dict[int, float]]:
+        return [{i: math.log(0.5) for i in read.label_ids}] * len(read.slots)
+
+    return FunctionEngine(rows, model="canvas-fn")
+
+
+async def test_escalating_to_openai_decisions_keeps_the_targets_distribution_and_its_refusal(
+        fresh: DecisionsServer, spans: Any) -> None:
+    """Issue 29.2: `escalate_to=OpenAIDecisions(...)` escalates (it failed with a TypeError reported
+    as "the target answered with an error"); the escalated answer carries the target's own
+    distribution and confidence; a refusal is not an answer and goes where an unsure answer goes."""
+    from canvasroute.router import CanvasDecisionModel, GatePolicy
+
+    model = CanvasDecisionModel(engine=unsure_canvas(), policy=GatePolicy(rereads=0),
+                                escalate_to=openai_decisions(fresh))
+    questions = {**QUESTIONS, "secret": Noul(instructions="secret")}
+    resp = await model.adecide(TICKET, questions, read={"instructions": "Tickets of ACME Corp."})
+    team = resp.reads["team"]
+    assert (team.path, team.cause, team.answer, team.escalation_model) == (
+        "escalated", "uncertain", "billing", "known-answers")
+    assert team.probabilities == {"billing": 0.6, "technical": 0.4} and team.escalation_confidence == 0.3
+    assert resp.answers["severity"].probabilities == {0: 0.1, 1: 0.3, 2: 0.6}
+    assert resp.answers["urgent"].noul == pytest.approx(0.8)
+    secret = resp.reads["secret"]
+    assert (secret.path, secret.refusal is not None, secret.confident) == ("unsure", True, False)
+    assert secret.probabilities == {"yes": 0.5, "no": 0.5}  # the canvas answer stands, flagged
+    sent = fresh.bodies[-1]
+    assert all(q["instructions"].startswith("Tickets of ACME Corp.") for q in sent["questions"])
+    decide = next(s for s in spans.get_finished_spans() if s.name.startswith("decide "))
+    events = {e.attributes["canvasroute.question.id"]: e.attributes for e in decide.events
+              if e.name == "canvasroute.question"}
+    assert events["team"]["canvasroute.decision.path"] == "escalated"  # traces see the target's answer
+
+
+async def test_a_base_decision_model_target_answers_with_its_distribution(fresh: DecisionsServer) -> None:
+    """Any langchain-core `BaseDecisionModel` is a target too: its probabilities and confidence are kept."""
+    from canvasroute.router import CanvasDecisionModel, GatePolicy
+
+    class Confident(BaseDecisionModel):
+        model: str = "confident"
+
+        @property
+        def _provider(self) -> str:
+            return "test"
+
+        def _classify(self, state: Any, questions: dict[str, Any]) -> Any:
+            from langchain_core.decisions import ChoiceAnswer, ClassifierResponse
+
+            return ClassifierResponse(model=self.model, answers={q: ChoiceAnswer(
+                type="choice", choice="technical", probabilities={"billing": 0.1, "technical": 0.9}, confidence=0.9)
+                for q in questions})
+
+    model = CanvasDecisionModel(engine=unsure_canvas(), policy=GatePolicy(rereads=0), escalate_to=Confident())
+    team = (await model.adecide(TICKET, {"team": QUESTIONS["team"]})).reads["team"]
+    assert (team.path, team.answer, team.escalation_model) == ("escalated", "technical", "confident")
+    assert team.probabilities == {"billing": 0.1, "technical": 0.9} and team.escalation_confidence == 0.9
