@@ -188,7 +188,8 @@ class CanvasDecisionModel(BaseDecisionModel):
         if options.constrained is None and self.constrained is not None:
             options = replace(options, constrained=self.constrained)
         if unknown := sorted(options.alone - set(qset.specs)):
-            raise DecisionError(f"alone names {unknown[:5]}, which are not among the questions")
+            raise DecisionError(f"alone names {unknown[:5]}, which are not among the questions",
+                                hint=f"alone takes ids of this decision's questions: {list(qset.specs)[:8]}")
         text, images = read_state(state)
         images = (*images, *options.images)
         if options.think and images:

@@ -1,22 +1,30 @@
 """The feature matrix, property-based (hypothesis): features combined as users combine them.
 
 One drawn example is a whole setup: questions of every kind (a 200-option Choice read in
-two steps among them), `depends_on`, abstain with each `on_abstain`, `on_unsure`,
-`order_views`, the model's `DecisionCache`, the graph's `NodeCache`, shadow mode, human
-review, escalation budgets (in memory, or in the graph's store), an escalation target that
-answers, fails or is absent, an engine fault at one kind of read (discovery, first read,
-re-read, in-group read) or none, a generated state, and the gateway's read options: fixed
-`samples`, request-level `instructions` and questions read `alone` (the last two on the
-model alone: a graph node takes no read options). It runs twice (the engine healed
-for the second run), and once more from scratch. Invariants, not examples:
+two steps among them), `depends_on`, abstain with each outcome, every `OutcomePolicy` action,
+`order_views`, the model's `DecisionCache`, the graph's `NodeCache`, a `Send` fan-out with
+`branch=` beside it, shadow mode, human review, escalation budgets (in memory, or in the
+graph's store shared by the node, a `route_on` edge after it and a second model with a budget
+of its own), an escalation target that answers, fails or is absent, an engine fault at one kind
+of read (discovery, first read, re-read, in-group read) or none, a generated state (an image in
+it, seldom), request-level `instructions` and questions read `alone` (on the model and on the
+node), `think` (with two-step questions), fixed `samples` (on a causal engine too), and a
+calibrated per-question gate under every override layer (a flag's `with_overrides`, the run's
+`Runtime.context.gate` or the request's `gate=`). It runs twice (the engine healed for the
+second run), and once more from scratch. Invariants, not examples:
 
 (a) no fault and no budget refusal is ever cached or replayed;
 (b) every exception that leaves the library is a `CanvasRouteError` with a hint;
-(c) every asked question has exactly one record, its path from the documented set, and the
-    path says what happened;
+(c) every asked question has exactly one record, its path and cause from the documented sets,
+    and they say what happened;
 (d) the same inputs and seed give the same canvases and the same branch;
-(e) budget counters stay exact;
-(f) a hit or a replay reports no new usage.
+(e) budget counters stay exact, per model;
+(f) a hit or a replay reports no new usage;
+(g) what the canvas read had, the escalation target saw: the instructions and the images;
+(h) every gate override reached every question, per-question fits included;
+(i) every absorbed engine fault was logged (WARNING) and marked on its span;
+(j) every read of a thinking decision continued a thought; no agreement is reported over reads
+    that could not differ.
 
 Examples are bounded and derandomized (a fixed seed: CI runs the same examples every time);
 `CANVASROUTE_MATRIX_EXAMPLES=500` explores further.
@@ -28,10 +36,10 @@ import dataclasses
 import enum
 import hashlib
 import json
+import logging
 import math
 import os
 import re
-import typing
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -44,11 +52,12 @@ from langgraph.cache.memory import InMemoryCache
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.store.memory import InMemoryStore
-from langgraph.types import Command
+from langgraph.types import Command, Send
 from promptrows import Block, blocks
 from typing_extensions import TypedDict
 
 from canvasroute.engine import (
+    CanvasRead,
     CanvasRouteError,
     DecisionError,
     EngineRequestError,
@@ -56,11 +65,14 @@ from canvasroute.engine import (
     EngineUnavailable,
     EscalationError,
     FunctionEngine,
+    Thought,
 )
-from canvasroute.harness import DECISION_EVENT, NodeCache, ReviewPolicy, decision_node, merge_decisions
+from canvasroute.harness import DECISION_EVENT, NodeCache, ReviewPolicy, decision_node, merge_decisions, route_on
 from canvasroute.harness._store_budget import store_meter
 from canvasroute.router import (
     ABSTAIN,
+    CAUSES,
+    PATHS,
     CanvasDecisionModel,
     DecisionCache,
     Escalation,
@@ -68,9 +80,6 @@ from canvasroute.router import (
     GatePolicy,
     OutcomePolicy,
 )
-from canvasroute.router._types import Path
-
-PATHS = frozenset(typing.get_args(Path))
 EXAMPLES = int(os.environ.get("CANVASROUTE_MATRIX_EXAMPLES", "500"))
 MANY = 200
 """Options of the big Choice: past one read's 128 label ids, so it is read in two steps."""
@@ -82,21 +91,28 @@ ABSTAIN_LINE = "none of these"
 
 class Scripted(FunctionEngine):
     """Rows from each question's mood (`sure`, `borderline`, `unsure`, `abstain`), tilted by the canvas
-    noise (so re-reads differ); a fault at one kind of read until `healed`."""
+    noise (so re-reads differ); a fault at one kind of read until `healed`; it takes images, and
+    writes a thought (seeded) when asked."""
 
     def __init__(self, moods: Mapping[str, str], fault: str | None, fault_type: type[CanvasRouteError],
-                 max_model_len: int) -> None:
-        super().__init__(self._rows, model="scripted", max_model_len=max_model_len)
+                 max_model_len: int, causal: bool) -> None:
+        super().__init__(self._rows, model="scripted", max_model_len=max_model_len, causal_readout=causal)
         self.moods, self.fault, self.fault_type = moods, fault, fault_type
         self.healed = False
-        self.seen: set[str] = set()
-        """System prompts read in this run (a repeat is a re-read)."""
+        self.seen: set[tuple[str, str]] = set()
+        """Prompts read in this run (a repeat is a re-read)."""
         self.log: list[tuple[str, tuple[int, ...]]] = []
         self.faults = 0
         """Faults raised in this run."""
         self.too_long = 0
         """Reads whose prompt + canvas exceeded the context (a server refuses them: never send one)."""
         self.prompts: list[str] = []
+        self.thinking = False
+        """The decision thinks (`think`): every read must continue a thought."""
+        self.unthought = 0
+        """Reads of a thinking decision that continued no thought."""
+        self.images: list[tuple[str, ...]] = []
+        """The images each read carried."""
 
     def _raise(self) -> None:
         self.faults += 1
@@ -105,20 +121,30 @@ class Scripted(FunctionEngine):
     async def info(self):  # type: ignore[no-untyped-def]
         if self.fault == "info" and not self.healed:
             self._raise()
-        return await super().info()
+        return dataclasses.replace(await super().info(), accepts_images=True)
 
-    async def _rows(self, read) -> list[dict[int, float]]:
+    async def read(self, batch: Any) -> Any:  # a vision model: the images are taken, not read as text
+        self.images += [tuple(r.images) for r in batch]
+        return await super().read([dataclasses.replace(r, images=()) for r in batch])
+
+    async def think(self, messages: Any, budget: int, *, seed: int) -> Thought:
+        digest = hashlib.sha256(f"{messages[0]['content']}|{seed}".encode()).digest()
+        return Thought(ids=tuple(digest[:3]), text="hm", closed=True, prompt_tokens=3)
+
+    async def _rows(self, read: CanvasRead) -> list[dict[int, float]]:
         if await self.count_prompt(read.messages) + len(read.canvas) > (await super().info()).max_model_len:
             self.too_long += 1
             raise EngineRequestError("prompt + canvas exceed the context", status=400)
+        self.unthought += self.thinking and read.thought is None
         self.prompts.append(read.messages[-1]["content"])
         system = read.messages[0]["content"]
         found = blocks(system)
         assert len(found) == len(read.slots)
+        prompt = (system, read.messages[-1]["content"])
         kind = ("in_group" if any(b.instructions.startswith("Q") and "(First:" not in b.instructions
                                   and len(b.labels) > 8 for b in found)
-                else "reread" if system in self.seen else "first")
-        self.seen.add(system)
+                else "reread" if prompt in self.seen else "first")
+        self.seen.add(prompt)
         self.log.append((kind, read.canvas))
         if kind == self.fault and not self.healed:
             self._raise()
@@ -145,20 +171,42 @@ class Scripted(FunctionEngine):
 
 
 class Target:
-    """An escalation target answering each asked question's first option; or failing."""
+    """An escalation target answering each asked question's first option; or failing. It keeps
+    what it was shown (the last human message: text and image parts)."""
 
-    def __init__(self, fails: bool) -> None:
+    def __init__(self, fails: bool, name: str = "target") -> None:
         self.fails, self.calls, self.questions = fails, 0, 0
-        self.runnable = RunnableLambda(self._reply, name="target")
+        self.texts: list[str] = []
+        self.images: list[list[str]] = []
+        self.runnable = RunnableLambda(self._reply, name=name)
 
     def _reply(self, msgs: Any) -> AIMessage:
         self.calls += 1
+        content = msgs[-1].content
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        text = "".join(p["text"] for p in parts if p.get("type") == "text")
+        self.texts.append(text)
+        self.images.append([p["image_url"]["url"] for p in parts if p.get("type") == "image_url"])
         if self.fails:
             raise ConnectionError("the escalation target is down")
-        text = msgs[-1].content
         asked = dict(re.findall(r'^Question "([^"]+)": .*? Options: "([^"]+)"', text, re.MULTILINE))
         self.questions += len(asked)
         return AIMessage(json.dumps(asked), usage_metadata={"input_tokens": 7, "output_tokens": 2, "total_tokens": 9})
+
+
+class Faults(logging.Handler):
+    """The WARNING records `canvasroute.router` writes for absorbed engine faults."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+FAULT_LOG = Faults()
+logging.getLogger("canvasroute.router").addHandler(FAULT_LOG)
 
 
 # -- the drawn setup ----------------------------------------------------------------------------
@@ -199,11 +247,14 @@ _rich = st.recursive(st.one_of(_leaf, st.sampled_from(list(Tier)), st.text(max_s
                                              st.builds(Pair, inner, inner), st.sets(st.text(max_size=4), max_size=3)),
                      max_leaves=6)
 _IMAGE = {"type": "image", "base64": "iVBORw0KGgo=", "mime_type": "image/png"}
+IMAGE_URL = "data:image/png;base64,iVBORw0KGgo="
+INSTRUCTIONS = [None, None, "All tickets are from EU customers.", "Context. " * 40]
 
 
 @st.composite
 def setups(draw: st.DrawFn) -> dict[str, Any]:
     graph = draw(st.booleans())
+    fan_out = graph and draw(st.sampled_from([False, False, True]))  # a Send fan-out with branch=
     kinds = [draw(st.sampled_from(["noul", "choice", "score"]))]
     kinds += draw(st.lists(st.sampled_from(["noul", "choice", "score", "many", "many"]), max_size=2))
     qids = [f"Q{i}" for i in range(len(kinds))]
@@ -216,33 +267,43 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
     two_step = draw(st.sampled_from(["fits", "too long", "in_group", "reread"])) if "many" in kinds else "fits"
     fault = two_step if two_step in ("in_group", "reread") else draw(st.sampled_from([None, None, "info", "first",
                                                                                     "reread"]))
-    shadow = graph and draw(st.booleans())
-    review = graph and not shadow and draw(st.booleans())
-    odd = not graph and draw(st.sampled_from([None] * 8 + ["image", "object"]))  # seldom: they end at once
+    shadow = graph and not fan_out and draw(st.booleans())
+    review = graph and not shadow and not fan_out and draw(st.booleans())
+    odd = draw(st.sampled_from([None] * 6 + ["image", "object"])) if not graph else draw(
+        st.sampled_from([None] * 6 + ["image"]))
+    think = 0 if odd == "image" else draw(st.sampled_from([0, 0, 0, 6]))
     state = ({"photo": _IMAGE} if odd == "image" else {"odd": object()} if odd == "object" else draw(
         st.one_of(st.text(max_size=40), _json_like) if graph else st.one_of(st.text(max_size=40), _json_like, _rich)))
+    target = draw(st.sampled_from([None, None, "answers", "fails"] if review else ["answers", "answers", "fails", None]))
+    uncertain = draw(st.sampled_from(["escalate", "escalate", "answer", "fallback", "raise", "review"]))
     return {
-        "graph": graph, "kinds": kinds, "qids": qids, "depends": depends, "shadow": shadow, "review": review,
+        "graph": graph, "fan_out": fan_out, "kinds": kinds, "qids": qids, "depends": depends, "shadow": shadow,
+        "review": review,
         "moods": {q: draw(st.sampled_from(["sure", "borderline", "unsure", "abstain", "abstain"] if abstain
                                           else ["sure", "borderline", "unsure"])) for q in qids},
         "fault": fault,
         "fault_type": draw(st.sampled_from([EngineUnavailable, EngineResponseError])),
         "max_model_len": 800 if two_step == "too long" else 4096,
         # a review lane stands in for an escalation target, mostly
-        "target": draw(st.sampled_from([None, None, "answers", "fails"] if review
-                                       else ["answers", "answers", "fails", None])),
-        "on_engine_error": draw(st.sampled_from(["escalate", "raise", "fallback"])),
+        "target": target,
+        "engine_fault": draw(st.sampled_from(["escalate", "raise", "fallback"])),
         "fallback": draw(st.sampled_from([True, True, True, False])),
-        "abstain": abstain, "on_abstain": draw(st.sampled_from(["escalate", "fallback"])),
-        "on_unsure": draw(st.sampled_from(["answer", "fallback", "raise", "review"])),
+        "abstain": abstain, "abstained": draw(st.sampled_from(["escalate", "fallback", "answer"])),
+        "uncertain": uncertain, "over_budget": draw(st.sampled_from(["answer", "fallback", "raise"])),
         "order_views": draw(st.integers(0, 2)), "rereads": draw(st.integers(0, 2)),
-        "samples": draw(st.sampled_from([1, 1, 1, 2])),
+        "samples": draw(st.sampled_from([1, 1, 1, 2])), "causal": draw(st.sampled_from([False, False, True])),
+        "think": think,
         # long instructions beside a two-step question and a small context: every read must still fit
-        "instructions": None if graph else draw(st.sampled_from([None, None, "All tickets are from EU customers.",
-                                                                 "Context. " * 40])),
-        "alone": () if graph else tuple(q for q in qids if draw(st.sampled_from([False, False, True]))),
-        "budget": draw(st.sampled_from([None, "memory", "store"] if graph else [None, "memory"])),
-        "per_window": draw(st.integers(0, 2)), "when_spent": draw(st.sampled_from(["keep", "fallback", "raise"])),
+        "instructions": draw(st.sampled_from(INSTRUCTIONS)),
+        "alone": tuple(q for q in qids if draw(st.sampled_from([False, False, True]))),
+        # a calibrated fit for the first question, and an override layer over everything
+        "fit": draw(st.sampled_from([None, {"temperature": 1.5}, {"max_normalized_entropy": 0.2, "temperature": 0.8}])),
+        "layer": draw(st.sampled_from([None, "flags", "context", "request"])),
+        "layer_gate": draw(st.sampled_from([0.3, 0.95])),
+        "budget": draw(st.sampled_from([None, "memory", "store", "store"] if graph else [None, "memory"])),
+        "edge": graph and not fan_out and not shadow and draw(st.booleans()),  # a route_on edge after the node
+        "second_model": graph and not fan_out and draw(st.sampled_from([False, False, True])),
+        "per_window": draw(st.integers(0, 2)),
         "model_cache": draw(st.sampled_from([True, True, False])),
         "node_cache": graph and draw(st.sampled_from([True, True, False])),
         "state": state, "seed": draw(st.none() | st.integers(0, 2**31)),
@@ -254,8 +315,12 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
 
 class GraphState(TypedDict, total=False):
     ticket: Any
+    docs: dict[str, Any]
+    doc: Any
+    doc_id: str
     decisions: Annotated[dict, merge_decisions]
     lane: str
+    after: str
 
 
 @dataclasses.dataclass
@@ -269,39 +334,95 @@ class Built:
     graph: Any = None
     cache: NodeCache | None = None
     store: InMemoryStore | None = None
+    other: CanvasDecisionModel | None = None
+    """A second model with a budget of its own, in the same store (its decisions: `after`)."""
+    other_target: Target | None = None
 
 
 def _options(kind: str, question: Any) -> tuple[str, ...]:
     return ("yes", "no") if kind == "noul" else ("0", "1", "2") if kind == "score" else tuple(question.criteria)
 
 
+def gate_of(s: dict[str, Any]) -> GatePolicy:
+    """The model's policy: the drawn read settings, a calibrated fit for the first question, and
+    (`flags`) the override layer applied the way `serve`/`eval` flags are."""
+    base = GatePolicy(rereads=s["rereads"], abstain=s["abstain"], order_views=s["order_views"], samples=s["samples"])
+    if s["fit"] is not None:
+        base = dataclasses.replace(base, per_question={s["qids"][0]: dataclasses.replace(base, **s["fit"])})
+    if s["layer"] == "flags":
+        base = base.with_overrides(max_normalized_entropy=s["layer_gate"])
+    return base
+
+
+def expected_gate(s: dict[str, Any], qid: str) -> float:
+    """(h): the threshold a question is held to after every layer."""
+    if s["layer"] is not None:
+        return s["layer_gate"]
+    if s["fit"] is not None and qid == s["qids"][0]:
+        return s["fit"].get("max_normalized_entropy", 0.5)
+    return 0.5
+
+
 def build(s: dict[str, Any]) -> Built:
     questions = {q: _question(i, k) for i, (q, k) in enumerate(zip(s["qids"], s["kinds"], strict=True))}
     options = {q: _options(k, questions[q]) for q, k in zip(s["qids"], s["kinds"], strict=True)}
-    engine = Scripted(s["moods"], s["fault"], s["fault_type"], s["max_model_len"])
+    engine = Scripted(s["moods"], s["fault"], s["fault_type"], s["max_model_len"], s["causal"])
+    engine.thinking = bool(s["think"])
     target = Target(s["target"] == "fails") if s["target"] else None
-    budget = (EscalationBudget(max_per_window=s["per_window"], window_s=3600, when_spent=s["when_spent"])
-              if s["budget"] else None)
-    model = CanvasDecisionModel(engine=engine,
-                                escalate_to=Escalation(target.runnable if target else None, budget=budget),
-                                policy=GatePolicy(rereads=s["rereads"], abstain=s["abstain"], order_views=s["order_views"], samples=s["samples"]),
-                                cache=DecisionCache() if s["model_cache"] else None,
-                                outcomes=OutcomePolicy(engine_fault=s["on_engine_error"] if s["fallback"] or s["on_engine_error"] != "fallback" else "escalate", fallback={q: o[0] for q, o in options.items()} if s["fallback"] else {}, uncertain=s["on_unsure"], abstained=s["on_abstain"]))
+    budget = EscalationBudget(max_per_window=s["per_window"], window_s=3600) if s["budget"] else None
+    fallback = {q: o[0] for q, o in options.items()} if s["fallback"] else {}
+    outcomes = OutcomePolicy(
+        engine_fault=s["engine_fault"] if fallback or s["engine_fault"] != "fallback" else "escalate",
+        uncertain=s["uncertain"] if fallback or s["uncertain"] != "fallback" else "answer",
+        abstained=s["abstained"] if fallback or s["abstained"] != "fallback" else "answer",
+        over_budget=s["over_budget"] if fallback or s["over_budget"] != "fallback" else "answer", fallback=fallback)
+    model = CanvasDecisionModel(engine=engine, policy=gate_of(s), outcomes=outcomes,
+                                escalate_to=Escalation(target.runnable, budget=budget) if target else None,
+                                cache=DecisionCache() if s["model_cache"] else None)
     built = Built(s, engine, target, model, questions, options)
-    if s["graph"]:
-        route = (s["qids"][0], {o: f"lane{n}" for n, o in enumerate(options[s["qids"][0]])})
-        node = decision_node(model, questions, inputs="ticket", route=route, depends_on=s["depends"],
+    read = {"instructions": s["instructions"], "alone": s["alone"], "think": s["think"]}
+    if not s["graph"]:
+        return built
+    route = (s["qids"][0], {o: f"lane{n}" for n, o in enumerate(options[s["qids"][0]])})
+    builder = StateGraph(GraphState)
+    if s["fan_out"]:
+        node = decision_node(model, questions, inputs="doc", depends_on=s["depends"], branch="doc_id", read=read)
+        builder.add_node("grade", node, cache_policy=node.cache_policy() if s["node_cache"] else None)
+        builder.add_conditional_edges(START, lambda st_: [Send("grade", {"doc": v, "doc_id": k})
+                                                          for k, v in st_["docs"].items()], ["grade"])
+        builder.add_edge("grade", END)
+    else:
+        node = decision_node(model, questions, inputs="ticket", route=route, depends_on=s["depends"], read=read,
                              review=ReviewPolicy() if s["review"] else None,
                              shadow=(lambda state: "lane0") if s["shadow"] else None)
-        builder = StateGraph(GraphState)
         builder.add_node("triage", node, cache_policy=node.cache_policy() if s["node_cache"] else None)
         builder.add_edge(START, "triage")
+        paths = {o: f"lane{n}" for n, o in enumerate(options[s["qids"][0]])}
         for lane in route[1].values():
             builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
-            builder.add_edge(lane, END)
-        built.cache = NodeCache(InMemoryCache()) if s["node_cache"] else None
-        built.store = InMemoryStore() if s["budget"] == "store" else None
-        built.graph = builder.compile(checkpointer=InMemorySaver(), cache=built.cache, store=built.store)
+            if s["edge"]:  # the same model again, on an edge: its escalations count in the same store
+                builder.add_conditional_edges(lane, route_on(model, questions[s["qids"][0]], paths, read={**read, "alone": ()},
+                                                             inputs="ticket", question_id="edge"),
+                                              {o: "tail" for o in paths})
+            else:
+                builder.add_edge(lane, "tail")
+        if s["second_model"]:
+            built.other_target = Target(False, name="other")
+            built.other = CanvasDecisionModel(engine=Scripted({"Z0": "unsure"}, None, EngineUnavailable, 4096, False),
+                                              escalate_to=Escalation(built.other_target.runnable, budget=budget)
+                                              if budget else built.other_target.runnable)
+            other = decision_node(built.other, {"Z0": Noul(instructions="Z0: another model's question?")},
+                                  inputs="ticket", output_key="decisions")
+            builder.add_node("tail", lambda state: {"after": "tail"})
+            builder.add_node("other", other)
+            builder.add_edge("tail", "other")
+            builder.add_edge("other", END)
+        else:
+            builder.add_node("tail", lambda state: {"after": "tail"})
+            builder.add_edge("tail", END)
+    built.cache = NodeCache(InMemoryCache()) if s["node_cache"] else None
+    built.store = InMemoryStore() if s["budget"] == "store" else None
+    built.graph = builder.compile(checkpointer=InMemorySaver(), cache=built.cache, store=built.store)
     return built
 
 
@@ -309,37 +430,65 @@ def build(s: dict[str, Any]) -> Built:
 class Run:
     error: BaseException | None = None
     records: dict[str, dict[str, Any]] | None = None
-    """qid -> {path, answer, read: ReadReport fields} (graph records, or a response's reads)."""
+    """qid -> {path, answer, read: ReadReport fields} (graph records, or a response's reads; a fan-out
+    records one per branch: qid@branch)."""
     usage: dict[str, int] | None = None
     lane: str | None = None
     node_ran: bool = True
-    hit: bool = False
+    hits: int = 0
+    """Decisions the model's DecisionCache answered in this run."""
     shadow: dict[str, Any] | None = None
     faults: int = 0
     """Engine faults raised during the run."""
+    logged: int = 0
+    """WARNING records of absorbed faults during the run."""
+
+
+def _flat(decisions: Mapping[str, Any] | None, b: Built) -> dict[str, dict[str, Any]] | None:
+    """Graph records as qid -> record (qid@branch in a fan-out; another model's questions left out)."""
+    if decisions is None:
+        return None
+    out = {}
+    for qid, value in decisions.items():
+        if qid not in b.questions:
+            continue
+        if b.s["fan_out"]:
+            out.update({f"{qid}@{branch}": rec for branch, rec in value.items()})
+        else:
+            out[qid] = value
+    return out
 
 
 def run(b: Built, thread: str) -> Run:
     b.engine.seen, b.engine.faults = set(), 0
+    logged = len(FAULT_LOG.records)
+    s = b.s
+    read = {"instructions": s["instructions"], "alone": s["alone"], "think": s["think"]}
+    gate = {"max_normalized_entropy": s["layer_gate"]} if s["layer"] in ("context", "request") else None
     try:
         hits = b.model.cache.hits if b.model.cache else 0
-        if not b.s["graph"]:
-            resp = b.model.decide(b.s["state"], b.questions, seed=b.s["seed"], depends_on=b.s["depends"],
-                                  thread_id=thread, read={"instructions": b.s["instructions"], "alone": b.s["alone"]})
+        if not s["graph"]:
+            resp = b.model.decide(s["state"], b.questions, seed=s["seed"], depends_on=s["depends"],
+                                  thread_id=thread, read=read, gate=gate)
             got = Run(records={q: {"path": r.path, "answer": r.answer, "read": r.model_dump(exclude={"latency_s"})}
                                for q, r in resp.reads.items()}, usage=dict(resp.usage), faults=b.engine.faults,
-                      hit=bool(b.model.cache and b.model.cache.hits > hits))
+                      hits=b.model.cache.hits - hits if b.model.cache else 0,
+                      logged=len(FAULT_LOG.records) - logged)
             resp.answers.clear()  # a caller editing its response changes no later hit
             resp.reads.clear()
             resp.usage["input_tokens"] = 10**6
             return got
         config = {"configurable": {"thread_id": thread}}
-        value: Any = {"ticket": b.s["state"]}
+        value: Any = ({"docs": {"d1": s["state"], "d2": [s["state"], "again"]}} if s["fan_out"]
+                      else {"ticket": s["state"]})
+        context = {"gate": gate} if gate is not None else None
         events: list[dict[str, Any]] = []
+        out: dict[str, Any] = {}
         for _ in range(4):  # resume every review with another option than the canvas's
             pending: Any = ()
-            for mode, chunk in b.graph.stream(value, config, stream_mode=["custom", "values", "updates"]):
-                if mode == "custom" and chunk.get("type") == DECISION_EVENT:
+            for mode, chunk in b.graph.stream(value, config, stream_mode=["custom", "values", "updates"],
+                                              context=context):
+                if mode == "custom" and chunk.get("type") == DECISION_EVENT and chunk["node"] in ("triage", "grade"):
                     events.append(chunk)
                 elif mode == "values":
                     out = chunk
@@ -349,11 +498,11 @@ def run(b: Built, thread: str) -> Run:
                 break
             value = Command(resume={q: next(o for o in item["options"] if o != item["answer"])  # overrule it
                                     for q, item in pending[0].value["questions"].items()})
-        return Run(records=out.get("decisions"), lane=out.get("lane"), node_ran=bool(events), faults=b.engine.faults,
-                   hit=bool(b.model.cache and b.model.cache.hits > hits),
-                   shadow=events[-1].get("shadow") if events else None)
+        return Run(records=_flat(out.get("decisions"), b), lane=out.get("lane"), node_ran=bool(events),
+                   faults=b.engine.faults, hits=b.model.cache.hits - hits if b.model.cache else 0,
+                   shadow=events[-1].get("shadow") if events else None, logged=len(FAULT_LOG.records) - logged)
     except Exception as exc:  # noqa: BLE001 - judged by check_error
-        return Run(error=exc, faults=b.engine.faults)
+        return Run(error=exc, faults=b.engine.faults, logged=len(FAULT_LOG.records) - logged)
 
 
 # -- the invariants -------------------------------------------------------------------------------
@@ -367,78 +516,114 @@ def check_error(b: Built, r: Run) -> None:
     if r.error is not None:
         assert isinstance(r.error, CanvasRouteError), f"untyped {type(r.error).__name__}: {r.error!r}"
         assert r.error.hint, f"{type(r.error).__name__} without a hint: {r.error}"
-        if isinstance(r.error, EscalationError) and r.faults and b.model.on_engine_error == "escalate":
+        if isinstance(r.error, EscalationError) and r.faults and b.model.outcomes.engine_fault == "escalate":
             assert isinstance(r.error.__cause__, b.s["fault_type"]), "the engine fault is not the cause"
 
 
 def check_records(b: Built, r: Run) -> None:
-    """(c): one record per asked question, a documented path that says what happened."""
+    """(c), (h), (i), (j): one record per asked question, a documented path and cause that say
+    what happened; the gate each was held to; faults said; thoughts and agreement honest."""
+    assert b.engine.unthought == 0, "a read of a thinking decision continued no thought"
     if r.records is None:
         return
-    if b.s["shadow"] and ((r.shadow and r.shadow.get("canvas_error")) or (not r.node_ran and not r.records)):
+    s = b.s
+    outcomes = b.model.outcomes
+    if s["shadow"] and ((r.shadow and r.shadow.get("canvas_error")) or (not r.node_ran and not r.records)):
         # the router routed and the canvas read beside it failed: on the span and event, no record (a
         # node-cache hit replays that routing, the router's answer, with no record either)
         assert not r.records
         if r.shadow:  # only an engine fault, or a read too long for the model, fails the canvas read
-            allowed = {b.s["fault_type"].__name__} if r.faults else set()
-            allowed |= {"InputTooLong"} if b.s["max_model_len"] < 4096 and "many" in b.s["kinds"] else set()
+            allowed = {s["fault_type"].__name__} if r.faults else set()
+            allowed |= {"InputTooLong"} if s["max_model_len"] < 4096 and "many" in s["kinds"] else set()
             assert r.shadow["canvas_error"] in allowed, (r.shadow["canvas_error"], allowed)
         return
-    assert set(r.records) == set(b.questions)
-    parents = {c: p for c, (p, _) in (b.s["depends"] or {}).items()}
-    for qid, rec in r.records.items():
-        read, path = rec["read"], rec["path"]
+    branches = ("@d1", "@d2") if s["fan_out"] else ("",)
+    assert set(r.records) == {q + b_ for q in b.questions for b_ in branches}
+    parents = {c: p for c, (p, _) in (s["depends"] or {}).items()}
+    if any(rec["read"]["error"] for rec in r.records.values()) and r.node_ran and not r.hits:
+        assert r.logged >= 1, "an engine fault was absorbed and nothing was logged"
+    for key, rec in r.records.items():
+        qid, _, branch = key.partition("@")
+        read, path, cause = rec["read"], rec["path"], rec["read"]["cause"]
         human = path == "human"  # a reviewer's answer: the read says what the canvas did
         if human:
-            assert b.s["review"] or b.s["on_unsure"] == "review"
-            assert not read["confident"] and read["escalation_model"] is None
+            assert s["review"] or outcomes.uncertain == "review"
+            assert not read["confident"] and read["path"] != "escalated"
             assert rec["answer"] in b.options[qid]
             path = read["path"]
-        assert path in PATHS, path
+        assert path in PATHS and path != "human", path
+        assert cause is None or cause in CAUSES, cause
         assert read["confident"] == (path in ("canvas", "reread")), (path, read)
-        if b.s["shadow"]:  # "would escalate": asked, and not passed by the gate
+        assert (cause is None) == (path in ("canvas", "reread", "skipped")), (path, cause)
+        if read["gate"] is not None:  # (h): every override layer reached every question
+            assert read["gate"].startswith(f"H/lnK <= {expected_gate(s, qid):g}"), (read["gate"], qid)
+        if read["agreement"] is not None:  # (j): agreement only over reads that could differ
+            assert read["reads"] > 1 and read["rereadable"], read
+        if s["shadow"]:  # "would escalate": asked, and not passed by the gate
             assert rec["shadow"]["would_escalate"] == (not read["confident"] and path != "skipped")
         if qid in parents:  # asked (or skipped) on the parent's final answer, a reviewer's included
             cond = read["asked_if"]
-            assert cond["parent_answer"] == r.records[parents[qid]]["answer"]
+            parent = r.records[parents[qid] + (f"@{branch}" if branch else "")]
+            assert cond["parent_answer"] == parent["answer"]
             assert (path == "skipped") == (cond["parent_answer"] not in cond["answers"])
         if path == "skipped":
             assert qid in parents and rec["answer"] is None
             continue
         assert rec["answer"] in b.options[qid]
         if read["error"] is not None:  # a fault is never a cheap answer
-            assert path in ("escalated", "fallback"), (path, read["error"])
+            assert cause in ("engine_fault", "over_budget") and path in ("escalated", "fallback"), (path, read)
+        if cause == "abstained":
+            assert s["abstain"] and read["canvas_probabilities"] is not None
+            assert max(read["canvas_probabilities"], key=read["canvas_probabilities"].get) == ABSTAIN
         if path == "escalated":
             assert read["escalation_model"] == "target" and b.target is not None and not b.target.fails
-        elif path == "abstained":
-            assert b.s["abstain"] and read["canvas_probabilities"] is not None
-            assert max(read["canvas_probabilities"], key=read["canvas_probabilities"].get) == ABSTAIN
-            if b.s["on_abstain"] == "fallback" and not b.s["shadow"] and not read["over_budget"]:
-                assert read["escalation_model"] is None and (human or rec["answer"] == b.options[qid][0])
+            assert cause in ("uncertain", "abstained", "engine_fault")
         elif path == "unsure":
-            assert read["crossed"] and (b.target is None or b.s["shadow"] or read["over_budget"])
+            assert read["crossed"] or cause == "abstained" or cause == "over_budget", read
         elif path == "fallback":
-            assert read["error"] is not None or read["over_budget"]
             assert human or rec["answer"] == b.options[qid][0]
+            assert cause == "engine_fault" or cause == "over_budget" or outcomes.fallback, cause
         elif path in ("canvas", "reread"):
-            assert not read["crossed"] and not read["over_budget"]
-            routed = b.s["kinds"][b.s["qids"].index(qid)] == "many" and read["reads"] >= 2
-            assert (read["reads"] - routed > b.s["samples"]) == (path == "reread")  # samples are no re-reads
-        if read["over_budget"]:
-            assert b.s["budget"] and path in ("unsure", "fallback", "abstained")
+            assert not read["crossed"]
+            routed = s["kinds"][s["qids"].index(qid)] == "many" and read["reads"] >= 2
+            base = 1 if not read["rereadable"] else s["samples"]
+            assert (read["reads"] - routed > base) == (path == "reread")  # samples are no re-reads
+        if cause == "over_budget":
+            assert s["budget"] and path in ("unsure", "fallback")
+
+
+def check_escalations(b: Built) -> None:
+    """(g): the target saw what the canvas read had: the instructions, and every image."""
+    if b.target is None:
+        return
+    for text, images in zip(b.target.texts, b.target.images, strict=True):
+        if b.s["instructions"]:
+            assert b.s["instructions"].strip() in text, "the instructions never reached the target"
+        if isinstance(b.s["state"], dict) and b.s["state"].get("photo") == _IMAGE:
+            assert images == [IMAGE_URL], "the image never reached the target"
+
+
+def _decisions(r: Run) -> dict[str, list[dict[str, Any]]]:
+    """A run's records by decision: one per fan-out branch, else one."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for key, rec in (r.records or {}).items():
+        out.setdefault(key.partition("@")[2], []).append(rec)
+    return out
 
 
 def check_cache(b: Built, first: Run, second: Run) -> None:
     """(a) and (f): nothing faulted or refused is stored or replayed; a hit spends nothing."""
-    bad = [rec for rec in (first.records or {}).values()
-           if rec["read"].get("error") or rec["read"].get("over_budget")]
-    if b.s["model_cache"] and not b.s["shadow"] and bad:
-        assert not second.hit, "a faulted or budget-refused decision was replayed by the DecisionCache"
+    decisions = _decisions(first)
+    bad = [recs for recs in decisions.values() if any(
+        rec["read"].get("error") or rec["read"].get("cause") == "over_budget" for rec in recs)]
+    if b.s["model_cache"] and not b.s["shadow"] and bad:  # only a decision nothing touched may be a hit
+        assert second.hits <= len(decisions) - len(bad), \
+            "a faulted or budget-refused decision was replayed by the DecisionCache"
     if b.s["node_cache"] and bad:
         assert second.node_ran, "a faulted or budget-refused decision was replayed by the node cache"
     for rec in (second.records or {}).values():
         assert not rec["read"].get("error"), "healed engine, yet a fault is on record (a replay)"
-    if second.hit and second.usage is not None:
+    if second.hits and second.usage is not None:
         assert second.usage["input_tokens"] == second.usage["output_tokens"] == 0
         assert second.records == first.records, "a hit differs from the decision it replays"
     if b.cache is not None:
@@ -446,25 +631,41 @@ def check_cache(b: Built, first: Run, second: Run) -> None:
             for enc, raw, _expiry in entries.values():
                 for _channel, value in b.cache.serde.loads_typed((enc, raw)):
                     for rec in (value.values() if isinstance(value, Mapping) else ()):
-                        read = rec.get("read", {}) if isinstance(rec, Mapping) else {}
-                        assert not (read.get("error") or read.get("over_budget")), "stored a faulted decision"
+                        groups = rec.values() if isinstance(rec, Mapping) and "read" not in rec else [rec]
+                        for one in groups:
+                            read = one.get("read", {}) if isinstance(one, Mapping) else {}
+                            assert not (read.get("error") or read.get("cause") == "over_budget"), \
+                                "stored a faulted decision"
 
 
 def check_budget(b: Built, runs: list[Run]) -> None:
-    """(e): granted = questions the target answered (a failed escalation is refunded);
-    refused = questions marked over budget (when no decision raised)."""
-    if not b.s["budget"]:
+    """(e): per model, granted = questions its target answered (a failed escalation is refunded)
+    and within the window; refused = questions marked over budget (when no decision raised)."""
+    if not b.s["budget"] or b.target is None:
         return
-    meter = store_meter(b.model, b.store) if b.store is not None else b.model._memo.outcomes.meter
+    meter = store_meter(b.model, b.store) if b.store is not None else b.model.escalation.meter  # type: ignore[union-attr]
     counts = meter.snapshot()
-    fresh = [r for r in runs if not r.hit and r.node_ran]  # a replay spends nothing
-    escalated = sum(1 for r in fresh for rec in (r.records or {}).values() if rec["read"]["escalation_model"])
-    over = sum(1 for r in fresh for rec in (r.records or {}).values() if rec["read"]["over_budget"])
     answered = b.target.questions if b.target is not None else 0
-    assert counts["granted"] == answered >= escalated, (counts, answered, escalated)
+    assert counts["granted"] == answered, (counts, answered)
     assert counts["granted"] <= b.s["per_window"]
-    if not any(r.error is not None for r in runs):
-        assert counts["refused"] == over and answered == escalated, (counts, over)
+    if b.other is not None and b.store is not None:  # its own budget: never refused for the first model's
+        other = store_meter(b.other, b.store)
+        assert other is not meter and other.namespace != meter.namespace
+        assert other.snapshot()["granted"] == b.other_target.questions <= b.s["per_window"]  # type: ignore[union-attr]
+    # a refused decision is never stored, so every run's refusals were decided afresh; an escalated one
+    # may be a replay (the caches), so the target answered at least the first run's and at most all
+    if not any(r.error is not None for r in runs) and not b.s["edge"]:
+        def count(rs: list[Run], check: Any) -> int:
+            return sum(1 for r in rs for rec in (r.records or {}).values() if check(rec))
+
+        over = count(runs, lambda rec: rec["read"]["cause"] == "over_budget")
+        escalated = [count([r], lambda rec: rec["read"]["path"] == "escalated" or rec["path"] == "escalated")
+                     for r in runs]
+        assert counts["refused"] == over, (counts, over)
+        if b.s["model_cache"] or b.s["node_cache"]:
+            assert escalated[0] <= answered <= sum(escalated), (answered, escalated)
+        else:
+            assert answered == sum(escalated), (answered, escalated)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -472,7 +673,8 @@ def check_budget(b: Built, runs: list[Run]) -> None:
 @given(setups())
 def test_every_combination_holds(s):
     note(repr({k: v for k, v in s.items() if k != "state"}))
-    event(f"{'graph' if s['graph'] else 'model'}{', two-step question' if 'many' in s['kinds'] else ''}")
+    event(f"{'fan-out' if s['fan_out'] else 'graph' if s['graph'] else 'model'}"
+          f"{', two-step question' if 'many' in s['kinds'] else ''}{', think' if s['think'] else ''}")
     note(f"state={s['state']!r}")
     try:
         b = build(s)
@@ -487,15 +689,20 @@ def test_every_combination_holds(s):
         event(f"outcome: {type(r.error).__name__ if r.error else 'decided'}"
               + (f" {str(r.error)[:60]}" if isinstance(r.error, DecisionError) else ""))
         for rec in (r.records or {}).values():
-            event(f"path: {rec['path']}")
+            event(f"path: {rec['path']}, cause: {rec['read']['cause']}")
         check_error(b, r)
         check_records(b, r)
+    check_escalations(b)
     check_cache(b, first, second)
     check_budget(b, [first, second])
     # (d): from scratch, the same inputs read the same canvases and take the same branch
     again = build(s)
     replay = run(again, "t1")
-    assert [c for _, c in again.engine.log] == [c for _, c in b.engine.log[:len(again.engine.log)]]
-    assert type(replay.error) is type(first.error) and replay.lane == first.lane
+    if s["fan_out"]:  # the branches read concurrently: the same reads, in either order; either may raise first
+        assert sorted(c for _, c in again.engine.log) == sorted(c for _, c in b.engine.log[:len(again.engine.log)])
+        assert (replay.error is None) == (first.error is None)
+    else:
+        assert [c for _, c in again.engine.log] == [c for _, c in b.engine.log[:len(again.engine.log)]]
+        assert type(replay.error) is type(first.error) and replay.lane == first.lane
     assert {q: (rec["path"], rec["answer"]) for q, rec in (replay.records or {}).items()} == {
         q: (rec["path"], rec["answer"]) for q, rec in (first.records or {}).items()}
