@@ -493,11 +493,16 @@ def run(b: Built, thread: str) -> Run:
                 elif mode == "values":
                     out = chunk
                 elif mode == "updates" and "__interrupt__" in chunk:
-                    pending = chunk["__interrupt__"]
+                    pending = (*pending, *chunk["__interrupt__"])  # one update per waiting branch
             if not pending:
                 break
-            value = Command(resume={q: next(o for o in item["options"] if o != item["answer"])  # overrule it
-                                    for q, item in pending[0].value["questions"].items()})
+            def overruled(interrupt: Any) -> dict[str, str]:  # another option than the canvas's, per question
+                return {q: next(o for o in item["options"] if o != item["answer"])
+                        for q, item in interrupt.value["questions"].items()}
+
+            # a fan-out's branches wait for review each: every interrupt is resumed by its id
+            value = Command(resume=overruled(pending[0]) if len(pending) == 1 else {
+                i.id: overruled(i) for i in pending})
         return Run(records=_flat(out.get("decisions"), b), lane=out.get("lane"), node_ran=bool(events),
                    faults=b.engine.faults, hits=b.model.cache.hits - hits if b.model.cache else 0,
                    shadow=events[-1].get("shadow") if events else None, logged=len(FAULT_LOG.records) - logged)
