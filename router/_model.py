@@ -70,7 +70,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         ```
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # a removed keyword fails loudly
 
     engine: Any
     """The engine that reads canvases (`VLLMServerEngine`, `TransformersEngine`, ...)."""
