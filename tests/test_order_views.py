@@ -10,7 +10,7 @@ import pytest
 from langchain_core.decisions import Choice, Noul
 from promptrows import PromptRows, blocks, pick
 
-from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import CanvasDecisionModel, GatePolicy, OutcomePolicy
 from canvasroute.router._questions import parse_questions, rotated, unrotate, view_shifts
 
 THREE = Choice(instructions="Which team owns this?", criteria={"billing": None, "tech": None, "sales": None})
@@ -76,8 +76,8 @@ async def test_views_apply_to_choices_only_and_per_question():
 async def test_rereads_average_view_folded_reads():
     rows = first_label(0.9)
     policy = GatePolicy(max_normalized_entropy=0.5, rereads=2, order_views=1)
-    resp = await CanvasDecisionModel(engine=rows.engine, policy=policy, fallback={"team": "billing"},
-                                     on_engine_error="fallback").adecide("x", {"team": Choice(
+    resp = await CanvasDecisionModel(engine=rows.engine, policy=policy, outcomes=OutcomePolicy(
+        engine_fault="fallback", fallback={"team": "billing"})).adecide("x", {"team": Choice(
                                          instructions="Team?", criteria={"billing": None, "tech": None})})
     report = resp.reads["team"]
     assert report.reads == 3 and resp.canvas_reads == 3
