@@ -129,7 +129,7 @@ def _gate_kpi(tally: Tally, kpi_id: str = "") -> str:
 def _escalation_kpi(tally: Tally, escalated: Tally, kpi_id: str = "") -> str:
     """Escalated questions (path `escalated`, whatever the cause), and why they went."""
     n, k = tally.decisions, tally.paths["escalated"]
-    why = ", ".join(f"{CAUSE_WORDS[c]} {m}" for c, m in escalated.causes.items() if m)
+    why = ", ".join(f"{CAUSE_WORDS.get(c, c)} {m}" for c, m in escalated.causes.items() if m)
     return _kpi("escalation rate", _pct(escalation_rate(tally) if n else None),
                 f"{k} of {n} questions" + (f" · {html.escape(why)}" if why else ""), kpi_id)
 
