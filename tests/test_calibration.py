@@ -245,8 +245,10 @@ def test_calibrate_cli_on_bigbench_against_vllm(vllm_url, tmp_path, capsys):
     raw, report = plain.reads["intent"], tuned.reads["intent"]
     expected = cm.tempered(list(raw.canvas_probabilities.values()), intent.temperature)
     assert list(report.canvas_probabilities.values()) == pytest.approx(expected, rel=1e-6)
-    assert report.path == "canvas" and report.reads == 1  # rereads 0, no escalation target
+    assert report.reads == 1  # rereads 0; no escalation target: over the gate it stays unsure
     assert report.confident == (report.normalized_entropy <= intent.max_normalized_entropy)
+    assert report.path == ("canvas" if report.confident else "unsure")
+    assert report.cause == (None if report.confident else "uncertain")
 
 
 @pytest.mark.vllm

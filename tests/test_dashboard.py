@@ -193,7 +193,7 @@ def test_report_figures_and_page_from_known_spans():
     assert re.search(r'id="kpi-escalation".*?<div class="v">60%</div>', page)
     assert re.search(r'id="kpi-agreement".*?<div class="v">33%</div>', page)
     assert page.count("<tr><td class=\"time\">") == 3  # top 3 uncertain
-    first = re.search(r'<table id="uncertain">.*?<tbody><tr>(.*?)</tr>', page, re.S).group(1)
+    first = re.search(r'<table id="uncertain">.*?<tbody><tr>(.*?)</tr>', page, re.DOTALL).group(1)
     assert "spam" in first and "0.950" in first
     assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
 
@@ -239,7 +239,7 @@ def _chromium() -> str:
 
 def _browse(exe: str, *args: str) -> subprocess.CompletedProcess:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--disable-dev-shm-usage"]
-    return subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([exe, *flags, *args], check=False, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.vllm
@@ -281,7 +281,7 @@ def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
     dom.feed(dom_text)
     (banner,) = dom.find(ident="model-banner")
     assert banner["data-near-chance"] == "true"
-    banner_text = re.search(r'id="model-banner".*?</div>', dom_text, re.S).group(0)
+    banner_text = re.search(r'id="model-banner".*?</div>', dom_text, re.DOTALL).group(0)
     assert "tiny-dgemma" in banner_text and "near chance" in banner_text
     assert sorted(a["data-node"] for a in dom.find("section", cls="node")) == ["fact_check", "triage"]
     sections = re.split(r'<section class="node"', dom_text)[1:]
@@ -291,11 +291,11 @@ def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
         assert re.search(r'<rect class="seg (canvas|reread|escalated|fallback)"', section)
     assert len(dom.find("svg", cls="latency-bars")) == 1
     assert len(dom.find("table", ident="latency")) == 1
-    uncertain = re.search(r'<table id="uncertain">.*?</table>', dom_text, re.S).group(0)
+    uncertain = re.search(r'<table id="uncertain">.*?</table>', dom_text, re.DOTALL).group(0)
     assert uncertain.count("<tr>") - 1 == 12
     escalated = sum(d.path == "escalated" for d in report.decisions)
     rate = f"{escalated / len(report.decisions):.0%}"
-    assert re.search(rf'id="kpi-escalation".*?<div class="v">{rate}</div>', dom_text, re.S)
+    assert re.search(rf'id="kpi-escalation".*?<div class="v">{rate}</div>', dom_text, re.DOTALL)
     assert not dom.find("script")
 
 
@@ -370,7 +370,7 @@ def test_the_graph_shadow_and_edge_traffic_from_a_real_run(tmp_path):
                      page)
     assert 'data-source="check" data-target="tech" data-traffic="0"' in page  # drawn, never taken
     assert re.search(r'<table id="shadow">.*?<td data-nix="\d">triage</td><td class="num">5</td>.*?60%.*?40%',
-                     page, re.S)
+                     page, re.DOTALL)
 
 
 def test_cache_hits_and_a_graph_passed_on_the_command_line(tmp_path, capsys, monkeypatch):
@@ -425,7 +425,7 @@ def test_the_graph_page_in_chromium_filters_on_a_click(tmp_path):
     probed.write_text(page.replace("</body>", probe + "</body>"))
     dumped = _browse(exe, "--dump-dom", "--virtual-time-budget=3000", probed.as_uri())
     assert dumped.returncode == 0, dumped.stderr[-2000:]
-    seen = json.loads(html_module_unescape(re.search(r'<pre id="probe">(.*?)</pre>', dumped.stdout, re.S).group(1)))
+    seen = json.loads(html_module_unescape(re.search(r'<pre id="probe">(.*?)</pre>', dumped.stdout, re.DOTALL).group(1)))
     assert seen["hash"] == f"#only-{nix}"
     assert seen["sections"] == ["check"]
     assert seen["uncertain"] and set(seen["uncertain"]) == {"check"}
@@ -442,3 +442,127 @@ def html_module_unescape(text: str) -> str:
     import html
 
     return html.unescape(text)
+
+
+# -- outcomes: paths, causes, and what routing saved ---------------------------------------------
+
+
+def _legacy(path, answer, **more):
+    """One question's figures as a trace written before the one outcome vocabulary holds them."""
+    return {"path": path, "answer": answer, "kind": "choice", "options": ["billing", "tech", "(abstain)"],
+            "canvas_probabilities": [0.15, 0.05, 0.8], "normalized_entropy": 0.6, "reads": 1, **more}
+
+
+def test_abstained_questions_answered_by_the_target_are_escalations_on_the_dashboard(tmp_path):
+    """Defect 12: a question that abstained and was answered by the target is escalated (path
+    `escalated`, cause `abstained`), in a trace written now and in one written before."""
+    from promptrows import PromptRows, pick
+
+    from canvasroute.harness import decision_node
+    from canvasroute.router import Tally
+
+    old = [_record(1, "triage", 0, 0.1, {"team": _legacy("abstained", "tech", escalation_model="big")}),
+           _record(2, "triage", 1, 0.1, {"team": _legacy("abstained", "billing", escalation_model="big")})]
+    report = build_report(old)
+    assert [(d.path, d.cause) for d in report.decisions] == [("escalated", "abstained")] * 2
+    page = render(report)
+    assert re.search(r'id="kpi-escalation".*?<div class="v">100%</div>.*?2 of 2 questions · abstained 2', page, re.DOTALL)
+    assert re.search(r'id="kpi-causes".*?<div class="v">100%</div>.*?uncertain 0, abstained 2, engine fault 0, '
+                     r'over budget 0', page, re.DOTALL)
+
+    # written now: a real graph whose `team` abstains, answered by the escalation target
+    rows = PromptRows(pick("none of these", 0.8))
+    target = GenericFakeChatModel(messages=itertools.repeat(AIMessage('{"team": "tech"}')))
+    model = CanvasDecisionModel(engine=rows.engine, escalate_to=target,
+                                policy=GatePolicy(max_normalized_entropy=None, rereads=0, abstain=True))
+    team = {"team": Choice(instructions="Which team?", criteria={"billing": "payments", "tech": "bugs"})}
+    from langgraph.graph import END, START, StateGraph
+
+    builder = StateGraph(_GraphState)
+    builder.add_node("triage", decision_node(model, team, inputs="ticket"))
+    builder.add_edge(START, "triage")
+    builder.add_edge("triage", END)
+    graph = builder.compile()
+    spans_file = tmp_path / "spans.jsonl"
+    with traced(spans_file):
+        events = [e for t in ("refund", "crash", "login") for e in graph.stream({"ticket": t}, stream_mode="custom")]
+    told = sum((Tally.from_dict(e["tally"]) for e in events), Tally.of(()))
+    report = build_report(read_spans(spans_file))
+    assert report.tally == told  # the dashboard counts as the decision events do
+    assert told.paths["escalated"] == 3 and told.causes["abstained"] == 3
+    assert report.nodes["triage"].escalation_rate == 1.0
+    page = render(report)
+    assert re.search(r'id="kpi-escalation".*?<div class="v">100%</div>', page, re.DOTALL)
+    assert "3 of 3 questions · abstained 3" in page
+
+
+def test_older_trace_outcomes_map_onto_paths_and_causes():
+    """Traces written before the one outcome vocabulary (path `abstained`, figure `over_budget`,
+    no `cause`) read in it, by the documented rules of `legacy_outcome`."""
+    keys = {**tm.FIGURE_KEYS, "kind": tm.QUESTION_KIND, "over_budget": tm.DECISION_PREFIX + ".over_budget"}
+    cases = {
+        "escalated": (_legacy("abstained", "tech", escalation_model="big"), ("escalated", "abstained")),
+        "kept": (_legacy("abstained", "billing"), ("unsure", "abstained")),  # the best real option
+        "fallback": (_legacy("abstained", "tech"), ("fallback", "abstained")),  # not the best: a fallback
+        "spent": (_legacy("abstained", "billing", over_budget=True), ("unsure", "over_budget")),
+        "unsure": (_legacy("unsure", "billing", over_budget=True), ("unsure", "over_budget")),
+        "gated": (_legacy("escalated", "tech", escalation_model="big"), ("escalated", "uncertain")),
+        "fault": ({"path": "escalated", "answer": "tech", "escalation_model": "big"}, ("escalated", "engine_fault")),
+        "passed": ({"path": "canvas", "answer": "tech"}, ("canvas", None)),
+        "now": (_legacy("fallback", "tech", cause="engine_fault"), ("fallback", "engine_fault")),
+    }
+    events = tuple(SpanEvent(name=tm.QUESTION_EVENT, attributes={
+        tm.QUESTION_ID: qid, **{keys[k]: v for k, v in f.items()}})
+        for qid, (f, _) in cases.items())
+    span = SpanRecord(name="decide old-model", trace_id="1" * 32, span_id="2" * 16, parent_id=None, start_time_ns=0,
+                      end_time_ns=1, attributes=_decide_attrs("triage", cases), events=events)
+    figures = decision_figures(span)
+    assert {q: (f["path"], f.get("cause")) for q, f in figures.items()} == {q: want for q, (_, want) in cases.items()}
+    assert not any("over_budget" in f for f in figures.values())
+    assert build_report([span]).tally.causes == {"uncertain": 1, "abstained": 3, "engine_fault": 2, "over_budget": 2}
+
+
+def test_the_runs_panel_counts_each_runs_cost_beside_every_decision_sent_to_the_target(tmp_path, capsys):
+    """Issue 30.3: per run (trace file), the decision sets, canvas reads, escalations and target
+    tokens, beside what sending every decision set to the target would have cost."""
+    from canvasroute.router import Totals
+
+    def rows(read):  # tickets with "refund" read sure; the others a toss-up (escalated)
+        sure = "refund" in read.messages[-1]["content"]
+        return label_rows(engine, {"A": -0.01, "B": -6.0} if sure else {"A": -0.69, "B": -0.70}, read)
+
+    engine = FunctionEngine(rows)
+    reply = AIMessage('{"team": "tech"}', usage_metadata={"input_tokens": 50, "output_tokens": 5, "total_tokens": 55})
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.5, rereads=1),
+                                escalate_to=GenericFakeChatModel(messages=itertools.repeat(reply)))
+    team = {"team": Choice(instructions="Which team?", criteria={"billing": None, "tech": None})}
+    totals = {}
+    for name, tickets in (("monday.jsonl", ["refund a", "refund b", "crash c", "refund d"]),
+                          ("tuesday.jsonl", ["crash e", "crash f"])):
+        with traced(tmp_path / name):
+            responses = [run_sync(model.adecide(t, team, attributes={tm.GRAPH_NODE: "triage"})) for t in tickets]
+        totals[name] = sum((Totals.of(r) for r in responses), Totals())
+    report = build_report(read_spans(tmp_path / "monday.jsonl", tmp_path / "tuesday.jsonl"))
+    runs = {r.source: r for r in report.runs}
+    assert list(runs) == ["monday.jsonl", "tuesday.jsonl"]
+    for name, run in runs.items():  # the traces say what the responses' totals say
+        t = totals[name]
+        assert (run.sets, run.questions, run.reads, run.escalated) == (t.decisions, t.questions, t.reads,
+                                                                       t.escalations)
+    monday, tuesday = runs["monday.jsonl"], runs["tuesday.jsonl"]
+    assert (monday.target_calls, monday.calls_saved, monday.target_tokens) == (1, 3, 55)
+    assert monday.if_all_to_target_tokens == 4 * 55 and tuesday.if_all_to_target_tokens == 2 * 55
+    assert (tuesday.target_calls, tuesday.calls_saved) == (2, 0)
+    out = tmp_path / "report.html"
+    assert main(["dashboard", str(tmp_path / "monday.jsonl"), str(tmp_path / "tuesday.jsonl"), "-o", str(out)]) == 0
+    page = out.read_text()
+    table = re.search(r'<table id="runs">.*?</table>', page, re.DOTALL).group(0)
+    monday_row = re.search(r'<tr data-run="monday.jsonl">(.*?)</tr>', table).group(1)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", monday_row)
+    assert cells[2:5] == ["4", "4", str(monday.reads)]
+    assert cells[7:12] == ["1 of 4", "1 of 4", "3", "55", "≈ 220"]
+    total = re.findall(r"<td[^>]*>(.*?)</td>", re.search(r'<tr data-run="all runs">(.*?)</tr>', table).group(1))
+    assert total[2:5] == ["6", "6", str(monday.reads + tuesday.reads)] and total[7:12] == [
+        "3 of 6", "3 of 6", "3", "165", "≈ 330"]
+    # a FunctionEngine's figures are plumbing: the panel says so
+    assert re.search(r'id="runs-section".*?Plumbing, not quality: function: a FunctionEngine', page, re.DOTALL)

@@ -25,6 +25,7 @@ from canvasroute.apps.cli import main
 from canvasroute.apps.demo.model import make_model
 from canvasroute.apps.demo.triage import SAMPLE_TICKETS, build_graph
 from canvasroute.apps.observability.dashboard import build_report, render
+from canvasroute.apps.observability.report import cause_shares
 from canvasroute.apps.observability.traces import read_spans
 from canvasroute.engine import FunctionEngine
 from canvasroute.engine.testing import spawn
@@ -126,7 +127,9 @@ def test_console_stream_and_dashboard_count_the_same(tmp_path, capsys):
     assert streamed.over_gate == streamed.paths["unsure"] and streamed.gates == ("H/lnK <= 0.015",)
     summary = next(line for line in out.splitlines() if line.startswith("summary:"))
     assert f"{streamed.decisions} decisions" in summary
-    assert f"answered: {streamed.shares()}; {streamed.gate_line()}" in summary
+    assert f"answered: {streamed.shares()}; {streamed.gate_line()}; gate not passed: {cause_shares(streamed)}" \
+        in summary
+    assert streamed.causes["uncertain"] == streamed.paths["unsure"]
     assert out.count("would escalate") == streamed.over_gate
     report = build_report(read_spans(trace))
     assert report.tally == streamed
@@ -134,6 +137,8 @@ def test_console_stream_and_dashboard_count_the_same(tmp_path, capsys):
     kpi = page[page.index('id="kpi-gate"'):]
     assert f"{streamed.over_gate} of {streamed.decisions} · passes H/lnK &lt;= 0.015" in kpi
     assert html.escape(streamed.shares()) in kpi
+    assert re.search(rf'id="kpi-causes".*?{streamed.paths["unsure"]} of {streamed.decisions} · '
+                     rf'{re.escape(cause_shares(streamed))}', page, re.DOTALL)
     assert "1 node</div>" in page or "· 1 node<" in page  # one node, in the singular
     assert main(["dashboard", str(trace), "-o", str(tmp_path / "report.html")]) == 0
     assert f"({streamed.decisions} questions in {events} decision sets, 1 node, model loopback)" in \
@@ -154,5 +159,5 @@ def test_tally_counts_paths_and_the_gate_from_reports():
     assert resp.reads["team"].gate == "H/lnK <= 0.5" and resp.reads["urgent"].gate == "none"
     assert Tally.of(r.model_dump(mode="json") for r in resp.reads.values()) == tally  # the dumps count alike
     assert Tally.from_dict(tally.as_dict()) == tally
-    with pytest.raises(ValueError, match="unknown decision path 'human'"):
-        Tally.of([{"path": "human", "crossed": [], "gate": None}])
+    with pytest.raises(ValueError, match="unknown decision path 'abstained'"):  # gone: a cause now
+        Tally.of([{"path": "abstained", "crossed": [], "gate": None}])

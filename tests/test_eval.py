@@ -120,7 +120,7 @@ async def test_a_failing_target_scores_wrong_never_as_an_answer():
 
 
 def test_the_cli_prints_json_and_writes_the_plot(tmp_path, monkeypatch, capsys):
-    import canvasroute.apps.eval.command as command
+    from canvasroute.apps.eval import command
 
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps({"state": s, "questions": {"team": TEAM.model_dump(mode="json")},
@@ -154,9 +154,8 @@ def test_measured_escalation_curve_uses_the_targets_answers():
 
 
 def test_calibrate_with_a_target_draws_the_measured_curve(tmp_path, monkeypatch, capsys):
-    import canvasroute.apps.calibration.command as command
-    import canvasroute.apps.calibration.plots as plots
     import canvasroute.apps.eval.target as target_mod
+    from canvasroute.apps.calibration import command, plots
 
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps({"state": s, "questions": {"team": TEAM.model_dump(mode="json")},
@@ -182,3 +181,37 @@ def test_calibrate_with_a_target_draws_the_measured_curve(tmp_path, monkeypatch,
     assert main(["calibrate", str(data), "--escalate-embedded", "-o", str(out)]) == 0
     assert len(seen) == 10 and drawn["ok"] == [False, False] + [True] * 8  # the target misses row 4 twice
     assert out.with_suffix(".escalation.png").stat().st_size > 1000
+
+
+def test_eval_flags_reach_the_questions_calibrate_fitted(tmp_path, monkeypatch, capsys):
+    """Defect 7: the gate is the policy file (per-question fits included), then the flags, which
+    apply to every question; a fitted question keeps what the flags do not name (its temperature)."""
+    import argparse
+
+    from canvasroute.apps.eval import command
+    from canvasroute.router import save_policy
+
+    fitted = GatePolicy(max_normalized_entropy=0.0, rereads=0, temperature=1.5)  # alone: every row escalates
+    policy_file = save_policy(tmp_path / "policy.json", GatePolicy(rereads=2, per_question={"team": fitted}))
+    gate = command.gate_of(argparse.Namespace(policy=str(policy_file), threshold=0.5, rereads=None))
+    assert gate.for_question("team") == GatePolicy(max_normalized_entropy=0.5, rereads=0, temperature=1.5)
+    assert (gate.max_normalized_entropy, gate.rereads, gate.temperature) == (0.5, 2, 1.0)  # every other question
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps({"state": s, "questions": {"team": TEAM.model_dump(mode="json")},
+                                          "gold": {"team": g}}) for s, g, _ in CASES))
+    monkeypatch.setattr(command, "open_engine", lambda args: _engine())
+
+    @contextlib.contextmanager
+    def fake_target(args):
+        yield _target([])
+
+    monkeypatch.setattr(command, "open_target", fake_target)
+    assert main(["eval", str(data), "--policy", str(policy_file), "--threshold", "0.5", "--json", "--no-plots"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"]["per_question"]["team"] == {"max_normalized_entropy": 0.5, "rereads": 0, "temperature": 1.5}
+    cascade = out["arms"]["cascade"]
+    assert cascade["escalations"] == 3 and cascade["paths"] == {"canvas": 2, "escalated": 3}  # not all 5
+    assert cascade["causes"] == {"uncertain": 3}
+    assert main(["eval", str(data), "--policy", str(policy_file), "--json", "--no-plots"]) == 0
+    assert json.loads(capsys.readouterr().out)["arms"]["cascade"]["escalations"] == 5  # the fit alone

@@ -34,7 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from canvasroute.engine import CalibrationError, CanvasRouteError, TraceFileError
-from canvasroute.router import GatePolicy, Labelled, calibrate, save_policy, target_name
+from canvasroute.router import (
+    CanvasDecisionModel,
+    Escalation,
+    GatePolicy,
+    Labelled,
+    calibrate,
+    save_policy,
+    target_name,
+)
 from canvasroute.router import calibration as cm
 
 from .._console import plain_table, print_table, progress
@@ -77,18 +85,19 @@ async def _read(args: argparse.Namespace,
                 target: Any = None) -> tuple[list[Labelled], str, str, dict[int, bool] | None]:
     rows = load_rows(args.data, limit=args.limit, seed=args.seed)
     engine = open_engine(args)
+    measured = None
     try:
         info = await engine.info()
         with progress(len(rows), f"calibrate {info.model}") as advance:
             samples = await collect(engine, rows, concurrency=args.concurrency, progress=advance)
+        if target is not None:
+            from ..eval.measure import target_correct
+
+            model = CanvasDecisionModel(engine=engine, escalate_to=Escalation(target, timeout=args.escalate_timeout))
+            ok = await target_correct(model, rows, concurrency=args.concurrency)
+            measured = {id(s): good for s, good in zip(samples, ok, strict=True)}
     finally:
         await engine.aclose()
-    measured = None
-    if target is not None:
-        from ..eval.measure import target_correct
-
-        ok = await target_correct(target, rows, concurrency=args.concurrency)
-        measured = {id(s): good for s, good in zip(samples, ok, strict=True)}
     return samples, info.model, info.provider, measured
 
 

@@ -25,13 +25,13 @@ async def collect(engine: Engine, rows: Sequence[Row], *, concurrency: int = 4,
 
     `progress(1)` is called after each row (e.g. the `advance` of `canvasroute.apps._console.progress`).
     """
-    model = CanvasDecisionModel(engine=engine, policy=GATE_OFF)
+    model = CanvasDecisionModel(engine=engine, policy=GATE_OFF).canvas_only()  # never escalates; a fault raises
     slots = asyncio.Semaphore(max(1, concurrency))
     specs = check_rows(rows)
 
     async def one(row: Row, spec: Mapping[str, QuestionSpec]) -> list[Labelled]:
         async with slots:
-            resp = await model.adecide(row.state, row.questions)
+            resp = await model.arun(model.request(row.state, row.questions))
         if progress is not None:
             progress(1)
         out = []
@@ -46,7 +46,9 @@ async def collect(engine: Engine, rows: Sequence[Row], *, concurrency: int = 4,
 
 
 def labelled_from_spans(spans: Sequence[SpanRecord]) -> list[Labelled]:
-    """Escalated questions in decide spans as labelled rows (the escalation's answer is gold).
+    """Escalated questions in decide spans as labelled rows (the escalation's answer is gold):
+    path `escalated`, whatever the cause (older traces' escalated `abstained` questions too,
+    as `decision_figures` maps them).
 
     The recorded canvas distribution is at the policy's temperature; it is mapped back
     to temperature 1. Re-read questions contribute their mean distribution.

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .._console import print_table, progress, say
     from ..observability.graph import record_graph
+    from ..observability.report import cause_shares
     from . import triage
     from .model import make_model
 
@@ -113,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
                     plain="\n".join(lines))
     failures = f"; {failed} decision set(s) failed to escalate" if failed else ""
     print(f"\nsummary: {len(results)} tickets, {tally.decisions} decisions in {len(results) - failed} decision sets"
-          f"{failures}; answered: {tally.shares()}; {tally.gate_line()}; model load {loaded:.1f}s, "
+          f"{failures}; answered: {tally.shares()}; {tally.gate_line()}; gate not passed: {cause_shares(tally)}; "
+          f"model load {loaded:.1f}s, "
           f"decisions {elapsed:.2f}s ({1000 * elapsed / max(1, len(results)):.0f} ms per ticket)")
     if target is None and tally.over_gate:
         print(f"{tally.over_gate} of them would have escalated: with no escalation target they were answered "
@@ -129,20 +131,27 @@ ADD_TARGET = ("To escalate them, add an OpenAI-compatible AR server: canvasroute
 def escalation_target(url: str, model: str) -> Any:
     """`ChatOpenAI` on an OpenAI-compatible server (`/v1` is added when the URL lacks it)."""
     from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
 
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    return ChatOpenAI(base_url=base, model=model, api_key=os.environ.get("CANVASROUTE_ESCALATE_API_KEY", "EMPTY"),
+    key = SecretStr(os.environ.get("CANVASROUTE_ESCALATE_API_KEY", "EMPTY"))
+    return ChatOpenAI(base_url=base, model=model, api_key=key,
                       logprobs=True, top_logprobs=5, temperature=0, max_retries=1, timeout=120)
 
 
 def _gate(d: dict[str, Any], target: str | None) -> str:
-    """What the gate did with one decision, in words."""
+    """What the gate did with one decision, in words (and why, when it did not pass it)."""
+    from ..observability.report import CAUSE_WORDS
+
+    why = CAUSE_WORDS.get(d["read"].get("cause") or "", "")
     if d["path"] == "escalated":
-        return f"escalated to {d['escalation_model'] or target}"
+        return f"escalated to {d['escalation_model'] or target} ({why})"
     if d["confident"]:
         return "sure"
-    return "unsure (kept)" if target else "would escalate"
+    if d["path"] == "fallback":
+        return f"fallback ({why})"
+    return f"kept ({why})" if target else "would escalate"
 
 
 def _fmt(value: Any) -> str:

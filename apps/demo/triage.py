@@ -26,7 +26,7 @@ from canvasroute.router import CanvasDecisionModel
 
 from .model import EMBEDDED_NOTE, make_model
 
-TEAMS = {
+TEAMS: dict[str, Any] = {
     "billing": "payments, invoices, refunds, subscriptions",
     "technical": "bugs, errors, crashes, outages",
     "account": "login, password, profile, access",
@@ -46,7 +46,7 @@ SAMPLE_TICKETS = (
 
 class TicketState(TypedDict, total=False):
     ticket: str
-    decisions: Annotated[dict, merge_decisions]
+    decisions: Annotated[dict[str, Any], merge_decisions]
     handled_by: str
 
 
@@ -54,11 +54,11 @@ def route(decisions: dict[str, Any]) -> str:
     """Urgent and at least `badly` affected: on call; otherwise the ticket's team."""
     if decisions["urgent"]["answer"] == "yes" and int(decisions["severity"]["answer"]) >= 2:
         return "on_call"
-    return decisions["team"]["answer"]
+    return str(decisions["team"]["answer"])
 
 
 def build_graph(model: CanvasDecisionModel, *, on_call: bool = True,
-                checkpointer: BaseCheckpointSaver | None = None) -> CompiledStateGraph:
+                checkpointer: BaseCheckpointSaver[Any] | None = None) -> CompiledStateGraph[Any]:
     """The triage graph; `on_call=False` routes on the team alone (no on-call lane)."""
     if on_call:
         triage = decision_node(model, QUESTIONS, inputs="ticket", route=route, destinations=[*TEAMS, "on_call"])

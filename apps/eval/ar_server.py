@@ -28,9 +28,12 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .guided import enum_fields, guided_tokens
+
+if TYPE_CHECKING:
+    from starlette.responses import JSONResponse
 
 __all__ = ["ARServer", "create_app", "load_smollm2"]
 
@@ -57,7 +60,7 @@ def load_smollm2() -> tuple[Any, Any]:
     if not (target / "config.json").is_file():
         run_sync(embedded_engine().aclose())  # builds the cache
     model = AutoModelForCausalLM.from_pretrained(target)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     return model, AutoTokenizer.from_pretrained(target)
 
 
@@ -200,7 +203,7 @@ def _entry(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def _error(status: int, message: str) -> Any:
+def _error(status: int, message: str) -> JSONResponse:
     from starlette.responses import JSONResponse
 
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
@@ -226,7 +229,7 @@ class ARServer:
         self._thread = threading.Thread(target=self._server.run, name="ar-server", daemon=True)
         self.url = ""
 
-    def __enter__(self) -> ARServer:
+    def __enter__(self) -> Self:
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
@@ -244,7 +247,8 @@ class ARServer:
     @property
     def requests(self) -> Sequence[dict[str, Any]]:
         """Every request body the server received, in order."""
-        return self.app.state.requests
+        requests: Sequence[dict[str, Any]] = self.app.state.requests
+        return requests
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 DATA is what `canvasroute calibrate` reads (JSONL of `{state, questions, gold}`, or a
 BIG-bench task). With an escalation target (`--escalate-url/--escalate-model`,
 `--escalate-systemone`, or `--escalate-embedded` for offline runs) the target and the
-cascade at the policy (`--policy policy.json`, or `--threshold`/`--rereads`) run too,
+cascade at the gate run too (`gate_of`: the policy file `--policy policy.json` with its
+per-question fits, then `--threshold`/`--rereads` over every question),
 and a sweep of thresholds mixes the measured canvas and target answers. Prints accuracy,
 cost (reads, escalations, target calls, tokens) and latency per arm, and the AUROC of
 normalized entropy for detecting canvas errors; `--json` prints the figures as JSON;
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from canvasroute.engine import CanvasRouteError
-from canvasroute.router import GatePolicy, load_policy
+from canvasroute.router import Escalation, GatePolicy, load_policy, resolve_gate
 
 from .._console import plain_table, print_table, progress
 from .._engine_options import add_engine_options, open_engine
@@ -36,7 +37,7 @@ from .measure import evaluate
 from .report import figures
 from .target import add_target_options, open_target, wants_target
 
-__all__ = ["configure", "run"]
+__all__ = ["configure", "gate_of", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling rows (default 0)")
     add_engine_options(parser)
     parser.add_argument("--policy", metavar="FILE", help="policy file from `canvasroute calibrate`")
-    parser.add_argument("--threshold", type=float, help="max_normalized_entropy (overrides the policy's)")
-    parser.add_argument("--rereads", type=int, help="re-reads before escalating (overrides the policy's)")
+    parser.add_argument("--threshold", type=float, help="max_normalized_entropy for every question (over the policy file's, fitted ones too)")
+    parser.add_argument("--rereads", type=int, help="re-reads before escalating, for every question (over the policy file's)")
     parser.add_argument("--thresholds", help="comma-separated sweep thresholds (default: every distinct entropy)")
     parser.add_argument("--concurrency", type=int, default=1, help="decisions in flight per arm (default 1)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -56,14 +57,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 
-def _policy(args: argparse.Namespace) -> GatePolicy:
-    policy = load_policy(args.policy) if args.policy else GatePolicy()
-    changes: dict[str, Any] = {}
+def gate_of(args: argparse.Namespace) -> GatePolicy:
+    """The gate eval measures, resolved in one order (`resolve_gate`): the policy file
+    (`--policy`, per-question fits from `canvasroute calibrate` included, else the default
+    gate), then the flags (`--threshold`, `--rereads`), which apply to every question, fitted
+    ones too."""
+    flags: dict[str, Any] = {}
     if args.threshold is not None:
-        changes["max_normalized_entropy"] = args.threshold
+        flags["max_normalized_entropy"] = args.threshold
     if args.rereads is not None:
-        changes["rereads"] = args.rereads
-    return policy.with_overrides(**changes) if changes else policy
+        flags["rereads"] = args.rereads
+    return resolve_gate(load_policy(args.policy) if args.policy else GatePolicy(), flags)
 
 
 async def _measure(args: argparse.Namespace, policy: GatePolicy, target: Any) -> dict[str, Any]:
@@ -73,8 +77,9 @@ async def _measure(args: argparse.Namespace, policy: GatePolicy, target: Any) ->
         info = await engine.info()
         arms = 3 if target is not None else 1
         with progress(len(rows) * arms, f"eval {info.model}") as advance:
-            ev = await evaluate(engine, rows, policy=policy, target=target, concurrency=args.concurrency,
-                                progress=advance, escalation_timeout=args.escalate_timeout)
+            escalation = Escalation(target, timeout=args.escalate_timeout) if target is not None else None
+            ev = await evaluate(engine, rows, policy=policy, target=escalation, concurrency=args.concurrency,
+                                progress=advance)
     finally:
         await engine.aclose()
     thresholds = [float(t) for t in args.thresholds.split(",")] if args.thresholds else None
@@ -87,7 +92,7 @@ async def _measure(args: argparse.Namespace, policy: GatePolicy, target: Any) ->
 
 def run(args: argparse.Namespace) -> int:
     try:
-        policy = _policy(args)
+        policy = gate_of(args)
         if not wants_target(args):
             print("canvasroute eval: no escalation target given: measuring the canvas only", file=sys.stderr)
         with open_target(args) as target:
@@ -126,6 +131,10 @@ def _print(out: dict[str, Any]) -> None:
     if out["target"]:
         title += f" · target {out['target']}"
     notes = [f"AUROC of normalized entropy for canvas errors: {_fmt(out['auroc_normalized_entropy'], '.3f')}"]
+    if cascade := out["arms"].get("cascade"):
+        paths = ", ".join(f"{p} {k}" for p, k in cascade["paths"].items()) or "none"
+        causes = ", ".join(f"{c} {k}" for c, k in cascade["causes"].items()) or "none"
+        notes.append(f"cascade answers by path: {paths}; gate not passed, by cause: {causes}")
     if out.get("note"):
         notes.append(f"** {out['note']} **")
     if out.get("plot"):

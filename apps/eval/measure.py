@@ -1,15 +1,19 @@
 """The three arms of `canvasroute eval`: canvas only, the escalation target alone, the cascade.
 
 Each arm reads every labelled row on its own (arms run one after the other, so their
-latencies do not mix); per row it keeps the answers and what they cost.
+latencies do not mix); per row it keeps the answers and what they cost. Every arm starts
+from the row's `DecisionRequest` (`CanvasDecisionModel.request`), built once per row by the
+cascade's model, so the three see the same state, questions, read options and gate:
 
-- **canvas**: `CanvasDecisionModel.canvas_only()` with the gate off at the policy's
-  temperatures (one read per question, no re-reads, no escalation; a question whose
-  abstain label wins answers its best real option): its answers and normalized entropies.
-- **target**: the escalation target asked directly with the same request the cascade
-  sends (no canvas hint), one call per row.
-- **cascade**: `CanvasDecisionModel(policy=..., escalate_to=target)` as deployed: the gate,
-  re-reads and escalation really run.
+- **canvas**: the request measured on the canvas alone (`model.canvas_only()`) with the gate
+  off at the policy's temperatures (`GATE_OFF` over every question's gate: one read per
+  question, no re-reads, no escalation; a question whose abstain label wins answers its best real option): its answers
+  and normalized entropies.
+- **target**: the request's escalation asked directly (`escalate`: the same state, questions
+  and instructions the cascade sends, no canvas hint), one call per row, within the
+  escalation's `timeout`.
+- **cascade**: the request as deployed (`model.arun`): the gate, re-reads and escalation
+  (`Escalation(target, timeout=...)`) really run.
 
 A failure of the target (an `EscalationError`) leaves that row's target or cascade answer
 empty, which scores as wrong: a fault never becomes an answer. An engine fault stops the
@@ -22,17 +26,21 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from canvasroute.engine import Engine, EscalationError
 from canvasroute.router import (
+    Asked,
     CanvasDecisionModel,
+    DecisionRequest,
     Escalated,
+    Escalation,
     GatePolicy,
+    Tally,
+    Totals,
     escalate,
-    parse_questions,
-    render_state,
+    resolve_gate,
     target_name,
 )
 
@@ -41,14 +49,14 @@ from .metrics import Item
 
 __all__ = ["Arm", "Evaluation", "ask_target", "evaluate", "gate_off", "target_correct"]
 
-_OFF = {"max_normalized_entropy": None, "max_entropy": None, "min_confidence": None, "min_margin": None,
-        "min_label_mass": None, "rereads": 0}
+GATE_OFF = {"max_normalized_entropy": None, "max_entropy": None, "min_confidence": None, "min_margin": None,
+            "min_label_mass": None, "rereads": 0, "reread_above": None}
+"""The gate fields the canvas arm turns off, for every question (temperatures stay)."""
 
 
 def gate_off(policy: GatePolicy) -> GatePolicy:
-    """`policy` with every threshold off and no re-reads, keeping its temperatures."""
-    return policy.with_overrides(**_OFF, per_question={q: p.with_overrides(**_OFF)
-                                                       for q, p in policy.per_question.items()})
+    """`policy` with every threshold off and no re-reads, per-question fits included, keeping its temperatures."""
+    return resolve_gate(policy, GATE_OFF)
 
 
 @dataclass(slots=True)
@@ -66,12 +74,23 @@ class Arm:
     input_tokens: int = 0
     output_tokens: int = 0
     latencies: list[float] = field(default_factory=list)
+    tally: Tally = field(default_factory=lambda: Tally.of(()))
+    """The arm's answers by path and cause (the cascade's; empty for the target alone)."""
 
     def add(self, latency: float, usage: Mapping[str, Any] | None) -> None:
         self.decisions += 1
         self.latencies.append(latency)
         self.input_tokens += int((usage or {}).get("input_tokens", 0))
         self.output_tokens += int((usage or {}).get("output_tokens", 0))
+
+    def add_response(self, latency: float, response: Any) -> None:
+        """One decision's `CanvasResponse`: its reads, escalations and tokens (`Totals`), paths and causes."""
+        totals = Totals.of(response)
+        self.add(latency, response.usage)
+        self.reads += totals.reads
+        self.escalations += totals.escalations
+        self.target_calls += bool(totals.escalations)
+        self.tally += Tally.of(response.reads.values())
 
     def summary(self, correct: int, questions: int) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -80,7 +99,9 @@ class Arm:
                 "target_calls": self.target_calls, "failures": self.failures,
                 "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "latency_mean_s": sum(lat) / len(lat) if lat else None,
-                "latency_p50_s": _quantile(lat, 0.5), "latency_p95_s": _quantile(lat, 0.95)}
+                "latency_p50_s": _quantile(lat, 0.5), "latency_p95_s": _quantile(lat, 0.95),
+                "paths": {p: k for p, k in self.tally.paths.items() if k},
+                "causes": {c: k for c, k in self.tally.causes.items() if k}}
 
 
 @dataclass(slots=True)
@@ -93,108 +114,107 @@ class Evaluation:
 
 
 async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, target: Any = None,
-                   concurrency: int = 1, progress: Callable[[int], None] | None = None,
-                   escalation_timeout: float = 60.0) -> Evaluation:
-    """Run the arms over `rows` (the target and cascade arms only with a `target`;
-    `escalation_timeout` bounds each of the cascade's escalation calls)."""
+                   concurrency: int = 1, progress: Callable[[int], None] | None = None) -> Evaluation:
+    """Run the arms over `rows` at the gate `policy` (the target and cascade arms only with a
+    `target`: a chat model, Runnable or decision model, or an `Escalation` naming its
+    `timeout`, output mode and prompt)."""
     specs = check_rows(rows)
     slots = asyncio.Semaphore(max(1, concurrency))
-    reader = CanvasDecisionModel(engine=engine, policy=gate_off(policy)).canvas_only()  # abstain: best real option
+    model = CanvasDecisionModel(engine=engine, policy=policy, escalate_to=target)
+    reader = model.canvas_only()  # no escalation; abstain: the best real option; a fault raises
+    requests = [reader.request(row.state, row.questions, gate=GATE_OFF) for row in rows]  # all checked first
     canvas = Arm("canvas")
 
-    async def read(row: Row) -> Any:
+    async def read(request: DecisionRequest) -> Any:
         async with slots:
             start = time.perf_counter()
-            resp = await reader.adecide(row.state, row.questions)
+            resp = await reader.arun(request)
             canvas.add(time.perf_counter() - start, resp.usage)
             canvas.reads += resp.canvas_reads
         _tick(progress)
         return resp
 
-    canvas_resps = await asyncio.gather(*(read(r) for r in rows))
+    canvas_resps = await asyncio.gather(*(read(r) for r in requests))
     items = {(n, qid): Item(row=n, question_id=qid, gold=spec[qid].options[gold_index(spec[qid], g)],
                             canvas_answer=resp.reads[qid].answer,
                             normalized_entropy=_finite(resp.reads[qid].normalized_entropy))
              for n, (row, spec, resp) in enumerate(zip(rows, specs, canvas_resps, strict=True))
              for qid, g in row.gold.items()}
-    if target is None:
+    escalation = model.escalation
+    if escalation is None:
         return Evaluation(list(items.values()), canvas, None, None, None)
+    deployed = [model.request(row.state, row.questions) for row in rows]
 
     alone = Arm("target")
 
-    async def ask(n: int, row: Row) -> None:
+    async def ask(n: int, request: DecisionRequest) -> None:
         async with slots:
             start = time.perf_counter()
-            got = await ask_target(target, row)
+            got = await ask_target(request)
             alone.add(time.perf_counter() - start, got.usage if got is not None else None)
             alone.failures += got is None
             alone.target_calls += 1
-            alone.escalations += len(row.questions)
-        for qid in row.gold:
+            alone.escalations += len(request.questions.specs)
+        for qid in rows[n].gold:
             if (n, qid) in items and got is not None:
-                items[n, qid] = _with(items[n, qid], target_answer=got.answers.get(qid))
+                items[n, qid] = replace(items[n, qid], target_answer=got.answers.get(qid))
         _tick(progress)
 
-    await asyncio.gather(*(ask(n, r) for n, r in enumerate(rows)))
+    await asyncio.gather(*(ask(n, r) for n, r in enumerate(deployed)))
 
     cascade = Arm("cascade")
-    model = CanvasDecisionModel(engine=engine, policy=policy, escalate_to=target,
-                                escalation_timeout=escalation_timeout)
 
-    async def decide(n: int, row: Row) -> None:
+    async def decide(n: int, request: DecisionRequest) -> None:
         async with slots:
             start = time.perf_counter()
             try:
-                resp = await model.adecide(row.state, row.questions)
+                resp = await model.arun(request)
             except EscalationError:
                 cascade.failures += 1
                 cascade.add(time.perf_counter() - start, None)
                 resp = None
             else:
-                cascade.add(time.perf_counter() - start, resp.usage)
-                cascade.reads += resp.canvas_reads
-                escalated = [r for r in resp.reads.values() if r.escalation_model is not None]  # abstained too
-                cascade.escalations += len(escalated)
-                cascade.target_calls += bool(escalated)
-        for qid in row.gold:
+                cascade.add_response(time.perf_counter() - start, resp)
+        for qid in rows[n].gold:
             if resp is not None:
-                items[n, qid] = _with(items[n, qid], cascade_answer=resp.reads[qid].answer,
-                                      cascade_path=resp.reads[qid].path)
+                items[n, qid] = replace(items[n, qid], cascade_answer=resp.reads[qid].answer,
+                                        cascade_path=resp.reads[qid].path)
         _tick(progress)
 
-    await asyncio.gather(*(decide(n, r) for n, r in enumerate(rows)))
-    return Evaluation(list(items.values()), canvas, alone, cascade, target_name(target))
+    await asyncio.gather(*(decide(n, r) for n, r in enumerate(deployed)))
+    return Evaluation(list(items.values()), canvas, alone, cascade, target_name(escalation.target))
 
 
-async def ask_target(target: Any, row: Row) -> Escalated | None:
-    """The target's answers to one row on its own (no canvas hint); None when it failed
-    (an `EscalationError`: its answers then score as wrong, never as an answer)."""
-    questions = parse_questions(row.questions)
+async def ask_target(request: DecisionRequest, escalation: Escalation | None = None) -> Escalated | None:
+    """The escalation target's answers to a request on its own (no canvas hint), within its
+    timeout; None when it failed (an `EscalationError` or a timeout: its answers then score as
+    wrong, never as an answer). `escalation`: the request's own unless given."""
+    escalation = escalation or request.escalation
+    if escalation is None:
+        raise ValueError("ask_target needs a request with an escalation (escalate_to=), or escalation=")
+    state = request.state
+    asked = Asked(specs=tuple(request.questions.specs.values()), state=state.value, state_text=state.text,
+                  instructions=request.read.instructions, images=state.images)
     try:
-        return await escalate(target, render_state(row.state), row.state, list(questions.values()), {})
-    except EscalationError:
+        return await asyncio.wait_for(escalate(escalation, asked), escalation.timeout)
+    except (EscalationError, TimeoutError):
         return None
 
 
-async def target_correct(target: Any, rows: Sequence[Row], *, concurrency: int = 4) -> list[bool]:
-    """Whether the target alone answers each labelled question right, in `collect`'s order
-    (row by row, each row's gold questions in order): the measured escalation answers."""
+async def target_correct(model: CanvasDecisionModel, rows: Sequence[Row], *, concurrency: int = 4) -> list[bool]:
+    """Whether `model`'s escalation target alone answers each labelled question right, in
+    `collect`'s order (row by row, each row's gold questions in order): the measured
+    escalation answers."""
     specs = check_rows(rows)
     slots = asyncio.Semaphore(max(1, concurrency))
 
     async def one(row: Row) -> Escalated | None:
         async with slots:
-            return await ask_target(target, row)
+            return await ask_target(model.request(row.state, row.questions))
 
     got = await asyncio.gather(*(one(r) for r in rows))
     return [g is not None and g.answers.get(qid) == spec[qid].options[gold_index(spec[qid], value)]
             for row, spec, g in zip(rows, specs, got, strict=True) for qid, value in row.gold.items()]
-
-
-def _with(item: Item, **changes: Any) -> Item:
-    from dataclasses import replace
-
-    return replace(item, **changes)
 
 
 def _finite(value: float | None) -> float:

@@ -28,8 +28,7 @@ def figures(ev: Evaluation, policy: GatePolicy, *, model: str, provider: str, ne
         "model": model, "provider": provider, "target": ev.target_name, "near_chance": near_chance,
         "note": (f"{near_chance}: these figures show the machinery, not the product" if near_chance else None),
         "rows": len({it.row for it in items}), "questions": n,
-        "policy": {"max_normalized_entropy": policy.max_normalized_entropy, "rereads": policy.rereads,
-                   "per_question": sorted(policy.per_question)},
+        "policy": {**_gate(policy), "per_question": {q: _gate(p) for q, p in sorted(policy.per_question.items())}},
         "arms": arms,
         "auroc_normalized_entropy": auroc([it.normalized_entropy for it in items], [not it.canvas_ok for it in items]),
         "risk_coverage": [{"coverage": c, "risk": r} for c, r in risk_coverage(items)],
@@ -39,3 +38,9 @@ def figures(ev: Evaluation, policy: GatePolicy, *, model: str, provider: str, ne
         out["sweep_note"] = ("single gate-off reads at the policy's temperature; escalated questions take the "
                              "target's measured answer on its own (no canvas hint, no re-reads)")
     return out
+
+
+def _gate(policy: GatePolicy) -> dict[str, Any]:
+    """What the figures depend on in one gate: its threshold, re-reads and temperature."""
+    return {"max_normalized_entropy": policy.max_normalized_entropy, "rereads": policy.rereads,
+            "temperature": policy.temperature}

@@ -1,7 +1,8 @@
 """Observability: decision spans on disk and the page that renders them.
 
 - `traces`: `JsonlSpanExporter` writes spans as JSONL; `read_spans` reads that or OTLP JSON.
-- `report`, `charts`, `page`: decide spans folded into a `Report`, its SVG charts, its HTML page.
+- `report`, `charts`, `page`: decide spans folded into a `Report` (paths and causes counted with
+  `Tally`, per-run totals), its SVG charts, its HTML page.
 - `dashboard`: the `canvasroute dashboard` command.
 """
 

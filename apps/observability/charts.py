@@ -11,7 +11,8 @@ from .report import PATHS, Decision
 from .stats import percentile
 
 COLORS = {"canvas": "#15803d", "reread": "#d19a00", "escalated": "#dc2626", "fallback": "#64748b",
-          "abstained": "#7c3aed", "unsure": "#ea580c", "skipped": "#cbd5e1"}
+          "unsure": "#ea580c", "human": "#7c3aed", "skipped": "#cbd5e1"}
+"""One colour per path (`PATHS`)."""
 ENTROPY_BINS = 20
 
 
@@ -63,7 +64,7 @@ def _stacked(columns: Sequence[Mapping[str, float]], x_labels: Sequence[str], *,
     out = [_y_axis(y_max, fmt, ticks)]
     for i, col in enumerate(columns):
         x = _PAD_L + i * step + (step - bar) / 2
-        y = _H - _PAD_B
+        y = float(_H - _PAD_B)
         for path in PATHS:
             v = col.get(path, 0.0)
             if v <= 0 or y_max <= 0:

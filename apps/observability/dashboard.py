@@ -5,10 +5,13 @@ The page is self-contained (inline CSS and SVG, no scripts). It draws the graph 
 traffic, per-node entropy, escalation share, shadow agreement and cache hits; clicking a
 node filters the tables to it. It shows, per graph node
 (`canvasroute.graph.node`, else the decision set): normalized-entropy histograms by path,
-path shares over time, escalation rate, canvas-vs-escalation agreement (escalated
-questions whose canvas argmax equals the escalation's answer), latency percentiles, and
-the most uncertain decisions. It names the model that produced the data and warns that
-tiny and embedded models are near chance.
+path shares over time, escalation rate (questions with path `escalated`, whatever the
+cause) and why the gate did not pass each question (its cause: uncertain, abstained,
+engine fault, over budget), canvas-vs-escalation agreement (escalated questions whose
+canvas argmax equals the escalation's answer), latency percentiles, and the most uncertain
+decisions; per run (trace file), what its decisions cost beside sending every decision set
+to the escalation target ("saved by routing"). It names the model that produced the data
+and warns that tiny and embedded models are near chance.
 
 Example:
     ```bash

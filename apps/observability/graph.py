@@ -115,8 +115,8 @@ def graph_svg(structure: Mapping[str, Any], figures: Mapping[str, Mapping[str, s
         x0 = (width - span) / 2
         for i, n in enumerate(members):
             pos[n] = (x0 + i * (_BOX_W + _GAP_X), _PAD + depth * (_BOX_H + _GAP_Y))
-    parts = ['<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
-             'orient="auto-start-reverse"><path d="M0,0L10,5L0,10z" fill="#64748b"/></marker></defs>']
+    parts = [('<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+             'orient="auto-start-reverse"><path d="M0,0L10,5L0,10z" fill="#64748b"/></marker></defs>')]
     for e in edges:
         if e["source"] not in pos or e["target"] not in pos:
             continue

@@ -16,7 +16,17 @@ from canvasroute.router import Tally
 
 from .charts import COLORS, duration, entropy_histogram, latency_bars, path_shares, seconds
 from .graph import graph_svg, observed_structure
-from .report import NEAR_CHANCE_NOTE, PATHS, Decision, NodeStats, Report, near_chance
+from .report import (
+    CAUSE_WORDS,
+    NEAR_CHANCE_NOTE,
+    PATHS,
+    Decision,
+    NodeStats,
+    Report,
+    cause_shares,
+    escalation_rate,
+    near_chance,
+)
 from .stats import percentile
 
 __all__ = ["plural", "render"]
@@ -73,6 +83,7 @@ code{font:12px ui-monospace,SFMono-Regular,Menlo,monospace;color:#334155}
  vertical-align:middle;overflow:hidden}
 .meter i{display:block;height:100%;background:#7c3aed}
 .muted{color:var(--muted)}
+#runs-section .chance{color:#991b1b;font-weight:600}
 footer{color:var(--muted);font-size:12px;text-align:center;padding:10px 0 30px}
 .graph-wrap{overflow-x:auto}
 svg.graph{max-width:100%;height:auto;display:block;margin:0 auto}
@@ -113,6 +124,27 @@ def _gate_kpi(tally: Tally, kpi_id: str = "") -> str:
     gates = "; ".join(tally.gates) or "no read gated"
     return _kpi("over the gate", _pct(tally.over_gate / n if n else None),
                 f"{tally.over_gate} of {n} · passes {html.escape(gates)}<br>{html.escape(tally.shares())}", kpi_id)
+
+
+def _escalation_kpi(tally: Tally, escalated: Tally, kpi_id: str = "") -> str:
+    """Escalated questions (path `escalated`, whatever the cause), and why they went."""
+    n, k = tally.decisions, tally.paths["escalated"]
+    why = ", ".join(f"{CAUSE_WORDS.get(c, c)} {m}" for c, m in escalated.causes.items() if m)
+    return _kpi("escalation rate", _pct(escalation_rate(tally) if n else None),
+                f"{k} of {n} questions" + (f" · {html.escape(why)}" if why else ""), kpi_id)
+
+
+def _causes_kpi(tally: Tally, kpi_id: str = "") -> str:
+    """Questions the gate did not pass, by cause (escalated, fallback or unsure alike)."""
+    n, k = tally.decisions, sum(tally.causes.values())
+    return _kpi("gate not passed", _pct(k / n if n else None), f"{k} of {n} · {html.escape(cause_shares(tally))}",
+                kpi_id)
+
+
+def _causes(decisions: Sequence[Decision]) -> str:
+    """`uncertain 2, abstained 1` for a table cell (– when every one passed)."""
+    counts = Counter(CAUSE_WORDS.get(d.cause, d.cause) for d in decisions if d.cause)
+    return html.escape(", ".join(f"{c} {k}" for c, k in counts.most_common())) or "–"
 
 
 def plural(count: int, noun: str) -> str:
@@ -213,7 +245,8 @@ def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str
     ents = [x.normalized_entropy for x in d if x.normalized_entropy is not None]
     kpis = "".join([
         _kpi("decision sets", f"{len(node.set_latencies)}", f"{len(d)} questions"),
-        _kpi("escalation rate", _pct(node.escalation_rate), f"{paths['escalated']} escalated"),
+        _escalation_kpi(tally, node.escalated),
+        _causes_kpi(tally),
         _gate_kpi(tally),
         _kpi("agreement", _pct(agree / escalated if escalated else None),
              f"canvas = escalation in {agree}/{escalated}"),
@@ -236,10 +269,10 @@ def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str
         rows.append(f'<tr><td><code>{html.escape(q)}</code></td><td>{html.escape(xs[0].kind)}</td>'
                     f'<td class="num">{len(xs)}</td><td class="num">{_pct(pc["escalated"] / len(xs))}</td>'
                     f'<td class="num">{_pct(sum(votes) / len(votes) if votes else None)}</td>'
-                    f'<td class="num">{mean_h}</td><td>{answers}</td></tr>')
+                    f'<td class="num">{mean_h}</td><td>{_causes(xs)}</td><td>{answers}</td></tr>')
     table = ('<table class="questions"><thead><tr><th>question</th><th>kind</th><th class="num">n</th>'
              '<th class="num">escalated</th><th class="num">agreement</th><th class="num">mean H/ln K</th>'
-             f'<th>top answers</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
+             f'<th>gate not passed</th><th>top answers</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
     errors = f" · {node.errors} failed" if node.errors else ""
     return (f'<section class="node" data-node="{html.escape(node.name)}"{_nix(index, node.name)}><h3>{html.escape(node.name)}</h3>'
             f'<div class="sub">graph node · questions {html.escape(", ".join(sorted(by_q)))}{errors}</div>'
@@ -247,6 +280,50 @@ def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str
             f'<figure><figcaption>Canvas normalized entropy, by path</figcaption>{entropy_histogram(d)}</figure>'
             f'<figure><figcaption>Path shares over time</figcaption>'
             f'{path_shares(d, report.start_ns, report.end_ns, buckets)}</figure></div>{table}</section>')
+
+
+def _runs_section(report: Report) -> str:
+    """Per run (trace file): what its decisions cost, beside every decision set sent to the target."""
+    runs = list(report.runs)
+    if len(runs) > 1:
+        total = runs[0]
+        for run in runs[1:]:
+            total += run
+        runs.append(total)
+
+    def count(value: float | None, *, estimate: bool = False) -> str:
+        return "–" if value is None else ("≈ " if estimate else "") + f"{value:,.0f}"
+
+    def secs(value: float | None, *, estimate: bool = False) -> str:
+        return "–" if value is None else ("≈ " if estimate else "") + seconds(value)
+
+    rows = "".join(
+        f'<tr data-run="{html.escape(r.source or "spans")}"><td>{html.escape(r.source or "spans")}</td>'
+        f'<td>{html.escape(", ".join(r.models))}</td><td class="num">{r.sets}</td><td class="num">{r.questions}</td>'
+        f'<td class="num">{r.reads}</td><td class="num">{count(r.canvas_tokens or None)}</td>'
+        f'<td class="num">{secs(r.decide_s)}</td><td class="num">{r.escalated} of {r.questions}</td>'
+        f'<td class="num">{r.target_calls} of {r.sets}</td><td class="num">{r.calls_saved}</td>'
+        f'<td class="num">{count(r.target_tokens if r.calls_with_usage else None)}</td>'
+        f'<td class="num">{count(r.if_all_to_target_tokens, estimate=True)}</td>'
+        f'<td class="num">{secs(r.target_s if r.target_calls else None)}</td>'
+        f'<td class="num">{secs(r.if_all_to_target_s, estimate=True)}</td></tr>'
+        for r in runs)
+    chance = sorted({f"{m}: {why}" for r in report.runs for m, p in r.models.items() if (why := near_chance(m, p))})
+    plumbing = (f'<p class="chance">Plumbing, not quality: {html.escape("; ".join(chance))}. That it answered '
+                "questions without the target says nothing about whether those answers were right.</p>"
+                if chance else "")
+    return ('<section class="card" id="runs-section"><p class="muted">A run is one trace file. Had every decision '
+            "set gone to the escalation target, each would have been one target call: measured here are the "
+            "decision sets, the questions escalated (path escalated, any cause), the target calls made and "
+            "saved, their tokens and time (decision time: the decision sets end to end); ≈ marks an estimate, the mean measured target call times the decision "
+            "sets (– when no target call reported it). Canvas reads and their tokens are routing's own cost."
+            f"</p>{plumbing}<table id=\"runs\"><thead><tr><th>run</th><th>canvas model</th>"
+            '<th class="num">decision sets</th><th class="num">questions</th><th class="num">canvas reads</th>'
+            '<th class="num">canvas tokens</th><th class="num">decision time</th><th class="num">escalated</th>'
+            '<th class="num">target calls</th><th class="num">calls saved</th><th class="num">target tokens</th>'
+            '<th class="num">all to target</th><th class="num">target time</th><th class="num">all to target</th>'
+            '</tr></thead>'
+            f"<tbody>{rows}</tbody></table></section>")
 
 
 def _agreement_section(report: Report, index: dict[str, int]) -> str:
@@ -294,13 +371,14 @@ def _uncertain_section(report: Report, top: int, index: dict[str, int]) -> str:
     rows = "".join(
         f'<tr><td class="time">{_when(d.time_ns, date=False)}</td><td{_nix(index, d.node)}>{html.escape(d.node)}</td>'
         f'<td><code>{html.escape(d.question)}</code></td>'
-        f'<td>{_badge(d.path)}</td><td>{html.escape(d.canvas_answer or "–")}</td><td>{html.escape(d.answer)}</td>'
+        f'<td>{_badge(d.path)}</td><td>{html.escape(CAUSE_WORDS.get(d.cause or "", d.cause or "–"))}</td>'
+        f'<td>{html.escape(d.canvas_answer or "–")}</td><td>{html.escape(d.answer)}</td>'
         f'<td class="num"><span class="meter"><i style="width:{(d.normalized_entropy or 0) * 100:.0f}%"></i></span>'
         f'{d.normalized_entropy:.3f}</td><td class="num">{_pct(d.confidence)}</td>'
         f'<td class="num">{d.reads}</td><td><code>{d.trace_id[:12]}</code></td></tr>'
         for d in ranked)
     return ('<section class="card"><table id="uncertain"><thead><tr><th>time (UTC)</th><th>node</th><th>question</th>'
-            '<th>path</th><th>canvas</th><th>answer</th><th class="num">H/ln K</th><th class="num">confidence</th>'
+            '<th>path</th><th>cause</th><th>canvas</th><th>answer</th><th class="num">H/ln K</th><th class="num">confidence</th>'
             f'<th class="num">reads</th><th>trace</th></tr></thead><tbody>{rows}</tbody></table></section>')
 
 
@@ -315,8 +393,8 @@ def render(report: Report, *, title: str = "canvasroute decisions", top: int = 2
     kpis = "".join([
         _kpi("decision sets", str(len(sets)), f"{plural(len(ds), 'question')} · {plural(len(report.nodes), 'node')}",
              "kpi-sets"),
-        _kpi("escalation rate", _pct(paths["escalated"] / len(ds) if ds else None),
-             f"{paths['escalated']} of {len(ds)} questions", "kpi-escalation"),
+        _escalation_kpi(tally, report.escalated, "kpi-escalation"),
+        _causes_kpi(tally, "kpi-causes"),
         _gate_kpi(tally, "kpi-gate"),
         _kpi("canvas vs escalation", _pct(sum(votes) / len(votes) if votes else None),
              f"agreed on {sum(votes)} of {len(votes)} escalated", "kpi-agreement"),
@@ -340,6 +418,7 @@ def render(report: Report, *, title: str = "canvasroute decisions", top: int = 2
 generated {_when(time.time_ns())}</div></header>
 <main>{_banner(report)}
 <div class="kpis" id="summary">{kpis}</div>
+<h2>Saved by routing</h2>{_runs_section(report)}
 <h2>The graph</h2>{_graph_section(report, index)}
 <h2>Graph nodes</h2><div class="legend">{legend}</div>{nodes}
 <h2>Shadow mode</h2>{_shadow_section(report, index)}

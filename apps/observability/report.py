@@ -1,10 +1,16 @@
-"""The dashboard's data: decide spans folded into per-node decisions, paths and latencies."""
+"""The dashboard's data: decide spans folded into per-node decisions, paths, causes, latencies
+and per-run totals.
+
+Decisions are counted with `Tally` (by path, and by why the gate did not pass: `cause`), as
+the demo's console and the graph's decision events count them; an escalation is a question
+whose path is `escalated`, whatever its cause.
+"""
 
 from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,9 +20,18 @@ from canvasroute.router import telemetry as tm
 
 from .traces import SpanRecord, decision_figures
 
-__all__ = ["PATHS", "Decision", "NodeStats", "Report", "ShadowStats", "build_report", "near_chance"]
+__all__ = ["CAUSE_WORDS", "PATHS", "Decision", "NodeStats", "Report", "RunTotals", "ShadowStats", "build_report",
+           "cause_shares", "near_chance"]
 
 PATHS = Tally.PATHS
+CAUSE_WORDS = {"uncertain": "uncertain", "abstained": "abstained", "engine_fault": "engine fault",
+               "over_budget": "over budget"}
+"""Why the gate did not pass a question (`Cause`), in words, in `CAUSES` order."""
+
+
+def cause_shares(tally: Tally) -> str:
+    """`uncertain 3, abstained 1, engine fault 0, over budget 0`: the tally's causes, every one."""
+    return ", ".join(f"{CAUSE_WORDS.get(c, c)} {k}" for c, k in tally.causes.items())
 
 NEAR_CHANCE_NOTE = ("Tiny and embedded models (the tiny random DiffusionGemma used in tests, the embedded "
                     "SmolLM2-135M) are near chance at decisions: figures from them show the pipeline at work, "
@@ -47,6 +62,9 @@ class Decision:
     """The gate thresholds the canvas read crossed (non-empty: over the gate)."""
     gate: str | None = None
     """What the gate passes (`GatePolicy.gate_text`); None in traces written before 0.2."""
+    cause: str | None = None
+    """Why the gate did not pass it (`uncertain`, `abstained`, `engine_fault`, `over_budget`;
+    None: it passed, or nothing was read)."""
 
     @property
     def agrees(self) -> bool | None:
@@ -72,12 +90,18 @@ class NodeStats:
         return Tally.of(self.decisions)
 
     @property
+    def escalated(self) -> Tally:
+        """Its escalated questions only: their `causes` say why each went to the target."""
+        return Tally.of(d for d in self.decisions if d.path == "escalated")
+
+    @property
     def paths(self) -> Counter[str]:
         return Counter(d.path for d in self.decisions)
 
     @property
     def escalation_rate(self) -> float:
-        return self.paths["escalated"] / len(self.decisions) if self.decisions else 0.0
+        """Share of its questions the escalation target answered (path `escalated`, any cause)."""
+        return escalation_rate(self.tally)
 
     @property
     def agreement(self) -> tuple[int, int]:
@@ -108,6 +132,63 @@ class ShadowStats:
 
 
 @dataclass(slots=True)
+class RunTotals:
+    """What one run's decisions cost (a run: one trace file), beside what they would have cost
+    had every decision set gone to the escalation target (one target call per set).
+
+    Measured: decision sets, questions, canvas reads, escalated questions, target calls, their
+    tokens and seconds. Estimated (`if_all_to_target_*`): the mean measured target call times the
+    decision sets; None when no target call reported it.
+    """
+
+    source: str
+    """The trace file (empty: spans not read from a file)."""
+    models: dict[str, str] = field(default_factory=dict)
+    """Its canvas models, name to provider."""
+    sets: int = 0
+    """Decision sets (decide spans, cache hits included)."""
+    questions: int = 0
+    reads: int = 0
+    """Canvas reads sent (`canvasroute.canvas_reads` of the decide spans)."""
+    escalated: int = 0
+    """Questions the escalation target answered (path `escalated`)."""
+    target_calls: int = 0
+    """Escalation calls (`escalate` spans under decide spans)."""
+    target_tokens: int = 0
+    """Tokens (input + output) of the target calls that reported usage."""
+    calls_with_usage: int = 0
+    target_s: float = 0.0
+    """Seconds spent in target calls."""
+    canvas_tokens: int = 0
+    """Tokens (input + output) of the canvas reads that reported usage: routing's own cost."""
+    decide_s: float = 0.0
+    """Seconds of the decision sets, end to end (escalations included)."""
+
+    @property
+    def calls_saved(self) -> int:
+        """Target calls not made: decision sets the canvas answered without the target."""
+        return self.sets - self.target_calls
+
+    @property
+    def if_all_to_target_tokens(self) -> float | None:
+        """Estimated target tokens had every decision set been a target call."""
+        return self.target_tokens / self.calls_with_usage * self.sets if self.calls_with_usage else None
+
+    @property
+    def if_all_to_target_s(self) -> float | None:
+        """Estimated target seconds had every decision set been a target call."""
+        return self.target_s / self.target_calls * self.sets if self.target_calls else None
+
+    def __add__(self, other: RunTotals) -> RunTotals:
+        return RunTotals("all runs", {**self.models, **other.models}, self.sets + other.sets,
+                         self.questions + other.questions, self.reads + other.reads,
+                         self.escalated + other.escalated, self.target_calls + other.target_calls,
+                         self.target_tokens + other.target_tokens, self.calls_with_usage + other.calls_with_usage,
+                         self.target_s + other.target_s, self.canvas_tokens + other.canvas_tokens,
+                         self.decide_s + other.decide_s)
+
+
+@dataclass(slots=True)
 class Report:
     """Decision spans grouped by node, plus the engine and escalation calls under them."""
 
@@ -130,6 +211,8 @@ class Report:
     shadow: dict[str, ShadowStats] = field(default_factory=dict)
     graph: dict[str, Any] | None = None
     """The graph's nodes and edges (a `graph <name>` span, or `--graph`), if any."""
+    runs: list[RunTotals] = field(default_factory=list)
+    """What each run (trace file) cost, in file order."""
 
     @property
     def decisions(self) -> list[Decision]:
@@ -138,6 +221,16 @@ class Report:
     @property
     def tally(self) -> Tally:
         return Tally.of(self.decisions)
+
+    @property
+    def escalated(self) -> Tally:
+        """The escalated questions only: their `causes` say why each went to the target."""
+        return Tally.of(d for d in self.decisions if d.path == "escalated")
+
+
+def escalation_rate(tally: Tally) -> float:
+    """Escalated questions over all questions of a tally (0 when it is empty)."""
+    return tally.paths["escalated"] / tally.decisions if tally.decisions else 0.0
 
 
 def _is_decide(s: SpanRecord) -> bool:
@@ -151,6 +244,7 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
         raise TraceFileError("no canvasroute decision spans (`decide <model>`) in the trace files"
                              if spans else "the trace files hold no spans")
     decide_ids = {s.span_id for s in decides}
+    figures = {s.span_id: decision_figures(s) for s in decides}
     nodes: dict[str, NodeStats] = {}
     models: dict[str, str] = {}
     for s in decides:
@@ -159,7 +253,7 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
         stats.set_latencies.append(s.duration_s)
         stats.errors += s.status == "ERROR"
         models.setdefault(s.name[len("decide "):], "")
-        for qid, f in sorted(decision_figures(s).items()):
+        for qid, f in sorted(figures[s.span_id].items()):
             if "path" not in f:
                 continue
             stats.decisions.append(Decision(
@@ -168,7 +262,8 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
                 normalized_entropy=_float_or_none(f.get("normalized_entropy")),
                 confidence=_float_or_none(f.get("confidence")), margin=_float_or_none(f.get("margin")),
                 reads=int(f.get("reads") or 0), escalation_model=_str_or_none(f.get("escalation_model")),
-                trace_id=s.trace_id, crossed=tuple(map(str, f.get("crossed") or ())), gate=_str_or_none(f.get("gate"))))
+                trace_id=s.trace_id, crossed=tuple(map(str, f.get("crossed") or ())), gate=_str_or_none(f.get("gate")),
+                cause=_str_or_none(f.get("cause"))))
     reads: dict[str, list[float]] = defaultdict(list)
     escalations: list[float] = []
     escalation_models: dict[str, str] = {}
@@ -194,7 +289,53 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
     return Report(nodes=dict(sorted(nodes.items())), models=models, escalation_models=escalation_models,
                   read_latencies=dict(reads), escalation_latencies=escalations,
                   start_ns=min(s.start_time_ns for s in decides), end_ns=max(s.end_time_ns for s in decides),
-                  spans=len(spans), sources=list(sources), **_graph_figures(spans))
+                  spans=len(spans), sources=list(sources), runs=_run_totals(spans, decides, figures, chats),
+                  **_graph_figures(spans))
+
+
+def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],
+                figures: Mapping[str, Mapping[str, Mapping[str, Any]]],
+                chats: Mapping[str | None, SpanRecord]) -> list[RunTotals]:
+    """Per trace file: what its decision sets cost, from the decide spans and the calls under them."""
+    runs: dict[str, RunTotals] = {}
+    batches: Counter[str] = Counter()  # canvas reads per decide span, for spans without canvas_reads
+    for s in decides:
+        run = runs.setdefault(s.source, RunTotals(s.source))
+        run.sets += 1
+        run.decide_s += s.duration_s
+        questions = figures[s.span_id].values()
+        run.questions += sum("path" in f for f in questions)
+        run.escalated += sum(f.get("path") == "escalated" for f in questions)
+    by_id = {s.span_id: s for s in decides}
+    for s in spans:
+        parent = by_id.get(s.parent_id or "")
+        if parent is None:
+            continue
+        run = runs[parent.source]
+        if s.attributes.get(tm.GEN_AI_OPERATION) == tm.OPERATION_CANVAS_READ:
+            batches[parent.span_id] += int(s.attributes.get(tm.READ_BATCH) or 1)
+            run.canvas_tokens += _tokens(s)
+            run.models.setdefault(str(s.attributes.get(tm.GEN_AI_MODEL) or parent.name[len("decide "):]),
+                                  str(s.attributes.get(tm.GEN_AI_PROVIDER) or s.attributes.get(tm.GEN_AI_SYSTEM) or ""))
+        elif s.name.startswith(tm.OPERATION_ESCALATE + " "):
+            run.target_calls += 1
+            run.target_s += s.duration_s
+            chat = chats.get(s.span_id)
+            if chat is not None and tm.GEN_AI_INPUT_TOKENS in chat.attributes:
+                run.target_tokens += _tokens(chat)
+                run.calls_with_usage += 1
+    for s in decides:
+        run = runs[s.source]
+        reads = s.attributes.get(tm.CANVAS_READS)
+        run.reads += int(reads) if isinstance(reads, int) else batches[s.span_id]
+        run.models.setdefault(s.name[len("decide "):], "")
+    return list(runs.values())
+
+
+def _tokens(s: SpanRecord) -> int:
+    """Input plus output tokens a model-call span reported (0 when it reported none)."""
+    return sum(int(v) for k in (tm.GEN_AI_INPUT_TOKENS, tm.GEN_AI_OUTPUT_TOKENS)
+               if isinstance(v := s.attributes.get(k), (int, float)) and not isinstance(v, bool))
 
 
 def _graph_figures(spans: Sequence[SpanRecord]) -> dict[str, Any]:

@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from canvasroute.engine.errors import TraceFileError
+from canvasroute.router import ABSTAIN
 from canvasroute.router import telemetry as tm
 from canvasroute.router.telemetry import JsonlSpanExporter, span_json
 
-__all__ = ["JsonlSpanExporter", "SpanEvent", "SpanRecord", "decision_figures", "read_spans", "span_record"]
+__all__ = ["JsonlSpanExporter", "SpanEvent", "SpanRecord", "decision_figures", "legacy_outcome", "read_spans",
+           "span_record"]
 
 _KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
@@ -62,6 +64,9 @@ class SpanRecord:
     kind: str = "INTERNAL"
     resource: Mapping[str, Any] = field(default_factory=dict)
     events: tuple[SpanEvent, ...] = ()
+    source: str = field(default="", compare=False)
+    """The name of the trace file it was read from (empty for a span taken from the SDK): the
+    dashboard counts each file as one run."""
 
     @property
     def duration_s(self) -> float:
@@ -87,11 +92,18 @@ def span_record(span: Any) -> SpanRecord:
 
 def decision_figures(span: SpanRecord) -> dict[str, dict[str, Any]]:
     """A decide span's per-question figures, per question id: its `canvasroute.question`
-    events (figure name -> value, `kind` included). Trace files written before 0.2 hold
-    the figures as `canvasroute.decision.<question id>.<figure>` span attributes; those are
-    read too (question ids may hold dots: the figure is the part after the last one)."""
+    events (figure name -> value, `kind` included), in the outcome vocabulary of
+    `ReadReport` (`path`, `cause`).
+
+    Older trace files still read:
+
+    - before 0.2 the figures were `canvasroute.decision.<question id>.<figure>` span
+      attributes (question ids may hold dots: the figure is the part after the last one);
+    - before the one outcome vocabulary a question could have path `abstained`, a figure
+      `over_budget`, and no `cause`: `legacy_outcome` maps them.
+    """
     out: dict[str, dict[str, Any]] = {}
-    keys = {key: figure for figure, key in tm.FIGURE_KEYS.items()}
+    keys = {**{key: figure for figure, key in tm.FIGURE_KEYS.items()}, _OVER_BUDGET_KEY: LEGACY_OVER_BUDGET}
     for event in span.events:
         qid = event.attributes.get(tm.QUESTION_ID)
         if event.name == tm.QUESTION_EVENT and isinstance(qid, str):
@@ -103,9 +115,55 @@ def decision_figures(span: SpanRecord) -> dict[str, dict[str, Any]]:
     for key, value in span.attributes.items():
         if key.startswith(prefix):
             qid, _, figure = key[len(prefix):].rpartition(".")
-            if qid and (figure in tm.FIGURES or figure == "kind"):
+            if qid and (figure in tm.FIGURES or figure in ("kind", LEGACY_OVER_BUDGET)):
                 out.setdefault(qid, {})[figure] = value
+    for figures in out.values():
+        legacy_outcome(figures)
     return out
+
+
+LEGACY_OVER_BUDGET = "over_budget"
+"""The figure older traces wrote where `cause` is now `over_budget`."""
+_OVER_BUDGET_KEY = f"{tm.DECISION_PREFIX}.{LEGACY_OVER_BUDGET}"
+_NOT_PASSED = ("escalated", "fallback", "unsure")
+
+
+def legacy_outcome(figures: dict[str, Any]) -> None:
+    """Map one question's figures from a trace written before the one outcome vocabulary
+    onto it, in place (figures already in it are left alone).
+
+    Those traces may hold the path `abstained` (gone: an abstained question is `escalated`,
+    `fallback` or `unsure` with cause `abstained`), the figure `over_budget` (now cause
+    `over_budget`) and no `cause` on a question the gate did not pass. The rules:
+
+    - `abstained` with an `escalation_model`: path `escalated`, cause `abstained`;
+    - `abstained` without one: cause `abstained` (`over_budget` when that figure is set), and
+      path `unsure` when the answer is the canvas's best real option, else `fallback` (the
+      declared fallback is not in the trace: a fallback that happens to be the best real
+      option reads as `unsure`);
+    - `escalated`, `fallback` or `unsure` with no `cause`: `over_budget` when that figure is
+      set, `engine_fault` when nothing was read (no canvas distribution), else `uncertain`.
+    """
+    path = figures.get("path")
+    over_budget = figures.pop(LEGACY_OVER_BUDGET, None) is True
+    if path == "abstained":
+        figures["cause"] = "over_budget" if over_budget else "abstained"
+        if figures.get("escalation_model") is not None:
+            figures["path"], figures["cause"] = "escalated", "abstained"
+        else:
+            figures["path"] = "unsure" if figures.get("answer") == _best_real_option(figures) else "fallback"
+    elif path in _NOT_PASSED and figures.get("cause") is None:
+        read = figures.get("canvas_probabilities") is not None or figures.get("normalized_entropy") is not None
+        figures["cause"] = "over_budget" if over_budget else "uncertain" if read else "engine_fault"
+
+
+def _best_real_option(figures: Mapping[str, Any]) -> str | None:
+    """The canvas's most likely option other than the abstain label (None: no distribution)."""
+    options, probs = figures.get("options"), figures.get("canvas_probabilities")
+    if not isinstance(options, list) or not isinstance(probs, list) or len(options) != len(probs):
+        return None
+    real = [(float(p), str(o)) for o, p in zip(options, probs, strict=True) if o != ABSTAIN]
+    return max(real, key=lambda pair: pair[0])[1] if real else None
 
 
 def read_spans(*paths: str | Path) -> list[SpanRecord]:
@@ -136,13 +194,14 @@ def _read_file(path: Path) -> list[SpanRecord]:
     out: list[SpanRecord] = []
     for n, doc in enumerate(docs, 1):
         try:
-            out += _from_otlp(doc) if isinstance(doc, Mapping) and "resourceSpans" in doc else [_from_line(doc)]
+            out += (_from_otlp(doc, path.name) if isinstance(doc, Mapping) and "resourceSpans" in doc
+                    else [_from_line(doc, path.name)])
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceFileError(f"{path}, record {n}: not a span ({exc!r})") from exc
     return out
 
 
-def _from_line(doc: Mapping[str, Any]) -> SpanRecord:
+def _from_line(doc: Mapping[str, Any], source: str = "") -> SpanRecord:
     status = doc.get("status") or {}
     return SpanRecord(
         name=str(doc["name"]), trace_id=str(doc["trace_id"]), span_id=str(doc["span_id"]),
@@ -152,10 +211,11 @@ def _from_line(doc: Mapping[str, Any]) -> SpanRecord:
         kind=str(doc.get("kind") or "INTERNAL"), resource=dict(doc.get("resource") or {}),
         events=tuple(SpanEvent(name=str(e["name"]), time_ns=int(e.get("time_ns") or 0),
                                attributes=dict(e.get("attributes") or {})) for e in doc.get("events") or ()),
+        source=source,
     )
 
 
-def _from_otlp(doc: Mapping[str, Any]) -> Iterator[SpanRecord]:
+def _from_otlp(doc: Mapping[str, Any], source: str) -> Iterator[SpanRecord]:
     for rs in doc.get("resourceSpans") or []:
         resource = _otlp_attributes((rs.get("resource") or {}).get("attributes") or [])
         for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or []:
@@ -172,6 +232,7 @@ def _from_otlp(doc: Mapping[str, Any]) -> Iterator[SpanRecord]:
                     events=tuple(SpanEvent(name=str(e["name"]), time_ns=int(e.get("timeUnixNano") or 0),
                                            attributes=_otlp_attributes(e.get("attributes") or []))
                                  for e in sp.get("events") or ()),
+                    source=source,
                 )
 
 
@@ -192,7 +253,7 @@ def _enum(value: Any, names: Mapping[int, str], prefix: str, default: str) -> st
     if isinstance(value, int):
         return names.get(value, str(value))
     text = str(value)
-    return text[len(prefix):] if text.startswith(prefix) else text
+    return text.removeprefix(prefix)
 
 
 def _otlp_attributes(items: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
