@@ -193,7 +193,7 @@ async def ask_target(request: DecisionRequest, escalation: Escalation | None = N
     if escalation is None:
         raise ValueError("ask_target needs a request with an escalation (escalate_to=), or escalation=")
     state = request.state
-    asked = Asked(specs=tuple(request.questions.specs.values()), state=state.value, state_text=state.text,
+    asked = Asked(specs=tuple(request.questions.specs.values()), state=state.value, text=state.text,
                   instructions=request.read.instructions, images=state.images)
     try:
         return await asyncio.wait_for(escalate(escalation, asked), escalation.timeout)
