@@ -263,7 +263,7 @@ class Reading:
                      hit: Sequence[str]) -> list[Thought] | None:
         """A thought per prompt, seeded by the decision (None when an engine fault was recorded on `hit`)."""
         try:
-            thoughts = await write_thoughts(self.engine, msgs, self.request.read.think, self.seed)
+            thoughts = await write_thoughts(self.engine, msgs, self.request.read.think)
         except CanvasRouteError as exc:
             if not self.absorbs(exc):
                 raise
@@ -414,12 +414,11 @@ def aggregate(reads: Sequence[SlotStats]) -> SlotStats:
 # -- thoughts ------------------------------------------------------------------------------
 
 
-async def write_thoughts(engine: Any, prompts: Sequence[Sequence[Mapping[str, str]]], budget: int,
-                         seed: int) -> list[Thought]:
-    """One thought of up to `budget` tokens per prompt, written concurrently, seeded (`seed`) so
-    the same decision writes the same thought (the engine's `think`: `VLLMServerEngine.think`)."""
+async def write_thoughts(engine: Any, prompts: Sequence[Sequence[Mapping[str, str]]], budget: int) -> list[Thought]:
+    """One thought of up to `budget` tokens per prompt, written concurrently (the engine's `think`:
+    `VLLMServerEngine.think`; not seeded: vLLM refuses a sampling `seed` for diffusion models)."""
     think = getattr(engine, "think", None)
     if think is None:
         raise DecisionError(f"think needs an engine that can write a thought; {type(engine).__name__} cannot",
                             hint="use VLLMServerEngine")
-    return list(await asyncio.gather(*(think(msgs, budget, seed=seed) for msgs in prompts)))
+    return list(await asyncio.gather(*(think(msgs, budget) for msgs in prompts)))
