@@ -6,8 +6,10 @@ position (the slot), found by re-tokenizing the template with that question flip
 every label. Questions that do not fit one canvas are split into chunks, each with its
 own prompt (a question asked `alone` gets a chunk of its own); a set of more than
 `COMPACT_ABOVE` questions answers in the compact format (`q1A q2B`) when that needs fewer
-chunks. A question with more options than one read can label (the tokenizer's one-token
-labels, or `MAX_LABEL_IDS` per request) is routed in two reads: `Route`.
+chunks. A question none of whose fixed alphabets is one token at its slot with this tokenizer
+gets labels scanned from the tokenizer (`one_token_labels`); one with more options than
+one read can label (the tokenizer's one-token labels, or `MAX_LABEL_IDS` per request) is
+routed in two reads: `Route`.
 """
 
 from __future__ import annotations
@@ -138,12 +140,15 @@ async def plan(engine: Engine, specs: Mapping[str, QuestionSpec], views: Mapping
     routes: dict[str, Route] = {}
     units: list[list[QuestionSpec]] = []  # a question and its views share a chunk
     for spec in specs.values():
-        if not spec.alphabets:  # past the fixed alphabets: scan the tokenizer
+        settled = await _settled(engine, info, spec) if spec.alphabets else None
+        if settled is None:  # past the fixed alphabets, or none is one token here: scan the tokenizer
             spec, route = await _scanned(engine, info, spec)
             if route is not None:
                 routes[spec.id] = route
                 spec = route.group_spec(spec)
-        spec = await _settled(engine, info, spec)
+                spec = await _settled(engine, info, spec) or spec
+        else:
+            spec = settled
         n = (views or {}).get(spec.id, 0)
         extra = ([rotated(spec, s) for s in view_shifts(len(spec.options), n)]
                  if n and spec.id not in routes and isinstance(spec.question, Choice) and not spec.abstain else [])
@@ -179,14 +184,15 @@ async def _pack(engine: Engine, info: EngineInfo, units: Sequence[Sequence[Quest
     return chunks
 
 
-async def _settled(engine: Engine, info: EngineInfo, spec: QuestionSpec) -> QuestionSpec:
+async def _settled(engine: Engine, info: EngineInfo, spec: QuestionSpec) -> QuestionSpec | None:
     """The question with the first alphabet that is one token at its slot on its own moved
-    to the front, so chunks are packed with the labels they will be read with."""
-    for a, alphabet in enumerate(spec.alphabets if len(spec.alphabets) > 1 else ()):
+    to the front, so chunks are packed with the labels they will be read with; None when no
+    alphabet is (the planner then scans the tokenizer for labels, or reads in two steps)."""
+    for a, alphabet in enumerate(spec.alphabets):
         if isinstance(await _slot(engine, info, [spec], [a], 0), Slot):
             return spec if a == 0 else replace(spec, alphabets=(alphabet, *spec.alphabets[:a],
                                                                  *spec.alphabets[a + 1:]))
-    return spec
+    return None
 
 
 async def _scanned(engine: Engine, info: EngineInfo, spec: QuestionSpec) -> tuple[QuestionSpec, Route | None]:

@@ -411,6 +411,8 @@ def check_fallbacks(question_ids: Mapping[str, Any], options: Mapping[str, tuple
 # -- the policy file ---------------------------------------------------------------------
 
 POLICY_FORMAT = "canvasroute.policy/1"
+_MOVED_KEYS = {"on_unsure": "uncertain", "on_abstain": "abstained"}
+"""Keys older policy files held, and the `OutcomePolicy` field each became."""
 
 
 def policy_to_dict(policy: GatePolicy) -> dict[str, Any]:
@@ -425,6 +427,12 @@ def policy_from_dict(data: Mapping[str, Any]) -> GatePolicy:
     """The inverse of `policy_to_dict`; unknown keys and bad values raise `CalibrationError`."""
     if not isinstance(data, Mapping):
         raise CalibrationError(f"a policy is a JSON object, not {type(data).__name__}")
+    if moved := sorted(set(data) & set(_MOVED_KEYS)):
+        raise CalibrationError(
+            f"policy keys {moved} are no longer part of a policy file: what a question the gate does not pass "
+            "gets is the model's OutcomePolicy (" + ", ".join(f"{k} -> OutcomePolicy.{_MOVED_KEYS[k]}" for k in moved)
+            + ")", hint="remove them from the file and set the outcome where the model is built "
+                        "(canvasroute serve: --on-uncertain, --on-abstain)")
     if unknown := set(data) - _GATE_FIELDS:
         raise CalibrationError(f"unknown policy keys {sorted(unknown)}; known: {sorted(_GATE_FIELDS)}")
     values = dict(data)

@@ -23,7 +23,7 @@ from langchain_core.decisions import Choice, Noul, Score
 
 from canvasroute.engine import VLLMServerEngine
 from canvasroute.engine.testing import LoopbackVLLM, spawn
-from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import CanvasDecisionModel, GatePolicy, OutcomePolicy
 
 QUESTIONS = {
     "team": Choice(instructions="Which team should handle this ticket?",
@@ -56,7 +56,7 @@ def rss_mb() -> float:
 async def test_ten_thousand_decisions_at_concurrency_256_with_bounded_memory():
     with spawn() as server, recording_sdk_without_export():
         engine = VLLMServerEngine(server.url, max_concurrency=MAX_IN_FLIGHT_REQUESTS, max_retries=2)
-        model = CanvasDecisionModel(engine=engine, policy=GatePolicy(), on_engine_error="raise")
+        model = CanvasDecisionModel(engine=engine, policy=GatePolicy(), outcomes=OutcomePolicy(engine_fault="raise"))
         queue: asyncio.Queue[int | None] = asyncio.Queue(maxsize=2 * CONCURRENCY)
         outcomes: Counter[str] = Counter()
         answers: Counter[str] = Counter()

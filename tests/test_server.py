@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +26,7 @@ from services import child_env
 from canvasroute.apps.server import cli as serve
 from canvasroute.apps.server import create_app, run_in_thread
 from canvasroute.engine import EngineOverloaded, EngineUnavailable, FunctionEngine, VLLMServerEngine
-from canvasroute.router import CanvasDecisionModel, GatePolicy
+from canvasroute.router import CanvasDecisionModel, GatePolicy, OutcomePolicy, save_policy
 
 KEY = "sk-test-key"
 LABELS = ("yes", "no", "A", "B", "C", "1", "2", "3")
@@ -108,6 +111,64 @@ def test_typesafe_sdk_gets_typed_answers_from_our_server_on_real_vllm(vllm_url):
     extension = result.raw_http_response.json()["answers"]["team"]["canvasroute"]
     assert extension["path"] == direct.reads["team"].path and extension["reads"] == direct.reads["team"].reads
     assert extension["normalized_entropy"] == pytest.approx(direct.reads["team"].normalized_entropy)
+
+
+PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJ"
+                       "RU5ErkJggg==")
+JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 16  # a JPEG's signature: all a wire check reads
+
+
+def vision_model():
+    """A model on the loopback vLLM (as a MockTransport), which takes image parts; (model, its fake)."""
+    from test_server_engine import FakeVLLM, engine_for
+
+    fake = FakeVLLM(read=FakeVLLM.ranked)
+    return CanvasDecisionModel(engine=engine_for(fake), policy=GatePolicy(rereads=0)), fake
+
+
+def test_typesafe_sdk_images_are_read_where_their_placeholders_are():
+    """System One's `assets` as typesafe-sdk sends them (a multipart body; each image a file part its
+    `assets` entry names, its placeholder in the state and the instructions): every image is read
+    with the decision, in order of first appearance, and the text says [image N] in its place."""
+    from typesafe_sdk import Image, RetryPolicy, TypeSafeClient
+    from typesafe_sdk import Noul as TSNoul
+
+    model, fake = vision_model()
+    shot, logo = Image(PNG), Image(JPEG)
+    with run_in_thread(create_app(model)) as url, \
+            TypeSafeClient(api_key="k", base_url=url, retry=RetryPolicy(max_retries=0)) as jev:
+        result = jev.system_one(state={"ticket": "The app crashed.", "screenshot": shot},
+                                questions={"logo": TSNoul(instructions=f"Does {logo} appear in the screenshot?")},
+                                assets={str(logo): logo})  # text naming an image: the SDK sends those passed
+    assert 0.0 <= result.nouls["logo"].noul <= 1.0
+    (read,) = fake.read_bodies()
+    system, (text, *images) = read["messages"][0]["content"], read["messages"][1]["content"]
+    assert [i["image_url"]["url"] for i in images] == [f"data:image/png;base64,{base64.b64encode(PNG).decode()}",
+                                                       f"data:image/jpeg;base64,{base64.b64encode(JPEG).decode()}"]
+    assert json.loads(text["text"]) == {"ticket": "The app crashed.", "screenshot": "[image 1]"}
+    assert "Does [image 2] appear in the screenshot?" in system and "<image:" not in system + text["text"]
+
+
+async def test_json_assets_are_read_and_bad_ones_are_422():
+    model, fake = vision_model()
+    png = base64.b64encode(PNG).decode()
+    body = {"state": "See <shot>.", "questions": {"urgent": QUESTIONS["urgent"]},
+            "assets": {"<shot>": {"type": "image", "format": "png", "data_base64": png}}}
+    bad = {"assets": ([], "assets"), "part": ({"<shot>": {"type": "image", "part": "asset-0"}}, "assets.<shot>.part"),
+           "base64": ({"<shot>": {"format": "png", "data_base64": "not base64!"}}, "assets.<shot>.data_base64"),
+           "format": ({"<shot>": {"data_base64": png}}, "assets.<shot>.format"),
+           "type": ({"<shot>": {"type": "audio", "data_base64": png}}, "assets.<shot>")}
+    async with client(create_app(model)) as http:
+        ok = await http.post("/v1/systemone", json=body)
+        refused = {name: await http.post("/v1/systemone", json={**body, "assets": assets})
+                   for name, (assets, _) in bad.items()}
+    assert ok.status_code == 200, ok.text
+    (read,) = fake.read_bodies()
+    assert read["messages"][1]["content"] == [{"type": "text", "text": "See [image 1]."}, {
+        "type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}]
+    for name, (_, param) in bad.items():
+        assert refused[name].status_code == 422 and refused[name].json()["error"]["param"] == param, name
+    assert len(fake.read_bodies()) == 1  # nothing refused reached the engine
 
 
 JEV_ANSWER_KEYS = {"noul": {"type", "noul"}, "choice": {"type", "choice", "probabilities", "confidence"},
@@ -412,6 +473,82 @@ async def test_over_the_rate_is_429():
     assert last.json()["error"]["type"] == "rate_limit_exceeded" and int(last.headers["retry-after"]) >= 1
 
 
+# -- the gate in one order; outcomes a server can honour -----------------------------------
+
+
+def by_state(engine: FunctionEngine):
+    """A Noul read p(yes) = 0.95 about the state "sure" (0.20 nats, 0.29 of ln 2: within a 0.5 gate),
+    uniform about any other state."""
+    def rows(read):
+        if read.messages[1]["content"] == "sure":
+            return [{i: math.log(0.05) for i in read.label_ids} | {engine.token_id("yes"): math.log(0.95)}
+                    ] * len(read.slots)
+        return [{i: -1.0 for i in read.label_ids}] * len(read.slots)
+    return rows
+
+
+async def test_auto_threshold_asks_for_more_reads_never_for_an_escalation():
+    """Defect 8: a request's auto_threshold is where re-reading starts (GatePolicy.reread_above), not
+    a stricter gate. An answer the server's gate passes whose first read is over the client's
+    threshold is re-read and answered from the canvas: the (paid) escalation target is never
+    called. An answer over the server's gate still escalates."""
+    target = function_model()
+    model = function_model(by_state, policy=GatePolicy(max_normalized_entropy=0.5), escalate_to=target)
+    auto = {"samples": "auto", "auto_max": 3, "auto_threshold": 0.1}
+    urgent = {"urgent": QUESTIONS["urgent"]}
+    async with client(create_app(model)) as http:
+        sure = await http.post("/v1/systemone", json={"state": "sure", "questions": urgent, **auto})
+        calls_when_sure = len(target.engine.reads)
+        unsure = await http.post("/v1/systemone", json={"state": "unsure", "questions": urgent, **auto})
+    assert sure.status_code == 200, sure.text
+    ext = sure.json()["answers"]["urgent"]["canvasroute"]
+    assert ext["entropy"] > 0.1 and ext["normalized_entropy"] <= 0.5  # over the client's threshold, within the gate
+    assert (ext["path"], ext["cause"], ext["reads"], ext["confident"]) == ("reread", None, 3, True)
+    assert sure.json()["diagnostics"]["samples"]["policy"] == {
+        "mode": "auto", "max": 3, "threshold": 0.1, "extended": True,
+        "first_read_entropy": {"urgent": pytest.approx(ext["entropy"])}}
+    assert calls_when_sure == 0  # the client's threshold bought reads, not an escalation
+    over = unsure.json()["answers"]["urgent"]["canvasroute"]
+    assert (over["path"], over["cause"]) == ("escalated", "uncertain")
+    assert len(target.engine.reads) == 1
+
+
+async def test_on_uncertain_answer_keeps_the_canvas_answer_though_a_target_is_set():
+    target = function_model()
+    model = function_model(uniform, escalate_to=target, outcomes=OutcomePolicy(uncertain="answer"))
+    async with client(create_app(model)) as http:
+        r = await http.post("/v1/systemone", json=BODY)
+    assert r.status_code == 200, r.text
+    assert {(a["canvasroute"]["path"], a["canvasroute"]["cause"]) for a in r.json()["answers"].values()} == {
+        ("unsure", "uncertain")}
+    assert target.engine.reads == []
+
+
+@pytest.mark.parametrize("outcomes", [
+    OutcomePolicy(uncertain="review"),
+    OutcomePolicy(uncertain="raise"),
+    OutcomePolicy(uncertain="fallback", fallback={"team": "billing"}),
+    OutcomePolicy(abstained="fallback"),
+    OutcomePolicy(engine_fault="fallback", fallback={"team": "billing"}),
+    OutcomePolicy(over_budget="fallback"),
+])
+def test_create_app_refuses_an_outcome_the_wire_cannot_carry(outcomes):
+    """Defect 16: refused when the app is built, naming the field (not a 500 or a 422 per request)."""
+    field = next(f for f in ("uncertain", "abstained", "engine_fault", "over_budget")
+                 if getattr(outcomes, f) != getattr(OutcomePolicy(), f))
+    action = getattr(outcomes, field)
+    with pytest.raises(ValueError, match=re.escape(f"OutcomePolicy.{field}={action!r} cannot be served over HTTP")):
+        create_app(function_model(outcomes=outcomes))
+
+
+def test_create_app_refuses_abstaining_questions_with_nowhere_to_go():
+    policy = GatePolicy(per_question={"team": GatePolicy(abstain=True)})
+    with pytest.raises(ValueError, match="OutcomePolicy.abstained='escalate'.*no escalation target"):
+        create_app(function_model(policy=policy))
+    create_app(function_model(policy=policy, outcomes=OutcomePolicy(abstained="answer")))
+    create_app(function_model(policy=policy, escalate_to=function_model()))
+
+
 # -- load shedding -------------------------------------------------------------------------
 
 
@@ -525,15 +662,15 @@ def test_serve_flags_build_the_model_and_app(tmp_path):
     app = serve.build_app(args)
     model = app.state.model
     assert model.policy.max_normalized_entropy == 0.3 and model.policy.rereads == 1
-    assert isinstance(model.escalate_to, ChatOpenAI) and model.escalate_to.model_name == "big-model"
-    assert str(model.escalate_to.openai_api_base) == "http://127.0.0.1:11/v1"
+    target = model.escalate_to.target
+    assert isinstance(target, ChatOpenAI) and target.model_name == "big-model"
+    assert str(target.openai_api_base) == "http://127.0.0.1:11/v1"
+    assert model.outcomes == OutcomePolicy()  # escalate what the gate does not pass, engine faults too
     assert "http://127.0.0.1:9, http://127.0.0.1:10" in repr(model.engine)
     assert app.state.gate.max_in_flight == 3 and app.state.gate.max_queue == 5
 
 
 def test_serve_loads_a_policy_file_and_flags_override_it(tmp_path):
-    from canvasroute.router import save_policy
-
     path = save_policy(tmp_path / "policy.json", GatePolicy(
         max_normalized_entropy=0.2, min_margin=0.1, rereads=2,
         per_question={"team": GatePolicy(max_normalized_entropy=0.7, temperature=1.5)}))
@@ -542,6 +679,70 @@ def test_serve_loads_a_policy_file_and_flags_override_it(tmp_path):
     assert (policy.max_normalized_entropy, policy.min_margin, policy.rereads) == (0.2, 0.1, 0)
     assert policy.for_question("team").temperature == 1.5
     assert serve.run(_args(["--engine-url", "http://127.0.0.1:9", "--policy", str(tmp_path / "none.json")])) == 2
+
+
+def test_serve_gate_flags_reach_the_questions_calibrate_fitted(tmp_path, monkeypatch):
+    """Defect 7: the gate in one order, policy file (with its per-question fits), then the flags for
+    every question (fits included), then the request's own keys. The file fits `team` a looser
+    gate and two re-reads; the flags say 0.4 and none, and reach `team` too."""
+    from canvasroute import engine
+
+    path = save_policy(tmp_path / "policy.json", GatePolicy(max_normalized_entropy=0.2, rereads=2, per_question={
+        "team": GatePolicy(max_normalized_entropy=0.9, temperature=1.5, rereads=2)}))
+
+    def rows(read):  # p = (0.8, 0.1, 0.1): 0.79 of ln 3 at temperature 1.5
+        return [{i: math.log(0.1) for i in read.label_ids} | {fitted.token_id("A"): math.log(0.8)}] * len(read.slots)
+
+    fitted = FunctionEngine(rows)
+    monkeypatch.setattr(engine, "embedded_engine", lambda: fitted)
+    model = serve.build_model(_args(["--engine", "embedded", "--policy", str(path),
+                                     "--max-normalized-entropy", "0.4", "--rereads", "0"]))
+    team = model.policy.for_question("team")
+    assert (team.max_normalized_entropy, team.rereads, team.temperature) == (0.4, 0, 1.5)  # the fit's temperature kept
+    body = {"state": "I was charged twice.", "questions": {"team": QUESTIONS["team"]}}
+
+    async def post(**keys):
+        async with client(create_app(model)) as http:
+            return (await http.post("/v1/systemone", json={**body, **keys})).json()["answers"]["team"]["canvasroute"]
+    flags, asked = asyncio.run(post()), asyncio.run(post(samples="auto", auto_max=3))
+    assert 0.4 < flags["normalized_entropy"] < 0.9  # the file's gate would pass it; the flag's does not
+    assert (flags["path"], flags["cause"], flags["reads"]) == ("unsure", "uncertain", 1)  # --rereads 0, not the fit's 2
+    assert (asked["path"], asked["reads"]) == ("unsure", 3)  # the request's own samples come last
+
+
+def test_serve_refuses_at_start_an_outcome_it_cannot_honour(tmp_path, monkeypatch, capsys):
+    """Defect 16: exit 2 and a message naming the field, before any engine is built."""
+    url = ["--engine-url", "http://127.0.0.1:9"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format": "canvasroute.policy/1", "policy": {
+        "max_normalized_entropy": 0.4, "per_question": {"team": {"on_unsure": "fallback", "on_abstain": "fallback"}}}}))
+    assert serve.run(_args([*url, "--policy", str(old)])) == 2
+    err = capsys.readouterr().err
+    assert "OutcomePolicy.uncertain" in err and "OutcomePolicy.abstained" in err and "--on-uncertain" in err
+    monkeypatch.setenv("CANVASROUTE_ON_UNCERTAIN", "review")
+    assert serve.run(_args(url)) == 2
+    assert "OutcomePolicy.uncertain='review' cannot be served over HTTP: there is no human review lane" in \
+        capsys.readouterr().err
+    monkeypatch.delenv("CANVASROUTE_ON_UNCERTAIN")
+    for flag, action in (("--on-uncertain", "raise"), ("--on-uncertain", "fallback"), ("--on-abstain", "fallback"),
+                         ("--on-engine-error", "fallback")):
+        with pytest.raises(SystemExit) as refused:
+            _args([*url, flag, action])
+        assert refused.value.code == 2 and f"invalid choice: '{action}'" in capsys.readouterr().err
+    abstaining = save_policy(tmp_path / "abstain.json", GatePolicy(abstain=True))
+    assert serve.run(_args([*url, "--policy", str(abstaining)])) == 2
+    assert "--on-abstain answer" in capsys.readouterr().err
+    model = serve.build_model(_args([*url, "--policy", str(abstaining), "--on-abstain", "answer",
+                                     "--on-uncertain", "answer", "--on-engine-error", "raise"]))
+    assert model.outcomes == OutcomePolicy(uncertain="answer", abstained="answer", engine_fault="raise")
+
+
+def test_canvasroute_serve_exits_2_on_an_outcome_it_cannot_honour(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine-url", "http://127.0.0.1:9"],
+                          cwd=tmp_path, env=child_env(CANVASROUTE_ON_UNCERTAIN="raise"), capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "OutcomePolicy.uncertain='raise' cannot be served over HTTP" in proc.stderr
 
 
 def test_serve_reads_canvasroute_environment_variables(monkeypatch):

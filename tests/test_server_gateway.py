@@ -2,8 +2,9 @@
 
 Each request is one a client of vLLM's reference gateway sends: `samples` (1, N,
 "auto"), request `instructions`, `depends_on` / `ask_if` / `alone`, `think`, `steps`, `ask`,
-images as a multipart upload. Every 200 must validate against the gateway's response
-schema (`gateway_contract.py`); what reached vLLM is recorded on the way (`Recording`).
+images as a multipart upload, Choices of 16 and 60 options. Every 200 must validate against the
+gateway's response schema (`gateway_contract.py`) and parse with `typesafe-sdk`; what reached vLLM
+is recorded on the way (`Recording`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import base64
 import json
 
 import httpx
+import httpx2
 import jsonschema
 import pytest
 from gateway_contract import GATEWAY_CONTRACT
 from test_core_read import Recording
+from typesafe_sdk import SystemOneResponse
 
 from canvasroute.apps.server import create_app
 from canvasroute.engine import VLLMServerEngine
@@ -35,6 +38,12 @@ PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4
                        "RU5ErkJggg==")
 
 
+def sdk(r: httpx.Response) -> SystemOneResponse:
+    """A reply as `typesafe-sdk` parses it (its own strict answer types)."""
+    return SystemOneResponse.from_http_response(httpx2.Response(
+        r.status_code, content=r.content, headers=dict(r.headers), request=httpx2.Request("POST", str(r.request.url))))
+
+
 @pytest.fixture
 async def gateway(vllm_url):
     """(POST a body to /v1/systemone, the recorded vLLM requests) for a canvasroute app on the real server."""
@@ -48,6 +57,7 @@ async def gateway(vllm_url):
                 await http.post("/v1/systemone", **kwargs)
             if r.status_code == 200:
                 jsonschema.validate(r.json(), OK)  # the gateway's response schema
+                sdk(r)
             return r
         yield post, transport
     await model.engine.aclose()
@@ -131,3 +141,22 @@ async def test_a_multipart_upload_reaches_vllm_which_here_refuses_images(gateway
         "type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(PNG).decode()}}
     bad = await post(files={"screenshot": ("screen.png", PNG, "image/png")})
     assert bad.status_code == 400 and "request" in bad.json()["error"]["message"]
+
+
+async def test_sixteen_and_sixty_options_are_read_with_labels_this_tokenizer_keeps_whole(gateway):
+    """System One takes 2 to 255 options. On the test checkpoint's tokenizer neither fixed alphabet
+    of 16 (A-P, a-p) is one token at the slot ('J' and 'k' change the template's length), so the
+    planner scans the tokenizer for labels it keeps whole (16 options were refused with
+    label_error while 60, which have no fixed alphabet, read)."""
+    post, _ = gateway
+    for k in (16, 60):
+        options = {f"topic {i}": None for i in range(k)}
+        r = await post({"state": STATE, "samples": 1, "questions": {
+            "topic": {"type": "choice", "instructions": "Which topic is this ticket about?", "criteria": options}}})
+        assert r.status_code == 200, r.text
+        answer = r.json()["answers"]["topic"]
+        labels = answer["canvasroute"]["labels"]
+        assert len(set(labels)) == k and set(answer["probabilities"]) == set(options)
+        assert sum(answer["probabilities"].values()) == pytest.approx(1.0)
+        assert sdk(r).choices["topic"].choice in options
+    assert "J" not in labels[:16]  # the scanned labels, not the fixed alphabet

@@ -128,7 +128,7 @@ def _questions(n: int) -> dict:
 @pytest.mark.parametrize(("body", "status", "kind"), [
     ({"state": "x", "questions": _questions(1000)}, 422, "too_many_questions"),
     ({"state": "x", "questions": {"q": {"type": "choice", "instructions": "x",
-                                        "criteria": {f"o{i}": None for i in range(100)}}}}, 422, "too_many_options"),
+                                        "criteria": {f"o{i}": None for i in range(256)}}}}, 422, "too_many_options"),
     ({"state": "x", "questions": {"q": {"type": "score", "instructions": "x",
                                         "criteria": [f"l{i}" for i in range(40)]}}}, 422, "too_many_levels"),
     ({"state": "x" * 70_000, "questions": {"q": NOUL}}, 413, "state_too_large"),

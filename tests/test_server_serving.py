@@ -128,7 +128,7 @@ def test_metrics_count_requests_decisions_latency_and_rejections():
     assert seen[("canvasroute_server_requests_total", (("method", "POST"), route, ("status", "200")))] == 1
     assert seen[("canvasroute_server_requests_total", (("method", "POST"), route, ("status", "401")))] == 1
     assert seen[("canvasroute_server_request_duration_seconds_count", (route,))] == 3
-    assert seen[("canvasroute_server_decisions_total", (("path", "canvas"),))] == 2  # two questions
+    assert seen[("canvasroute_server_decisions_total", (("cause", "none"), ("path", "canvas")))] == 2  # two questions
     assert seen[("canvasroute_server_rejections_total", (("reason", "authentication_error"),))] == 1
     assert seen[("canvasroute_server_rejections_total", (("reason", "invalid_json"),))] == 1
     assert seen[("canvasroute_server_queue_wait_seconds_count", ())] == 1
@@ -137,7 +137,7 @@ def test_metrics_count_requests_decisions_latency_and_rejections():
     assert seen[("canvasroute_server_connections", ())] >= 1
 
 
-def test_metrics_count_each_question_by_the_path_that_answered_it():
+def test_metrics_count_each_question_by_the_path_that_answered_it_and_its_cause():
     unsure = FunctionEngine(lambda read: [{i: -1.0 for i in read.label_ids}] * len(read.slots))
     cascade = CanvasDecisionModel(engine=unsure, policy=GatePolicy(max_normalized_entropy=0.5, rereads=1),
                                   escalate_to=model())  # the sure model answers what the unsure one cannot
@@ -146,8 +146,10 @@ def test_metrics_count_each_question_by_the_path_that_answered_it():
         seen = _metrics(url)
     assert r.status_code == 200
     assert {a["canvasroute"]["path"] for a in r.json()["answers"].values()} == {"escalated"}
-    assert seen[("canvasroute_server_decisions_total", (("path", "escalated"),))] == 2
-    assert ("canvasroute_server_decisions_total", (("path", "canvas"),)) not in seen
+    assert {a["canvasroute"]["cause"] for a in r.json()["answers"].values()} == {"uncertain"}
+    assert {q["cause"] for q in r.json()["diagnostics"]["questions"].values()} == {"uncertain"}
+    decided = {labels: n for (name, labels), n in seen.items() if name == "canvasroute_server_decisions_total"}
+    assert decided == {(("cause", "uncertain"), ("path", "escalated")): 2}  # no canvas answer counted
 
 
 def _stuck(started: threading.Event):

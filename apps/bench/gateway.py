@@ -147,7 +147,8 @@ async def _reads(http: httpx.AsyncClient, vllm_url: str) -> float:
 async def _interleaved(reference: str, ours: str, vllm_url: str, rounds: int,
                        per: dict[int, int]) -> dict[tuple[str, str, int], dict[str, Any]]:
     engine = VLLMServerEngine(vllm_url, max_concurrency=64, timeout=600)
-    policies = {"auto": GatePolicy(samples=1, rereads=3, max_entropy=0.1), "one read": GatePolicy(samples=1, rereads=0)}
+    # what serve makes of SETTINGS: "auto" re-reads above 0.1 nats (`reread_above`), the gate unchanged
+    policies = {"auto": GatePolicy(samples=1, rereads=3, reread_above=0.1), "one read": GatePolicy(samples=1, rereads=0)}
     model = CanvasDecisionModel(engine=engine)
     questions = REQUEST["questions"]
     tallies: dict[tuple[str, str, int], dict[str, Any]] = {}
@@ -162,7 +163,7 @@ async def _interleaved(reference: str, ours: str, vllm_url: str, rounds: int,
 
         def library(settings: str) -> Callable[[str], Awaitable[None]]:
             async def one(state: str) -> None:
-                await model.adecide(state, questions, policy=policies[settings])
+                await model.adecide(state, questions, gate=policies[settings])
             return one
 
         for warm in ("auto", "one read"):  # discovery, tokenizer, connections, prefix cache

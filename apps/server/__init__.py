@@ -3,7 +3,8 @@
 `create_app` builds the ASGI app, `Limits` bounds what one request may carry, and
 `canvasroute.apps.server.cli` is `canvasroute serve`. Modules: `app` (routes, admission, timeouts),
 `body` (reading the body), `parse` (validation and bounds), `wire` (error answers),
-`gate` (load control, the shutdown drain), `openapi` (the API description), `serving` (uvicorn
+`gate` (load control, the shutdown drain), `outcomes` (the `OutcomePolicy` actions a server can
+honour), `openapi` (the API description), `serving` (uvicorn
 with `ConnectionLimits`: connection cap, head timeout, bounded shutdown), `metrics`
 (Prometheus at `/metrics`), `logs` (text or JSON lines with the request id).
 """

@@ -9,8 +9,13 @@ upload, per question `depends_on` / `ask_if` / `alone`: `extensions`), its statu
 and its reply: the Jev fields, the fields the gateway adds (`probabilities` and
 `confidence` on a noul; `id`, `object`, `created`), a `diagnostics` object (`diagnostics`),
 and a `canvasroute` object per answer (entropy, path, reads, ...) that plain clients
-ignore. A question that `ask_if` skipped has no answer (its reason is in
-`diagnostics.skipped`).
+ignore (its `path` and `cause`, in the library's one outcome vocabulary). A question that
+`ask_if` skipped has no answer (its reason is in `diagnostics.skipped`).
+
+Each request to a `CanvasDecisionModel` becomes one `DecisionRequest` (`model.request`: state,
+questions, the gateway keys as `read`, `depends_on` and `gate`, seed, thread), built before a
+slot is taken and run whole (`model.arun`). The model's `OutcomePolicy` is checked once, when
+the app is built: an action HTTP cannot carry is refused there (`outcomes`).
 
 A request costs the server nothing but a socket until its body has arrived (within
 `Limits.body_timeout`) and passed every check in `parse` (`Limits`). Then it takes one of
@@ -59,16 +64,17 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from canvasroute.engine import forward_headers
+from canvasroute.router import CanvasDecisionModel, DecisionRequest
 from canvasroute.router import telemetry as tm
 
 from .body import ClientGone, read_body, request_parts
 from .diagnostics import diagnostics
-from .extensions import request_policy
 from .gate import Drain, Gate, RateLimit
 from .limits import Limits
 from .logs import caller_request_id, request_scope
 from .metrics import Metrics, MetricsMiddleware
 from .openapi import openapi
+from .outcomes import check_outcomes
 from .parse import Parsed, parse_request
 from .wire import Refusal, from_exception, public_name
 
@@ -88,11 +94,11 @@ access = logging.getLogger("canvasroute.server.access")
 
 _EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "margin", "label_mass", "confidence",
                      "reads", "agreement", "stderr", "crossed", "canvas_probabilities", "labels",
-                     "escalation_model", "over_budget", "error")
+                     "escalation_model", "cause", "error")
 
 
 def _answer_json(answer: Any, report: Any) -> dict[str, Any]:
-    out = answer.model_dump(mode="json")
+    out: dict[str, Any] = answer.model_dump(mode="json")
     if out["type"] == "noul":  # vLLM's gateway also reports these for a noul
         p = out["noul"]
         out["probabilities"] = {"yes": p, "no": 1.0 - p}
@@ -101,7 +107,6 @@ def _answer_json(answer: Any, report: Any) -> dict[str, Any]:
         figures = report.model_dump(mode="json")
         out["canvasroute"] = {k: figures[k] for k in _EXTENSION_FIELDS}
     return out
-
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -153,8 +158,10 @@ def create_app(
     decision's `id` is the request id.
 
     Args:
-        model: A `CanvasDecisionModel` (answers carry its read reports), or any
-            `BaseDecisionModel`.
+        model: A `CanvasDecisionModel` (answers carry its read reports; each request is one
+            `DecisionRequest`, its gateway keys applied over the model's gate), or any
+            `BaseDecisionModel`. A canvas model's `OutcomePolicy` must be one a server can honour
+            (`outcomes.SERVED`: no `review`, no `raise` for uncertain, no `fallback`).
         api_key: When set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
             `/health`, `/metrics` and `/openapi.json` stay open.
         max_in_flight: Decisions running at once.
@@ -168,6 +175,10 @@ def create_app(
             model (default: `jev-latest`, what Jev clients send).
         close_engine: Close the model's engine when the app shuts down.
 
+    Raises:
+        ValueError: a bound out of range, or an outcome the wire cannot carry (naming the
+            `OutcomePolicy` field).
+
     Example:
         ```python
         app = create_app(CanvasDecisionModel(engine=VLLMServerEngine(url)), api_key="secret")
@@ -180,6 +191,9 @@ def create_app(
         raise ValueError("request_timeout must be positive")
     if rate_limit is not None and rate_limit <= 0:
         raise ValueError("rate_limit must be > 0 requests per second")
+    canvas = model if isinstance(model, CanvasDecisionModel) else None
+    if canvas is not None:  # before anything is served: an outcome the wire cannot carry is refused here
+        check_outcomes(canvas.outcomes, canvas.policy, canvas.escalation is not None)
     limits = limits or Limits()
     if max_body_bytes is not None:
         limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
@@ -204,15 +218,21 @@ def create_app(
         engine = getattr(model, "engine", None)
         return public_name((await engine.info()).model if engine is not None else model.model)
 
-    async def decide(parsed: Parsed) -> tuple[Any, dict[str, Any]]:
+    def prepare(parsed: Parsed) -> DecisionRequest | None:
+        """The one decision request a canvas model runs for `parsed` (None: another decision model,
+        which takes only the state and the questions). Built before a slot is taken."""
         ext = parsed.extensions
-        if getattr(model, "engine", None) is not None:  # a canvas model: seed, thread and the gateway's keys reach it
-            policy = request_policy(model.policy, ext.policy) if ext.policy else None
-            resp = await model.adecide(parsed.state, parsed.questions, seed=parsed.seed, thread_id=parsed.thread_id,
-                                       policy=policy, **ext.options)
-        elif ext.options or ext.policy:
-            raise Refusal(422, "unsupported_field", "this server's decision model reads no samples, instructions, "
-                          "steps, think, images, depends_on, ask_if or alone")
+        if canvas is None:
+            if ext.read or ext.gate or ext.depends_on:
+                raise Refusal(422, "unsupported_field", "this server's decision model reads no samples, "
+                              "instructions, steps, think, images, depends_on, ask_if or alone")
+            return None
+        return canvas.request(parsed.state, parsed.questions, read=ext.read or None, depends_on=ext.depends_on,
+                              gate=ext.gate or None, seed=parsed.seed, thread_id=parsed.thread_id)
+
+    async def decide(parsed: Parsed, request: DecisionRequest | None) -> tuple[Any, dict[str, Any]]:
+        if canvas is not None and request is not None:
+            resp: Any = await canvas.arun(request)
         else:
             resp = await model.ainvoke({"state": parsed.state, "questions": parsed.questions})
         return resp, getattr(resp, "reads", {}) or {}
@@ -243,7 +263,7 @@ def create_app(
                          request_id)
                 span.set_attribute(tm.ERROR_TYPE, "client_disconnected")
                 return Response(status_code=499)  # nobody reads it
-            except Exception as exc:  # noqa: BLE001 - every fault becomes a typed answer
+            except Exception as exc:
                 refusal = exc if isinstance(exc, Refusal) else from_exception(exc)
                 if not isinstance(exc, Refusal):
                     log.error("request %s: unexpected %s", request_id, type(exc).__name__, exc_info=exc)
@@ -262,8 +282,8 @@ def create_app(
         authorize(request)
         if limiter is not None:
             limiter.take()
-        body, images = request_parts(await read_body(request, limits), request.headers.get("content-type"))
-        parsed = parse_request(body, limits, images)  # no slot is held yet
+        body, parts = request_parts(await read_body(request, limits), request.headers.get("content-type"))
+        parsed = parse_request(body, limits, parts)  # no slot is held yet
         span.set_attribute(tm.QUESTIONS, len(parsed.questions))
         with gate.admission():
             resp, reads, name = await _unless_gone(admitted(parsed, request_id, span), request.receive, drain)
@@ -293,15 +313,16 @@ def create_app(
                     raise Refusal(422, "model_not_found", f"model {parsed.model[:80]!r} is not served here; "
                                   f"served: {[name, *aliases]}", loc=("model",))
                 span.set_attribute(tm.DECISION_SET, ",".join(parsed.questions))
+                request = prepare(parsed)
                 waiting, queued = True, time.perf_counter()
                 async with gate.slot():
                     waiting = False
                     metrics.queue_wait.observe(time.perf_counter() - queued)
-                    resp, reads = await decide(parsed)
+                    resp, reads = await decide(parsed, request)
                     return resp, reads, name
         except Refusal:
             raise
-        except Exception as exc:  # noqa: BLE001 - every fault becomes a typed answer; details to the log
+        except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():
                 if waiting:
                     raise Refusal(529, "overloaded", f"no slot freed within {request_timeout:g}s; retry later",

@@ -1,7 +1,8 @@
 """Reading a request body: JSON or multipart, bounded in bytes and in time, decoded; before any slot is taken.
 
-A multipart/form-data body (vLLM's gateway's image upload) holds the JSON request in a
-part named `request` and each image as a file part (`image/*`): `request_parts` splits it.
+A multipart/form-data body (vLLM's gateway's image upload, typesafe-sdk's assets) holds the
+JSON request in a part named `request` and each image as a file part (`image/*`, or PNG or
+JPEG bytes labelled `application/octet-stream`): `request_parts` splits it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from email.policy import HTTP
 
 from starlette.requests import ClientDisconnect, Request
 
+from .assets import sniff_image
 from .limits import Limits
 from .wire import Refusal
 
 __all__ = ["ClientGone", "read_body", "request_parts"]
 
 
-class ClientGone(Exception):  # noqa: N818 - control flow inside the server, never raised to a caller
+class ClientGone(Exception):
     """The client closed the connection; nobody is left to answer."""
 
 
@@ -40,30 +42,33 @@ def _check_content_type(value: str | None) -> None:
                   "with the JSON in a part named request and images as file parts)")
 
 
-def request_parts(body: bytes, content_type: str | None) -> tuple[bytes, list[str]]:
-    """(the JSON request, image data URLs): a JSON body as it is, or a multipart body split
-    into its `request` part and its `image/*` file parts, in order (400 for anything else)."""
+def request_parts(body: bytes, content_type: str | None) -> tuple[bytes, list[tuple[str, str]]]:
+    """(the JSON request, its file parts as (name, image data URL)): a JSON body as it is, or a
+    multipart body split into its `request` part and its image parts, in order (400 for anything else)."""
     if content_type is None or _media(content_type) != "multipart/form-data":
         return body, []
     try:
         message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
         parts = list(message.iter_parts()) if message.is_multipart() else []
-    except Exception as exc:  # noqa: BLE001 - any parser failure is the client's malformed body
+    except Exception as exc:
         raise Refusal(400, "invalid_body", "the multipart body could not be parsed", loc=()) from exc
     request: bytes | None = None
-    images: list[str] = []
+    images: list[tuple[str, str]] = []
     for part in parts:
         name = part.get_param("name", header="content-disposition")
         payload = part.get_payload(decode=True)
         data = payload if isinstance(payload, bytes) else b""
+        media = part.get_content_type()
+        if media == "application/octet-stream":  # typesafe-sdk's label for bytes it did not recognize
+            media = sniff_image(data) or media
         if name == "request" and request is None:
             request = data
-        elif part.get_content_type().startswith("image/"):
-            images.append(f"data:{part.get_content_type()};base64,{base64.b64encode(data).decode()}")
+        elif media.startswith("image/"):
+            images.append((str(name or ""), f"data:{media};base64,{base64.b64encode(data).decode()}"))
         else:
             shown = str(name)[:40] if name is not None else "unnamed"
-            raise Refusal(400, "invalid_body", f"multipart part {shown!r} is neither the request nor an image/* file",
-                          loc=())
+            raise Refusal(400, "invalid_body", f"multipart part {shown!r} is neither the request nor an image "
+                          "(an image/* file, or PNG or JPEG bytes)", loc=())
     if request is None:
         raise Refusal(400, "invalid_body", "a multipart body needs a part named request holding the JSON", loc=())
     return request, images
@@ -102,7 +107,7 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
         return body
     try:
         out = _DECODERS[encoding](body, limit + 1)
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's bad body
+    except Exception as exc:
         raise Refusal(422, "invalid_body", f"the {encoding} body could not be decoded", loc=()) from exc
     if len(out) > limit:
         raise Refusal(413, "payload_too_large", f"the decoded body is over {limit} bytes")
@@ -118,7 +123,7 @@ try:  # zstd (what typesafe-sdk sends when zstd is available): Python 3.14+ or b
     try:
         from compression.zstd import ZstdDecompressor  # type: ignore[import-not-found]
     except ImportError:
-        from backports.zstd import ZstdDecompressor  # type: ignore[import-not-found,no-redef]
+        from backports.zstd import ZstdDecompressor  # type: ignore[import-not-found]
 
     _DECODERS["zstd"] = lambda data, max_length: ZstdDecompressor().decompress(data, max_length)
 except ImportError:

@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from .limits import Limits
+from .outcomes import SERVED
 from .serving import ConnectionLimits
 
 __all__ = ["build_app", "build_model", "configure", "run"]
@@ -31,7 +32,19 @@ Every flag also reads the environment variable named in its help.
 
 Requests and replies follow vLLM's gateway (its systemone-openapi.yaml): its request keys
 (samples, instructions, steps, think, ask, images or a multipart upload; per question
-depends_on, ask_if, alone), its status codes and a diagnostics object in every 200.
+depends_on, ask_if, alone), its status codes and a diagnostics object in every 200; and
+System One's (typesafe-sdk's) assets: images named by placeholders in the text.
+
+The gate, in one order: the --policy file (its per-question fits included), then
+--max-normalized-entropy and --rereads for every question (fits included), then a
+request's own samples, auto_max and auto_threshold for that request. auto_threshold only
+asks for more reads (re-read above it); whether an answer escalates stays the server's gate.
+
+Outcomes: --on-uncertain escalate|answer, --on-abstain escalate|answer, --on-engine-error
+escalate|raise. A server cannot review (no human lane over HTTP), raise for an uncertain
+question (no wire shape) or fall back (fallback options are per question id, and request
+ids are the client's): such a model is refused at start (exit 2), and so is a policy file
+holding outcomes (on_unsure, on_abstain: they are these flags now).
 
 Checked before a request takes a slot or reaches the engine: the body must arrive within
 --body-timeout (else 408) and fit --max-body-bytes (413); bad JSON, nesting over 32 levels,
@@ -78,6 +91,8 @@ _ENV = {
     "escalate_url": "CANVASROUTE_ESCALATE_URL",
     "escalate_model": "CANVASROUTE_ESCALATE_MODEL",
     "escalate_api_key": "CANVASROUTE_ESCALATE_API_KEY",
+    "on_uncertain": "CANVASROUTE_ON_UNCERTAIN",
+    "on_abstain": "CANVASROUTE_ON_ABSTAIN",
     "on_engine_error": "CANVASROUTE_ON_ENGINE_ERROR",
     "host": "CANVASROUTE_HOST",
     "port": "CANVASROUTE_PORT",
@@ -124,12 +139,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="bearer key for the vLLM server [CANVASROUTE_ENGINE_API_KEY]")
     gate = parser.add_argument_group("gate")
     gate.add_argument("--policy", default=_env("policy"),
-                      help="policy file from `canvasroute calibrate` [CANVASROUTE_POLICY]")
+                      help="policy file from `canvasroute calibrate`, its per-question fits included "
+                           "[CANVASROUTE_POLICY]")
     gate.add_argument("--max-normalized-entropy", type=float, default=_env("max_normalized_entropy"),
-                      help="uncertain above this entropy / ln K (overrides the policy file) "
-                           "[CANVASROUTE_MAX_NORMALIZED_ENTROPY]")
+                      help="uncertain above this entropy / ln K, for every question (over the policy file's "
+                           "values, per-question fits included) [CANVASROUTE_MAX_NORMALIZED_ENTROPY]")
     gate.add_argument("--rereads", type=int, default=_env("rereads"),
-                      help="extra reads of uncertain questions (overrides the policy file) [CANVASROUTE_REREADS]")
+                      help="extra reads of uncertain questions, for every question (over the policy file's "
+                           "values, per-question fits included) [CANVASROUTE_REREADS]")
+    outcome = parser.add_argument_group("outcomes (what a question the gate does not pass gets)")
+    outcome.add_argument("--on-uncertain", choices=SERVED["uncertain"], default=_env("on_uncertain", "escalate"),
+                         help="escalate (with no target: the canvas answer, path unsure) or answer from the canvas "
+                              "(path unsure) (default: %(default)s) [CANVASROUTE_ON_UNCERTAIN]")
+    outcome.add_argument("--on-abstain", choices=SERVED["abstained"], default=_env("on_abstain", "escalate"),
+                         help="when the policy's abstain label wins: escalate (needs a target) or answer with the "
+                              "best real option (default: %(default)s) [CANVASROUTE_ON_ABSTAIN]")
     esc = parser.add_argument_group("escalation")
     esc.add_argument("--escalate-url", default=_env("escalate_url"),
                      help="OpenAI-compatible base URL of the escalation model [CANVASROUTE_ESCALATE_URL]")
@@ -137,8 +161,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="escalation model name [CANVASROUTE_ESCALATE_MODEL]")
     esc.add_argument("--escalate-api-key", default=_env("escalate_api_key", "EMPTY"),
                      help="key for the escalation endpoint [CANVASROUTE_ESCALATE_API_KEY]")
-    esc.add_argument("--on-engine-error", choices=("escalate", "raise"), default=_env("on_engine_error", "escalate"),
-                     help="engine faults escalate (when a target is set) or answer 503 [CANVASROUTE_ON_ENGINE_ERROR]")
+    outcome.add_argument("--on-engine-error", choices=SERVED["engine_fault"],
+                         default=_env("on_engine_error", "escalate"),
+                         help="engine faults escalate (when a target is set) or answer 503 (504, 529, 502 by the "
+                              "fault) (default: %(default)s) [CANVASROUTE_ON_ENGINE_ERROR]")
     srv = parser.add_argument_group("server")
     srv.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address [CANVASROUTE_HOST]")
     srv.add_argument("--port", type=int, default=_env("port", "8000"), help="bind port [CANVASROUTE_PORT]")
@@ -193,12 +219,14 @@ def _engine(args: argparse.Namespace) -> Any:
 
 
 def _policy(args: argparse.Namespace) -> Any:
-    from canvasroute.router import GatePolicy, load_policy
+    """The served gate: the policy file (its per-question fits included), then the gate flags for
+    every question, fits included (`resolve_gate`). A request's own keys come last, per request."""
+    from canvasroute.router import GatePolicy, load_policy, resolve_gate
 
     policy = load_policy(args.policy) if args.policy else GatePolicy()
-    changes = {k: v for k, v in (("max_normalized_entropy", args.max_normalized_entropy),
-                                 ("rereads", args.rereads)) if v is not None}
-    return policy.with_overrides(**changes) if changes else policy
+    flags = {k: v for k, v in (("max_normalized_entropy", args.max_normalized_entropy),
+                               ("rereads", args.rereads)) if v is not None}
+    return resolve_gate(policy, flags)
 
 
 def _escalation(args: argparse.Namespace) -> Any:
@@ -213,11 +241,20 @@ def _escalation(args: argparse.Namespace) -> Any:
 
 
 def build_model(args: argparse.Namespace) -> Any:
-    """The `CanvasDecisionModel` the flags describe."""
-    from canvasroute.router import CanvasDecisionModel
+    """The `CanvasDecisionModel` the flags describe (its outcomes checked before the engine is built).
 
-    return CanvasDecisionModel(engine=_engine(args), policy=_policy(args), escalate_to=_escalation(args),
-                               on_engine_error=args.on_engine_error)
+    Raises:
+        ValueError: a flag or policy file that cannot be served (`outcomes.check_outcomes`).
+    """
+    from canvasroute.router import CanvasDecisionModel, OutcomePolicy
+
+    from .outcomes import check_outcomes
+
+    policy, target = _policy(args), _escalation(args)
+    outcomes = OutcomePolicy(uncertain=args.on_uncertain, abstained=args.on_abstain,
+                             engine_fault=args.on_engine_error)
+    check_outcomes(outcomes, policy, target is not None)
+    return CanvasDecisionModel(engine=_engine(args), policy=policy, escalate_to=target, outcomes=outcomes)
 
 
 def build_app(args: argparse.Namespace) -> Any:
@@ -240,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
         logging_config = log_config(args.log_format, args.log_level)
         app = build_app(args)
     except (ValueError, ImportError) as exc:
-        print(f"canvasroute serve: {exc}", file=sys.stderr)
+        hint = getattr(exc, "hint", None)
+        print(f"canvasroute serve: {exc}" + (f"\n  hint: {hint}" if hint else ""), file=sys.stderr)
         return 2
     logging.config.dictConfig(logging_config)
     auth = "bearer key required" if args.api_key else "no key (open)"

@@ -5,7 +5,8 @@ vLLM's gateway requires `diagnostics` in every 200 (its `systemone-openapi.yaml`
 `thought`, `samples`, `timing`, `prompt_tokens`, `questions`, `engine`) come from the
 decision's `CanvasResponse.diagnostics` and read reports; canvasroute adds `constrained`,
 `formats`, `canvas_reads` and `ignored` (request keys it did not read), and per question
-its `path` and `reads`.
+its `path`, `cause` (why the gate did not pass it: `uncertain`, `abstained`, `engine_fault`,
+`over_budget`; null when it passed) and `reads`.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def diagnostics(resp: Any, parsed: Parsed, engine: str) -> dict[str, Any]:
         "samples": _samples(answered, parsed),
         "prompt_tokens": diag.prompt_tokens or None,
         "questions": {qid: {"pos": r.slot, "entropy": r.read_entropies, "label_mass": r.label_mass,
-                            "argmax_is_label": r.argmax_is_label, "path": r.path, "reads": r.reads}
+                            "argmax_is_label": r.argmax_is_label, "path": r.path, "cause": r.cause,
+                            "reads": r.reads}
                       for qid, r in answered.items()},
         "constrained": diag.constrained,
         "formats": diag.formats,

@@ -1,12 +1,16 @@
-"""The request keys vLLM's gateway adds to the Jev wire, as `CanvasDecisionModel.adecide` options.
+"""The request keys vLLM's gateway adds to the Jev wire, as the parts of one `DecisionRequest`.
 
 Per request: `instructions` (context for every question), `samples` (1, N fixed reads, or
 `"auto"` with `auto_max` reads at most and `auto_threshold` nats of entropy that call for
 more), `steps`, `think`, `ask` (answer only these questions), `images` (data URLs, or
 `{content_type, base64}` objects; multipart file parts arrive here too), `seed`. Per
 question: `depends_on` (ids answered first, restated), `ask_if` (`{id: [answers]}`: asked
-only when every named answer matches) and `alone` (a canvas of its own). Every error is a
-422 about one place in the body; nothing here reaches the engine.
+only when every named answer matches) and `alone` (a canvas of its own). They become
+`CanvasDecisionModel.request`'s `read` (`ReadOptions` fields), `depends_on` and `gate` (the
+`GatePolicy` fields the samples keys set, applied over the server's gate for every question,
+per-question fits included). `auto_threshold` asks for more reads only (`reread_above`): a
+client cannot make the server escalate an answer its gate passes. Every error is a 422 about
+one place in the body; nothing here reaches the engine.
 """
 
 from __future__ import annotations
@@ -14,15 +18,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from canvasroute.router import MAX_SAMPLES, MAX_STEPS, MAX_THINK, GatePolicy
+from canvasroute.router import MAX_SAMPLES, MAX_STEPS, MAX_THINK
 
 from .limits import Limits
 from .wire import Refusal, malformed
 
-__all__ = ["GATEWAY_KEYS", "QUESTION_KEYS", "Extensions", "read_extensions", "request_policy"]
+__all__ = ["GATEWAY_KEYS", "QUESTION_KEYS", "Extensions", "read_extensions"]
 
 GATEWAY_KEYS = ("instructions", "samples", "auto_max", "auto_threshold", "steps", "think", "ask", "images",
                 "chunk_rows", "chunk_prompt", "sequential")
@@ -37,10 +41,12 @@ AUTO_MAX = 4
 class Extensions:
     """What the gateway keys of one request ask for, ready for the model."""
 
-    options: dict[str, Any] = field(default_factory=dict)
-    """`adecide` keywords: instructions, alone, steps, think, images, depends_on."""
-    policy: dict[str, Any] = field(default_factory=dict)
-    """`GatePolicy` fields this request sets: samples, rereads, max_entropy."""
+    read: dict[str, Any] = field(default_factory=dict)
+    """`ReadOptions` fields this request sets: instructions, alone, steps, think, images."""
+    depends_on: dict[str, dict[str, Any]] | None = None
+    """`{child: {parent: answers or None}}` from `depends_on` and `ask_if` (None: no dependencies)."""
+    gate: dict[str, Any] = field(default_factory=dict)
+    """`GatePolicy` fields this request sets: samples, rereads, reread_above."""
     samples: dict[str, Any] | None = None
     """The read policy as the request put it (for the diagnostics), None: the server's."""
     ask: tuple[str, ...] | None = None
@@ -56,7 +62,7 @@ def text_of(value: Any) -> str:
 
 def read_extensions(data: Mapping[str, Any], questions: Mapping[str, Mapping[str, Any]],
                     answers: Mapping[str, Mapping[str, str]], images: list[str], limits: Limits) -> Extensions:
-    """The request's gateway keys (`data`) and question keys (`questions`, raw) as model options.
+    """The request's gateway keys (`data`) and question keys (`questions`, raw) as request parts.
 
     `answers`: per question, each answer as the gateway's `ask_if` names it (yes/no, an
     option name, a level's text) -> the library's answer (a Score level's index);
@@ -101,19 +107,10 @@ def read_extensions(data: Mapping[str, Any], questions: Mapping[str, Mapping[str
             raise malformed(("questions", qid, "alone"), "must be true or false")
         if lone:
             alone.append(qid)
-    if depends:
-        options["depends_on"] = depends
     if alone:
         options["alone"] = alone
-    policy, samples = _samples(data)
-    return Extensions(options=options, policy=policy, samples=samples, ask=ask)
-
-
-def request_policy(policy: GatePolicy, changes: Mapping[str, Any]) -> GatePolicy:
-    """`policy` with a request's read settings, in its per-question overrides too."""
-    if not changes:
-        return policy
-    return replace(policy, **changes, per_question={q: replace(p, **changes) for q, p in policy.per_question.items()})
+    gate, samples = _samples(data)
+    return Extensions(read=options, depends_on=depends or None, gate=gate, samples=samples, ask=ask)
 
 
 def _count(data: Mapping[str, Any], name: str, low: int, top: int) -> int:
@@ -138,7 +135,8 @@ def _samples(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | 
             if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not \
                     (math.isfinite(threshold) and threshold >= 0):
                 raise malformed(("auto_threshold",), "must be a number of nats, 0 or more")
-            policy["max_entropy"] = asked["threshold"] = float(threshold)
+            # more reads above it, never a stricter gate: the server's gate alone decides what escalates
+            policy["reread_above"] = asked["threshold"] = float(threshold)
         return policy, asked
     if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= MAX_SAMPLES:
         raise malformed(("samples",), f"must be a count from 1 to {MAX_SAMPLES}, or \"auto\"")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from canvasroute.router import MAX_OPTIONS
+
 __all__ = ["ConnectionLimits", "Limits"]
 
 
@@ -21,8 +23,9 @@ class Limits:
     """Deepest JSON nesting anywhere in the body (400 `invalid_json`)."""
     max_questions: int = 64
     """Questions per request (422 `too_many_questions`)."""
-    max_options: int = 64
-    """Options of one Choice (422 `too_many_options`)."""
+    max_options: int = MAX_OPTIONS
+    """Options of one Choice (422 `too_many_options`): System One's 255 by default, the library's cap
+    (`canvasroute.router.MAX_OPTIONS`); past the labels one read takes, a question is read in two steps."""
     max_levels: int = 32
     """Levels of one Score (422 `too_many_levels`)."""
     max_state_chars: int = 65_536
@@ -37,7 +40,7 @@ class Limits:
 
     def describe(self) -> str:
         """One line per bound (for `--help` and docs)."""
-        return "; ".join(f"{name}={getattr(self, name):g}" for name in self.__slots__)  # type: ignore[attr-defined]
+        return "; ".join(f"{name}={getattr(self, name):g}" for name in self.__slots__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,7 +9,7 @@ their own counts. What it holds:
 | `canvasroute_server_request_duration_seconds` | histogram | `route` |
 | `canvasroute_server_requests_in_flight` | gauge | |
 | `canvasroute_server_queue_wait_seconds` | histogram (admission to a running slot) | |
-| `canvasroute_server_decisions_total` | counter: questions answered | `path` (canvas, reread, escalated, fallback, ...) |
+| `canvasroute_server_decisions_total` | counter: questions answered | `path` (canvas, reread, escalated, fallback, unsure, skipped), `cause` (uncertain, abstained, engine_fault, over_budget; `none` when the gate passed) |
 | `canvasroute_server_rejections_total` | counter: requests and connections turned away | `reason` (the error `type`) |
 | `canvasroute_server_connections` | gauge: open client connections | |
 | `canvasroute_server_decisions_running`, `..._queued` | gauges, read from the gate at scrape | |
@@ -68,17 +68,18 @@ class Metrics:
         self.queue_wait = Histogram("canvasroute_server_queue_wait_seconds",
                                     "Seconds an admitted decision waited for a running slot", buckets=_BUCKETS,
                                     registry=r)
-        self.decisions = Counter("canvasroute_server_decisions", "Questions answered, by the path that answered",
-                                 ["path"], registry=r)
+        self.decisions = Counter("canvasroute_server_decisions", "Questions answered, by the path that answered "
+                                 "and why the gate did not pass them", ["path", "cause"], registry=r)
         self.rejections = Counter("canvasroute_server_rejections", "Requests and connections turned away",
                                   ["reason"], registry=r)
         self.connections = Gauge("canvasroute_server_connections", "Open client connections", registry=r)
-        r.register(_GateCollector(gate))  # type: ignore[arg-type]
+        r.register(_GateCollector(gate))
 
     def decided(self, reads: Mapping[str, Any]) -> None:
-        """Count each question of an answered decision set by its path."""
+        """Count each question of an answered decision set by its path and cause."""
         for report in reads.values():
-            self.decisions.labels(str(getattr(report, "path", "unknown"))).inc()
+            cause = getattr(report, "cause", None)
+            self.decisions.labels(str(getattr(report, "path", "unknown")), str(cause or "none")).inc()
 
     def refused(self, status: int, kind: str) -> None:
         """Count a refusal that turned the request away (see `REJECTED`)."""

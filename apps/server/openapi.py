@@ -81,6 +81,15 @@ class ImageObject(_Strict):
     base64: str
 
 
+class Asset(_Open):
+    """An image System One's `assets` names (typesafe-sdk sends them)."""
+
+    type: Literal["image"] = "image"
+    format: Literal["png", "jpg", "jpeg"] | None = Field(None, description="The image format, with data_base64.")
+    data_base64: str | None = Field(None, description="The image, base64-encoded.")
+    part: str | None = Field(None, description="In a multipart body: the name of the file part holding the image.")
+
+
 class SystemOneRequest(_Open):
     """One decision set: every question is asked about the same state, in one canvas read where they fit."""
 
@@ -88,6 +97,10 @@ class SystemOneRequest(_Open):
     state: Any = Field(description="What every question refers to: text, or any JSON value but null "
                                    "(read as its JSON text).")
     questions: dict[str, Question] = Field(min_length=1, description="Questions keyed by a name you choose.")
+    assets: dict[str, Asset] | None = Field(
+        None, min_length=1, description="Images keyed by a placeholder: wherever a placeholder appears as or inside "
+                                        "a string of the state, an instruction or a criterion, its image is read with "
+                                        "the decision and the text says [image N] (System One).")
     instructions: Text = Field(None, description="Context for every question (vLLM gateway extension).")
     samples: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | Literal["auto"] | None = Field(
         None, description="1: one read per canvas; N: N fixed reads; \"auto\": one read, then up to auto_max in "
@@ -169,9 +182,17 @@ def openapi(limits: Limits) -> dict[str, Any]:
     request["questions"]["maxProperties"] = limits.max_questions
     request["model"]["anyOf"][0]["maxLength"] = limits.max_name_chars
     request["state"]["not"] = {"type": "null"}
+    choice = components["ChoiceQuestion"]["properties"]["criteria"]
+    choice["maxProperties"] = limits.max_options
+    choice["description"] = f"Option name -> description (null: the name alone), 2 to {limits.max_options} options."
+    score = components["ScoreQuestion"]["properties"]["criteria"]
+    score["maxItems"] = limits.max_levels
+    score["description"] = f"Level descriptions in order (level 0 first), 2 to {limits.max_levels} levels."
     multipart = {"type": "object", "required": ["request"], "properties": {
         "request": {"type": "string", "description": "the JSON request (SystemOneRequest)"},
-        "image": {"type": "string", "format": "binary", "description": "an image file part (image/*)"}}}
+        "image": {"type": "string", "format": "binary",
+                  "description": "an image file part (image/*, or PNG or JPEG bytes), under any name: one that "
+                                 "`assets` names is placed there, any other is read with every question"}}}
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     errors = {code: {"description": text, **error} for code, text in _ERRORS.items()}
     ok = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/SystemOneResponse"}}}}

@@ -25,16 +25,17 @@ from pydantic import ValidationError
 from canvasroute.engine import DecisionError
 from canvasroute.router import parse_questions
 
+from .assets import place_assets
 from .extensions import GATEWAY_KEYS, QUESTION_KEYS, Extensions, read_extensions, text_of
 from .limits import Limits
 from .wire import Refusal, from_exception, malformed
 
 __all__ = ["Parsed", "parse_request"]
 
-_QUESTION_TYPES = {"noul": Noul, "choice": Choice, "score": Score}
+_QUESTION_TYPES: dict[str, type[Noul | Choice | Score]] = {"noul": Noul, "choice": Choice, "score": Score}
 _QUESTION_KEYS = {"type", "instructions", "criteria", *QUESTION_KEYS}
-_REQUEST_KEYS = {"model", "state", "questions", "seed", "thread_id", *GATEWAY_KEYS}
-_MEDIA_FIELDS = ("assets", "audio", "videos")
+_REQUEST_KEYS = {"model", "state", "questions", "assets", "seed", "thread_id", *GATEWAY_KEYS}
+_MEDIA_FIELDS = ("audio", "videos")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 """After `json.loads`, a valid escaped pair is one code point: any surrogate left is a lone one."""
 _MAX_IGNORED = 20
@@ -62,8 +63,12 @@ class _NonFinite:
 _NON_FINITE = _NonFinite()
 
 
-def parse_request(body: bytes, limits: Limits, images: Sequence[str] = ()) -> Parsed:
-    """Malformed body (400) first, then fields (422), then bounds (413/422), then what cannot be asked (422)."""
+def parse_request(body: bytes, limits: Limits, parts: Sequence[tuple[str, str]] = ()) -> Parsed:
+    """Malformed body (400) first, then fields (422), then bounds (413/422), then what cannot be asked (422).
+
+    `parts`: a multipart body's image file parts, (name, data URL): those System One's `assets`
+    name are placed where their placeholders are (`assets`), the others are read with every question.
+    """
     data = _load(body, limits)
     if not isinstance(data, dict):
         raise Refusal(400, "invalid_body", "the body must be a JSON object", loc=())
@@ -84,13 +89,18 @@ def parse_request(body: bytes, limits: Limits, images: Sequence[str] = ()) -> Pa
     if len(raw) > limits.max_questions:
         raise Refusal(422, "too_many_questions", f"{len(raw)} questions; at most {limits.max_questions} "
                       "per request", loc=("questions",))
+    images = [url for _, url in parts]
+    if data.get("assets") is not None:  # System One's images, named by placeholders in the text
+        placed = place_assets(data["assets"], state, raw, parts)
+        state, raw = placed.state, placed.questions
+        images = [*placed.images, *(url for name, url in parts if name not in placed.parts)]
     shaped = {qid: _shape_question(qid, q) for qid, q in raw.items()}
     for name in _MEDIA_FIELDS:
         if data.get(name):
             raise Refusal(422, "unsupported_media", f"{name}: this server reads text, JSON and images",
                           loc=(name,))
     _check_sizes(state, shaped, limits)
-    extensions = read_extensions(data, raw, {qid: _answer_names(q) for qid, q in shaped.items()}, list(images), limits)
+    extensions = read_extensions(data, raw, {qid: _answer_names(q) for qid, q in shaped.items()}, images, limits)
     questions = {qid: _question(qid, shaped[qid]) for qid in (extensions.ask or shaped)}
     try:
         parse_questions(questions)  # labels and option names, before any slot is taken
@@ -206,7 +216,7 @@ def _check_sizes(state: Any, shaped: dict[str, dict[str, Any]], limits: Limits) 
         if _chars(q["instructions"]) > limits.max_text_chars:
             raise Refusal(422, "text_too_long", f"question {qid!r}: instructions over {limits.max_text_chars} "
                           "characters", loc=(*where, "instructions"))
-        criteria = q.get("criteria")
+        criteria: Any = q.get("criteria")
         if q["type"] == "choice" and len(criteria) > limits.max_options:
             raise Refusal(422, "too_many_options", f"question {qid!r}: {len(criteria)} options; at most "
                           f"{limits.max_options}", loc=(*where, "criteria"))
