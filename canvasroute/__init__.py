@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         merge_decisions,
         retry_on,
         route_on,
+        run_totals,
     )
     from canvasroute.router import (
         CanvasDecisionModel,
@@ -98,8 +99,7 @@ _LAYERS = {
     ],
     "harness": [
         "DecisionEdge", "DecisionNode", "NodeCache", "ReviewPolicy", "StoreBudgetMeter", "decision_node",
-        "merge_decisions",
-    "questions_from_schema", "retry_on", "route_on",
+        "merge_decisions", "retry_on", "route_on", "run_totals",
     ],
 }
 _HOME = {name: layer for layer, names in _LAYERS.items() for name in names}
@@ -159,6 +159,7 @@ __all__ = [
     "questions_from_schema",
     "retry_on",
     "route_on",
+    "run_totals",
     "save_policy",
     "__version__",
 ]

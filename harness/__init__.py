@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ._edge import DecisionEdge, route_on
     from ._node import DecisionNode, decision_node, retry_on
     from ._node_cache import NodeCache
-    from ._records import DECISION_EVENT, REVIEW_EVENT, merge_decisions
+    from ._records import DECISION_EVENT, REVIEW_EVENT, merge_decisions, run_totals
     from ._review import ReviewPolicy
     from ._store_budget import StoreBudgetMeter
 
@@ -46,6 +46,7 @@ __all__ = [
     "merge_decisions",
     "retry_on",
     "route_on",
+    "run_totals",
 ]
 
 _LAZY = {
@@ -61,6 +62,7 @@ _LAZY = {
     "merge_decisions": "._records",
     "retry_on": "._node",
     "route_on": "._edge",
+    "run_totals": "._records",
 }
 
 

@@ -270,7 +270,7 @@ class DecisionNode(Runnable[Any, Command]):
 
     def _finish(self, job: _Job, state: Any, response: CanvasResponse,
                 human: Mapping[str, str] | None = None) -> tuple[Command, dict[str, Any]]:
-        decided = entries(response, human or {})
+        decided = entries(response, human or {}, job.call.task_id)
         goto = self._goto(decided, state)
         trace_route(job.call.attributes, goto)
         update = {self.output_key: self._written(decided, state, job.request.identity.branch)}
@@ -283,7 +283,7 @@ class DecisionNode(Runnable[Any, Command]):
     def _finish_shadow(self, job: _Job, response: CanvasResponse | None,
                        outcome: ShadowOutcome) -> tuple[Command, dict[str, Any]]:
         """Go where the existing router said; record what the canvas would have done."""
-        decided = entries(response, {}) if response is not None else {}
+        decided = entries(response, {}, job.call.task_id) if response is not None else {}
         for qid, record in decided.items():
             record["shadow"] = outcome.record(qid)
         trace_route(job.call.attributes, outcome.destination)

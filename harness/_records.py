@@ -18,7 +18,8 @@ message, and the models a decision calls are tagged `nostream`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from langchain_core.callbacks import adispatch_custom_event, dispatch_custom_event
@@ -39,14 +40,17 @@ _UNSTABLE = frozenset({"latency_s"})
 """The report field a replay does not reproduce (kept under `timing`)."""
 
 
-def entries(response: CanvasResponse, human: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+def entries(response: CanvasResponse, human: Mapping[str, str], decision: str | None = None) -> dict[str, dict[str, Any]]:
     """One JSON-able entry per question, for graph state and checkpoints.
 
     `answer` and `path` are what the graph acted on (`path` is `human` when a reviewer
     chose); `result` (the langchain-core answer) and `read` (the `ReadReport` without its
-    latency) describe the model's own answer; `timing` holds the wall-clock `latency_s`,
-    the one part a replay does not reproduce.
+    latency) describe the model's own answer; `timing` holds what a replay does not reproduce:
+    the wall-clock `latency_s`, and the decision set's `totals` (`Totals.as_dict()`) under its
+    `decision` id (one per node run), so `run_totals` counts each set once.
     """
+    totals = Totals.of(response).as_dict()
+    decision = decision or uuid.uuid4().hex
     out = {}
     for qid, report in response.reads.items():
         answer = response.answers.get(qid)
@@ -55,9 +59,50 @@ def entries(response: CanvasResponse, human: Mapping[str, str]) -> dict[str, dic
             "path": "human" if qid in human else report.path,
             "result": None if answer is None else answer.__pydantic_serializer__.to_python(answer, mode="json"),
             "read": report.__pydantic_serializer__.to_python(report, mode="json", exclude=_UNSTABLE),
-            "timing": {"latency_s": report.latency_s},
+            "timing": {"latency_s": report.latency_s, "decision": decision, "totals": totals},
         }
     return out
+
+
+def run_totals(source: Any) -> Totals:
+    """What a graph run's decisions cost, summed without any SDK: reads, canvases, escalations,
+    tokens and seconds (`Totals`).
+
+    `source` is the run's decision records (`state["decisions"]`, flat, by fan-out branch, or
+    with `history=`: every iteration the records kept counts), or its decision events (the
+    custom stream's `canvasroute.decision` chunks, or `astream_events`' data). Each decision set
+    counts once, however many questions or places carry it.
+
+    Example:
+        ```python
+        out = graph.invoke({"ticket": "..."})
+        run_totals(out["decisions"]).reads, run_totals(out["decisions"]).escalations
+        ```
+    """
+    seen: dict[str, Totals] = {}
+    for totals in _sets(source):
+        seen.setdefault(totals[0], totals[1])
+    return sum(seen.values(), Totals())
+
+
+def _sets(value: Any) -> Iterator[tuple[str, Totals]]:
+    """(decision id, totals) of every decision set in `value`."""
+    if isinstance(value, Mapping):
+        if value.get("type") in (DECISION_EVENT,) and isinstance(value.get("totals"), Mapping):
+            yield str(value.get("decision") or id(value)), Totals.from_dict(value["totals"])
+            return
+        if is_record(value):
+            timing = value.get("timing") or {}
+            if isinstance(timing.get("totals"), Mapping):
+                yield str(timing.get("decision")), Totals.from_dict(timing["totals"])
+            for earlier in value.get("history") or ():
+                yield from _sets(earlier)
+            return
+        for v in value.values():
+            yield from _sets(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _sets(v.get("data", v) if isinstance(v, Mapping) and "event" in v else v)
 
 
 def answers_only(value: Any) -> Any:
@@ -130,9 +175,11 @@ def event(kind: str, node: str, goto: str | None, decided: Mapping[str, Mapping[
     """The payload of one decision event (plain JSON values): answers, paths, entropies, its
     `tally` and, once decided, its `totals` (reads, canvases, escalations, tokens, seconds)."""
     branch = request.identity.branch
+    decision = next((d["timing"]["decision"] for d in decided.values() if "timing" in d), None)
     return {
         "type": kind,
         "node": node,
+        **({"decision": decision} if decision is not None else {}),
         **({"branch": branch} if branch is not None else {}),
         "goto": goto,
         "seed": request.identity.seed,

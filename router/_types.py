@@ -164,6 +164,11 @@ class CanvasResponse(ClassifierResponse):
     diagnostics: Diagnostics | None = None
     """How the decision was read: stages, canvases, formats, thoughts."""
 
+    @property
+    def totals(self) -> Totals:
+        """What this decision set cost: reads, canvases, escalations, tokens, seconds."""
+        return Totals.of(self)
+
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
     """The langchain-core answer for one report (validated as one mapping, like the reports)."""
