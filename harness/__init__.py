@@ -30,11 +30,13 @@ if TYPE_CHECKING:
     from ._node import DecisionNode, decision_node, retry_on
     from ._node_cache import NodeCache
     from ._records import DECISION_EVENT, REVIEW_EVENT, merge_decisions, run_totals
+    from ._review import TASK_NAME as DECISION_TASK
     from ._review import ReviewPolicy
     from ._store_budget import StoreBudgetMeter
 
 __all__ = [
     "DECISION_EVENT",
+    "DECISION_TASK",
     "REVIEW_EVENT",
     "DecisionEdge",
     "DecisionNode",
@@ -51,6 +53,7 @@ __all__ = [
 
 _LAZY = {
     "DECISION_EVENT": "._records",
+    "DECISION_TASK": "._review",
     "REVIEW_EVENT": "._records",
     "DecisionEdge": "._edge",
     "DecisionNode": "._node",
@@ -70,7 +73,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         from importlib import import_module
 
-        value = getattr(import_module(_LAZY[name], __name__), name)
+        value = getattr(import_module(_LAZY[name], __name__), "TASK_NAME" if name == "DECISION_TASK" else name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'canvasroute.harness' has no attribute {name!r}")

@@ -251,6 +251,11 @@ def _option(qid: str, value: Any, options: Mapping[str, tuple[str, ...]]) -> str
 # -- durable decisions ------------------------------------------------------------------
 
 TASK_NAME = "canvasroute_decision"
+"""The checkpointed task a review node's decision runs in. LangGraph shows a node's tasks in the
+`updates` and `tasks` stream modes under their names (its hidden tag applies to nodes, not to the
+tasks a node calls), so those two modes show one entry named this beside the node's own; `values`,
+`custom`, `messages`, `debug` and `checkpoints` do not. Filter it out with
+`if DECISION_TASK not in chunk` (`canvasroute.harness.DECISION_TASK`)."""
 
 _calls: dict[str, Callable[[], Any]] = {}
 _lock = threading.Lock()
