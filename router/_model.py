@@ -86,16 +86,20 @@ class CanvasDecisionModel(BaseDecisionModel):
     outcomes: OutcomePolicy = Field(default_factory=OutcomePolicy)
     """What happens when the gate is not passed, by cause (uncertain, abstained, engine fault,
     over budget), and the fallback options."""
-    constrained: bool | None = None
-    """Reads normalized over the request's label ids only (vLLM's `diffusion_constrained`):
-    the same label distribution, in well under half the time on the vLLM CPU server, but no
-    label mass and no `argmax_is_label` (reported as None). None (default): constrained
-    unless the gate reads label mass; True: always; False: never."""
+    read: ReadOptions = Field(default_factory=ReadOptions)
+    """How every decision's canvases are read unless a call says otherwise (`ReadOptions`, or a
+    dict of its fields): e.g. `read={"constrained": False}` measures label mass on every read,
+    `read={"isolate": "all"}` reads each question without the others in view."""
     cache: Any = None
     """A `DecisionCache`: an identical request (same questions, state, options, gate, seed) is
     answered from it without a read (None: every call reads)."""
 
     _kept: _Memo = PrivateAttr()
+
+    @field_validator("read", mode="before")
+    @classmethod
+    def _check_read(cls, value: Any) -> ReadOptions:
+        return read_options(value)
 
     @field_validator("escalate_to")
     @classmethod
@@ -170,7 +174,8 @@ class CanvasDecisionModel(BaseDecisionModel):
         Args:
             state: What to decide on: text, messages, or JSON-like values (images as content blocks).
             questions: `{question_id: Noul | Choice | Score}` (models or their dicts).
-            read: How the canvases are read (`ReadOptions`, or a dict of its fields).
+            read: How the canvases are read: a `ReadOptions` (taken whole), or a dict of its fields
+                over the model's own `read`.
             depends_on: `{child: (parent, answers)}` or `{child: {parent: answers or None}}`:
                 children asked after their parents, and only when their answers match.
             gate: This decision's gate: a `GatePolicy`, or a dict of fields applied over the
@@ -184,9 +189,7 @@ class CanvasDecisionModel(BaseDecisionModel):
             DecisionError: a question, dependency, read option or fallback that cannot be used.
         """
         qset = self._questions(questions, depends_on)
-        options = read_options(read)
-        if options.constrained is None and self.constrained is not None:
-            options = replace(options, constrained=self.constrained)
+        options = read_options(read, self.read)
         if unknown := sorted(options.alone - set(qset.specs)):
             raise DecisionError(f"alone names {unknown[:5]}, which are not among the questions",
                                 hint=f"alone takes ids of this decision's questions: {list(qset.specs)[:8]}")

@@ -62,6 +62,9 @@ class Chunk:
     slots: tuple[Slot, ...]
     compact: bool = False
     """Answers as `q1A q2B` on one line instead of `q1: A` lines."""
+    isolated: bool = False
+    """An isolated read on a causal engine (`ReadOptions.isolate`, `isolated`): the state first, its
+    question after it, so a decision's reads share the prompt's prefix up to the end of the state."""
     label_ids: tuple[int, ...] = field(init=False, compare=False, repr=False)
     """Every slot's label ids, sorted (what one read asks the engine for)."""
 
@@ -402,10 +405,40 @@ KEEP = 256
 Messages = tuple[Mapping[str, str], ...]
 
 
+ISOLATED_SYSTEM = "Read the input, then answer the question that follows it."
+"""The system prompt of an isolated read (its question follows the state in the user message)."""
+
+
 def messages(chunk: Chunk, state_text: str, instructions: str = "") -> Messages:
-    """The chat messages one chunk is read with (the decision's `instructions` head its system prompt)."""
+    """The chat messages one chunk is read with (the decision's `instructions` head its system
+    prompt). An isolated chunk puts the state first and its question after it, so the isolated
+    reads of one decision share every token up to the end of the state (a prefix cache's hit)."""
+    if chunk.isolated:
+        system = f"{instructions}\n\n{ISOLATED_SYSTEM}" if instructions else ISOLATED_SYSTEM
+        return ({"role": "system", "content": system}, {"role": "user", "content": f"{state_text}\n\n{chunk.system}"})
     system = f"{instructions}\n\n{chunk.system}" if instructions else chunk.system
     return ({"role": "system", "content": system}, {"role": "user", "content": state_text})
+
+
+AUTO_ISOLATE = range(2, 5)
+"""Sizes of yes/no sets `isolate="auto"` reads one question at a time on a bidirectional engine:
+where a loss is reported (two yes/no questions read together scored 0.60, alone 0.88; none at five)."""
+
+
+def isolated(isolate: str, info: EngineInfo, specs: Mapping[str, QuestionSpec]) -> bool:
+    """Whether a stage's questions are each read without the others in view: `all`; `auto` on a
+    causal engine (a slot sees the questions before it: a lone question too, for its layout), and
+    on others for sets of 2-4 yes/no questions.
+
+    An isolated read on a bidirectional engine is the question's lone read, prompt for prompt;
+    on a causal engine it puts the state first (`Chunk.isolated`), so a decision's reads share the
+    prompt up to the end of the state (the engine's prefix cache), whatever its neighbours."""
+    if isolate == "none":
+        return False
+    if info.causal_readout:
+        return True
+    return isolate == "all" and len(specs) > 1 or (
+        len(specs) in AUTO_ISOLATE and all(s.kind == "noul" for s in specs.values()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,12 +464,16 @@ class Planner:
         specs, gate, read = request.questions.specs, request.gate, request.read
         shaped = {qid: with_abstain(specs[qid]) if gate.for_question(qid).abstain else specs[qid] for qid in asked}
         views = {qid: gate.for_question(qid).order_views for qid in asked if gate.for_question(qid).order_views}
-        alone = sorted(read.alone.intersection(asked))
+        info = await self.engine.info()
+        apart = isolated(read.isolate, info, shaped)
+        alone = sorted(asked) if apart and len(asked) > 1 else sorted(read.alone.intersection(asked))
+        state_first = apart and info.causal_readout
         plan_key: Any = request.questions.key
-        if len(asked) != len(specs) or views or alone or read.think or any(s.abstain for s in shaped.values()):
+        if (len(asked) != len(specs) or views or alone or read.think
+                or any(s.abstain for s in shaped.values())):
             plan_key = (plan_key, tuple(asked), tuple(q for q, s in shaped.items() if s.abstain),
-                        tuple(views.items()), tuple(alone), bool(read.think))
-        return await self._get(plan_key, shaped, views, alone, "" if read.think else None)
+                        tuple(views.items()), tuple(alone), bool(read.think), state_first)
+        return await self._get(plan_key, shaped, views, alone, "" if read.think else None, state_first)
 
     async def member(self, the_plan: Plan, qid: str, group: int, think: bool = False) -> Plan:
         """The in-group plan of a question read in two steps (`think`: its read continues a thought)."""
@@ -462,10 +499,13 @@ class Planner:
                     await _check(self.engine, info, chunk, prompt, think, qid)
 
     async def _get(self, key: Any, specs: Mapping[str, QuestionSpec], views: Mapping[str, int] | None = None,
-                   alone: Sequence[str] = (), canvas_prefix: str | None = None) -> Plan:
+                   alone: Sequence[str] = (), canvas_prefix: str | None = None, state_first: bool = False) -> Plan:
         plans = self.plans
         if key not in plans:
-            plans[key] = await plan(self.engine, specs, views, alone=alone, canvas_prefix=canvas_prefix)
+            made = await plan(self.engine, specs, views, alone=alone, canvas_prefix=canvas_prefix)
+            if state_first:
+                made = replace(made, chunks=tuple(replace(c, isolated=True) for c in made.chunks))
+            plans[key] = made
             while len(plans) > KEEP:
                 plans.popitem(last=False)
         plans.move_to_end(key)

@@ -114,7 +114,7 @@ class GatePolicy:
     min_label_mass: float | None = None
     """Share of the model's probability on the labels at all (off-template answers) below
     which a question is uncertain. Setting it makes the model's default reads unconstrained
-    (`CanvasDecisionModel.constrained`): a constrained read cannot measure it."""
+    (`ReadOptions.constrained`): a constrained read cannot measure it."""
 
     temperature: float = 1.0
     """Divides the canvas log-probabilities before the softmax over labels (> 1 softens

@@ -145,7 +145,7 @@ async def test_constrained_reads_are_the_default_and_read_the_same_distribution(
     on label mass or the model says `constrained=False`."""
     engine = VLLMServerEngine(vllm_url)
     default = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
-    full = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0), constrained=False)
+    full = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0), read={"constrained": False})
     massed = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0, min_label_mass=0.0))
     a, b, c = [await m.adecide(TICKET, QUESTIONS, seed=4) for m in (default, full, massed)]
     for qid in QUESTIONS:

@@ -138,7 +138,7 @@ class Scripted(FunctionEngine):
         self.unthought += self.thinking and read.thought is None
         self.prompts.append(read.messages[-1]["content"])
         system = read.messages[0]["content"]
-        found = blocks(system)
+        found = blocks(system) or blocks(read.messages[-1]["content"])  # an isolated causal read: after the state
         assert len(found) == len(read.slots)
         prompt = (system, read.messages[-1]["content"])
         kind = ("in_group" if any(b.instructions.startswith("Q") and "(First:" not in b.instructions
@@ -292,7 +292,7 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         "uncertain": uncertain, "over_budget": draw(st.sampled_from(["answer", "fallback", "raise"])),
         "order_views": draw(st.integers(0, 2)), "rereads": draw(st.integers(0, 2)),
         "samples": draw(st.sampled_from([1, 1, 1, 2])), "causal": draw(st.sampled_from([False, False, True])),
-        "think": think,
+        "think": think, "isolate": draw(st.sampled_from(["auto", "auto", "none", "all"])),
         # long instructions beside a two-step question and a small context: every read must still fit
         "instructions": draw(st.sampled_from(INSTRUCTIONS)),
         "alone": tuple(q for q in qids if draw(st.sampled_from([False, False, True]))),
@@ -380,7 +380,7 @@ def build(s: dict[str, Any]) -> Built:
                                 escalate_to=Escalation(target.runnable, budget=budget) if target else None,
                                 cache=DecisionCache() if s["model_cache"] else None)
     built = Built(s, engine, target, model, questions, options)
-    read = {"instructions": s["instructions"], "alone": s["alone"], "think": s["think"]}
+    read = {"instructions": s["instructions"], "alone": s["alone"], "think": s["think"], "isolate": s["isolate"]}
     if not s["graph"]:
         return built
     route = (s["qids"][0], {o: f"lane{n}" for n, o in enumerate(options[s["qids"][0]])})
@@ -463,7 +463,7 @@ def run(b: Built, thread: str) -> Run:
     b.engine.seen, b.engine.faults = set(), 0
     logged = len(FAULT_LOG.records)
     s = b.s
-    read = {"instructions": s["instructions"], "alone": s["alone"], "think": s["think"]}
+    read = {"instructions": s["instructions"], "alone": s["alone"], "think": s["think"], "isolate": s["isolate"]}
     gate = {"max_normalized_entropy": s["layer_gate"]} if s["layer"] in ("context", "request") else None
     try:
         hits = b.model.cache.hits if b.model.cache else 0

@@ -305,7 +305,7 @@ async def test_reread_aggregation_agreement_and_stderr_by_hand():
     reads = [((0.55, 0.45), 1.0), ((0.9, 0.1), 1.0), ((0.3, 0.7), 1.0), ((0.8, 0.2), 0.8)]
     script = Script({"team": reads})
     model = CanvasDecisionModel(engine=script.engine, policy=GatePolicy(**{**OFF, "min_confidence": 0.6}),
-                                constrained=False)  # label mass is measured only on unconstrained reads
+                                read={"constrained": False})  # label mass is measured only on unconstrained reads
     resp = await model.adecide(STATE, questions("team"), seed=5)
     r = resp.reads["team"]
     assert (r.path, r.reads, r.confident, r.crossed) == ("reread", 4, True, [])  # 0.6375 >= 0.6

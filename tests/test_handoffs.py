@@ -242,9 +242,13 @@ def test_11_samples_on_a_causal_engine_read_once_and_report_no_agreement():
     team = resp.reads["team"]
     assert resp.canvas_reads == 1 and team.reads == 1 and team.rereadable is False
     assert team.agreement is None and team.stderr is None
-    both = model.decide("x", {"team": TEAM, "urgent": URGENT})  # urgent's slot sees team's noise: it varies
+    joint = {"isolate": "none"}  # one canvas: urgent's slot sees team's noise, so its reads vary
+    both = model.decide("x", {"team": TEAM, "urgent": URGENT}, read=joint)
     assert both.canvas_reads == 4 and both.reads["team"].reads == 1 and both.reads["urgent"].reads == 4
     assert both.reads["urgent"].agreement is not None
+    apart = model.decide("x", {"team": TEAM, "urgent": URGENT})  # a causal engine isolates by default
+    assert apart.canvas_reads == 2 and {r.reads for r in apart.reads.values()} == {1}
+    assert {r.agreement for r in apart.reads.values()} == {None}
 
 
 # -- 13: a reviewer's option is recorded as they chose it --------------------------------------------

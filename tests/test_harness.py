@@ -144,6 +144,8 @@ def test_a_node_without_route_writes_decisions_and_follows_its_edges():
 
 
 def test_dynamic_questions_are_still_one_read():
+    """Questions made from the state share one canvas (a set of 4 yes/no questions would be read
+    one at a time by `isolate="auto"`, so this node reads them jointly: `isolate="none"`)."""
     engine = fixed_engine(SURE_TECH)
 
     def per_document(state):
@@ -154,7 +156,8 @@ def test_dynamic_questions_are_still_one_read():
         decisions: dict
 
     builder = StateGraph(Docs)
-    builder.add_node("grade", decision_node(CanvasDecisionModel(engine=engine), per_document))
+    builder.add_node("grade", decision_node(CanvasDecisionModel(engine=engine), per_document,
+                                            read={"isolate": "none"}))
     builder.add_edge(START, "grade")
     out = builder.compile().invoke({"docs": ["a", "b", "c", "d"]})
     assert engine.calls == 1 and len(engine.reads[0].slots) == 4
@@ -815,7 +818,7 @@ def test_a_node_reads_with_the_gateways_read_options():
     plain = decision_node(model, questions, inputs="ticket")
     assert node.cache_key({"ticket": "Refund me"}) != plain.cache_key({"ticket": "Refund me"})
     with pytest.raises(ValueError, match=r"unknown read options \['tone'\]; ReadOptions has alone, constrained, "
-                                         "images, instructions, steps, think"):
+                                         "images, instructions, isolate, steps, think"):
         decision_node(model, questions, read={"tone": "formal"})
     # the edge adapter takes them too
     edge = route_on(model, TEAM, TEAMS, inputs="ticket", read=ReadOptions(instructions="EU customers only."))

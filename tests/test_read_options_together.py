@@ -82,7 +82,7 @@ async def test_samples_spend_no_budget_and_the_gate_still_escalates_after_them()
 async def test_samples_with_a_question_read_in_two_steps_and_with_order_views():
     big = Choice(instructions="Which topic?", criteria={f"t{i}": None for i in range(200)})  # > 128 label ids
     engine = FunctionEngine(lambda read: [{i: -1.0 for i in read.label_ids}] * len(read.slots), canvas_width=64)
-    routed = await CanvasDecisionModel(engine=engine, constrained=False).adecide(
+    routed = await CanvasDecisionModel(engine=engine, read={"constrained": False}).adecide(
         "x", {"topic": big}, gate=GatePolicy(samples=3, rereads=0))
     assert routed.reads["topic"].reads == 3 + 1  # the group slot read 3 times, the option in it once
     viewed = await CanvasDecisionModel(engine=engine).adecide(

@@ -3,7 +3,8 @@
 Noise sits at the answer slots. DiffusionGemma sees the whole canvas, so every re-read (fresh
 noise) can move every slot. A causal LM read at each slot (the embedded SmolLM2) sees only the
 canvas before a slot: its first slot sees no noise, reads the same distribution every time, and
-is not re-read (`rereadable=False`, one read, no agreement or stderr to report).
+is not re-read (`rereadable=False`, one read, no agreement or stderr to report). These tests
+read one joint canvas (`isolate="none"`): by default a causal engine reads each question alone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ QUESTIONS = {
 TICKET = "I was charged twice this month and need a refund today."
 ALWAYS_REREAD = GatePolicy(max_normalized_entropy=0.0, rereads=2)
 """Every read is over the gate, so every question that can be re-read is."""
+JOINT = {"isolate": "none"}
+"""One canvas for both questions (a causal engine would read them apart by default)."""
 
 
 def causal_rows(engine: FunctionEngine):
@@ -46,7 +49,7 @@ def causal_rows(engine: FunctionEngine):
 def test_a_causal_readouts_first_slot_is_not_reread(causal):
     engine = FunctionEngine(lambda read: rows(read), causal_readout=causal)
     rows = causal_rows(engine)
-    model = CanvasDecisionModel(engine=engine, policy=ALWAYS_REREAD)
+    model = CanvasDecisionModel(engine=engine, policy=ALWAYS_REREAD, read=JOINT)
     resp = model.decide(TICKET, QUESTIONS)
     team, urgent = resp.reads["team"], resp.reads["urgent"]
     assert urgent.reads == 3 and urgent.rereadable and urgent.agreement is not None and urgent.stderr is not None
@@ -61,7 +64,7 @@ def test_a_canvas_whose_only_uncertain_question_cannot_change_is_not_read_again(
     engine = FunctionEngine(lambda read: rows(read), causal_readout=True)
     rows = causal_rows(engine)
     policy = GatePolicy(max_normalized_entropy=0.0, rereads=3, per_question={"urgent": GatePolicy(rereads=0)})
-    resp = CanvasDecisionModel(engine=engine, policy=policy).decide(TICKET, QUESTIONS)
+    resp = CanvasDecisionModel(engine=engine, policy=policy, read=JOINT).decide(TICKET, QUESTIONS)
     assert resp.canvas_reads == 1 and engine.calls == 1
     assert resp.reads["team"].rereadable is False and resp.reads["team"].reads == 1
 
@@ -80,12 +83,12 @@ def smol():
 @pytest.mark.smollm
 def test_on_the_embedded_engine_fresh_noise_cannot_reach_the_first_slot(smol):
     assert run_sync(smol.info()).causal_readout
-    model = CanvasDecisionModel(engine=smol, policy=GatePolicy(max_normalized_entropy=None, rereads=0))
+    model = CanvasDecisionModel(engine=smol, policy=GatePolicy(max_normalized_entropy=None, rereads=0), read=JOINT)
     a, b = (model.decide(TICKET, QUESTIONS, seed=s) for s in (1, 2))
     # the fact the rule rests on, on the real model: other noise, the same first slot, another second
     assert a.reads["team"].canvas_probabilities == pytest.approx(b.reads["team"].canvas_probabilities, abs=1e-6)
     assert a.reads["urgent"].canvas_probabilities != pytest.approx(b.reads["urgent"].canvas_probabilities, abs=1e-6)
-    gated = CanvasDecisionModel(engine=smol, policy=ALWAYS_REREAD).decide(TICKET, QUESTIONS, seed=1)
+    gated = CanvasDecisionModel(engine=smol, policy=ALWAYS_REREAD, read=JOINT).decide(TICKET, QUESTIONS, seed=1)
     assert (gated.reads["team"].reads, gated.reads["team"].rereadable, gated.reads["team"].agreement) == (1, False, None)
     assert gated.reads["urgent"].reads == 3 and gated.reads["urgent"].stderr is not None
 
