@@ -18,6 +18,8 @@ Every figure is a ratio or a distribution measured side by side in one run:
 9. `gateway`      `canvasroute serve` vs vLLM's reference gateway (`--gateway-url`) in front of
                   the same vLLM server (`--vllm-url`): latency, calls/s and vLLM reads per call
                   at c=1 and c=8, interleaved; and the library path (skipped without both).
+10. `isolation`   each question read without its neighbours vs one joint canvas: reads and ms
+                  per decision set on the embedded SmolLM2 and on a real vLLM server (`--vllm-url`).
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -39,7 +41,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway")
+            "gateway", "isolation")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         "inprocess": lambda: _inprocess(args.quick),
         "clients": lambda: _clients(args.quick),
         "gateway": lambda: _gateway(args.gateway_url, args.vllm_url, args.quick),
+        "isolation": lambda: _isolation(args.vllm_url, args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -147,3 +150,9 @@ def _clients(quick: bool) -> Section:
 def _gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Section:
     from .gateway import run_gateway
     return run_gateway(reference, vllm_url, quick)
+
+
+def _isolation(vllm_url: str | None, quick: bool) -> Section:
+    from .isolation import run_isolation
+
+    return run_isolation(vllm_url, quick)
