@@ -9,7 +9,7 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 ├── EngineResponseError           the engine answered something a read cannot be
 ├── EscalationError               the escalation target failed or answered garbage  retryable if it timed out or was unreachable
 │                                 (`failure`: network | target | format)
-├── BudgetExhausted               escalation was needed, the budget is spent, policy says raise
+├── BudgetExhausted               escalation was needed, the budget is spent, OutcomePolicy says raise
 ├── UnsureAnswer                  the gate stayed unsure and OutcomePolicy(uncertain="raise")
 ├── DecisionError                 ValueError: the questions cannot be asked as given
 │   ├── UnsupportedQuestion       a question type with no canvas form (e.g. Box)
