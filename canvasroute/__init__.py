@@ -150,6 +150,7 @@ __all__ = [
     "UnsureAnswer",
     "VLLMEngine",
     "VLLMServerEngine",
+    "__version__",
     "add_otlp_exporter",
     "answers_to_schema",
     "decision_node",
@@ -161,7 +162,6 @@ __all__ = [
     "route_on",
     "run_totals",
     "save_policy",
-    "__version__",
 ]
 """Literal, so type checkers see the re-exports; `_LAYERS` says where each name lives."""
 

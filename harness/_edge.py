@@ -14,6 +14,7 @@ from ._context import GraphCall, Inputs, child_config, graph_call, select_inputs
 from ._node import check_path_map
 from ._records import DECISION_EVENT, aemit, emit, entries, event, trace_route
 
+
 class DecisionEdge(Runnable[Any, str]):
     """A conditional-edge path function that returns the chosen option of one question.
 
@@ -40,11 +41,11 @@ class DecisionEdge(Runnable[Any, str]):
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> str:
         """Decide synchronously and return the chosen option."""
-        return self._call_with_config(self._decide, input, ensure_config(config))
+        return self._call_with_config(self._decide, input, ensure_config(config))  # type: ignore[arg-type]
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> str:
         """Decide asynchronously and return the chosen option."""
-        return await self._acall_with_config(self._adecide, input, ensure_config(config))
+        return await self._acall_with_config(self._adecide, input, ensure_config(config))  # type: ignore[arg-type]
 
     # LangGraph runs a branch's path without setting the config context (it does for nodes);
     # `_call_with_config` sets it, so the runtime, stream writer and tracing work here too.
@@ -64,8 +65,8 @@ class DecisionEdge(Runnable[Any, str]):
         return option
 
     def _prepare(self, state: Any, config: RunnableConfig) -> tuple[GraphCall, DecisionRequest]:
-        call = graph_call(config, self.model, self.name)
-        return call, call.request(self.name, {self.question_id: self.question}, select_inputs(state, self.inputs),
+        call = graph_call(config, self.model, str(self.name))
+        return call, call.request(str(self.name), {self.question_id: self.question}, select_inputs(state, self.inputs),
                                   read=self.read)
 
     def _finish(self, call: GraphCall, request: DecisionRequest,

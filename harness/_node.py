@@ -76,7 +76,7 @@ MAX_HISTORY = 100
 """Records a node keeps per question with `history=` (the bound)."""
 
 
-class DecisionNode(Runnable[Any, Command]):
+class DecisionNode(Runnable[Any, Command[Any]]):
     """A graph node that asks its questions in one canvas read and routes on the answers.
 
     Build it with `decision_node(...)`; see there for the arguments.
@@ -141,7 +141,7 @@ class DecisionNode(Runnable[Any, Command]):
         route = self.route_question or ("callable" if self.route_fn else None)
         return f"DecisionNode(name={self.name!r}, route={route!r}, destinations={self.destinations!r})"
 
-    def __call__(self, state: Any, config: RunnableConfig | None = None) -> Command:
+    def __call__(self, state: Any, config: RunnableConfig | None = None) -> Command[Any]:
         """Run the node synchronously (what `invoke` does)."""
         return self.invoke(state, config)
 
@@ -179,7 +179,7 @@ class DecisionNode(Runnable[Any, Command]):
 
     # -- Runnable -----------------------------------------------------------------------
 
-    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command:
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command[Any]:
         """Decide synchronously (`graph.invoke`): one read for all questions, then route."""
         config = complete(config)
         job = self._prepare(input, config, get_callback_manager_for_config)
@@ -198,7 +198,7 @@ class DecisionNode(Runnable[Any, Command]):
         emit(payload, config, job.observed)
         return command
 
-    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command:
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Command[Any]:
         """Decide asynchronously (`graph.ainvoke`): one read for all questions, then route."""
         config = complete(config)
         job = self._prepare(input, config, get_async_callback_manager_for_config)
@@ -220,7 +220,7 @@ class DecisionNode(Runnable[Any, Command]):
     # -- the decision -------------------------------------------------------------------
 
     def _prepare(self, state: Any, config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> _Job:
-        call = graph_call(config, self.model, self.name)
+        call = graph_call(config, self.model, str(self.name))
         questions = self.questions(state) if callable(self.questions) else self.questions
         if not self._schema_checked:  # once per node, at its first run in a graph
             lacks = state_lacks(config, self.output_key)
@@ -247,13 +247,13 @@ class DecisionNode(Runnable[Any, Command]):
         model = job.call.model
         if not job.observed:
             return model.run(request)
-        return model.invoke(_invoke_input(request), child_config(config))
+        return model.invoke(_invoke_input(request), child_config(config))  # type: ignore[arg-type]
 
     async def _aread(self, job: _Job, config: RunnableConfig, request: DecisionRequest) -> CanvasResponse:
         model = job.call.model
         if not job.observed:
             return await model.arun(request)
-        return await model.ainvoke(_invoke_input(request), child_config(config))
+        return await model.ainvoke(_invoke_input(request), child_config(config))  # type: ignore[arg-type]
 
     def _review_event(self, job: _Job, response: CanvasResponse, fresh: bool) -> dict[str, Any] | None:
         """The event a decision waiting for a human sends before its interrupt (once: not on a resume)."""
@@ -269,7 +269,7 @@ class DecisionNode(Runnable[Any, Command]):
         return review(job.review, job.call.node, response, job.request)
 
     def _finish(self, job: _Job, state: Any, response: CanvasResponse,
-                human: Mapping[str, str] | None = None) -> tuple[Command, dict[str, Any]]:
+                human: Mapping[str, str] | None = None) -> tuple[Command[Any], dict[str, Any]]:
         decided = entries(response, human or {}, job.call.task_id)
         goto = self._goto(decided, state)
         trace_route(job.call.attributes, goto)
@@ -281,7 +281,7 @@ class DecisionNode(Runnable[Any, Command]):
         return lambda response: self._goto(entries(response, {}), state)
 
     def _finish_shadow(self, job: _Job, response: CanvasResponse | None,
-                       outcome: ShadowOutcome) -> tuple[Command, dict[str, Any]]:
+                       outcome: ShadowOutcome) -> tuple[Command[Any], dict[str, Any]]:
         """Go where the existing router said; record what the canvas would have done."""
         decided = entries(response, {}, job.call.task_id) if response is not None else {}
         for qid, record in decided.items():
@@ -301,7 +301,7 @@ class DecisionNode(Runnable[Any, Command]):
                 prev = before.get(qid)
                 if branch is not None:
                     prev = prev.get(branch) if isinstance(prev, Mapping) and not is_record(prev) else None
-                if is_record(prev):
+                if isinstance(prev, Mapping) and is_record(prev):
                     kept = [*prev.get("history", ()), {k: v for k, v in prev.items() if k != "history"}]
                     record["history"] = kept[-self.history:]
         return grouped(decided, branch)
@@ -323,6 +323,7 @@ class DecisionNode(Runnable[Any, Command]):
         if self.route_map is None:
             return
         qid, specs = self.route_question, request.questions.specs
+        assert qid is not None  # a route map has its question
         if qid not in specs:
             raise ValueError(f"route question {qid!r} is not among the questions {list(specs)}")
         check_path_map(qid, specs[qid].options, self.route_map, "route")
@@ -481,10 +482,10 @@ def route_destinations(route_map: dict[str, str] | None, route_fn: Callable[...,
     return tuple(dict.fromkeys(route_map.values())) if route_map else ()
 
 
-def annotated_call(destinations: tuple[str, ...]) -> Callable[..., Command]:
+def annotated_call(destinations: tuple[str, ...]) -> Callable[..., Command[Any]]:
     """A `__call__` whose return annotation is `Command[Literal[destinations]]` (read by `add_node`)."""
 
-    def __call__(self: Any, state: Any, config: RunnableConfig | None = None) -> Command:
+    def __call__(self: Any, state: Any, config: RunnableConfig | None = None) -> Command[Any]:
         return self.invoke(state, config)  # type: ignore[no-any-return]
 
     __call__.__annotations__ = {"return": Command[Literal[destinations]]}  # type: ignore[valid-type]

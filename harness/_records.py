@@ -36,7 +36,7 @@ RECORD_KEYS = frozenset({"answer", "path", "result", "read", "timing", "shadow",
 """The keys of one decision record in graph state (`shadow` only in shadow mode, `history` only
 with a node's `history=`)."""
 _STABLE_KEYS = RECORD_KEYS - {"timing", "shadow", "history"}
-_UNSTABLE = frozenset({"latency_s"})
+_UNSTABLE = {"latency_s"}
 """The report field a replay does not reproduce (kept under `timing`)."""
 
 
@@ -149,7 +149,8 @@ def merge_decisions(left: Mapping[str, Any] | None, right: Mapping[str, Any] | N
     out = dict(left or {})
     for qid, value in (right or {}).items():
         before = out.get(qid)
-        out[qid] = {**before, **value} if _is_group(before) and _is_group(value) else value
+        out[qid] = {**before, **value} if isinstance(before, Mapping) and _is_group(before) and _is_group(value) \
+            else value
     return out
 
 

@@ -106,9 +106,9 @@ def review(policy: ReviewPolicy, node: str, response: CanvasResponse, request: D
     if not pending:
         return {}
     if policy.interrupt == "human_interrupt":
-        request = human_interrupt(node, response, pending, options, questions,
-                                  state if policy.include_state else None)
-        return human_response(interrupt(request), response, pending, options)
+        asking = human_interrupt(node, response, pending, options, questions,
+                                 state if policy.include_state else None)
+        return human_response(interrupt(asking), response, pending, options)
     payload: dict[str, Any] = {
         "type": REVIEW_EVENT,
         "node": node,
@@ -266,14 +266,19 @@ def _take(key: str) -> Callable[[], Any]:
         return _calls.pop(key)
 
 
-@task(name=TASK_NAME)
-def _decision(key: str) -> dict[str, Any]:
-    return _take(key)().model_dump(mode="json")
+def _decide(key: str) -> dict[str, Any]:
+    data: dict[str, Any] = _take(key)().model_dump(mode="json")
+    return data
 
 
-@task(name=TASK_NAME)
-async def _adecision(key: str) -> dict[str, Any]:
-    return (await _take(key)()).model_dump(mode="json")
+async def _adecide(key: str) -> dict[str, Any]:
+    data: dict[str, Any] = (await _take(key)()).model_dump(mode="json")
+    return data
+
+
+# langgraph's `task` overloads take no function mypy can match (ParamSpec over `Never`): one ignore each
+_decision: Any = task(name=TASK_NAME)(_decide)  # type: ignore[arg-type]
+_adecision: Any = task(name=TASK_NAME)(_adecide)  # type: ignore[arg-type]
 
 
 def durable(decide: Callable[[], CanvasResponse]) -> tuple[CanvasResponse, bool]:

@@ -40,7 +40,7 @@ from canvasroute.router import telemetry as tm
 
 from ._context import child_config
 
-ExistingRouter = Runnable | Callable[[Any], str] | Callable[[Any], Awaitable[str]]
+ExistingRouter = Runnable[Any, Any] | Callable[[Any], str] | Callable[[Any], Awaitable[str]]
 """A function of the state returning a node name (sync or async), or a Runnable doing so."""
 
 __all__ = ["ExistingRouter", "Shadow", "ShadowOutcome"]

@@ -211,8 +211,8 @@ def store_meter(model: Any, store: BaseStore | None) -> StoreBudgetMeter | None:
     `name`, else the model's name, its target and its budget), so every worker running the same
     model shares one count, and two models with budgets of their own keep their own.
     """
-    scope = model.budget_scope if store is not None else None
-    if scope is None:
+    scope = model.budget_scope
+    if store is None or scope is None:
         return None
     budget = model.escalation.budget
     with _METERS_LOCK:

@@ -37,14 +37,14 @@ from canvasroute.engine import (
 
 from . import telemetry as tm
 from ._escalation import Asked, Escalated, Restated, escalate, target_name
-from ._plan import Planner
+from ._plan import Planner, Prompt
 from ._questions import QuestionSpec
-from ._read import Prompt, QuestionRead, Reading, SlotStats
+from ._read import QuestionRead, Reading, SlotStats
 from ._request import DecisionRequest
 from ._state import check_images
 from ._types import CanvasResponse, Cause, DiagnosticsLog, ReadReport, answer_of
 
-__all__ = ["Decision", "NO_USAGE"]
+__all__ = ["NO_USAGE", "Decision"]
 
 logger = logging.getLogger("canvasroute.router")
 
@@ -318,6 +318,7 @@ class _Run:
             return _report(base, spec.options[st.top], answer_probs(spec, st),
                            "reread" if len(r.runs) > r.samples else "canvas", confident=True)
         canvas_only = request.mode == "canvas_only"
+        action: str
         if spec.id in self.refused:
             base["cause"] = "over_budget"
             action = outcomes.over_budget

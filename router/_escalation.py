@@ -33,7 +33,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.decisions import BaseDecisionModel, Choice, Noul, NoulAnswer, Score
 from langchain_core.exceptions import ModelRefusalError
@@ -190,7 +190,8 @@ def failure(name: str, target: Any, exc: BaseException) -> EscalationError:
         attempts = own + 1 if isinstance(own, int) and not isinstance(own, bool) and own > 0 else 1
     what = ("could not be reached or timed out" if kind == "network" else "answered with an error"
             if hint_kind == "target" else f"raised {type(exc).__name__}")
-    return EscalationError(f"escalation to {name} failed ({kind}: the target {what}): {exc!r}", failure=kind,
+    failed: Literal["network", "target"] = "network" if kind == "network" else "target"
+    return EscalationError(f"escalation to {name} failed ({kind}: the target {what}): {exc!r}", failure=failed,
                            hint=_HINTS[hint_kind if kind == "target" else kind], retryable=retryable,
                            attempts=attempts)
 
@@ -346,7 +347,7 @@ def from_reply(name: str, reply: Any, specs: Sequence[QuestionSpec], parsed: Any
     usage = usage_of(reply)
     logprobs, served = None, None
     if isinstance(reply, BaseMessage):
-        text = reply.text if isinstance(reply.text, str) else reply.text()
+        text: str = reply.text if isinstance(reply.text, str) else reply.text()
         metadata = reply.response_metadata or {}
         logprobs, served = metadata.get("logprobs"), metadata.get("model_name") or metadata.get("model")
         data: Any = parsed if parsed is not None else _parse_json(text)

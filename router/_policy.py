@@ -175,7 +175,8 @@ class GatePolicy:
 
     def for_question(self, question_id: str) -> GatePolicy:
         """The policy that applies to one question."""
-        return self.per_question.get(question_id, self)  # type: ignore[no-any-return]
+        found: GatePolicy = self.per_question.get(question_id, self)
+        return found
 
     @property
     def gate_text(self) -> str:

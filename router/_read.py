@@ -209,7 +209,7 @@ class Reading:
         canvas: a question none of whose slots has one would read the same distribution again."""
         if not self.info.causal_readout:
             return set()
-        varies = set()
+        varies: set[str] = set()
         for chunk in self.plan.chunks:
             first = min(s.position for s in chunk.slots)
             varies.update(s.question_id for s in chunk.slots if s.position > first)

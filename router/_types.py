@@ -175,13 +175,13 @@ def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnsw
     probs = report.probabilities
     if spec.kind == "noul":
         return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
-    confidence = min(1.0, max(0.0, probs.get(report.answer, 0.0)))
+    confidence = min(1.0, max(0.0, probs.get(report.answer or "", 0.0)))
     if spec.kind == "choice":
         return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
                                             "confidence": confidence})
     by_level = {int(k): v for k, v in probs.items()}
     return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
-                                       "legend": dict(enumerate(spec.question.criteria)),
+                                       "legend": dict(enumerate(spec.question.criteria or ())),
                                        "probabilities": by_level, "confidence": confidence})
 
 
@@ -245,7 +245,7 @@ class Tally:
         """Count `ReadReport`s, their JSON dumps, or anything with `path`, `cause`, `crossed` and `gate`."""
         paths = dict.fromkeys(PATHS, 0)
         causes = dict.fromkeys(CAUSES, 0)
-        over, gates = 0, {}
+        over, gates = 0, dict[str, None]()
         for d in decisions:
             get = d.get if isinstance(d, Mapping) else lambda k, d=d: getattr(d, k, None)
             path, cause, crossed, gate = get("path"), get("cause"), get("crossed"), get("gate")
@@ -318,7 +318,7 @@ class Totals:
     @classmethod
     def of(cls, response: CanvasResponse) -> Totals:
         """One decision set's totals (a cache hit read nothing and spent nothing)."""
-        usage = response.usage or {}
+        usage: Mapping[str, Any] = response.usage or {}
         diagnostics = response.diagnostics
         return cls(decisions=1, questions=len(response.reads), reads=response.canvas_reads,
                    canvases=len(diagnostics.chunks) if diagnostics is not None and response.canvas_reads else 0,

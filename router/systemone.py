@@ -168,8 +168,8 @@ def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: st
     names it in `diagnostics.skipped`)."""
     if not isinstance(data, dict) or not isinstance(data.get("answers"), dict):
         raise EngineResponseError(f"the server answered without an 'answers' object: {str(data)[:200]!r}")
-    diagnostics = data.get("diagnostics") if isinstance(data.get("diagnostics"), dict) else {}
-    skipped = diagnostics.get("skipped") if isinstance(diagnostics.get("skipped"), dict) else {}
+    diagnostics: dict[str, Any] = data["diagnostics"] if isinstance(data.get("diagnostics"), dict) else {}
+    skipped: dict[str, Any] = diagnostics["skipped"] if isinstance(diagnostics.get("skipped"), dict) else {}
     answers = {qid: a for qid, a in data["answers"].items() if a is not None}
     missing = [qid for qid in questions if qid not in answers and qid not in skipped and qid not in data["answers"]]
     if missing:

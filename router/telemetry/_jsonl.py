@@ -44,6 +44,7 @@ __all__ = ["JsonlSpanExporter", "span_json"]
 def span_json(span: ReadableSpan) -> dict[str, Any]:
     """The JSONL line of one finished SDK span, as a dict."""
     ctx = span.get_span_context()
+    assert ctx is not None  # a finished SDK span has its context
     parent = span.parent
     return {
         "name": span.name,
@@ -65,7 +66,7 @@ def _plain(attributes: Any) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in (attributes or {}).items()}
 
 
-class JsonlSpanExporter(SpanExporter):  # type: ignore[misc,valid-type]
+class JsonlSpanExporter(SpanExporter):
     """Appends finished spans to a JSONL file, one span per line (thread-safe).
 
     Use it with the SDK's `BatchSpanProcessor` (or `SimpleSpanProcessor` in tests).
