@@ -14,7 +14,6 @@ has no such key).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import warnings
 from collections.abc import Callable, Mapping
@@ -28,7 +27,15 @@ from langgraph.constants import CONF, CONFIG_KEY_CHECKPOINTER
 from langgraph.runtime import get_runtime
 
 from canvasroute.engine import GraphSetupError
-from canvasroute.router import CanvasDecisionModel, DecisionRequest, GatePolicy, question_set_key, render_state
+from canvasroute.router import (
+    CanvasDecisionModel,
+    DecisionRequest,
+    GatePolicy,
+    parse_questions,
+    question_set_key,
+    read_state,
+)
+from canvasroute.router._request import site_seed
 from canvasroute.router.telemetry import GEN_AI_CONVERSATION_ID, GRAPH_NODE
 
 from ._records import answers_only
@@ -74,8 +81,7 @@ class GraphCall:
         """The decision this run makes at `site` (a node's or an edge's name): seeded by where it
         runs, what it asks and reads; the run's gate; the store's budget meter; the branch."""
         request = self.model.request(decision_state, questions, read=read, depends_on=depends_on, gate=self.gate,
-                                     seed=decision_seed(self.namespace, site, questions, decision_state),
-                                     thread_id=self.thread_id, attributes=self.attributes)
+                                     thread_id=self.thread_id, attributes=self.attributes, site=(self.namespace, site))
         request = request.metered(store_meter(self.model, self.store))
         return request if branch is None else replace(request, identity=replace(request.identity, branch=branch))
 
@@ -139,7 +145,9 @@ def strip_task_ids(checkpoint_ns: str) -> str:
 
 
 def decision_seed(namespace: str, site: str, questions: Mapping[str, Any], state: Any) -> int:
-    """The noise seed of one decision: a hash of where it runs, what it asks, and what it reads.
+    """The noise seed of one decision in a graph: a hash of where it runs (the node's namespace
+    and its node or edge), what it asks, and what it reads (`canvasroute.router._request.site_seed`,
+    which the node's request computes from its own rendering of the state).
 
     The same node asking the same questions about the same state reads the same noise,
     so re-running a thread, replaying it from a checkpoint, resuming it after an
@@ -147,27 +155,10 @@ def decision_seed(namespace: str, site: str, questions: Mapping[str, Any], state
     the same engine. The thread id is deliberately left out: it would make identical
     inputs in different threads read differently.
     """
-    # = sha256(json.dumps([namespace, site, asked, render_state(state)], sort_keys=True, default=str)),
-    # the hash of everything before the state kept per node and question set
-    key = question_set_key(questions)
-    prefix = _PREFIXES.get((namespace, site, key)) if key is not None else None
-    if prefix is None:
-        asked = {qid: q.model_dump(mode="json") if hasattr(q, "model_dump") else q for qid, q in questions.items()}
-        prefix = hashlib.sha256(
-            f"[{_quote(namespace)}, {_quote(site)}, {json.dumps(asked, sort_keys=True, default=str)}, ".encode())
-        if key is not None:
-            if len(_PREFIXES) >= 256:  # bounded: a graph has few nodes and question sets
-                _PREFIXES.clear()
-            _PREFIXES[namespace, site, key] = prefix
-    digest = prefix.copy()
-    digest.update(f"{_quote(render_state(state))}]".encode())
-    return int.from_bytes(digest.digest()[:4], "big")
-
-
-_quote = json.encoder.encode_basestring_ascii
-"""`json.dumps` of one str."""
-_PREFIXES: dict[tuple[str, str, str], Any] = {}
-"""(namespace, site, `question_set_key`) -> sha256 of the seed's JSON up to the state."""
+    specs = parse_questions(questions)
+    key = question_set_key(questions) or json.dumps({qid: s.question.model_dump(mode="json")
+                                                     for qid, s in specs.items()})
+    return site_seed((namespace, site), specs, key, read_state(state)[0])
 
 
 def select_inputs(state: Any, inputs: Inputs, exclude: str | None = None) -> Any:

@@ -105,7 +105,7 @@ class Decision:
             reports = run.finish(latency)
             span.set_attribute(tm.CANVAS_READS, run.canvas_reads)
             _note_faults(span, reports, request)
-            tm.record_reports(span, reports, latency, model, request.gate, attrs)
+            tm.record_reports(span, reports, latency, model, request.gates, attrs)
         response = CanvasResponse.model_validate({
             "model": model,
             "answers": {r.question_id: answer_of(specs[r.question_id], r) for r in reports if r.path != "skipped"},

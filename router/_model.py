@@ -27,7 +27,7 @@ from ._cache import DecisionCache
 from ._decision import Decision
 from ._escalation import check_prompt, is_target, target_name
 from ._plan import Planner
-from ._policy import Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gate
+from ._policy import Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gates
 from ._questions import QuestionSpec, parse_depends_on, parse_questions, question_set_key
 from ._request import (
     REQUEST,
@@ -38,6 +38,7 @@ from ._request import (
     StateView,
     default_seed,
     read_options,
+    site_seed,
     state_digest,
 )
 from ._schema import StructuredDecision
@@ -168,7 +169,8 @@ class CanvasDecisionModel(BaseDecisionModel):
     def request(self, state: Any, questions: Mapping[str, Any], *,
                 read: ReadOptions | Mapping[str, Any] | None = None, depends_on: Mapping[str, Any] | None = None,
                 gate: GatePolicy | Mapping[str, Any] | None = None, seed: int | None = None,
-                thread_id: str | None = None, attributes: Mapping[str, Any] | None = None) -> DecisionRequest:
+                thread_id: str | None = None, attributes: Mapping[str, Any] | None = None,
+                site: tuple[str, str] | None = None) -> DecisionRequest:
         """The decision about `state` as one frozen request: every option checked and resolved once.
 
         Args:
@@ -184,6 +186,8 @@ class CanvasDecisionModel(BaseDecisionModel):
                 read identically).
             thread_id: The LangGraph thread (per-thread budgets, span attributes).
             attributes: Extra span attributes (e.g. the graph node).
+            site: Where the decision runs, for its default seed: a graph node's checkpoint
+                namespace and its node or edge (`decision_node` and `route_on` set it).
 
         Raises:
             DecisionError: a question, dependency, read option or fallback that cannot be used.
@@ -198,17 +202,20 @@ class CanvasDecisionModel(BaseDecisionModel):
         if options.think and images:
             raise DecisionError("think writes a thought about text: a decision with images cannot think",
                                 hint="drop think=, or keep images out of the decision state")
-        resolved = resolve_gate(self.policy, gate)
+        resolved, gates = resolve_gates(self.policy, gate, qset.specs)
         memo = self._memo
         if not memo.canvas_only:  # every fallback is an option; every abstaining or unsure question has a way out
-            check_fallbacks(qset.specs, {q: s.options for q, s in qset.specs.items()}, resolved, self.outcomes,
-                            memo.escalation is not None)
+            check_fallbacks(qset.options, gates, self.outcomes, memo.escalation is not None)
         digest = state_digest(text, images)
-        identity = Identity(seed=default_seed(qset.key, options, digest) if seed is None else seed,
-                            thread_id=thread_id, attributes=dict(attributes or {}))
+        if seed is None:
+            seed = (site_seed(site, qset.specs, qset.key, text) if site is not None
+                    else default_seed(qset.key, options, digest))
+        identity = Identity(seed=seed, thread_id=thread_id, attributes=dict(attributes or {}), site=site)
+        constrained = (not any(g.min_label_mass is not None for g in gates.values()) if options.constrained is None
+                       else options.constrained)
         request = DecisionRequest(state=StateView(state, text, tuple(images), digest), questions=qset, read=options,
-                                  gate=resolved, outcomes=self.outcomes, escalation=memo.escalation,
-                                  identity=identity)
+                                  gate=resolved, gates=gates, constrained=constrained, outcomes=self.outcomes,
+                                  escalation=memo.escalation, identity=identity)
         return request.canvas_only() if memo.canvas_only else request
 
     def _questions(self, questions: Mapping[str, Any], depends_on: Mapping[str, Any] | None) -> QuestionSet:

@@ -461,9 +461,9 @@ class Planner:
     async def layer(self, request: DecisionRequest, asked: Sequence[str]) -> Plan:
         """The plan of the asked questions of a decision, as read (abstain labels, order views,
         questions read alone, a thought first)."""
-        specs, gate, read = request.questions.specs, request.gate, request.read
-        shaped = {qid: with_abstain(specs[qid]) if gate.for_question(qid).abstain else specs[qid] for qid in asked}
-        views = {qid: gate.for_question(qid).order_views for qid in asked if gate.for_question(qid).order_views}
+        specs, gates, read = request.questions.specs, request.gates, request.read
+        shaped = {qid: with_abstain(specs[qid]) if gates[qid].abstain else specs[qid] for qid in asked}
+        views = {qid: gates[qid].order_views for qid in asked if gates[qid].order_views}
         info = await self.engine.info()
         apart = isolated(read.isolate, info, shaped)
         alone = sorted(asked) if apart and len(asked) > 1 else sorted(read.alone.intersection(asked))

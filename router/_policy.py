@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -229,6 +229,14 @@ class GatePolicy:
 _GATE_FIELDS = frozenset(f.name for f in fields(GatePolicy))
 
 
+def resolve_gates(policy: GatePolicy, layer: GatePolicy | Mapping[str, Any] | None,
+                  question_ids: Iterable[str]) -> tuple[GatePolicy, dict[str, GatePolicy]]:
+    """`resolve_gate(policy, layer)` and the gate of each question, in one pass (what a request holds)."""
+    gate = resolve_gate(policy, layer)
+    overrides = gate.per_question._data if isinstance(gate.per_question, FrozenMapping) else gate.per_question
+    return gate, {qid: overrides.get(qid, gate) for qid in question_ids}
+
+
 def resolve_gate(policy: GatePolicy, *layers: GatePolicy | Mapping[str, Any] | None) -> GatePolicy:
     """The gate one decision is held to: `policy`, then each layer in order (None: skipped).
 
@@ -383,8 +391,8 @@ class Escalation:
             raise ValueError("Escalation.meter needs budget= (the caps it counts against)")
 
 
-def check_fallbacks(question_ids: Mapping[str, Any], options: Mapping[str, tuple[str, ...]],
-                    gate: GatePolicy, outcomes: OutcomePolicy, has_target: bool) -> None:
+def check_fallbacks(options: Mapping[str, tuple[str, ...]], gates: Mapping[str, GatePolicy],
+                    outcomes: OutcomePolicy, has_target: bool) -> None:
     """Before anything is read: every fallback names an option, every question an uncertain or
     abstained read sends to its fallback has one, and every abstaining question has somewhere to
     go. (An engine fault or a spent budget with no fallback option for its question raises when
@@ -398,8 +406,11 @@ def check_fallbacks(question_ids: Mapping[str, Any], options: Mapping[str, tuple
             raise DecisionError(f"fallback {option!r} is not an option of {qid!r}",
                                 hint=f"one of {list(options[qid])[:8]}")
     wants = ["uncertain"] if outcomes.uncertain == "fallback" else []
-    for qid in question_ids:
-        abstains = gate.for_question(qid).abstain
+    if not (wants or outcomes.abstained != "answer" and any(g.abstain for g in gates.values())
+            or outcomes.fallback):
+        return
+    for qid in options:
+        abstains = gates[qid].abstain
         if abstains and outcomes.abstained == "escalate" and not has_target:
             raise DecisionError(f"question {qid!r} may abstain and OutcomePolicy.abstained='escalate', but there "
                                 "is no escalation target", hint="set escalate_to=, or abstained='fallback'")

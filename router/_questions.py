@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import string
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from langchain_core.decisions import Box, Choice, Noul, Question, Score
@@ -126,10 +126,14 @@ class QuestionSpec:
     shift: int = 0
     """An order-bias view (`rotated`): the options listed again, rotated left by `shift`
     places, as one more slot of the same canvas. 0 for the question itself."""
+    kind: str = field(init=False, compare=False)
+    """`noul`, `choice` or `score` (the question's type)."""
+    answer_options: tuple[str, ...] = field(init=False, compare=False)
+    """The options an answer may name (without `ABSTAIN`)."""
 
-    @property
-    def kind(self) -> str:
-        return self.question.type
+    def __post_init__(self) -> None:  # plain fields, not properties: every read of a decision reads them
+        object.__setattr__(self, "kind", self.question.type)
+        object.__setattr__(self, "answer_options", self.options[:-1] if self.abstain else self.options)
 
     @property
     def descriptions(self) -> tuple[str, ...]:
@@ -143,11 +147,6 @@ class QuestionSpec:
         if isinstance(q, Choice):
             return (*(option_text(d) if d not in (None, "") else "" for d in q.criteria.values()), *extra)
         return (*(option_text(d) for d in q.criteria), *extra)
-
-    @property
-    def answer_options(self) -> tuple[str, ...]:
-        """The options an answer may name (without `ABSTAIN`)."""
-        return self.options[:-1] if self.abstain else self.options
 
 
 ABSTAIN = "(abstain)"

@@ -159,7 +159,7 @@ class Reading:
 
     async def run(self) -> dict[str, QuestionRead]:
         """Read, gate and re-read every question; returns each question's state."""
-        gate = self.request.gate
+        gates = self.request.gates
         reads = {s.question_id: QuestionRead(self.plan.specs[s.question_id], c, s.labels, s.position,
                                              self.request.constrained)
                  for c, chunk in enumerate(self.plan.chunks) for s in chunk.slots if not s.shift}
@@ -174,13 +174,13 @@ class Reading:
                 return reads
             self.thoughts = thoughts
         fixed = self._fixed()
-        samples = {qid: 1 if qid in fixed else gate.for_question(qid).samples for qid in reads}
+        samples = {qid: 1 if qid in fixed else gates[qid].samples for qid in reads}
         await self._jobs(self._jobs_for(reads, samples), msgs, reads, list(reads), "first", samples)
         for qid, r in reads.items():
             r.samples = len(r.runs)
             r.rereadable = qid not in fixed
-        uncertain = {qid: gate.for_question(qid).rereads for qid, r in reads.items()
-                     if r.error is None and self._wants_more(qid, r) and gate.for_question(qid).rereads}
+        uncertain = {qid: gates[qid].rereads for qid, r in reads.items()
+                     if r.error is None and self._wants_more(qid, r) and gates[qid].rereads}
         for qid in fixed.intersection(uncertain):
             del uncertain[qid]
         if uncertain:
@@ -191,7 +191,7 @@ class Reading:
                 reads[qid].stats = None
         texts: dict[int, str] = {}  # each policy's text made once (most questions share the model's policy)
         for qid, r in reads.items():
-            policy = gate.for_question(qid)
+            policy = gates[qid]
             if r.runs:
                 r.gate = texts.get(id(policy)) or texts.setdefault(id(policy), policy.gate_text)
             if r.spec.abstain and r.error is None and r.stats is not None:
@@ -200,7 +200,7 @@ class Reading:
 
     def _wants_more(self, qid: str, r: QuestionRead) -> bool:
         """Re-read: the gate did not pass it, or its first read is above `reread_above` nats."""
-        above = self.request.gate.for_question(qid).reread_above
+        above = self.request.gates[qid].reread_above
         return bool(r.crossed) or (above is not None and bool(r.runs) and r.runs[0].entropy > above)
 
     def _fixed(self) -> set[str]:
@@ -252,12 +252,12 @@ class Reading:
                 if taken.get(qid, 0) < wanted.get(qid, 0):
                     taken[qid] = taken.get(qid, 0) + 1
                     reads[qid].runs.append(st)
-        gate = self.request.gate
+        gates = self.request.gates
         for qid in hit:
             r = reads[qid]
             if r.runs and r.error is None:
                 r.stats = aggregate(r.runs)
-                r.crossed = tuple(gate.for_question(qid).crossed(r.stats))
+                r.crossed = tuple(gates[qid].crossed(r.stats))
 
     async def _think(self, msgs: Sequence[Messages], reads: dict[str, QuestionRead],
                      hit: Sequence[str]) -> list[Thought] | None:
@@ -303,18 +303,18 @@ class Reading:
             for qid, _ in routed:
                 reads[qid].fail(exc)
             return
-        gate = self.request.gate
+        gates = self.request.gates
         for (qid, route), (within,) in zip(routed, stats, strict=True):
             r = reads[qid]
             assert r.stats is not None
             r.stats = combine(r.stats, route, r.stats.top, within)
             r.in_group_reads = 1
-            r.crossed = tuple(gate.for_question(qid).crossed(r.stats))
+            r.crossed = tuple(gates[qid].crossed(r.stats))
 
     async def _read(self, batch: Sequence[CanvasRead], chunks: Sequence[Chunk], kind: str) -> list[list[SlotStats]]:
         """One engine call; returns stats per canvas, in slot order."""
         self.canvas_reads += len(batch)  # sent, whether or not the engine answers
-        gate = self.request.gate
+        gates = self.request.gates
         with tm.engine_call(self.info, batch, kind, self.seed) as call:
             results = await self.engine.read(batch)
             if len(results) != len(batch):
@@ -332,7 +332,7 @@ class Reading:
             if len(result.rows) != len(chunk.slots):
                 raise EngineResponseError(f"the engine returned {len(result.rows)} slot rows for "
                                           f"{len(chunk.slots)} slots")
-            out.append([slot_stats(row, s.label_ids, gate.for_question(s.question_id).temperature)
+            out.append([slot_stats(row, s.label_ids, gates[s.question_id].temperature)
                         for row, s in zip(result.rows, chunk.slots, strict=True)])
         return out
 
@@ -355,6 +355,8 @@ class SlotStats:
     """Whether the row's most likely token was one of the labels (of the first read)."""
     top: int = field(init=False, compare=False, repr=False)
     """Index of the most likely label (the first, on a tie)."""
+    confidence: float = field(init=False, compare=False, repr=False)
+    """The probability of the chosen label (for several reads: the mean's)."""
     entropy: float = field(init=False, compare=False, repr=False)
     normalized_entropy: float = field(init=False, compare=False, repr=False)
     margin: float = field(init=False, compare=False, repr=False)
@@ -366,13 +368,11 @@ class SlotStats:
         top = probs.index(best)  # the first, on a tie
         k = len(probs)
         put(self, "top", top)
+        put(self, "confidence", best)
         put(self, "entropy", entropy)
         put(self, "normalized_entropy", entropy / log(k) if k > 1 else 0.0)
         put(self, "margin", best - max(probs[:top] + probs[top + 1:]) if k > 1 else 1.0)
 
-    @property
-    def confidence(self) -> float:
-        return self.probs[self.top]
 
 
 def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: float = 1.0) -> SlotStats:

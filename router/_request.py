@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, Literal
 
-from canvasroute.engine import DecisionError
+from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 
 from ._policy import Escalation, GatePolicy, OutcomePolicy
 from ._questions import Dependencies, QuestionSpec, option_text
@@ -156,6 +156,11 @@ class QuestionSet:
     """Which questions wait for which answers, and the read stages they imply."""
 
     @property
+    def options(self) -> dict[str, tuple[str, ...]]:
+        """Each question's options, in label order."""
+        return {qid: spec.options for qid, spec in self.specs.items()}
+
+    @property
     def asked(self) -> dict[str, Any]:
         """The questions as the caller asked them (langchain-core models)."""
         return {qid: spec.question for qid, spec in self.specs.items()}
@@ -166,7 +171,11 @@ class Identity:
     """Who and where a decision is: its noise seed and the run it belongs to."""
 
     seed: int
-    """The noise seed (read k uses `seed + 7919 k`); a hash of what is decided unless given."""
+    """The noise seed (read k uses `seed + 7919 k`): unless given, a hash of where the decision runs
+    (`site`), what it asks and what it reads, so a replay reads the same canvases."""
+    site: tuple[str, str] | None = None
+    """Where the decision runs: a graph node's checkpoint namespace and its node or edge (None
+    outside a graph)."""
     thread_id: str | None = None
     """The LangGraph thread (per-thread budgets, span attributes)."""
     branch: str | None = None
@@ -183,7 +192,12 @@ class DecisionRequest:
     questions: QuestionSet
     read: ReadOptions
     gate: GatePolicy
-    """The gate, every override applied (`resolve_gate`); `gate.for_question(id)` per question."""
+    """The gate, every override applied (`resolve_gate`)."""
+    gates: Mapping[str, GatePolicy]
+    """The gate of each question (`gate.for_question(id)`), resolved once."""
+    constrained: bool
+    """Whether the reads are normalized over the labels (no label mass): `read.constrained`, or
+    unless some question's gate reads label mass."""
     outcomes: OutcomePolicy
     escalation: Escalation | None
     identity: Identity
@@ -204,11 +218,6 @@ class DecisionRequest:
             h.update(len(data).to_bytes(8, "big"))  # length-prefixed: no two part lists collide
             h.update(data)
         return h.hexdigest()
-
-    @property
-    def constrained(self) -> bool:
-        """Whether the reads are normalized over the labels (no label mass)."""
-        return not self.gate.uses_label_mass if self.read.constrained is None else self.read.constrained
 
     def canvas_only(self) -> DecisionRequest:
         """This decision measured on the canvas alone (no escalation, no fallback, faults raise)."""
@@ -237,7 +246,31 @@ def state_digest(text: str, images: tuple[str, ...]) -> str:
 
 
 def default_seed(questions_key: str, read: ReadOptions, digest: str) -> int:
-    """The noise seed of a decision that names none: a hash of what is decided, so identical
-    requests read identically in every process."""
+    """The noise seed of a decision that names none and runs nowhere in particular: a hash of what
+    it asks and what it reads, so identical requests read identically in every process."""
     blob = json.dumps([questions_key, read.key(), digest])
     return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
+
+
+def site_seed(site: tuple[str, str], specs: Mapping[str, QuestionSpec], key: str, text: str) -> int:
+    """The noise seed of a decision where it runs (`site`: a graph node's namespace and its node or
+    edge): `sha256(json.dumps([namespace, node, questions, render_state(state)], sort_keys=True))`,
+    its first four bytes. The hash of everything before the state is kept per site and question set.
+    The thread is deliberately left out: identical inputs in different threads read alike."""
+    prefix = _PREFIXES.get((site, key))
+    if prefix is None:
+        asked = {qid: spec.question.model_dump(mode="json") for qid, spec in specs.items()}
+        prefix = hashlib.sha256(f"[{_quote(site[0])}, {_quote(site[1])}, "
+                                f"{json.dumps(asked, sort_keys=True, default=str)}, ".encode())
+        if len(_PREFIXES) >= 256:  # bounded: a graph has few nodes and question sets
+            _PREFIXES.clear()
+        _PREFIXES[site, key] = prefix
+    digest = prefix.copy()
+    digest.update(f"{_quote(defuse(text, SPECIAL_CANDIDATES))}]".encode())
+    return int.from_bytes(digest.digest()[:4], "big")
+
+
+_quote = json.encoder.encode_basestring_ascii
+"""`json.dumps` of one str."""
+_PREFIXES: dict[tuple[tuple[str, str], str], Any] = {}
+"""(site, question set key) -> sha256 of the seed's JSON up to the state."""

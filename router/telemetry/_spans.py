@@ -389,12 +389,12 @@ def _server(results: Sequence[Any]) -> dict[str, Any]:
 # -- a decision's figures ---------------------------------------------------------------
 
 
-def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: str, policy: Any = None,
-                   attributes: Mapping[str, Any] | None = None) -> None:
+def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: str,
+                   gates: Mapping[str, Any] | None = None, attributes: Mapping[str, Any] | None = None) -> None:
     """One `canvasroute.question` event per question on the decision-set span, and the metric points.
 
-    `policy` (a `GatePolicy`) supplies each question's temperature; a `canvasroute.graph.node`
-    in `attributes` labels the metric points too.
+    `gates` (each question's `GatePolicy`) supply each question's temperature; a
+    `canvasroute.graph.node` in `attributes` labels the metric points too.
     """
     inst = _instruments()
     recording = s.is_recording()  # without an SDK, skip building attributes nobody keeps
@@ -414,7 +414,7 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
             "options": list(canvas) if canvas else None,
             "canvas_probabilities": [float(p) for p in canvas.values()] if canvas else None,
             "canvas_answer": max(canvas, key=canvas.__getitem__) if canvas else None,
-            "temperature": policy.for_question(r.question_id).temperature if policy is not None and canvas else None,
+            "temperature": gates[r.question_id].temperature if gates is not None and canvas else None,
             "crossed": list(r.crossed) or None, "gate": r.gate,
         }
         if recording:
