@@ -74,7 +74,7 @@ class DecisionEdge(Runnable[Any, str]):
         decided = entries(response, {})
         option = decided[self.question_id]["answer"]
         trace_route(call.attributes, self.path_map[option])
-        return option, event(DECISION_EVENT, call.node, self.path_map[option], decided, request, response=response)
+        return option, event(DECISION_EVENT, call.node, self.path_map[option], decided, request)
 
 
 def _input(request: DecisionRequest) -> dict[str, Any]:

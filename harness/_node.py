@@ -275,7 +275,7 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         trace_route(job.call.attributes, goto)
         update = {self.output_key: self._written(decided, state, job.request.identity.branch)}
         command = Command(update=update) if goto is None else Command(goto=goto, update=update)
-        return command, event(DECISION_EVENT, job.call.node, goto, decided, job.request, response=response)
+        return command, event(DECISION_EVENT, job.call.node, goto, decided, job.request)
 
     def _canvas_goto(self, state: Any) -> Callable[[CanvasResponse], str | None]:
         return lambda response: self._goto(entries(response, {}), state)
@@ -289,8 +289,7 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         trace_route(job.call.attributes, outcome.destination)
         update = {self.output_key: grouped(decided, job.request.identity.branch)} if decided else None
         return Command(goto=outcome.destination, update=update), event(
-            DECISION_EVENT, job.call.node, outcome.destination, decided, job.request, response=response,
-            shadow=outcome.record())
+            DECISION_EVENT, job.call.node, outcome.destination, decided, job.request, shadow=outcome.record())
 
     def _written(self, decided: Decisions, state: Any, branch: str | None) -> dict[str, Any]:
         """The records as the node writes them: grouped by branch, each with its question's

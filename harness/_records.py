@@ -172,15 +172,15 @@ def trace_route(attributes: Mapping[str, Any], goto: str | None) -> None:
 
 
 def event(kind: str, node: str, goto: str | None, decided: Mapping[str, Mapping[str, Any]],
-          request: DecisionRequest, *, response: CanvasResponse | None = None, **more: Any) -> dict[str, Any]:
+          request: DecisionRequest, **more: Any) -> dict[str, Any]:
     """The payload of one decision event (plain JSON values): answers, paths, entropies, its
-    `tally` and, once decided, its `totals` (reads, canvases, escalations, tokens, seconds)."""
+    `tally` and its `totals` (reads, canvases, escalations, tokens, seconds: the records')."""
     branch = request.identity.branch
-    decision = next((d["timing"]["decision"] for d in decided.values() if "timing" in d), None)
+    timing = next(iter(decided.values()))["timing"] if decided else {}
     return {
         "type": kind,
         "node": node,
-        **({"decision": decision} if decision is not None else {}),
+        **({"decision": timing["decision"]} if "decision" in timing else {}),
         **({"branch": branch} if branch is not None else {}),
         "goto": goto,
         "seed": request.identity.seed,
@@ -188,8 +188,8 @@ def event(kind: str, node: str, goto: str | None, decided: Mapping[str, Mapping[
         "paths": {qid: d["path"] for qid, d in decided.items()},
         "entropies": {qid: d["read"]["entropy"] for qid, d in decided.items()},
         "normalized_entropies": {qid: d["read"]["normalized_entropy"] for qid, d in decided.items()},
-        "tally": Tally.of(d["read"] for d in decided.values()).as_dict(),
-        **({"totals": Totals.of(response).as_dict()} if response is not None else {}),
+        "tally": Tally.of([d["read"] for d in decided.values()]).as_dict(),
+        **({"totals": timing["totals"]} if "totals" in timing else {}),
         **more,
     }
 

@@ -21,8 +21,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from langchain_core.decisions import ChoiceAnswer, NoulAnswer, ScoreAnswer
 
 from canvasroute.engine import (
     SPECIAL_CANDIDATES,
@@ -42,7 +44,7 @@ from ._questions import QuestionSpec
 from ._read import QuestionRead, Reading, SlotStats
 from ._request import DecisionRequest
 from ._state import check_images
-from ._types import CanvasResponse, Cause, DiagnosticsLog, ReadReport, answer_of
+from ._types import CanvasResponse, Cause, Diagnostics, ReadReport, ThoughtReport
 
 __all__ = ["NO_USAGE", "Decision"]
 
@@ -152,7 +154,8 @@ class _Run:
                     raise
                 self.fault = exc
         for i, layer in enumerate(deps.layers):
-            asked = [qid for qid in layer if deps.applies(qid, self.answers)]
+            conditioned = bool(deps.parents)  # (no dependencies, the common case: no condition to look at)
+            asked = [qid for qid in layer if deps.applies(qid, self.answers)] if conditioned else list(layer)
             for qid in layer:
                 if qid not in asked:
                     self.done[qid] = _skipped(specs[qid], deps.asked_if(qid, self.answers))
@@ -160,12 +163,12 @@ class _Run:
             if not asked:
                 continue
             specials = self.info.special_tokens if self.info is not None else None
-            restated = deps.restatement(asked, self.answers, specs)
-            text = self.prompt.state_text + deps.restated(asked, self.answers, specs, specials)
+            restated = deps.restatement(asked, self.answers, specs) if conditioned else ""
+            text = self.prompt.state_text + (deps.restated(asked, self.answers, specs, specials) if conditioned else "")
             reads = await self._read(asked, replace(self.prompt, state_text=text), first=i == 0)
             escalated = await self._escalate(reads, restated)
             for r in reads.values():
-                asked_if = deps.asked_if(r.spec.id, self.answers)
+                asked_if = deps.asked_if(r.spec.id, self.answers) if conditioned else None
                 if i == len(deps.layers) - 1:
                     self.last.append((r, escalated, asked_if))
                     continue
@@ -433,3 +436,51 @@ def _note_faults(span: Any, reports: Sequence[ReadReport], request: DecisionRequ
         logger.warning("engine fault absorbed for question(s) %s (%s): %s",
                        ", ".join(r.question_id for r in hit), instead, error)
         tm.record_fault(span, error, [r.question_id for r in hit], paths)
+
+
+# -- the response --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DiagnosticsLog:
+    """Collects a decision's stages as they are read."""
+
+    request: DecisionRequest
+    stages: list[list[str]] = field(default_factory=list)
+    chunks: list[list[str]] = field(default_factory=list)
+    formats: list[str] = field(default_factory=list)
+    thoughts: list[ThoughtReport] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def add(self, asked: Sequence[str], reading: Reading | None) -> None:
+        """One stage: its questions and, when it was read (`Reading`), its canvases."""
+        self.stages.append(list(asked))
+        if reading is None:
+            return
+        for chunk in reading.plan.chunks:
+            self.chunks.append([s.question_id for s in chunk.slots if not s.shift])
+            self.formats.append("compact" if chunk.compact else "lines")
+        self.thoughts += [ThoughtReport(text=t.text, tokens=len(t.ids), closed=t.closed, latency_s=t.latency_s)
+                          for t in reading.thoughts]
+        self.prompt_tokens = self.prompt_tokens or reading.prompt_tokens
+
+    def build(self) -> Diagnostics:
+        return Diagnostics.model_validate({
+            "stages": self.stages, "chunks": self.chunks, "formats": self.formats,
+            "conditioning": "restated" if len(self.stages) > 1 else None, "constrained": self.request.constrained,
+            "steps": self.request.read.steps, "thoughts": self.thoughts, "prompt_tokens": self.prompt_tokens})
+
+
+def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
+    """The langchain-core answer for one report (validated as one mapping, like the reports)."""
+    probs = report.probabilities
+    if spec.kind == "noul":
+        return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
+    confidence = min(1.0, max(0.0, probs.get(report.answer or "", 0.0)))
+    if spec.kind == "choice":
+        return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
+                                            "confidence": confidence})
+    by_level = {int(k): v for k, v in probs.items()}
+    return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
+                                       "legend": dict(enumerate(spec.question.criteria or ())),
+                                       "probabilities": by_level, "confidence": confidence})

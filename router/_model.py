@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -27,22 +27,18 @@ from ._cache import DecisionCache
 from ._decision import Decision
 from ._escalation import check_prompt, is_target, target_name
 from ._plan import Planner
-from ._policy import Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gates
+from ._policy import Escalation, GatePolicy, OutcomePolicy
 from ._questions import QuestionSpec, parse_depends_on, parse_questions, question_set_key
 from ._request import (
     REQUEST,
     DecisionRequest,
-    Identity,
+    Defaults,
     QuestionSet,
     ReadOptions,
-    StateView,
-    default_seed,
+    build_request,
     read_options,
-    site_seed,
-    state_digest,
 )
 from ._schema import StructuredDecision
-from ._state import read_state
 from ._types import CanvasResponse
 
 REQUEST_KEYS = ("read", "depends_on", "gate", "seed", "thread_id", "attributes")
@@ -128,7 +124,8 @@ class CanvasDecisionModel(BaseDecisionModel):
         own_meter = escalation is not None and escalation.meter is not None
         if escalation is not None and escalation.budget is not None and escalation.meter is None:
             escalation = replace(escalation, meter=InMemoryBudgetMeter(escalation.budget))
-        self._kept = _Memo(Planner(self.engine), escalation, own_meter)
+        defaults = Defaults(read=self.read, policy=self.policy, outcomes=self.outcomes, escalation=escalation)
+        self._kept = _Memo(Planner(self.engine), defaults, own_meter)
 
     @property
     def _memo(self) -> _Memo:
@@ -142,12 +139,12 @@ class CanvasDecisionModel(BaseDecisionModel):
     @property
     def escalation(self) -> Escalation | None:
         """The escalation as decisions use it (its budget counted by `meter`), or None."""
-        return self._memo.escalation
+        return self._memo.defaults.escalation
 
     @property
     def budget_counters(self) -> dict[str, int]:
         """Escalations granted and refused by the budget (empty without a budget)."""
-        escalation = self._memo.escalation
+        escalation = self._memo.defaults.escalation
         meter = escalation.meter if escalation is not None else None
         return meter.snapshot() if meter is not None else {}
 
@@ -155,7 +152,7 @@ class CanvasDecisionModel(BaseDecisionModel):
     def budget_scope(self) -> str | None:
         """What names this model's budget in a shared store (`Escalation.name`, else its model
         name, target and budget), or None without a budget or with a meter of its own."""
-        escalation = self._memo.escalation
+        escalation = self._memo.defaults.escalation
         if escalation is None or escalation.budget is None or self._memo.own_meter:
             return None
         if escalation.name:
@@ -192,31 +189,8 @@ class CanvasDecisionModel(BaseDecisionModel):
         Raises:
             DecisionError: a question, dependency, read option or fallback that cannot be used.
         """
-        qset = self._questions(questions, depends_on)
-        options = read_options(read, self.read)
-        if unknown := sorted(options.alone - set(qset.specs)):
-            raise DecisionError(f"alone names {unknown[:5]}, which are not among the questions",
-                                hint=f"alone takes ids of this decision's questions: {list(qset.specs)[:8]}")
-        text, images = read_state(state)
-        images = (*images, *options.images)
-        if options.think and images:
-            raise DecisionError("think writes a thought about text: a decision with images cannot think",
-                                hint="drop think=, or keep images out of the decision state")
-        resolved, gates = resolve_gates(self.policy, gate, qset.specs)
-        memo = self._memo
-        if not memo.canvas_only:  # every fallback is an option; every abstaining or unsure question has a way out
-            check_fallbacks(qset.options, gates, self.outcomes, memo.escalation is not None)
-        digest = state_digest(text, images)
-        if seed is None:
-            seed = (site_seed(site, qset.specs, qset.key, text) if site is not None
-                    else default_seed(qset.key, options, digest))
-        identity = Identity(seed=seed, thread_id=thread_id, attributes=dict(attributes or {}), site=site)
-        constrained = (not any(g.min_label_mass is not None for g in gates.values()) if options.constrained is None
-                       else options.constrained)
-        request = DecisionRequest(state=StateView(state, text, tuple(images), digest), questions=qset, read=options,
-                                  gate=resolved, gates=gates, constrained=constrained, outcomes=self.outcomes,
-                                  escalation=memo.escalation, identity=identity)
-        return request.canvas_only() if memo.canvas_only else request
+        return build_request(self._memo.defaults, self._questions(questions, depends_on), state, read=read,
+                             gate=gate, seed=seed, thread_id=thread_id, attributes=attributes, site=site)
 
     def _questions(self, questions: Mapping[str, Any], depends_on: Mapping[str, Any] | None) -> QuestionSet:
         """The parsed question set (a set seen before is not parsed again) and its dependencies."""
@@ -233,11 +207,14 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     # -- the decision ------------------------------------------------------------------
 
-    async def arun(self, request: DecisionRequest) -> CanvasResponse:
-        """Answer a request built by `request()`: read, gate, re-read, escalate, report."""
+    def arun(self, request: DecisionRequest) -> Coroutine[Any, Any, CanvasResponse]:
+        """Answer a request built by `request()`: read, gate, re-read, escalate, report (await it).
+
+        It returns the decision's coroutine itself, so no frame of this model sits between the
+        caller and the run."""
         if not isinstance(request, DecisionRequest):
             raise TypeError(f"arun takes a DecisionRequest (from model.request(...)), not {type(request).__name__}")
-        return await Decision(request, self.engine, self._memo.planner, self.cache, self.model).run()
+        return Decision(request, self.engine, self._memo.planner, self.cache, self.model).run()
 
     def run(self, request: DecisionRequest) -> CanvasResponse:
         """Sync `arun`."""
@@ -277,7 +254,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         if memo.only is None:
             copy = self.model_copy(update={"escalate_to": None, "cache": None})
             copy.model_post_init(None)
-            copy._memo.canvas_only = True
+            copy._memo.defaults = replace(copy._memo.defaults, canvas_only=True)
             copy._memo.parsed, copy._memo.planner = memo.parsed, memo.planner  # same engine, same plans
             memo.only = copy
         return memo.only
@@ -356,15 +333,14 @@ class _Memo:
     """What a model keeps between decisions: its plans, parsed question sets, resolved escalation."""
 
     planner: Planner
-    escalation: Escalation | None
-    """`escalate_to` as decisions use it: with an in-process meter when it has a budget and none of its own."""
+    defaults: Defaults
+    """What every request of the model starts from (its escalation with an in-process meter when it
+    has a budget and none of its own)."""
     own_meter: bool = False
     """The caller gave the escalation its meter (a graph store does not replace it)."""
     served: str | None = None
     """The engine's served model name, once known (for callback tracers)."""
     parsed: OrderedDict[str, QuestionSet] = field(default_factory=OrderedDict)
-    canvas_only: bool = False
-    """This model is a `canvas_only()` copy: its requests measure the canvas alone."""
     only: CanvasDecisionModel | None = None
     """The model's `canvas_only()` copy, once made."""
 

@@ -33,8 +33,9 @@ from typing import Any, Literal
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 
-from ._policy import Escalation, GatePolicy, OutcomePolicy
+from ._policy import Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gates
 from ._questions import Dependencies, QuestionSpec, option_text
+from ._state import read_state
 
 __all__ = ["MAX_STEPS", "MAX_THINK", "DecisionRequest", "Identity", "QuestionSet", "ReadOptions", "StateView",
            "read_options"]
@@ -228,6 +229,51 @@ class DecisionRequest:
         if self.escalation is None or self.escalation.budget is None or meter is None:
             return self
         return replace(self, escalation=replace(self.escalation, meter=meter))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Defaults:
+    """What every request of one model starts from (`CanvasDecisionModel`'s fields, resolved)."""
+
+    read: ReadOptions
+    policy: GatePolicy
+    outcomes: OutcomePolicy
+    escalation: Escalation | None
+    canvas_only: bool = False
+    """Requests measure the canvas alone (`CanvasDecisionModel.canvas_only()`)."""
+
+
+def build_request(defaults: Defaults, qset: QuestionSet, state: Any, *,
+                  read: ReadOptions | Mapping[str, Any] | None, gate: GatePolicy | Mapping[str, Any] | None,
+                  seed: int | None, thread_id: str | None, attributes: Mapping[str, Any] | None,
+                  site: tuple[str, str] | None) -> DecisionRequest:
+    """The request a model makes of `state` and `qset` (`CanvasDecisionModel.request`'s arguments),
+    every option checked and resolved once (`seed` None: the default seed, of the site when there
+    is one)."""
+    options = read_options(read, defaults.read)
+    if unknown := sorted(options.alone - set(qset.specs)):
+        raise DecisionError(f"alone names {unknown[:5]}, which are not among the questions",
+                            hint=f"alone takes ids of this decision's questions: {list(qset.specs)[:8]}")
+    text, images = read_state(state)
+    images = (*images, *options.images)
+    if options.think and images:
+        raise DecisionError("think writes a thought about text: a decision with images cannot think",
+                            hint="drop think=, or keep images out of the decision state")
+    resolved, gates = resolve_gates(defaults.policy, gate, qset.specs)
+    if not defaults.canvas_only:  # every fallback is an option; every abstaining or unsure question has a way out
+        check_fallbacks({qid: spec.options for qid, spec in qset.specs.items()}, gates, defaults.outcomes,
+                        defaults.escalation is not None)
+    digest = state_digest(text, images)
+    if seed is None:
+        seed = site_seed(site, qset.specs, qset.key, text) if site is not None else default_seed(qset.key, options,
+                                                                                               digest)
+    identity = Identity(seed=seed, thread_id=thread_id, attributes=dict(attributes or {}), site=site)
+    constrained = (not any(g.min_label_mass is not None for g in gates.values()) if options.constrained is None
+                   else options.constrained)
+    return DecisionRequest(state=StateView(state, text, images, digest), questions=qset, read=options,
+                           gate=resolved, gates=gates, constrained=constrained, outcomes=defaults.outcomes,
+                           escalation=None if defaults.canvas_only else defaults.escalation, identity=identity,
+                           mode="canvas_only" if defaults.canvas_only else "deployed")
 
 
 REQUEST: ContextVar[DecisionRequest | None] = ContextVar("canvasroute_request", default=None)

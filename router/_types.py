@@ -8,17 +8,15 @@ on the dashboard, which count with one `Tally`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
-from langchain_core.decisions import ChoiceAnswer, ClassifierResponse, NoulAnswer, ScoreAnswer
+from langchain_core.decisions import ClassifierResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from ._questions import QuestionSpec
-    from ._read import Reading
-    from ._request import DecisionRequest
+    pass
 
 Path = Literal["canvas", "reread", "escalated", "fallback", "unsure", "human", "skipped"]
 """Who answered. `canvas` and `reread`: the gate passed the canvas answer (at the first read,
@@ -168,51 +166,6 @@ class CanvasResponse(ClassifierResponse):
     def totals(self) -> Totals:
         """What this decision set cost: reads, canvases, escalations, tokens, seconds."""
         return Totals.of(self)
-
-
-def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
-    """The langchain-core answer for one report (validated as one mapping, like the reports)."""
-    probs = report.probabilities
-    if spec.kind == "noul":
-        return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
-    confidence = min(1.0, max(0.0, probs.get(report.answer or "", 0.0)))
-    if spec.kind == "choice":
-        return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
-                                            "confidence": confidence})
-    by_level = {int(k): v for k, v in probs.items()}
-    return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
-                                       "legend": dict(enumerate(spec.question.criteria or ())),
-                                       "probabilities": by_level, "confidence": confidence})
-
-
-@dataclass(slots=True)
-class DiagnosticsLog:
-    """Collects a decision's stages as they are read."""
-
-    request: DecisionRequest
-    stages: list[list[str]] = field(default_factory=list)
-    chunks: list[list[str]] = field(default_factory=list)
-    formats: list[str] = field(default_factory=list)
-    thoughts: list[ThoughtReport] = field(default_factory=list)
-    prompt_tokens: int = 0
-
-    def add(self, asked: Sequence[str], reading: Reading | None) -> None:
-        """One stage: its questions and, when it was read (`Reading`), its canvases."""
-        self.stages.append(list(asked))
-        if reading is None:
-            return
-        for chunk in reading.plan.chunks:
-            self.chunks.append([s.question_id for s in chunk.slots if not s.shift])
-            self.formats.append("compact" if chunk.compact else "lines")
-        self.thoughts += [ThoughtReport(text=t.text, tokens=len(t.ids), closed=t.closed, latency_s=t.latency_s)
-                          for t in reading.thoughts]
-        self.prompt_tokens = self.prompt_tokens or reading.prompt_tokens
-
-    def build(self) -> Diagnostics:
-        return Diagnostics.model_validate({
-            "stages": self.stages, "chunks": self.chunks, "formats": self.formats,
-            "conditioning": "restated" if len(self.stages) > 1 else None, "constrained": self.request.constrained,
-            "steps": self.request.read.steps, "thoughts": self.thoughts, "prompt_tokens": self.prompt_tokens})
 
 
 # -- how a run's decisions ended ----------------------------------------------------------
