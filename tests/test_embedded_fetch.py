@@ -19,7 +19,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from canvasroute.engine import EmbeddedModelMissing, _embedded
+from canvasroute.engine import EmbeddedModelMissing
+from canvasroute.engine.local import _embedded
 
 GGUF = b"GGUF" + bytes(range(256)) * 64
 

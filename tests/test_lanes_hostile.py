@@ -19,7 +19,7 @@ import pytest
 from rawserver import CLOSE, SILENT, Flood, Later, RawServer, ok
 from test_lanes import connection, self_signed
 
-from canvasroute.engine import EngineResponseError, EngineTimeout, EngineUnavailable
+from canvasroute.engine import EngineResponseError, EngineTimeout, EngineUnavailable, Limits
 
 # -- 1. never out of step ------------------------------------------------------------------------
 
@@ -50,7 +50,7 @@ async def test_a_connection_with_unread_or_unsolicited_bytes_is_never_reused(fir
 
 async def test_an_idle_connection_expires_before_reuse():
     async with RawServer(ok(), ok()) as server:
-        conn = connection(server.url, keepalive_expiry=0.05)
+        conn = connection(server.url, limits=Limits(keepalive_expiry=0.05))
         await conn.request("GET", "/")
         await asyncio.sleep(0.15)
         await conn.request("GET", "/")
@@ -61,7 +61,7 @@ async def test_an_idle_connection_expires_before_reuse():
 async def test_a_stale_connection_is_resent_once_on_a_fresh_one_without_cooling_the_replica():
     attempts = []
     async with RawServer(ok(), CLOSE, ok(b'{"n": 2}')) as server:
-        conn = connection(server.url, max_retries=0, replica_cooldown=60)
+        conn = connection(server.url, cooldown=60)
         await conn.request("GET", "/")
         # the server hangs up the kept-alive connection as the next request arrives
         reply = await conn.request("GET", "/", on_attempt=lambda: attempts.append(1))
@@ -73,7 +73,7 @@ async def test_a_stale_connection_is_resent_once_on_a_fresh_one_without_cooling_
 
 async def test_a_fresh_connection_closed_before_answering_is_a_fault_not_resent():
     async with RawServer(CLOSE, ok()) as server:
-        conn = connection(server.url, max_retries=0)
+        conn = connection(server.url, retries=0)
         with pytest.raises(EngineUnavailable, match="hung up"):
             await conn.request("GET", "/")
         await conn.aclose()
@@ -94,7 +94,7 @@ CAP = 64 * 1024
 ], ids=["huge-content-length", "huge-chunk", "close-delimited", "endless-header", "gzip-bomb"])
 async def test_replies_and_decoded_bodies_are_capped_with_a_typed_error_and_not_retried(reply):
     async with RawServer(reply, ok()) as server:
-        conn = connection(server.url, max_retries=2, max_response_bytes=CAP)
+        conn = connection(server.url, retries=2, limits=Limits(max_response_bytes=CAP))
         with pytest.raises(EngineResponseError, match=f"over {CAP:,} bytes") as info:
             await conn.request("GET", "/")
         assert "max_response_bytes" in info.value.hint
@@ -224,7 +224,7 @@ async def test_certificates_are_not_retried_and_verify_and_client_certificates_a
     tls.load_cert_chain(cert, key)
     async with RawServer(ok(b'{"n": 1}'), ok(b'{"n": 2}'), tls=tls) as server:
         attempts = []
-        conn = connection(server.url, max_retries=3, backoff=0.5, replica_cooldown=60)
+        conn = connection(server.url, retries=3, backoff=0.5, cooldown=60)
         started = time.monotonic()
         with pytest.raises(EngineUnavailable, match="certificate was refused") as info:
             await conn.request("GET", "/", on_attempt=lambda: attempts.append(1))
@@ -259,11 +259,11 @@ async def test_retry_after_as_an_http_date_or_seconds_is_honoured(header, monkey
         waits.append(seconds)
         await real_sleep(0)
 
-    monkeypatch.setattr("canvasroute.engine._http.asyncio.sleep", sleep)
+    monkeypatch.setattr("canvasroute.engine.transport._connection.asyncio.sleep", sleep)
     value = email.utils.formatdate(time.time() + 8, usegmt=True) if header == "date" else "8"
     busy = b"HTTP/1.1 503 Busy\r\nretry-after: %s\r\ncontent-length: 2\r\n\r\n{}" % value.encode()
     async with RawServer(busy, ok()) as server:
-        conn = connection(server.url, max_retries=1)
+        conn = connection(server.url, retries=1)
         assert (await conn.request("GET", "/")).data == {"ok": 1}
         await conn.aclose()
     assert len(waits) == 1 and 6 <= waits[0] <= 8
@@ -271,7 +271,7 @@ async def test_retry_after_as_an_http_date_or_seconds_is_honoured(header, monkey
 
 async def test_aclose_is_final_even_for_a_request_in_flight():
     async with RawServer(SILENT, ok()) as server:
-        conn = connection(server.url, timeout=30, max_retries=3)
+        conn = connection(server.url, timeout=30, retries=3)
         task = asyncio.create_task(conn.request("GET", "/"))
         await asyncio.sleep(0.1)
         started = time.monotonic()
@@ -292,7 +292,7 @@ async def test_forwarded_headers_go_with_every_attempt_and_stay_in_their_own_tas
 
     busy = b"HTTP/1.1 503 Busy\r\ncontent-length: 2\r\n\r\n{}"
     async with RawServer(busy, ok(), ok()) as server:
-        conn = connection(server.url, max_retries=1)
+        conn = connection(server.url, retries=1)
 
         async def one(rid: str) -> None:
             with forward_headers({"X-Request-ID": rid}):

@@ -13,7 +13,7 @@ import pytest
 from langchain_core.decisions import Choice, Noul, Score
 from test_core_read import Recording
 
-from canvasroute.engine import DecisionError, FunctionEngine, VLLMServerEngine
+from canvasroute.engine import Connection, DecisionError, FunctionEngine, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 pytestmark = pytest.mark.vllm
@@ -34,7 +34,7 @@ UNSURE = GatePolicy(max_normalized_entropy=0.0)
 @pytest.fixture
 def recorded(vllm_url):
     transport = Recording()
-    return VLLMServerEngine(vllm_url, transport=transport), transport
+    return VLLMServerEngine(Connection(vllm_url, transport=transport)), transport
 
 
 def slot_noise(body: dict, positions) -> list[int]:

@@ -21,12 +21,12 @@ from ._process import LoopbackProcess, spawn
 from ._tokens import SPECIAL_IDS, chat_text, token_id, tokenize
 
 __all__ = [
+    "SPECIAL_IDS",
     "FailingPaths",
     "Fault",
     "FunctionEngine",
     "LoopbackProcess",
     "LoopbackVLLM",
-    "SPECIAL_IDS",
     "SleepingTransport",
     "chat_text",
     "read_response",

@@ -38,7 +38,7 @@ import json
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import httptools
 import httpx
@@ -119,7 +119,7 @@ class LoopbackVLLM:
     def __repr__(self) -> str:
         return f"LoopbackVLLM({self.url or 'not started'!r}, model={self.model!r}, answer={self.answer!r})"
 
-    async def __aenter__(self) -> LoopbackVLLM:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -265,7 +265,8 @@ class LoopbackVLLM:
             entry[1] -= 1
             if entry[1] <= 0:
                 self._faults.popleft()
-        return entry[0]
+        fault: Fault = entry[0]
+        return fault
 
     # -- endpoints ----------------------------------------------------------------------
 

