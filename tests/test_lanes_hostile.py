@@ -16,7 +16,7 @@ import ssl
 import time
 
 import pytest
-from rawserver import CLOSE, SILENT, Flood, Later, RawServer, ok
+from rawserver import CLOSE, SILENT, Flood, Hold, Later, RawServer, ok
 from test_lanes import connection, self_signed
 
 from canvasroute.engine import EngineResponseError, EngineTimeout, EngineUnavailable, Limits
@@ -58,7 +58,9 @@ async def test_an_idle_connection_expires_before_reuse():
     assert server.connections == 2 and server.hangups >= 1  # the client closed the idle one itself
 
 
-async def test_a_stale_connection_is_resent_once_on_a_fresh_one_without_cooling_the_replica():
+async def test_a_stale_get_is_resent_once_on_a_fresh_one_without_cooling_the_replica():
+    """A GET changes nothing on the server (RFC 9110 9.2.1), so a kept-alive connection closed
+    before any reply byte is replaced and the GET sent once more, without spending a retry."""
     attempts = []
     async with RawServer(ok(), CLOSE, ok(b'{"n": 2}')) as server:
         conn = connection(server.url, cooldown=60)
@@ -69,6 +71,34 @@ async def test_a_stale_connection_is_resent_once_on_a_fresh_one_without_cooling_
         assert conn._replicas[0].down_until == 0.0  # not cooled down
         await conn.aclose()
     assert server.connections == 2 and len(attempts) == 1  # one attempt: no retry was spent
+
+
+@pytest.mark.parametrize("drop", [CLOSE, Hold()], ids=["at-once", "after-holding-it"])
+async def test_a_post_the_server_received_then_dropped_unanswered_is_never_sent_twice(drop):
+    """Issue #28, defect 10: the server reads the whole POST on a kept-alive connection (and may act on
+    it), then closes without answering. With `max_retries=0` it must arrive exactly once and the
+    caller gets a typed error; before, the lane took it for a stale connection and sent it again."""
+    async with RawServer(ok(), drop, ok(b'{"decided": "twice"}')) as server:
+        conn = connection(server.url, cooldown=60)  # retries=0
+        assert (await conn.request("POST", "/v1/decide", {"n": 1})).data == {"ok": 1}
+        with pytest.raises(EngineUnavailable, match="without answering") as info:
+            await conn.request("POST", "/v1/decide", {"n": 2})
+        assert info.value.attempts == 1
+        assert "retries=" in info.value.hint
+        await conn.aclose()
+    assert server.bodies == [b'{"n":1}', b'{"n":2}']  # the dropped POST arrived once, and was not sent again
+    assert server.connections == 1
+
+
+async def test_a_dropped_post_goes_out_again_only_as_a_counted_retry():
+    attempts = []
+    async with RawServer(ok(), CLOSE, ok(b'{"n": 2}')) as server:
+        conn = connection(server.url, retries=1)
+        await conn.request("POST", "/v1/decide", {"n": 1})
+        reply = await conn.request("POST", "/v1/decide", {"n": 2}, on_attempt=lambda: attempts.append(1))
+        await conn.aclose()
+    assert reply.data == {"n": 2} and len(attempts) == 2  # the retry was spent: the caller allowed it
+    assert server.bodies == [b'{"n":1}', b'{"n":2}', b'{"n":2}']
 
 
 async def test_a_fresh_connection_closed_before_answering_is_a_fault_not_resent():

@@ -67,6 +67,7 @@ class Retries:
 
     The next attempt waits `backoff * 2**n` seconds (with jitter, x0.5-1.5), or what the
     server's `Retry-After` asks (capped at 30 s), and goes to the next healthy replica.
+    A request the server may have received is sent again only by a retry counted here.
     """
 
     max_retries: int = 3

@@ -16,8 +16,10 @@ request, from the JSON body out to the JSON reply in, so a read runs through it 
   (`httpx.MockTransport` in tests) and for an origin the environment sends through a proxy.
 - **Bodies**: JSON both ways (orjson when installed), a refusal's message, `Retry-After`.
 
-A reused connection the server closed before answering is replaced and the request resent
-once. `aclose()` is final. What a connection is told (`Timeout`, `Limits`,
+A request is sent again only when the server cannot have acted on it (the kept-alive
+connection was found closed as the request went out; or a GET, which changes nothing), or
+by a retry that `Retries.max_retries` counts: with `max_retries=0` a POST the server received
+is never sent twice. `aclose()` is final. What a connection is told (`Timeout`, `Limits`,
 `Retries`) lives in `_config.py`; where it goes (URLs, proxies, TLS) in `_origin.py`.
 """
 
@@ -146,7 +148,13 @@ class BadReply(LaneFault):
 
 
 class StaleConnection(BadReply):
-    """A reused connection was closed before any byte of the reply came: safe to resend once."""
+    """A kept-alive connection was found closed as the request went out: the server cannot
+    have received it, so it is sent again once, on a new connection."""
+
+
+class Unanswered(BadReply):
+    """A kept-alive connection was closed after the request was written, before any byte of a
+    reply: the server may have received it, so only a GET is sent again."""
 
 
 class ReplyTooLarge(LaneFault):
@@ -236,9 +244,13 @@ class HttpConnection(asyncio.Protocol):
 
     async def send(self, request: bytes, timeout: float) -> Answer:
         """Write one request and wait for its whole reply (`LaneFault` subclasses on failure;
-        the connection is closed on any failure or cancellation)."""
+        the connection is closed on any failure or cancellation). `StaleConnection` means the
+        request never left: the connection was closed before it, or the write failed at once."""
         transport = self.transport
         assert transport is not None and self._waiter is None
+        if transport.is_closing():
+            self.close()
+            raise StaleConnection("the connection was closed before the request was written")
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Answer] = loop.create_future()
         self._waiter = waiter
@@ -248,6 +260,8 @@ class HttpConnection(asyncio.Protocol):
         timer = loop.call_later(timeout, self._fail, ReplyTimedOut(f"no full reply within {timeout:g} s"))
         try:
             transport.write(request)
+            if transport.is_closing():  # the write failed at once (a reset): no byte reached the server
+                raise StaleConnection("the connection broke as the request was written")
             return await waiter
         except BaseException:
             self.close()
@@ -292,7 +306,7 @@ class HttpConnection(asyncio.Protocol):
         if self._head_done and not self._interim and self._until_eof():
             self._complete()  # a close-delimited body ends here
         elif self._received == 0 and self.exchanges > 1:
-            waiter.set_exception(StaleConnection("the server closed the kept-alive connection"))
+            waiter.set_exception(Unanswered("the server closed the kept-alive connection without answering"))
         else:
             waiter.set_exception(BadReply(f"the server hung up mid-reply ({exc or 'end of stream'})"))
 
@@ -388,9 +402,10 @@ class SocketLane:
     `timeout.connect` bounds opening a connection (TCP and TLS), `timeout.read` the exchange
     (writing the request and reading the whole reply). A connection is reused only while it
     is in step and idle for less than `keepalive_expiry` seconds; one that fails, times out,
-    is cancelled, or receives bytes nobody asked for is closed. A reused connection the
-    server closed before answering is replaced and the request resent once. Origins the
-    environment sends through a proxy go through an `httpx.AsyncClient` for that proxy.
+    is cancelled, or receives bytes nobody asked for is closed. A request on a kept-alive
+    connection the server closed is sent again once, on a new one, only if the server cannot
+    have acted on it (`StaleConnection`; or a GET). Origins the environment sends through a
+    proxy go through an `httpx.AsyncClient` for that proxy.
     """
 
     __slots__ = ("_busy", "_closed", "_conns", "_expiry", "_max_bytes", "_proxied", "_ssl", "_timeout")
@@ -421,7 +436,12 @@ class SocketLane:
             try:
                 answer = await conn.send(request, self._timeout.read)
             except StaleConnection:
-                conn = None  # the server closed it between requests: resend once, on a new one
+                conn = None  # the request never reached the server: once more, on a new connection
+                continue
+            except Unanswered:
+                if method != "GET":  # the server may have acted on it: only a counted retry sends it again
+                    raise
+                conn = None
                 continue
             finally:
                 self._busy = None
@@ -981,6 +1001,9 @@ class Connection:
     def _hint(fault: LaneFault) -> str:
         if isinstance(fault, ConnectFailed):
             return "is the server running at this URL?"
+        if isinstance(fault, Unanswered):
+            return ("the server closed the connection after receiving the request; it was not sent again (the "
+                    "server may have acted on it): allow that with retries=")
         return "the server hung up or broke HTTP/1.1; is it what listens at this URL?"
 
 
