@@ -250,7 +250,7 @@ class Reading:
     async def _think(self, msgs: Sequence[Messages], reads: dict[str, QuestionRead]) -> bool:
         """Each chunk's thought (False when an engine fault was recorded on every question instead)."""
         try:
-            self.thoughts = await write_thoughts(self.engine, msgs, self.options.think)
+            self.thoughts = await write_thoughts(self.engine, msgs, self.options.think, self.seed)
         except CanvasRouteError as exc:
             if not self.absorbs(exc):
                 raise

@@ -45,10 +45,11 @@ class Recording(httpx.AsyncBaseTransport):
         return await self.inner.handle_async_request(request)
 
     def reads(self) -> list[dict]:
+        """The structured reads sent (a seed canvas and label ids: no discovery probe, no thought block)."""
         return [json.loads(r.content) for r in self.requests
                 if r.url.path in ("/v1/chat/completions", "/v1/completions") and
-                "diffusion_seed_canvas" in json.loads(r.content).get("vllm_xargs", {}) and
-                len(json.loads(r.content)["vllm_xargs"]["diffusion_seed_canvas"]) > 1]
+                "logprob_token_ids" in json.loads(r.content) and
+                len(json.loads(r.content).get("vllm_xargs", {}).get("diffusion_seed_canvas", ())) > 1]
 
 
 @pytest.fixture

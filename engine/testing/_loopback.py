@@ -1,8 +1,8 @@
 """An instant loopback server that speaks vLLM's structured-read wire.
 
-For tests and `canvasroute bench`: it answers `GET /v1/models`, `POST /tokenize` and
-structured reads on `POST /v1/chat/completions` and `POST /v1/completions` the way
-vLLM 0.32 does (see docs/wire-format.md), with no model behind it, so what is measured
+For tests and `canvasroute bench`: it answers `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize` and structured reads on `POST /v1/chat/completions` and
+`POST /v1/completions` the way vLLM 0.32 does (see docs/wire-format.md), with no model behind it, so what is measured
 against it is the client. Raw asyncio streams, HTTP/1.1 keep-alive, one response body
 cached per (endpoint, width, label ids). Requests are parsed by llhttp (`httptools`).
 
@@ -43,7 +43,7 @@ from typing import Any, Literal, Self
 import httptools
 import httpx
 
-from ._tokens import FIRST_ID, chat_text, pieces, token_id
+from ._tokens import FIRST_ID, SPECIAL_IDS, chat_text, pieces, token_id
 
 __all__ = ["ANSWERS", "Fault", "LoopbackVLLM", "read_response"]
 
@@ -107,11 +107,13 @@ class LoopbackVLLM:
         self.headers: list[dict[str, str]] = []
         """Headers of the last 100 requests (lower-case names)."""
         self.reads = 0
-        """Structured reads received (a seed canvas of 2+ ids; discovery probes excluded)."""
+        """Structured reads received (a seed canvas of 2+ ids and label ids; discovery probes and
+        thought blocks excluded)."""
         self.bodies: deque[dict[str, Any]] = deque(maxlen=100)
         """JSON bodies of the last 100 reads."""
         self._faults: deque[list[Any]] = deque()
         self._cache: dict[tuple[Any, ...], bytes] = {}
+        self._pieces: dict[int, str] = {i: text for text, i in SPECIAL_IDS.items()}
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -227,7 +229,7 @@ class LoopbackVLLM:
                  "max_model_len": self.max_model_len}]}).encode())
         if method == "GET" and path == "/_loopback/stats":
             return 0.0, (200, json.dumps({"requests": dict(self.requests), "reads": self.reads}).encode())
-        if method != "POST" or path not in ("/tokenize", *_READS):
+        if method != "POST" or path not in ("/tokenize", "/detokenize", *_READS):
             return 0.0, _error(404, f"no route {method} {path}", "NotFoundError")
         try:
             body = json.loads(raw)
@@ -239,9 +241,11 @@ class LoopbackVLLM:
             return 0.0, _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         if path == "/tokenize":
             return 0.0, self._tokenize(body)
+        if path == "/detokenize":
+            return 0.0, self._detokenize(body)
         seed = (body.get("vllm_xargs") or {}).get("diffusion_seed_canvas")
-        if not (isinstance(seed, list) and len(seed) > 1):  # discovery probes: never faulted
-            return 0.0, self._read(path, body, None)
+        if not (isinstance(seed, list) and len(seed) > 1) or "logprob_token_ids" not in body:
+            return 0.0, self._read(path, body, None)  # discovery probes and thought blocks: never faulted
         self.reads += 1
         self.bodies.append(body)
         fault = self._next_fault()
@@ -279,8 +283,16 @@ class LoopbackVLLM:
             text = str(body.get("prompt", ""))
         parts = pieces(text)
         ids = [token_id(p, self.vocab_size) for p in parts]
+        self._pieces.update(zip(ids, parts, strict=True))
         return 200, json.dumps({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                                 "token_strs": parts if body.get("return_token_strs") else None}).encode()
+
+    def _detokenize(self, body: Mapping[str, Any]) -> tuple[int, bytes]:
+        """The text of ids this server tokenized (an id it never made reads as empty)."""
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return _error(400, "tokens must be a list of token ids")
+        return 200, json.dumps({"prompt": "".join(self._pieces.get(t, "") for t in tokens)}).encode()
 
     def _read(self, path: str, body: Mapping[str, Any], fault: Fault | None) -> tuple[int, bytes]:
         try:

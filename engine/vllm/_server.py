@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -78,6 +79,9 @@ class VLLMServerEngine:
     `enable_thinking` goes to the chat template (default False, the read mode). A server
     that refuses `diffusion_canvas_length` below its served width gets the full width from
     then on (`narrow_canvases` turns False).
+
+    `think(messages, budget, seed=...)` writes a thought before a read: block by block, each
+    one denoising step from noise drawn from `seed`, so the same seed gives the same thought.
 
     Example:
         ```python
@@ -179,27 +183,48 @@ class VLLMServerEngine:
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
         return list(await asyncio.gather(*(self._read_one(r) for r in batch)))
 
-    async def think(self, messages: Sequence[Message], budget: int) -> Thought:
-        """What the model writes in its thought channel after `messages`, up to `budget` tokens
-        (an ordinary generation after the thinking prompt and the channel's open tag, cut at its
-        close tag or the budget); a `CanvasRead(thought=thought.ids)` then reads after it."""
+    async def think(self, messages: Sequence[Message], budget: int, *, seed: int = 0) -> Thought:
+        """What the model writes in its thought channel after `messages`, up to `budget` tokens;
+        a `CanvasRead(thought=thought.ids)` then reads after it.
+
+        vLLM's DiffusionGemma refuses a request `seed` and draws its own generation noise from
+        the server process's generator, so a thought it generated would differ on every run.
+        The engine writes it instead, one canvas-wide block at a time: each block is one
+        denoising step (a read-only read, `diffusion_max_steps=1`) from noise drawn from
+        `seed`, continuing the prompt and the blocks before it, cut at the channel's close tag
+        (or the end of turn) or at `budget`. The same messages and seed give the same thought
+        on the same server and weights.
+        """
+        if budget < 1:
+            raise EngineRequestError(f"a thought takes a budget of at least one token, not {budget}")
+        info = await self.info()
         opening, closing = await self._thought_tags()
+        stops = {closing, *await self.tokenize(info.end_of_turn)} if info.end_of_turn else {closing}
         prompt = [*await self.prompt_ids(messages, thinking=True), *opening]
-        body = {"model": (await self.info()).model, "prompt": prompt, "max_tokens": budget, "logprobs": 0,
-                "return_tokens_as_token_ids": True, "stop_token_ids": [closing]}
+        draw = random.Random(f"canvasroute thought {seed}").randrange
+        ids: list[int] = []
+        closed, prompt_tokens = False, 0
         start = time.perf_counter()
-        data = await self.post("/v1/completions", body)
-        try:
-            choice = data["choices"][0]
-            ids = [token_id(t) for t in choice["logprobs"]["tokens"]]
-            text = str(choice.get("text") or "")
-        except (KeyError, IndexError, TypeError) as exc:
-            raise EngineResponseError(f"the thought response has no token ids ({exc!r})") from exc
-        closed = closing in ids or choice.get("finish_reason") == "stop"
-        if closing in ids:
-            ids = ids[:ids.index(closing)]
-        return Thought(ids=tuple(ids), text=text.split(THOUGHT_CLOSE)[0], closed=closed,
-                       prompt_tokens=_usage(data, "prompt_tokens", len(prompt)), latency_s=time.perf_counter() - start)
+        while len(ids) < budget and len(prompt) + len(ids) + info.canvas_width <= info.max_model_len:
+            noise = [draw(info.vocab_size) for _ in range(info.canvas_width)]
+            body = {"model": info.model, "prompt": [*prompt, *ids], "max_tokens": info.canvas_width, "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                    "vllm_xargs": read_xargs(noise, info.canvas_width, constrained=False)}
+            data = await self.post("/v1/completions", body)
+            try:
+                block = [token_id(t) for t in data["choices"][0]["logprobs"]["tokens"]]
+            except (KeyError, IndexError, TypeError) as exc:
+                raise EngineResponseError(f"the thought response has no token ids ({exc!r})") from exc
+            prompt_tokens += _usage(data, "prompt_tokens", len(prompt) + len(ids))
+            stop = next((i for i, t in enumerate(block) if t in stops), None)
+            ids.extend(block if stop is None else block[:stop])
+            if stop is not None or not block:
+                closed = stop is not None
+                break
+        del ids[budget:]
+        text = await self._detokenize(ids) if ids else ""
+        return Thought(ids=tuple(ids), text=text, closed=closed, prompt_tokens=prompt_tokens,
+                       latency_s=time.perf_counter() - start)
 
     async def aclose(self) -> None:
         await self.connection.aclose()
@@ -295,6 +320,13 @@ class VLLMServerEngine:
         canvas starts at the answers."""
         opening, closing = await self._thought_tags()
         return [*await self.prompt_ids(messages, thinking=True), *opening, *thought, closing]
+
+    async def _detokenize(self, ids: Sequence[int]) -> str:
+        data = await self._request("POST", "/detokenize", {"model": await self._model_name(), "tokens": list(ids)})
+        text = data.get("prompt")
+        if not isinstance(text, str):
+            raise EngineResponseError(f"/detokenize answered no text: {str(data)[:200]}")
+        return text
 
     async def prompt_ids(self, messages: Sequence[Message], *, thinking: bool = False) -> tuple[int, ...]:
         """The chat prompt's token ids (the server's template, generation prompt included;
