@@ -117,6 +117,30 @@ async def test_connection_refused_is_unavailable():
         await connection(url).request("GET", "/")
 
 
+async def test_a_connections_own_headers_go_with_every_request_and_cannot_touch_the_framing():
+    async with RawServer(ok(), ok()) as server:
+        conn = connection(server.url, headers={"X-Team": "triage", "X-Tenant": "eu"})
+        await conn.request("GET", "/")
+        await conn.request("GET", "/", headers={"x-team": "billing"})  # a request's own header comes last
+        await conn.aclose()
+    first, second = (h.decode().lower() for h in server.heads)
+    assert "x-team: triage\r\n" in first and "x-tenant: eu\r\n" in first
+    assert second.count("x-team:") == 1 and "x-team: billing\r\n" in second and "x-tenant: eu\r\n" in second
+    for forged in ({"Content-Length": "0"}, {"host": "elsewhere"}, {"x-a": "1\r\nx-b: 2"}):
+        with pytest.raises(ValueError, match="content-length|host|invalid header"):
+            Connection("http://127.0.0.1:1", headers=forged)
+    with pytest.raises(ValueError, match="either api_key or an authorization header"):
+        Connection("http://127.0.0.1:1", api_key="k", headers={"Authorization": "Bearer j"})
+    assert repr(Connection("http://a.test")) == "Connection('http://a.test')"
+    assert repr(Connection(["http://a.test", "http://b.test"], timeout=9, retries=0)) == (
+        "Connection(['http://a.test', 'http://b.test'], timeout=Timeout(read=9.0, connect=5.0), "
+        "retries=Retries(max_retries=0, backoff=0.2, replica_cooldown=5.0))")
+    with pytest.raises(ValueError, match="retries must be"):
+        Connection("http://a.test", retries=True)
+    with pytest.raises(ValueError, match="Limits: max_concurrency"):
+        Limits(max_concurrency=0)
+
+
 async def test_a_header_that_could_split_the_request_is_refused():
     async with RawServer(ok()) as server:
         conn = connection(server.url)

@@ -10,7 +10,7 @@
 Example:
     ```python
     server = LoopbackVLLM(answer="argmax")               # rows without the label ids
-    engine = VLLMServerEngine("http://vllm.test", transport=server.transport())
+    engine = VLLMServerEngine(Connection("http://vllm.test", transport=server.transport()))
     ```
 """
 

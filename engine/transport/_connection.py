@@ -245,12 +245,10 @@ class HttpConnection(asyncio.Protocol):
     async def send(self, request: bytes, timeout: float) -> Answer:
         """Write one request and wait for its whole reply (`LaneFault` subclasses on failure;
         the connection is closed on any failure or cancellation). `StaleConnection` means the
-        request never left: the connection was closed before it, or the write failed at once."""
+        request never left: the write failed at once. (A kept-alive connection found closing
+        is not sent on at all: `reusable()`.)"""
         transport = self.transport
         assert transport is not None and self._waiter is None
-        if transport.is_closing():
-            self.close()
-            raise StaleConnection("the connection was closed before the request was written")
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Answer] = loop.create_future()
         self._waiter = waiter

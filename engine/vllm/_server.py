@@ -296,8 +296,14 @@ class VLLMServerEngine:
         data = _object(reply.data, path)
         rows = parse_rows(data, endpoint, width, read.slots)
         check_rows(read, rows)
-        return ReadResult(rows=rows, prompt_tokens=_usage(data, "prompt_tokens", 0),
-                          completion_tokens=_usage(data, "completion_tokens", width),
+        usage = data.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        try:  # inline, not `_usage`: a read's path stays short
+            prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            completion_tokens = int(usage.get("completion_tokens") or width)
+        except (TypeError, ValueError) as exc:
+            raise EngineResponseError(f"the read response has unreadable usage ({exc!r})") from exc
+        return ReadResult(rows=rows, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           latency_s=latency, attrs={"server.address": reply.url})
 
     def _count(self) -> None:
