@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from canvasroute.engine import Engine, VLLMServerEngine
+from canvasroute.engine import Connection, Engine, VLLMServerEngine
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def open_engine(args: argparse.Namespace) -> Engine:
     """The engine the options name: the vLLM server(s), else the embedded model."""
     if args.engine_url:
-        return VLLMServerEngine(args.engine_url, model=args.served_model, api_key=os.environ.get(args.api_key_env))
+        connection = Connection(args.engine_url, api_key=os.environ.get(args.api_key_env))
+        return VLLMServerEngine(connection, model=args.served_model)
     from canvasroute.engine import embedded_engine
 
     return embedded_engine()

@@ -9,22 +9,24 @@ one small protocol, `Engine`:
 - `FunctionEngine`: a test double driven by a function.
 
 Every error the library raises lives in `canvasroute.engine.errors`, re-exported here. Shared parts:
-`Connection` (HTTP with replicas, retries and typed errors), `forward_headers` (headers every
-request inside a block carries, e.g. a caller's request id), `MAX_LABEL_IDS` (vLLM's cap
-per read), `check_rows` (every requested label id at every slot), `defuse` (special-token
-text made harmless). Test doubles and the vLLM-wire fake live in `canvasroute.engine.testing`.
+`Connection` (HTTP with replicas, retries and typed errors, told by `Timeout`, `Limits` and
+`Retries`; also what escalation clients use, through `Connection.openai_options()`),
+`forward_headers` (headers every request inside a block carries, e.g. a caller's request id),
+`MAX_LABEL_IDS` (vLLM's cap per read), `check_rows` (every requested label id at every slot),
+`defuse` (special-token text made harmless). Test doubles and the vLLM-wire fake live in
+`canvasroute.engine.testing`.
+
+Rooms, by job: `transport/` (the connection), `vllm/` (both vLLM engines and their wire),
+`local/` (torch engines and the embedded default), and beside them the values and protocol
+(`_types.py`), prompts (`_prompts.py`), the sync path (`_sync.py`), `FunctionEngine`, the errors.
 """
 
 from typing import TYPE_CHECKING, Any
 
 from ._function import FunctionEngine
-from ._headers import forward_headers
-from ._http import Connection
-from ._server import VLLMServerEngine
+from ._prompts import SPECIAL_CANDIDATES, defuse
 from ._sync import run_sync
-from ._text import SPECIAL_CANDIDATES, THOUGHT_SCAFFOLD, defuse
-from ._types import CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
-from ._wire import MAX_LABEL_IDS
+from ._types import THOUGHT_SCAFFOLD, CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
 from .errors import (
     BudgetExhausted,
     CalibrationError,
@@ -45,11 +47,11 @@ from .errors import (
     UnsupportedQuestion,
     UnsureAnswer,
 )
+from .transport import Connection, Limits, Retries, Timeout, forward_headers
+from .vllm import MAX_LABEL_IDS, VLLMEngine, VLLMServerEngine
 
 if TYPE_CHECKING:
-    from ._embedded import embedded_cache_dir, embedded_engine
-    from ._transformers import TransformersEngine
-    from ._vllm import VLLMEngine
+    from .local import TransformersEngine, embedded_cache_dir, embedded_engine
 
 __all__ = [
     "MAX_LABEL_IDS",
@@ -70,14 +72,17 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
     "EscalationError",
-    "GraphSetupError",
     "FunctionEngine",
+    "GraphSetupError",
     "ImagesUnsupported",
     "InputTooLong",
     "LabelError",
+    "Limits",
     "Message",
     "ReadResult",
+    "Retries",
     "Thought",
+    "Timeout",
     "TraceFileError",
     "TransformersEngine",
     "UnsupportedQuestion",
@@ -92,20 +97,15 @@ __all__ = [
     "run_sync",
 ]
 
-_LAZY = {
-    "TransformersEngine": "._transformers",
-    "VLLMEngine": "._vllm",
-    "embedded_cache_dir": "._embedded",
-    "embedded_engine": "._embedded",
-}
+_LOCAL = ("TransformersEngine", "embedded_cache_dir", "embedded_engine")
 
 
 def __getattr__(name: str) -> Any:
-    """Import the heavy backends (torch, vllm) only when asked for."""
-    if name in _LAZY:
-        from importlib import import_module
+    """Import the torch backends only when asked for."""
+    if name in _LOCAL:
+        from . import local
 
-        value = getattr(import_module(_LAZY[name], __name__), name)
+        value = getattr(local, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'canvasroute.engine' has no attribute {name!r}")

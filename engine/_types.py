@@ -7,11 +7,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ._text import THOUGHT_SCAFFOLD
 from .errors import DecisionError, EngineResponseError, ImagesUnsupported
 
 Message = Mapping[str, str]
 """A chat message: `{"role": ..., "content": ...}`."""
+
+THOUGHT_SCAFFOLD = "<|channel>thought\n<channel|>"
+"""Gemma 4's empty thought block: the canvas opens with it unless the prompt holds it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,9 +108,9 @@ class ReadResult:
         for i, row in enumerate(self.rows):
             if not row:
                 raise EngineResponseError(f"slot row {i} is empty")
-            # fast check in C: a NaN or +inf makes the sum NaN or +inf; a finite logprob > 0 shows in max
-            total = sum(row.values())
-            if total == total and total != math.inf and max(row.values()) <= 1e-4:
+            # fast check in C: a NaN or +inf makes the sum NaN or +inf (neither is below inf); a
+            # finite logprob > 0 shows in max
+            if sum(row.values()) < math.inf and max(row.values()) <= 1e-4:
                 continue
             for token, lp in row.items():
                 if not math.isfinite(lp) and lp != -math.inf:

@@ -14,7 +14,7 @@ from typing import Any
 from langchain_core.decisions import BaseDecisionModel, ClassifierResponse
 from langchain_core.messages import BaseMessage
 from opentelemetry.trace import SpanKind
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from canvasroute.engine import Connection, EngineResponseError, run_sync
 
@@ -29,9 +29,11 @@ __all__ = ["SystemOneDecisionModel"]
 class SystemOneDecisionModel(BaseDecisionModel):
     """Answers Noul, Choice, Score (and Box, where the server can) over `/v1/systemone`.
 
-    Async httpx with a sync path; retries with exponential backoff and jitter on
-    connection errors, timeouts, 408, 429, 5xx and 529 (honouring `Retry-After`), and
-    typed errors: transient faults raise `EngineUnavailable` (`EngineOverloaded` for
+    `connection` is a `Connection` to the server's root (without `/v1/systemone`), or its
+    URL for a default one: the same transport as `VLLMServerEngine` (keys, TLS, proxies,
+    `Timeout`, `Retries`, `Limits`), with a sync path. Retries with exponential backoff and
+    jitter on connection errors, timeouts, 408, 429, 5xx and 529 (honouring `Retry-After`),
+    and typed errors: transient faults raise `EngineUnavailable` (`EngineOverloaded` for
     429/503/529, `EngineTimeout`), refusals raise `EngineRequestError` carrying the
     server's status and message, unreadable answers raise `EngineResponseError`.
 
@@ -41,50 +43,37 @@ class SystemOneDecisionModel(BaseDecisionModel):
         resp = await jev.ainvoke({"state": "Refund me!", "questions": {
             "refund": Noul(instructions="Does the customer ask for a refund?")}})
         resp.nouls["refund"].noul
-        # or as the escalation target of a canvas model:
-        CanvasDecisionModel(engine=..., escalate_to=SystemOneDecisionModel(url, model="jev-latest"))
+        # or as the escalation target of a canvas model, with a key and no retries:
+        hosted = SystemOneDecisionModel(Connection(url, api_key=key, retries=0), model="jev-latest")
+        CanvasDecisionModel(engine=..., escalate_to=hosted)
         ```
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    base_url: str
-    """Server root, without `/v1/systemone`."""
+    connection: Connection
+    """The server and how to reach it (a URL given here becomes `Connection(url)`)."""
     model: str
     """Model name sent with every request (and reported as the answering model)."""
-    api_key: SecretStr | None = None
-    """Sent as `Authorization: Bearer <key>` when set."""
-    timeout: float = Field(default=30.0, gt=0)
-    """Seconds one HTTP attempt may take."""
-    max_retries: int = Field(default=3, ge=0)
-    """Retries after the first attempt on transient faults."""
-    backoff: float = Field(default=0.2, ge=0)
-    """First backoff delay in seconds, doubled per retry (with jitter)."""
-    max_connections: int = Field(default=64, ge=1)
-    """Pooled connections per event loop."""
-    verify: Any = True
-    """TLS verification: True (certifi or `SSL_CERT_FILE`), False, a CA bundle path, or an `ssl.SSLContext`."""
-    cert: Any = None
-    """A client certificate: a PEM path, or (certificate, key[, password])."""
-    transport: Any = None
-    """An `httpx.AsyncBaseTransport` (e.g. `httpx.MockTransport` in tests)."""
     extra_body: dict[str, Any] = Field(default_factory=dict)
     """Extra top-level request fields (e.g. `{"seed": 7}` for canvasroute servers)."""
 
-    _connection: Connection | None = PrivateAttr(default=None)
-
-    def __init__(self, base_url: str | None = None, /, **kwargs: Any) -> None:
-        if base_url is not None:
-            kwargs["base_url"] = base_url
+    def __init__(self, connection: str | Sequence[str] | Connection | None = None, /, **kwargs: Any) -> None:
+        if connection is not None:
+            kwargs["connection"] = connection
         super().__init__(**kwargs)
 
-    def model_post_init(self, context: Any) -> None:
-        self.base_url = self.base_url.rstrip("/")
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must be an http(s) URL, got {self.base_url!r}")
+    @field_validator("connection", mode="before")
+    @classmethod
+    def _connect(cls, value: Any) -> Any:
+        """A URL (or replica URLs) becomes a default `Connection`."""
+        if isinstance(value, (str, list, tuple)):
+            return Connection(value)
+        return value
 
     def __repr__(self) -> str:
-        return f"SystemOneDecisionModel({self.base_url!r}, model={self.model!r})"
+        urls = self.connection.urls
+        return f"SystemOneDecisionModel({urls[0] if len(urls) == 1 else list(urls)!r}, model={self.model!r})"
 
     @property
     def _provider(self) -> str:
@@ -115,21 +104,10 @@ class SystemOneDecisionModel(BaseDecisionModel):
         return resp
 
     async def aclose(self) -> None:
-        """Close the pooled HTTP clients."""
-        if self._connection is not None:
-            await self._connection.aclose()
+        """Close the connection (for whoever shares it)."""
+        await self.connection.aclose()
 
     # -- transport ------------------------------------------------------------------
-
-    @property
-    def connection(self) -> Connection:
-        """The HTTP connection (lanes, retries, typed errors), built on first use."""
-        if self._connection is None:
-            self._connection = Connection(
-                self.base_url, api_key=self.api_key.get_secret_value() if self.api_key else None,
-                timeout=self.timeout, max_concurrency=self.max_connections, max_retries=self.max_retries,
-                backoff=self.backoff, verify=self.verify, cert=self.cert, transport=self.transport)
-        return self._connection
 
     async def _post(self, body: Mapping[str, Any]) -> tuple[Any, str | None]:
         reply = await self.connection.request("POST", "/v1/systemone", body)

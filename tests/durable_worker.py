@@ -36,8 +36,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command
 from typing_extensions import TypedDict
 
-from canvasroute.engine import FunctionEngine
-from canvasroute.engine._types import CanvasRead
+from canvasroute.engine import CanvasRead, FunctionEngine
 from canvasroute.harness import ReviewPolicy, decision_node, merge_decisions
 from canvasroute.router import CanvasDecisionModel, Escalation, EscalationBudget, GatePolicy, OutcomePolicy
 

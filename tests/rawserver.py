@@ -39,6 +39,13 @@ class Later:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """Script entry: hold the request (read whole) `delay` seconds, then close without answering."""
+
+    delay: float = 0.05
+
+
+@dataclass(frozen=True)
 class Flood:
     """Script entry: `head`, then `chunk` again and again until the client hangs up."""
 
@@ -81,7 +88,7 @@ class RawServer:
     """Serves the script; keeps every request (`heads`: request line and headers as received,
     `bodies`), counts connections, hang-ups and bytes flooded."""
 
-    def __init__(self, *replies: bytes | Later | Flood | None, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, *replies: bytes | Later | Flood | Hold | None, tls: ssl.SSLContext | None = None) -> None:
         self.tls = tls
         self.replies = list(replies)
         self.heads: list[bytes] = []
@@ -117,6 +124,10 @@ class RawServer:
             while await self._request(reader, seen):
                 reply = self.replies.pop(0)
                 if reply is CLOSE:
+                    return
+                if isinstance(reply, Hold):
+                    await asyncio.sleep(reply.delay)
+                    self.hangups += 1
                     return
                 if reply == SILENT:
                     await reader.read()

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from langchain_core.decisions import Choice
 
-from canvasroute.engine import VLLMServerEngine
-from canvasroute.engine._server import session_key
+from canvasroute.engine import Connection, Retries, VLLMServerEngine
 from canvasroute.engine.testing import LoopbackVLLM
+from canvasroute.engine.vllm import session_key
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
@@ -48,8 +48,8 @@ class Recording(httpx.AsyncBaseTransport):
 
 def decider(urls: list[str], rec: Recording, **engine) -> CanvasDecisionModel:
     # `uniform` rows: every read is uncertain, so each decision reads 1 + REREADS times
-    return CanvasDecisionModel(engine=VLLMServerEngine(urls, transport=rec, backoff=0, replica_cooldown=60, **engine),
-                               policy=GatePolicy(rereads=REREADS))
+    connection = Connection(urls, transport=rec, retries=Retries(backoff=0, replica_cooldown=60))
+    return CanvasDecisionModel(engine=VLLMServerEngine(connection, **engine), policy=GatePolicy(rereads=REREADS))
 
 
 async def by_decision(model: CanvasDecisionModel, rec: Recording, states: list[str]) -> dict[str, list[tuple]]:
@@ -113,7 +113,7 @@ async def test_the_session_header_is_configurable_or_off() -> None:
         messages = None
         for header in ("x-user-id", None):
             seen.clear()
-            engine = VLLMServerEngine(server.url, transport=Headers(), session_header=header)
+            engine = VLLMServerEngine(Connection(server.url, transport=Headers()), session_header=header)
             model = CanvasDecisionModel(engine=engine)
             resp = await model.adecide("ticket: refund please", {"team": TEAM})
             assert resp.reads["team"].path == "canvas"

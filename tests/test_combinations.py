@@ -38,6 +38,7 @@ from typing_extensions import TypedDict
 from canvasroute.apps.calibration.rows import Row
 from canvasroute.apps.eval import evaluate
 from canvasroute.engine import (
+    Connection,
     DecisionError,
     EngineResponseError,
     EngineUnavailable,
@@ -45,6 +46,7 @@ from canvasroute.engine import (
     FunctionEngine,
     ImagesUnsupported,
     InputTooLong,
+    Timeout,
     UnsureAnswer,
     VLLMServerEngine,
 )
@@ -459,7 +461,7 @@ def test_14_image_blocks_anywhere_in_the_state_are_images():
 
 async def test_14_a_dict_message_image_reaches_the_chat_endpoint_as_an_image_part():
     server = LoopbackVLLM()
-    engine = VLLMServerEngine("http://vllm.test", transport=server.transport())
+    engine = VLLMServerEngine(Connection("http://vllm.test", transport=server.transport()))
     png = {"type": "image", "base64": "iVBORw0KGgo=", "mime_type": "image/png"}
     await CanvasDecisionModel(engine=engine, policy=NO_GATE).adecide(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, png]}]}, {"team": TEAM})
@@ -485,11 +487,11 @@ class NoContextLength(httpx.AsyncBaseTransport):
 
 
 async def _check_missing_context_length(url: str, inner: httpx.AsyncBaseTransport, max_model_len: int) -> None:
-    engine = VLLMServerEngine(url, transport=NoContextLength(inner))
+    engine = VLLMServerEngine(Connection(url, transport=NoContextLength(inner)))
     with pytest.raises(EngineResponseError, match="without max_model_len") as caught:
         await CanvasDecisionModel(engine=engine, policy=NO_GATE).adecide("Refund me", {"team": TEAM})
     assert "max_model_len=" in caught.value.hint
-    told = VLLMServerEngine(url, transport=NoContextLength(inner), max_model_len=max_model_len)
+    told = VLLMServerEngine(Connection(url, transport=NoContextLength(inner)), max_model_len=max_model_len)
     resp = await CanvasDecisionModel(engine=told, policy=NO_GATE).adecide("Refund me", {"team": TEAM})
     assert resp.reads["team"].path == "canvas" and (await told.info()).max_model_len == max_model_len
 
@@ -551,7 +553,7 @@ async def test_17_engine_down_and_escalation_down_names_both():
     from langchain_openai import ChatOpenAI
 
     engine_url, target_url = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}/v1"
-    engine = VLLMServerEngine(engine_url, max_retries=0, connect_timeout=2)
+    engine = VLLMServerEngine(Connection(engine_url, timeout=Timeout(connect=2), retries=0))
     target = ChatOpenAI(base_url=target_url, model="gemma-3-27b", api_key="EMPTY", max_retries=0, timeout=5)
     with pytest.raises(EscalationError) as caught:
         await CanvasDecisionModel(engine=engine, escalate_to=target).adecide("Refund me", {"team": TEAM})

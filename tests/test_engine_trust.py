@@ -19,8 +19,10 @@ from langchain_core.decisions import Choice, Noul
 from canvasroute.engine import (
     THOUGHT_SCAFFOLD,
     CanvasRead,
+    Connection,
     EngineResponseError,
     FunctionEngine,
+    Retries,
     VLLMServerEngine,
     check_rows,
     defuse,
@@ -37,7 +39,8 @@ QUESTIONS = {
 
 def loopback_engine(**server: object) -> tuple[VLLMServerEngine, LoopbackVLLM]:
     fake = LoopbackVLLM(**server)
-    return VLLMServerEngine("http://vllm.test", transport=fake.transport(), backoff=0.001), fake
+    return VLLMServerEngine(Connection("http://vllm.test", retries=Retries(backoff=0.001),
+                                       transport=fake.transport())), fake
 
 
 # -- 1. rows must hold every requested label id --------------------------------------------
@@ -98,7 +101,7 @@ def test_slot_stats_refuses_a_row_without_a_label_instead_of_filling_it_in():
 @pytest.mark.parametrize("thinking", [False, True])
 async def test_the_scaffold_is_seeded_only_when_the_generation_prompt_lacks_it(thinking):
     fake = LoopbackVLLM()
-    engine = VLLMServerEngine("http://vllm.test", transport=fake.transport(), enable_thinking=thinking)
+    engine = VLLMServerEngine(Connection("http://vllm.test", transport=fake.transport()), enable_thinking=thinking)
     info = await engine.info()
     assert info.canvas_prefix == (THOUGHT_SCAFFOLD if thinking else "")
     await CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0)).adecide("hi", QUESTIONS)
@@ -138,7 +141,7 @@ async def test_the_real_server_gets_exactly_one_thought_block(vllm_url, thinking
                 bodies.append(__import__("json").loads(request.content))
             return await super().handle_async_request(request)
 
-    engine = VLLMServerEngine(vllm_url, transport=Recording(), enable_thinking=thinking, timeout=120)
+    engine = VLLMServerEngine(Connection(vllm_url, timeout=120, transport=Recording()), enable_thinking=thinking)
     info = await engine.info()
     assert info.canvas_prefix == (THOUGHT_SCAFFOLD if thinking else "")
     resp = await CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0)).adecide("hi", QUESTIONS)
@@ -270,7 +273,7 @@ async def test_loopback_server_specials_are_discovered_and_inert():
 
 @pytest.mark.vllm
 async def test_real_server_specials_are_discovered_and_inert(vllm_url):
-    engine = VLLMServerEngine(vllm_url, timeout=120)
+    engine = VLLMServerEngine(Connection(vllm_url, timeout=120))
     info = await engine.info()
     assert {"<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<pad>"} <= set(info.special_tokens)
 

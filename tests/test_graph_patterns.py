@@ -41,6 +41,7 @@ from canvasroute import (
     merge_decisions,
     retry_on,
 )
+from canvasroute.engine import Connection, Retries
 from canvasroute.harness import DECISION_EVENT, REVIEW_EVENT
 
 RELEVANT = Noul(instructions="Is the passage about refunds?")
@@ -319,7 +320,8 @@ async def test_a_503_engine_costs_one_layers_attempts_not_their_product(vllm_url
     from canvasroute.engine.testing import FailingPaths
 
     failing = FailingPaths({"/v1/chat/completions"}, status=503, message="overloaded (injected)")
-    engine = VLLMServerEngine(vllm_url, transport=failing, max_retries=max_retries, backoff=0.001)
+    engine = VLLMServerEngine(Connection(vllm_url, retries=Retries(max_retries=max_retries, backoff=0.001),
+                                         transport=failing))
     node = decision_node(CanvasDecisionModel(engine=engine, outcomes=OutcomePolicy(engine_fault="raise")), {"team": TEAM}, inputs="ticket")
     graph = lanes_graph(node, retry_policy=RetryPolicy(retry_on=retry_on, max_attempts=3, initial_interval=0.001,
                                                        jitter=False))

@@ -6,7 +6,7 @@ import pytest
 from langchain_core.decisions import Choice
 from langchain_core.messages import HumanMessage
 
-from canvasroute.engine import DecisionError, FunctionEngine, ImagesUnsupported, VLLMServerEngine
+from canvasroute.engine import Connection, DecisionError, FunctionEngine, ImagesUnsupported, VLLMServerEngine
 from canvasroute.engine.testing import LoopbackVLLM
 from canvasroute.router import CanvasDecisionModel, DecisionCache, state_images
 
@@ -32,7 +32,7 @@ def test_content_block_shapes_become_urls():
 
 async def test_images_go_to_the_chat_endpoint_as_image_parts_with_the_same_canvas():
     server = LoopbackVLLM()
-    model = CanvasDecisionModel(engine=VLLMServerEngine("http://vllm.test", transport=server.transport()))
+    model = CanvasDecisionModel(engine=VLLMServerEngine(Connection("http://vllm.test", transport=server.transport())))
     with_images = await model.ainvoke({"state": _state(), "questions": {"team": TEAM}, "seed": 5})
     body = server.bodies[-1]
     system, user = body["messages"]
@@ -52,7 +52,7 @@ async def test_images_go_to_the_chat_endpoint_as_image_parts_with_the_same_canva
 
 async def test_a_server_with_images_off_refuses_with_a_typed_error_then_before_any_request():
     server = LoopbackVLLM(max_images=0)
-    engine = VLLMServerEngine("http://vllm.test", transport=server.transport())
+    engine = VLLMServerEngine(Connection("http://vllm.test", transport=server.transport()))
     model = CanvasDecisionModel(engine=engine)  # escalation would not help: misuse raises
     with pytest.raises(ImagesUnsupported, match="At most 0 image"):
         await model.ainvoke({"state": _state(), "questions": {"team": TEAM}})
@@ -65,7 +65,7 @@ async def test_a_server_with_images_off_refuses_with_a_typed_error_then_before_a
 
 async def test_completions_endpoint_and_in_process_engines_refuse_before_any_read():
     server = LoopbackVLLM()
-    engine = VLLMServerEngine("http://vllm.test", endpoint="completions", transport=server.transport())
+    engine = VLLMServerEngine(Connection("http://vllm.test", transport=server.transport()), endpoint="completions")
     with pytest.raises(ImagesUnsupported, match="cannot take images"):
         await CanvasDecisionModel(engine=engine).ainvoke({"state": _state(), "questions": {"team": TEAM}})
     assert server.reads == 0
@@ -77,7 +77,7 @@ async def test_completions_endpoint_and_in_process_engines_refuse_before_any_rea
 
 async def test_the_cache_tells_images_apart():
     server = LoopbackVLLM()
-    model = CanvasDecisionModel(engine=VLLMServerEngine("http://vllm.test", transport=server.transport()),
+    model = CanvasDecisionModel(engine=VLLMServerEngine(Connection("http://vllm.test", transport=server.transport())),
                                 cache=DecisionCache())
     await model.ainvoke({"state": _state(), "questions": {"team": TEAM}})
     await model.ainvoke({"state": _state(), "questions": {"team": TEAM}})

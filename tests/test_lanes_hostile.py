@@ -16,10 +16,10 @@ import ssl
 import time
 
 import pytest
-from rawserver import CLOSE, SILENT, Flood, Later, RawServer, ok
+from rawserver import CLOSE, SILENT, Flood, Hold, Later, RawServer, ok
 from test_lanes import connection, self_signed
 
-from canvasroute.engine import EngineResponseError, EngineTimeout, EngineUnavailable
+from canvasroute.engine import EngineResponseError, EngineTimeout, EngineUnavailable, Limits
 
 # -- 1. never out of step ------------------------------------------------------------------------
 
@@ -50,7 +50,7 @@ async def test_a_connection_with_unread_or_unsolicited_bytes_is_never_reused(fir
 
 async def test_an_idle_connection_expires_before_reuse():
     async with RawServer(ok(), ok()) as server:
-        conn = connection(server.url, keepalive_expiry=0.05)
+        conn = connection(server.url, limits=Limits(keepalive_expiry=0.05))
         await conn.request("GET", "/")
         await asyncio.sleep(0.15)
         await conn.request("GET", "/")
@@ -58,10 +58,12 @@ async def test_an_idle_connection_expires_before_reuse():
     assert server.connections == 2 and server.hangups >= 1  # the client closed the idle one itself
 
 
-async def test_a_stale_connection_is_resent_once_on_a_fresh_one_without_cooling_the_replica():
+async def test_a_stale_get_is_resent_once_on_a_fresh_one_without_cooling_the_replica():
+    """A GET changes nothing on the server (RFC 9110 9.2.1), so a kept-alive connection closed
+    before any reply byte is replaced and the GET sent once more, without spending a retry."""
     attempts = []
     async with RawServer(ok(), CLOSE, ok(b'{"n": 2}')) as server:
-        conn = connection(server.url, max_retries=0, replica_cooldown=60)
+        conn = connection(server.url, cooldown=60)
         await conn.request("GET", "/")
         # the server hangs up the kept-alive connection as the next request arrives
         reply = await conn.request("GET", "/", on_attempt=lambda: attempts.append(1))
@@ -71,9 +73,37 @@ async def test_a_stale_connection_is_resent_once_on_a_fresh_one_without_cooling_
     assert server.connections == 2 and len(attempts) == 1  # one attempt: no retry was spent
 
 
+@pytest.mark.parametrize("drop", [CLOSE, Hold()], ids=["at-once", "after-holding-it"])
+async def test_a_post_the_server_received_then_dropped_unanswered_is_never_sent_twice(drop):
+    """Issue #28, defect 10: the server reads the whole POST on a kept-alive connection (and may act on
+    it), then closes without answering. With `max_retries=0` it must arrive exactly once and the
+    caller gets a typed error; before, the lane took it for a stale connection and sent it again."""
+    async with RawServer(ok(), drop, ok(b'{"decided": "twice"}')) as server:
+        conn = connection(server.url, cooldown=60)  # retries=0
+        assert (await conn.request("POST", "/v1/decide", {"n": 1})).data == {"ok": 1}
+        with pytest.raises(EngineUnavailable, match="without answering") as info:
+            await conn.request("POST", "/v1/decide", {"n": 2})
+        assert info.value.attempts == 1
+        assert "retries=" in info.value.hint
+        await conn.aclose()
+    assert server.bodies == [b'{"n":1}', b'{"n":2}']  # the dropped POST arrived once, and was not sent again
+    assert server.connections == 1
+
+
+async def test_a_dropped_post_goes_out_again_only_as_a_counted_retry():
+    attempts = []
+    async with RawServer(ok(), CLOSE, ok(b'{"n": 2}')) as server:
+        conn = connection(server.url, retries=1)
+        await conn.request("POST", "/v1/decide", {"n": 1})
+        reply = await conn.request("POST", "/v1/decide", {"n": 2}, on_attempt=lambda: attempts.append(1))
+        await conn.aclose()
+    assert reply.data == {"n": 2} and len(attempts) == 2  # the retry was spent: the caller allowed it
+    assert server.bodies == [b'{"n":1}', b'{"n":2}', b'{"n":2}']
+
+
 async def test_a_fresh_connection_closed_before_answering_is_a_fault_not_resent():
     async with RawServer(CLOSE, ok()) as server:
-        conn = connection(server.url, max_retries=0)
+        conn = connection(server.url, retries=0)
         with pytest.raises(EngineUnavailable, match="hung up"):
             await conn.request("GET", "/")
         await conn.aclose()
@@ -94,7 +124,7 @@ CAP = 64 * 1024
 ], ids=["huge-content-length", "huge-chunk", "close-delimited", "endless-header", "gzip-bomb"])
 async def test_replies_and_decoded_bodies_are_capped_with_a_typed_error_and_not_retried(reply):
     async with RawServer(reply, ok()) as server:
-        conn = connection(server.url, max_retries=2, max_response_bytes=CAP)
+        conn = connection(server.url, retries=2, limits=Limits(max_response_bytes=CAP))
         with pytest.raises(EngineResponseError, match=f"over {CAP:,} bytes") as info:
             await conn.request("GET", "/")
         assert "max_response_bytes" in info.value.hint
@@ -224,7 +254,7 @@ async def test_certificates_are_not_retried_and_verify_and_client_certificates_a
     tls.load_cert_chain(cert, key)
     async with RawServer(ok(b'{"n": 1}'), ok(b'{"n": 2}'), tls=tls) as server:
         attempts = []
-        conn = connection(server.url, max_retries=3, backoff=0.5, replica_cooldown=60)
+        conn = connection(server.url, retries=3, backoff=0.5, cooldown=60)
         started = time.monotonic()
         with pytest.raises(EngineUnavailable, match="certificate was refused") as info:
             await conn.request("GET", "/", on_attempt=lambda: attempts.append(1))
@@ -259,11 +289,11 @@ async def test_retry_after_as_an_http_date_or_seconds_is_honoured(header, monkey
         waits.append(seconds)
         await real_sleep(0)
 
-    monkeypatch.setattr("canvasroute.engine._http.asyncio.sleep", sleep)
+    monkeypatch.setattr("canvasroute.engine.transport._connection.asyncio.sleep", sleep)
     value = email.utils.formatdate(time.time() + 8, usegmt=True) if header == "date" else "8"
     busy = b"HTTP/1.1 503 Busy\r\nretry-after: %s\r\ncontent-length: 2\r\n\r\n{}" % value.encode()
     async with RawServer(busy, ok()) as server:
-        conn = connection(server.url, max_retries=1)
+        conn = connection(server.url, retries=1)
         assert (await conn.request("GET", "/")).data == {"ok": 1}
         await conn.aclose()
     assert len(waits) == 1 and 6 <= waits[0] <= 8
@@ -271,7 +301,7 @@ async def test_retry_after_as_an_http_date_or_seconds_is_honoured(header, monkey
 
 async def test_aclose_is_final_even_for_a_request_in_flight():
     async with RawServer(SILENT, ok()) as server:
-        conn = connection(server.url, timeout=30, max_retries=3)
+        conn = connection(server.url, timeout=30, retries=3)
         task = asyncio.create_task(conn.request("GET", "/"))
         await asyncio.sleep(0.1)
         started = time.monotonic()
@@ -292,7 +322,7 @@ async def test_forwarded_headers_go_with_every_attempt_and_stay_in_their_own_tas
 
     busy = b"HTTP/1.1 503 Busy\r\ncontent-length: 2\r\n\r\n{}"
     async with RawServer(busy, ok(), ok()) as server:
-        conn = connection(server.url, max_retries=1)
+        conn = connection(server.url, retries=1)
 
         async def one(rid: str) -> None:
             with forward_headers({"X-Request-ID": rid}):

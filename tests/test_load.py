@@ -21,7 +21,7 @@ import httpx
 from conftest import fresh_tracer_provider
 from langchain_core.decisions import Choice, Noul, Score
 
-from canvasroute.engine import VLLMServerEngine
+from canvasroute.engine import Connection, Limits, VLLMServerEngine
 from canvasroute.engine.testing import LoopbackVLLM, spawn
 from canvasroute.router import CanvasDecisionModel, GatePolicy, OutcomePolicy
 
@@ -55,7 +55,8 @@ def rss_mb() -> float:
 
 async def test_ten_thousand_decisions_at_concurrency_256_with_bounded_memory():
     with spawn() as server, recording_sdk_without_export():
-        engine = VLLMServerEngine(server.url, max_concurrency=MAX_IN_FLIGHT_REQUESTS, max_retries=2)
+        engine = VLLMServerEngine(Connection(server.url, limits=Limits(max_concurrency=MAX_IN_FLIGHT_REQUESTS),
+                                             retries=2))
         model = CanvasDecisionModel(engine=engine, policy=GatePolicy(), outcomes=OutcomePolicy(engine_fault="raise"))
         queue: asyncio.Queue[int | None] = asyncio.Queue(maxsize=2 * CONCURRENCY)
         outcomes: Counter[str] = Counter()
@@ -110,7 +111,7 @@ async def test_a_cold_burst_plans_once_and_discovers_once():
         one = Counter(server.requests)
         server.requests.clear()
 
-        burst = VLLMServerEngine(server.url, max_concurrency=MAX_IN_FLIGHT_REQUESTS)
+        burst = VLLMServerEngine(Connection(server.url, limits=Limits(max_concurrency=MAX_IN_FLIGHT_REQUESTS)))
         model = CanvasDecisionModel(engine=burst)
         results = await asyncio.gather(*(model.adecide(f"ticket {i}", QUESTIONS) for i in range(CONCURRENCY)))
         assert len(results) == CONCURRENCY

@@ -21,6 +21,12 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 ORDER = ("engine", "router", "harness", "apps")
 """The rooms in data-flow order: each may import only the rooms before it."""
 MAX_LINES = 400
+CUT_BY_JOB = {
+    "canvasroute.engine.transport._connection": "a request's whole way out and back: one module on a read's hot path",
+    "canvasroute.engine.vllm._server": "VLLMServerEngine with its wire, prompt cache and thoughts",
+    "canvasroute.engine.local._transformers": "TransformersEngine with its micro-batching and readouts",
+}
+"""Modules cut by job past the line count (issue #28: a single-importer fragment belongs to its job's module)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -111,7 +117,8 @@ def test_no_import_cycles():
 
 
 def test_no_module_is_over_400_lines():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES
+            and m not in CUT_BY_JOB}
     assert not long, long
 
 

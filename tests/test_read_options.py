@@ -13,7 +13,7 @@ import pytest
 from langchain_core.decisions import Choice, Noul, Score
 from test_core_read import Recording
 
-from canvasroute.engine import DecisionError, FunctionEngine, VLLMServerEngine
+from canvasroute.engine import Connection, DecisionError, FunctionEngine, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 pytestmark = pytest.mark.vllm
@@ -34,7 +34,7 @@ UNSURE = GatePolicy(max_normalized_entropy=0.0)
 @pytest.fixture
 def recorded(vllm_url):
     transport = Recording()
-    return VLLMServerEngine(vllm_url, transport=transport), transport
+    return VLLMServerEngine(Connection(vllm_url, transport=transport)), transport
 
 
 def slot_noise(body: dict, positions) -> list[int]:
@@ -148,20 +148,24 @@ async def test_a_thought_is_written_once_per_canvas_and_every_read_continues_it(
     engine, transport = recorded
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.0, rereads=2))
     resp = await model.adecide(TICKET, QUESTIONS, seed=6, read={"think": 6})
+    info = await engine.info()
     thinking = [json.loads(r.content) for r in transport.requests if r.url.path == "/v1/completions"
-                and "vllm_xargs" not in json.loads(r.content)]
+                and "logprob_token_ids" not in json.loads(r.content) and "vllm_xargs" in json.loads(r.content)
+                and len(json.loads(r.content)["vllm_xargs"].get("diffusion_seed_canvas", ())) > 1]
     reads = transport.reads()
-    assert len(thinking) == 1 and thinking[0]["max_tokens"] == 6  # one thought for the one canvas
+    assert len(thinking) == 1  # one thought for the one canvas; 6 tokens fit one canvas-wide block
+    (block,) = thinking
+    assert block["max_tokens"] == info.canvas_width == len(block["vllm_xargs"]["diffusion_seed_canvas"])
+    assert block["vllm_xargs"]["diffusion_max_steps"] == 1 and block["vllm_xargs"]["diffusion_read_only"] == 1
     (close,) = await engine.tokenize("<channel|>")
-    assert thinking[0]["stop_token_ids"] == [close]
     (thought,) = resp.diagnostics.thoughts
     assert 0 < thought.tokens <= 6
     assert len(reads) == 3 and resp.canvas_reads == 3  # first read + 2 re-reads, all after the same thought
     prompts = {tuple(b["prompt"]) for b in reads}
     assert len(prompts) == 1
     prompt = list(next(iter(prompts)))
-    assert prompt[:len(thinking[0]["prompt"])] == thinking[0]["prompt"] and prompt[-1] == close
-    assert len(prompt) == len(thinking[0]["prompt"]) + thought.tokens + 1
+    assert prompt[:len(block["prompt"])] == block["prompt"] and prompt[-1] == close
+    assert len(prompt) == len(block["prompt"]) + thought.tokens + 1
     # the canvas starts at the answers: the prompt already closed the thought channel
     canvas = reads[0]["vllm_xargs"]["diffusion_seed_canvas"]
     assert canvas[:2] == await engine.tokenize("q1")
@@ -169,6 +173,32 @@ async def test_a_thought_is_written_once_per_canvas_and_every_read_continues_it(
     for r in resp.reads.values():
         assert r.path == "unsure" and r.reads == 3  # re-read twice, never sure, nothing to escalate to
     await engine.aclose()
+
+
+async def test_the_same_decision_and_seed_think_the_same_thought_and_read_the_same(vllm_url):
+    """Replay with `think` (issue #28, defect 14): vLLM's DiffusionGemma refuses a request seed
+    and draws generation noise from the server's own generator, so the engine writes the thought
+    from the decision's seed. Two runs, on fresh engines, give identical thought ids and identical
+    distributions; another seed gives another thought."""
+
+    async def run(seed: int) -> tuple[list[tuple[int, ...]], dict]:
+        transport = Recording()
+        engine = VLLMServerEngine(Connection(vllm_url, transport=transport))
+        resp = await CanvasDecisionModel(engine=engine, policy=ONE).adecide(TICKET, QUESTIONS, seed=seed, think=40)
+        await engine.aclose()
+        thoughts = [tuple(b["prompt"]) for b in transport.reads()]  # each read's prompt holds its thought
+        return thoughts, {qid: r.canvas_probabilities for qid, r in resp.reads.items()}
+
+    (thought, dist), (thought_again, dist_again), (other, _) = await run(11), await run(11), await run(12)
+    assert thought == thought_again  # every read's prompt holds the same thought ids
+    assert dist == dist_again  # the same distributions, exactly
+    assert thought != other
+    direct = VLLMServerEngine(vllm_url)
+    messages = ({"role": "system", "content": "Think."}, {"role": "user", "content": TICKET})
+    one, two = await direct.think(messages, 40, seed=3), await direct.think(messages, 40, seed=3)
+    assert one.ids == two.ids and one.text == two.text and len(one.ids) <= 40
+    assert (await direct.think(messages, 40, seed=4)).ids != one.ids
+    await direct.aclose()
 
 
 async def test_think_needs_an_engine_that_writes_thoughts():

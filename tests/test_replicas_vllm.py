@@ -15,7 +15,7 @@ import httpx
 import pytest
 from langchain_core.decisions import Choice, Noul
 
-from canvasroute.engine import VLLMServerEngine
+from canvasroute.engine import Connection, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 QUESTIONS = {"team": Choice(instructions="Which team owns this?", criteria={"billing": None, "tech": None}),
@@ -30,7 +30,7 @@ def finished(url: str) -> int:
 
 
 async def reads_per_server(urls: list[str], affinity: bool) -> list[int]:
-    engine = VLLMServerEngine(urls, affinity=affinity, timeout=120)
+    engine = VLLMServerEngine(Connection(urls, timeout=120), affinity=affinity)
     try:
         await engine.info()  # discovery first: only the decision's reads are counted below
         before = [finished(u) for u in urls]

@@ -25,7 +25,7 @@ from services import child_env
 
 from canvasroute.apps.server import cli as serve
 from canvasroute.apps.server import create_app, run_in_thread
-from canvasroute.engine import EngineOverloaded, EngineUnavailable, FunctionEngine, VLLMServerEngine
+from canvasroute.engine import Connection, EngineOverloaded, EngineUnavailable, FunctionEngine, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy, OutcomePolicy, save_policy
 
 KEY = "sk-test-key"
@@ -254,7 +254,7 @@ async def test_health_and_models():
 
 
 async def test_health_reports_an_unreachable_engine():
-    model = CanvasDecisionModel(engine=VLLMServerEngine("http://127.0.0.1:9", max_retries=0))
+    model = CanvasDecisionModel(engine=VLLMServerEngine(Connection("http://127.0.0.1:9", retries=0)))
     async with client(create_app(model)) as http:
         r = await http.get("/health")
     assert r.status_code == 503 and r.json()["status"] == "unavailable"

@@ -14,11 +14,15 @@ import pytest
 
 from canvasroute.engine import (
     CanvasRead,
+    Connection,
     EngineOverloaded,
     EngineRequestError,
     EngineResponseError,
     EngineTimeout,
     EngineUnavailable,
+    Limits,
+    Retries,
+    Timeout,
     VLLMServerEngine,
     run_sync,
 )
@@ -69,9 +73,13 @@ class FakeVLLM:
         return [b for b in bodies if len(b["vllm_xargs"].get("diffusion_seed_canvas", [])) > 1]
 
 
-def engine_for(handler: Callable[[httpx.Request], object], **kwargs) -> VLLMServerEngine:
-    kwargs.setdefault("backoff", 0.001)
-    return VLLMServerEngine(kwargs.pop("url", "http://vllm.test"), transport=httpx.MockTransport(handler), **kwargs)
+def engine_for(handler: Callable[[httpx.Request], object], *, url: str | list[str] = "http://vllm.test",
+               retries: int = 3, cooldown: float = 5.0, api_key: str | None = None, timeout: float | Timeout = 30.0,
+               limits: Limits | None = None, **engine) -> VLLMServerEngine:
+    connection = Connection(url, api_key=api_key, timeout=timeout, limits=limits or Limits(),
+                            retries=Retries(max_retries=retries, backoff=0.001, replica_cooldown=cooldown),
+                            transport=httpx.MockTransport(handler))
+    return VLLMServerEngine(connection, **engine)
 
 
 def canvas_read(width: int = WIDTH, slots: tuple[int, ...] = (3, 7), labels: tuple[int, ...] = (300, 301, 302),
@@ -181,7 +189,7 @@ async def test_429_and_500_are_retried_then_answered():
             return _json(status, {"error": {"message": "busy"}})
         return FakeVLLM.ranked(request, body)
 
-    engine = engine_for(FakeVLLM(flaky), max_retries=3)
+    engine = engine_for(FakeVLLM(flaky), retries=3)
     [result] = await engine.read([canvas_read()])
     assert len(result.rows) == 2
     assert engine.requests_sent == 4
@@ -190,7 +198,7 @@ async def test_429_and_500_are_retried_then_answered():
 @pytest.mark.parametrize(("status", "error"), [(429, EngineOverloaded), (503, EngineOverloaded),
                                                (500, EngineUnavailable), (502, EngineUnavailable)])
 async def test_retries_exhausted_raise_a_typed_retryable_error(status, error):
-    engine = engine_for(FakeVLLM(lambda r, b: _json(status, {"error": {"message": "nope"}})), max_retries=2)
+    engine = engine_for(FakeVLLM(lambda r, b: _json(status, {"error": {"message": "nope"}})), retries=2)
     with pytest.raises(error, match=f"HTTP {status}") as info:
         await engine.read([canvas_read()])
     assert info.value.retryable and isinstance(info.value, ConnectionError)
@@ -201,7 +209,7 @@ async def test_retries_exhausted_raise_a_typed_retryable_error(status, error):
 async def test_400_is_refused_at_once_with_the_servers_message():
     message = "diffusion_seed_canvas must hold exactly 32 ids, got 5."
     fake = FakeVLLM(lambda r, b: _json(400, {"error": {"message": message, "type": "BadRequestError"}}))
-    engine = engine_for(fake, max_retries=3)
+    engine = engine_for(fake, retries=3)
     with pytest.raises(EngineRequestError) as info:
         await engine.read([canvas_read()])
     assert info.value.status == 400 and info.value.message == message
@@ -238,7 +246,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 async def test_unreadable_responses_are_engine_response_errors(case):
-    engine = engine_for(FakeVLLM(lambda r, b: httpx.Response(200, content=MALFORMED[case])), max_retries=3)
+    engine = engine_for(FakeVLLM(lambda r, b: httpx.Response(200, content=MALFORMED[case])), retries=3)
     with pytest.raises(EngineResponseError):
         await engine.read([canvas_read()])
     assert engine.requests_sent == 1  # a broken answer is not retried
@@ -257,7 +265,7 @@ async def test_timeouts_are_retried_then_raise_engine_timeout():
         calls[request.url.path] += 1
         raise httpx.ReadTimeout("timed out", request=request)
 
-    engine = engine_for(slow, max_retries=2, vocab_size=VOCAB, canvas_width=WIDTH, model=MODEL)
+    engine = engine_for(slow, retries=2, vocab_size=VOCAB, canvas_width=WIDTH, model=MODEL)
     with pytest.raises(EngineTimeout) as info:
         await engine.tokenize("hello")
     assert isinstance(info.value, TimeoutError) and isinstance(info.value, ConnectionError)
@@ -273,7 +281,7 @@ async def test_an_answer_that_never_comes_is_bounded_by_the_attempt_deadline():
         await asyncio.sleep(3600)
         raise AssertionError("unreachable")
 
-    engine = engine_for(never, max_retries=1, timeout=0.05, connect_timeout=0.05, vocab_size=VOCAB,
+    engine = engine_for(never, retries=1, timeout=Timeout(read=0.05, connect=0.05), vocab_size=VOCAB,
                         canvas_width=WIDTH, model=MODEL)
     with pytest.raises(EngineTimeout):
         await asyncio.wait_for(engine.tokenize("hello"), 5)
@@ -290,7 +298,7 @@ async def test_a_refused_replica_cools_down_and_reads_move_on():
             raise httpx.ConnectError("connection refused", request=request)
         return fake(request)
 
-    engine = engine_for(handler, url=["http://down.test", "http://up.test"], replica_cooldown=60)
+    engine = engine_for(handler, url=["http://down.test", "http://up.test"], cooldown=60)
     await engine.info()
     results = await engine.read([canvas_read() for _ in range(10)])
     assert len(results) == 10 and {r.attrs["server.address"] for r in results} == {"http://up.test"}
@@ -309,7 +317,7 @@ async def test_every_replica_down_is_engine_unavailable_naming_the_url():
     def refused(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
-    engine = engine_for(refused, url=["http://a.test", "http://b.test"], max_retries=3)
+    engine = engine_for(refused, url=["http://a.test", "http://b.test"], retries=3)
     with pytest.raises(EngineUnavailable, match=r"http://[ab]\.test") as info:
         await engine.info()
     assert not isinstance(info.value, EngineTimeout) and info.value.hint
@@ -327,7 +335,7 @@ async def test_max_concurrency_bounds_requests_in_flight():
         in_flight -= 1
         return fake(request)
 
-    engine = engine_for(handler, max_concurrency=4)
+    engine = engine_for(handler, limits=Limits(max_concurrency=4))
     await engine.info()
     results = await asyncio.gather(*(engine.read([canvas_read()]) for _ in range(40)))
     assert len(results) == 40 and peak == 4
@@ -418,12 +426,12 @@ async def test_a_shared_failure_reaches_every_caller_and_is_not_cached():
 
 @pytest.mark.parametrize("decoder", ["fast", "json module"])
 async def test_responses_decode_the_same_with_or_without_orjson(decoder, monkeypatch):
-    from canvasroute.engine import _replies
+    from canvasroute.engine.transport import _connection
 
     if decoder == "json module":
-        monkeypatch.setattr(_replies, "_fast_loads", None)
-    assert _replies.loads(b'{"a": [1, -2.5, "x"]}') == {"a": [1, -2.5, "x"]}
-    special = _replies.loads(b'{"lp": -Infinity, "bad": NaN}')  # literals only the json module accepts
+        monkeypatch.setattr(_connection, "_fast_loads", None)
+    assert _connection.loads(b'{"a": [1, -2.5, "x"]}') == {"a": [1, -2.5, "x"]}
+    special = _connection.loads(b'{"lp": -Infinity, "bad": NaN}')  # literals only the json module accepts
     assert special["lp"] == -math.inf and math.isnan(special["bad"])
     engine = engine_for(FakeVLLM())
     [result] = await engine.read([canvas_read(slots=(1, 4), labels=(300, 301, 302))])

@@ -21,7 +21,7 @@ from test_core_read import Recording
 from typesafe_sdk import SystemOneResponse
 
 from canvasroute.apps.server import create_app
-from canvasroute.engine import VLLMServerEngine
+from canvasroute.engine import Connection, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 pytestmark = pytest.mark.vllm
@@ -48,7 +48,7 @@ def sdk(r: httpx.Response) -> SystemOneResponse:
 async def gateway(vllm_url):
     """(POST a body to /v1/systemone, the recorded vLLM requests) for a canvasroute app on the real server."""
     transport = Recording()
-    model = CanvasDecisionModel(engine=VLLMServerEngine(vllm_url, transport=transport),
+    model = CanvasDecisionModel(engine=VLLMServerEngine(Connection(vllm_url, transport=transport)),
                                 policy=GatePolicy(max_normalized_entropy=0.0))  # the random model: always unsure
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(model)), base_url="http://serve.test",
                                  timeout=120) as http:

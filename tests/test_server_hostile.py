@@ -22,7 +22,7 @@ import pytest
 from canvasroute.apps.server import create_app, run_in_thread
 from canvasroute.apps.server.app import JEV_ALIASES
 from canvasroute.apps.server.limits import Limits
-from canvasroute.engine import EngineResponseError, FunctionEngine, VLLMServerEngine
+from canvasroute.engine import Connection, EngineResponseError, FunctionEngine, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel
 
 KEY = "sk-hostile-test-key"
@@ -211,8 +211,9 @@ def _closed_port() -> int:
 
 async def test_an_engine_that_never_answers_is_504_and_an_unreachable_one_503():
     with silent_engine() as url:
-        slow_app = create_app(CanvasDecisionModel(engine=VLLMServerEngine(url, max_retries=0)), request_timeout=1.0)
-        quick_app = create_app(CanvasDecisionModel(engine=VLLMServerEngine(url, max_retries=0, timeout=0.3)),
+        slow_app = create_app(CanvasDecisionModel(engine=VLLMServerEngine(Connection(url, retries=0))),
+                              request_timeout=1.0)
+        quick_app = create_app(CanvasDecisionModel(engine=VLLMServerEngine(Connection(url, timeout=0.3, retries=0))),
                                request_timeout=5.0)
         async with asgi(slow_app) as a, asgi(quick_app) as b:
             started = time.monotonic()
@@ -220,7 +221,7 @@ async def test_an_engine_that_never_answers_is_504_and_an_unreachable_one_503():
             hung_s = time.monotonic() - started
             timed_out = await b.post("/v1/systemone", json=BODY)
     down_url = f"http://127.0.0.1:{_closed_port()}"
-    async with asgi(create_app(CanvasDecisionModel(engine=VLLMServerEngine(down_url, max_retries=0)),
+    async with asgi(create_app(CanvasDecisionModel(engine=VLLMServerEngine(Connection(down_url, retries=0))),
                                request_timeout=5.0)) as c:
         down = await c.post("/v1/systemone", json=BODY)
     assert (hung.status_code, hung.json()["error"]["type"]) == (504, "timeout") and hung_s < 3.0
@@ -234,7 +235,7 @@ async def test_an_engine_that_never_answers_is_504_and_an_unreachable_one_503():
 
 async def test_health_shows_no_engine_url_and_no_exception_names():
     down_url = f"http://127.0.0.1:{_closed_port()}"
-    async with asgi(create_app(CanvasDecisionModel(engine=VLLMServerEngine(down_url, max_retries=0)))) as http:
+    async with asgi(create_app(CanvasDecisionModel(engine=VLLMServerEngine(Connection(down_url, retries=0))))) as http:
         r = await http.get("/health")
     assert r.status_code == 503 and r.json()["status"] == "unavailable"
     assert r.json()["error"] == "engine_unavailable"

@@ -21,7 +21,7 @@ from services import child_env
 from test_server_hostile import BODY, KEY, _wait, model, recorded
 
 from canvasroute.apps.server import ConnectionLimits, create_app, run_in_thread
-from canvasroute.engine import FunctionEngine, VLLMServerEngine
+from canvasroute.engine import Connection, FunctionEngine, VLLMServerEngine
 from canvasroute.engine.testing import Fault, LoopbackVLLM
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
@@ -97,7 +97,7 @@ def loopback_in_thread() -> Iterator[LoopbackVLLM]:
 
 def test_the_callers_request_id_is_logged_sent_to_vllm_with_each_read_and_returned():
     with loopback_in_thread() as vllm:
-        decider = CanvasDecisionModel(engine=VLLMServerEngine(vllm.url, max_retries=0),
+        decider = CanvasDecisionModel(engine=VLLMServerEngine(Connection(vllm.url, retries=0)),
                                       policy=GatePolicy(rereads=0))
         with run_in_thread(create_app(decider)) as url, recorded("canvasroute.server.access") as log:
             mine = httpx.post(f"{url}/v1/systemone", json=BODY, headers={"x-request-id": "caller-req-7"}, timeout=30)

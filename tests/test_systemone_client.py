@@ -12,6 +12,7 @@ from opentelemetry.trace import SpanKind
 
 from canvasroute.apps.server import create_app, run_in_thread
 from canvasroute.engine import (
+    Connection,
     DecisionError,
     EngineOverloaded,
     EngineRequestError,
@@ -19,6 +20,7 @@ from canvasroute.engine import (
     EngineTimeout,
     EngineUnavailable,
     FunctionEngine,
+    Retries,
     UnsupportedQuestion,
     VLLMServerEngine,
 )
@@ -71,10 +73,10 @@ class Script:
             raise answer
         return answer
 
-    def client(self, **kwargs) -> SystemOneDecisionModel:
-        kwargs.setdefault("max_retries", 3)
-        return SystemOneDecisionModel("http://jev.test", model="jev-test", backoff=0,
-                                      transport=httpx.MockTransport(self), **kwargs)
+    def client(self, *, retries: int = 3, api_key: str | None = None) -> SystemOneDecisionModel:
+        connection = Connection("http://jev.test", api_key=api_key, retries=Retries(max_retries=retries, backoff=0),
+                                transport=httpx.MockTransport(self))
+        return SystemOneDecisionModel(connection, model="jev-test")
 
 
 def error(status: int, message: str, **headers: str) -> httpx.Response:
@@ -87,10 +89,10 @@ def error(status: int, message: str, **headers: str) -> httpx.Response:
 async def test_against_our_server_matches_the_model_it_serves(spans):
     model = confident_model()
     with run_in_thread(create_app(model, api_key=KEY)) as url:
-        jev = SystemOneDecisionModel(url, model="upstream", api_key=KEY)
+        jev = SystemOneDecisionModel(Connection(url, api_key=KEY), model="upstream")
         resp = await jev.ainvoke({"state": STATE, "questions": QUESTIONS})
         sync = jev.invoke({"state": STATE, "questions": QUESTIONS})  # the sync path
-        keyless = SystemOneDecisionModel(url, model="upstream", max_retries=0)
+        keyless = SystemOneDecisionModel(Connection(url, retries=0), model="upstream")
         with pytest.raises(EngineRequestError) as denied:
             await keyless.ainvoke({"state": STATE, "questions": QUESTIONS})
         await jev.aclose()
@@ -146,7 +148,7 @@ async def test_against_vllms_own_gateway(vllm_url, which):
     url = vllm_url if which == "fixture" else which
     name = (await VLLMServerEngine(url).info()).model
     transport = Counting()
-    jev = SystemOneDecisionModel(url, model=name, transport=transport, backoff=0)
+    jev = SystemOneDecisionModel(Connection(url, retries=Retries(backoff=0), transport=transport), model=name)
     try:
         resp = await jev.ainvoke({"state": STATE, "questions": QUESTIONS})
     except EngineRequestError as exc:
@@ -163,7 +165,7 @@ async def test_against_vllms_own_gateway(vllm_url, which):
 async def test_as_the_escalation_target_of_a_canvas_model():
     """Uncertain canvas reads escalate over HTTP to another decision server."""
     with run_in_thread(create_app(confident_model(), api_key=KEY)) as url:
-        upstream = SystemOneDecisionModel(url, model="upstream", api_key=KEY)
+        upstream = SystemOneDecisionModel(Connection(url, api_key=KEY), model="upstream")
         engine = FunctionEngine(lambda read: fn(read), model="fast")
         fn = rows_for(engine, ("yes", "no", "A", "B", "C", "1", "2", "3"), -2.0)  # uniform: uncertain
         model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.5, rereads=1),
@@ -181,7 +183,7 @@ async def test_as_the_escalation_target_of_a_canvas_model():
 async def test_a_server_can_front_any_decision_model():
     """A canvasroute server proxying another /v1/systemone server: plain Jev answers."""
     with run_in_thread(create_app(confident_model(), api_key=KEY)) as upstream_url:
-        proxy = create_app(SystemOneDecisionModel(upstream_url, model="upstream", api_key=KEY))
+        proxy = create_app(SystemOneDecisionModel(Connection(upstream_url, api_key=KEY), model="upstream"))
         with run_in_thread(proxy) as url:
             async with httpx.AsyncClient(timeout=30) as http:
                 r = await http.post(f"{url}/v1/systemone", json={"state": STATE, "questions": {
@@ -216,7 +218,7 @@ async def test_retries_529_and_5xx_then_answers():
 async def test_persistent_transient_statuses_raise_typed_errors_after_retries(status, kind):
     script = Script(error(status, "still busy"))
     with pytest.raises(kind, match="still busy") as info:
-        await script.client(max_retries=2).ainvoke({"state": STATE, "questions": QUESTIONS})
+        await script.client(retries=2).ainvoke({"state": STATE, "questions": QUESTIONS})
     assert len(script.requests) == 3 and info.value.retryable
     assert not isinstance(info.value, EngineRequestError)
 
@@ -227,7 +229,7 @@ async def test_retry_after_is_honoured(monkeypatch):
     async def fake_sleep(delay: float) -> None:
         slept.append(delay)
 
-    monkeypatch.setattr("canvasroute.engine._http.asyncio.sleep", fake_sleep)
+    monkeypatch.setattr("canvasroute.engine.transport._connection.asyncio.sleep", fake_sleep)
     script = Script(error(529, "later", **{"retry-after": "2"}), httpx.Response(200, json=ANSWER))
     await script.client().ainvoke({"state": STATE, "questions": QUESTIONS})
     assert slept == [2.0]
@@ -252,14 +254,14 @@ async def test_refusals_raise_at_once_with_the_servers_message(status, message):
 async def test_connection_faults_retry_then_raise_typed():
     refused = Script(httpx.ConnectError("connection refused"))
     with pytest.raises(EngineUnavailable, match="connection refused"):
-        await refused.client(max_retries=1).ainvoke({"state": STATE, "questions": QUESTIONS})
+        await refused.client(retries=1).ainvoke({"state": STATE, "questions": QUESTIONS})
     assert len(refused.requests) == 2
     slow = Script(httpx.ReadTimeout("read timed out"), httpx.Response(200, json=ANSWER))
     resp = await slow.client().ainvoke({"state": STATE, "questions": QUESTIONS})
     assert resp.nouls["urgent"].noul == 0.8 and len(slow.requests) == 2
     stuck = Script(httpx.ReadTimeout("read timed out"))
     with pytest.raises(EngineTimeout):
-        await stuck.client(max_retries=0).ainvoke({"state": STATE, "questions": QUESTIONS})
+        await stuck.client(retries=0).ainvoke({"state": STATE, "questions": QUESTIONS})
 
 
 @pytest.mark.parametrize("skip", ["null", "left out"])

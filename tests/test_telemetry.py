@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from opentelemetry.util._once import Once
 
-from canvasroute.engine import EngineUnavailable, FunctionEngine, VLLMServerEngine
+from canvasroute.engine import Connection, EngineUnavailable, FunctionEngine, Retries, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 from canvasroute.router import telemetry as tm
 
@@ -251,9 +251,10 @@ class MockVLLM:
         return httpx.Response(404, json={"error": {"message": f"no route {path}"}})
 
 
-def _vllm(mock: MockVLLM, **kwargs) -> VLLMServerEngine:
-    return VLLMServerEngine("http://vllm.mock:8000", transport=httpx.MockTransport(mock), canvas_width=64,
-                            vocab_size=32000, backoff=0.0, **kwargs)
+def _vllm(mock: MockVLLM, *, api_key: str | None = None, retries: int = 3) -> VLLMServerEngine:
+    connection = Connection("http://vllm.mock:8000", api_key=api_key, transport=httpx.MockTransport(mock),
+                            retries=Retries(max_retries=retries, backoff=0.0))
+    return VLLMServerEngine(connection, canvas_width=64, vocab_size=32000)
 
 
 async def test_traceparent_sent_to_vllm_carries_the_canvas_read_span(otel):
@@ -285,7 +286,7 @@ async def test_api_key_never_reaches_spans_or_logs(otel, monkeypatch, caplog):
                                 escalate_to=GenericFakeChatModel(messages=iter(
                                     [AIMessage('{"team": "tech", "urgent": "yes"}')])))
     await model.adecide(STATE, QUESTIONS)
-    down = _vllm(MockVLLM(fail_reads=99), api_key=secret, max_retries=1)
+    down = _vllm(MockVLLM(fail_reads=99), api_key=secret, retries=1)
     with pytest.raises(EngineUnavailable):
         await CanvasDecisionModel(engine=down).adecide(STATE, QUESTIONS)
     await engine.aclose()

@@ -18,7 +18,7 @@ from conftest import unavailable  # noqa: E402
 
 from canvasroute import engine  # noqa: E402
 from canvasroute.engine import CanvasRead, EngineOverloaded, EngineRequestError, TransformersEngine  # noqa: E402
-from canvasroute.engine._batching import MicroBatcher  # noqa: E402
+from canvasroute.engine.local._transformers import MicroBatcher  # noqa: E402
 
 WORDS = "the ticket sky is blue refund urgent invoice crash app team billing please now maybe".split()
 

@@ -16,7 +16,7 @@ import uuid
 
 import httpx
 
-from canvasroute.engine import VLLMServerEngine
+from canvasroute.engine import Connection, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 from .common import NODES, TICKETS, TRIAGE, Section
@@ -38,7 +38,7 @@ def metrics(urls: list[str]) -> dict[str, float]:
 
 
 async def _mode(urls: list[str], affinity: bool, decisions: int) -> dict[str, float | int | str]:
-    engine = VLLMServerEngine(urls, affinity=affinity, timeout=120)
+    engine = VLLMServerEngine(Connection(urls, timeout=120), affinity=affinity)
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.0, rereads=REREADS))
     nonce = uuid.uuid4().hex[:12]
     await engine.info()

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
-from canvasroute.engine import CanvasRead, VLLMServerEngine
+from canvasroute.engine import CanvasRead, Connection, Limits, VLLMServerEngine
 from canvasroute.engine.testing import read_response, spawn
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
@@ -91,7 +91,7 @@ def run_real_server(url: str | None, quick: bool) -> Section:
     async def go() -> None:
         read = await _reference_read(url)
         kinds = {"constrained": replace(read, constrained=True), "full vocabulary": replace(read, constrained=False)}
-        engine = VLLMServerEngine(url, max_concurrency=16, timeout=120)
+        engine = VLLMServerEngine(Connection(url, timeout=120, limits=Limits(max_concurrency=16)))
         await engine.info()
         await engine.read(list(kinds.values()))
         tallies = {(k, c): _Tally() for c in counts for k in kinds}
@@ -127,7 +127,7 @@ def run_real_server(url: str | None, quick: bool) -> Section:
 
 async def _reference_read(url: str) -> CanvasRead:
     """The canvas the router sends for the reference triage node (first read only)."""
-    recorder = Recorder(VLLMServerEngine(url, timeout=120))
+    recorder = Recorder(VLLMServerEngine(Connection(url, timeout=120)))
     model = CanvasDecisionModel(engine=recorder, policy=GatePolicy(max_normalized_entropy=None, rereads=0))
     await model.adecide(TICKETS[0], NODES[TRIAGE])
     await recorder.aclose()
@@ -152,9 +152,10 @@ async def _interleaved(url: str, read: CanvasRead, combos: list[tuple[str, int]]
                        rounds: int) -> tuple[list[_Tally], dict[str, float]]:
     """Every (endpoint, concurrency) level, plus whole decisions at c=64, measured in
     rounds, so a change in the machine's speed during the run moves every level alike."""
-    engines = [VLLMServerEngine(url, max_concurrency=c, endpoint=endpoint)  # type: ignore[arg-type]
+    engines = [VLLMServerEngine(Connection(url, limits=Limits(max_concurrency=c)),
+                                endpoint=endpoint)  # type: ignore[arg-type]
                for endpoint, c in combos]
-    deciding = VLLMServerEngine(url, max_concurrency=64)
+    deciding = VLLMServerEngine(Connection(url, limits=Limits(max_concurrency=64)))
     model = CanvasDecisionModel(engine=deciding, policy=GatePolicy())
     for engine, (_, c) in zip(engines, combos, strict=True):  # discovery, and open the connections
         await engine.info()
@@ -214,7 +215,7 @@ async def _drive(one: Callable[[int], Awaitable[None]], c: int, n: int, tally: _
 
 async def _profiled(url: str, read: CanvasRead, c: int, n: int) -> dict[str, Any]:
     """Where the client's time goes for n reads at concurrency c."""
-    engine = VLLMServerEngine(url, max_concurrency=c)
+    engine = VLLMServerEngine(Connection(url, limits=Limits(max_concurrency=c)))
     await engine.info()
     await asyncio.gather(*(engine.read([read]) for _ in range(c)))
     prof = cProfile.Profile()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from canvasroute.engine import VLLMServerEngine
+from canvasroute.engine import Connection, Limits, VLLMServerEngine
 from canvasroute.engine.testing import spawn
 
 from .client import TARGET_READS_S, _measure, _reference_read, _Tally
@@ -39,7 +39,7 @@ def run_clients(quick: bool) -> Section:
         async def go() -> list[_Tally]:
             engines = []
             for client, c in combos:
-                engine = VLLMServerEngine(server.url, max_concurrency=c)
+                engine = VLLMServerEngine(Connection(server.url, limits=Limits(max_concurrency=c)))
                 use(engine.connection, client)
                 await engine.info()
                 await asyncio.gather(*(engine.read([read]) for _ in range(c)))  # open the connections

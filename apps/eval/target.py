@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from canvasroute.engine import CalibrationError
+from canvasroute.engine import CalibrationError, Connection
 
 __all__ = ["add_target_options", "open_target"]
 
@@ -45,8 +45,8 @@ def open_target(args: argparse.Namespace) -> Iterator[Any]:
     if args.escalate_systemone:
         from canvasroute.router import SystemOneDecisionModel
 
-        yield SystemOneDecisionModel(base_url=args.escalate_systemone, model=args.escalate_model or "canvas",
-                                     api_key=key, timeout=args.escalate_timeout)
+        yield SystemOneDecisionModel(Connection(args.escalate_systemone, api_key=key, timeout=args.escalate_timeout),
+                                     model=args.escalate_model or "canvas")
         return
     if args.escalate_url:
         if not args.escalate_model:
@@ -70,7 +70,5 @@ def _chat(base_url: str, model: str, api_key: str, timeout: float, **extra: Any)
     except ImportError as exc:
         raise CalibrationError("an OpenAI-compatible target needs langchain-openai",
                                hint="pip install 'canvasroute[openai]'") from exc
-    from pydantic import SecretStr
-
-    return ChatOpenAI(base_url=base_url, model=model, api_key=SecretStr(api_key), logprobs=True, top_logprobs=5,
-                      temperature=0, max_retries=1, timeout=timeout, **extra)
+    target = Connection(base_url, api_key=api_key, timeout=timeout, retries=1)
+    return ChatOpenAI(model=model, logprobs=True, top_logprobs=5, temperature=0, **target.openai_options(), **extra)

@@ -207,11 +207,13 @@ def _engine(args: argparse.Namespace) -> Any:
     if kind == "vllm":
         if not args.engine_url:
             raise ValueError("--engine vllm needs --engine-url (or CANVASROUTE_ENGINE_URL)")
-        from canvasroute.engine import VLLMServerEngine
+        from canvasroute.engine import Connection, VLLMServerEngine
+        from canvasroute.engine import Limits as EngineLimits
 
         urls = [u.strip() for u in args.engine_url.split(",") if u.strip()]
-        return VLLMServerEngine(urls, model=args.engine_model, api_key=args.engine_api_key,
-                                max_concurrency=args.max_in_flight)
+        connection = Connection(urls, api_key=args.engine_api_key,
+                                limits=EngineLimits(max_concurrency=args.max_in_flight))
+        return VLLMServerEngine(connection, model=args.engine_model)
     from canvasroute.engine import embedded_engine
 
     log.warning("embedded engine: SmolLM2-135M decides near chance; use it for plumbing, never for accuracy")
@@ -236,8 +238,10 @@ def _escalation(args: argparse.Namespace) -> Any:
         raise ValueError("escalation needs both --escalate-url and --escalate-model")
     from langchain_openai import ChatOpenAI
 
-    return ChatOpenAI(base_url=args.escalate_url, model=args.escalate_model, api_key=args.escalate_api_key,
-                      temperature=0, max_retries=2, timeout=60)
+    from canvasroute.engine import Connection
+
+    target = Connection(args.escalate_url, api_key=args.escalate_api_key, timeout=60, retries=2)
+    return ChatOpenAI(model=args.escalate_model, temperature=0, **target.openai_options())
 
 
 def build_model(args: argparse.Namespace) -> Any:

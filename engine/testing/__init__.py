@@ -10,7 +10,7 @@
 Example:
     ```python
     server = LoopbackVLLM(answer="argmax")               # rows without the label ids
-    engine = VLLMServerEngine("http://vllm.test", transport=server.transport())
+    engine = VLLMServerEngine(Connection("http://vllm.test", transport=server.transport()))
     ```
 """
 
@@ -21,12 +21,12 @@ from ._process import LoopbackProcess, spawn
 from ._tokens import SPECIAL_IDS, chat_text, token_id, tokenize
 
 __all__ = [
+    "SPECIAL_IDS",
     "FailingPaths",
     "Fault",
     "FunctionEngine",
     "LoopbackProcess",
     "LoopbackVLLM",
-    "SPECIAL_IDS",
     "SleepingTransport",
     "chat_text",
     "read_response",

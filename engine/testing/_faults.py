@@ -35,7 +35,7 @@ class FailingPaths(httpx.AsyncBaseTransport):
     Example:
         ```python
         reads_fail = FailingPaths({"/v1/chat/completions"}, status=500)  # discovery still works
-        engine = VLLMServerEngine(url, transport=reads_fail)
+        engine = VLLMServerEngine(Connection(url, transport=reads_fail))
         ```
     """
 

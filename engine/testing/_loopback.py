@@ -1,10 +1,11 @@
 """An instant loopback server that speaks vLLM's structured-read wire.
 
-For tests and `canvasroute bench`: it answers `GET /v1/models`, `POST /tokenize` and
-structured reads on `POST /v1/chat/completions` and `POST /v1/completions` the way
-vLLM 0.32 does (see docs/wire-format.md), with no model behind it, so what is measured
-against it is the client. Raw asyncio streams, HTTP/1.1 keep-alive, one response body
-cached per (endpoint, width, label ids). Requests are parsed by llhttp (`httptools`).
+For tests and `canvasroute bench`: it answers `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize` and structured reads on `POST /v1/chat/completions` and
+`POST /v1/completions` the way vLLM 0.32 does (see docs/wire-format.md), with no model
+behind it, so what is measured against it is the client. Raw asyncio streams, HTTP/1.1
+keep-alive, one response body cached per (endpoint, width, label ids). Requests are parsed
+by llhttp (`httptools`).
 
 Rows: the read's label ids (`logprob_token_ids`, sorted) get falling logprobs
 (`-0.1, -3.1, -6.1, ...`), so every slot confidently picks its lowest label id
@@ -25,7 +26,7 @@ In-process (tests), over a socket or with no socket at all:
     ```python
     async with LoopbackVLLM() as server:
         engine = VLLMServerEngine(server.url)
-    engine = VLLMServerEngine("http://vllm.test", transport=LoopbackVLLM().transport())
+    engine = VLLMServerEngine(Connection("http://vllm.test", transport=LoopbackVLLM().transport()))
     ```
 In its own process (the bench, kill tests): `with spawn() as proc: proc.url; proc.kill()`,
 or `python -m canvasroute.engine.testing._process --port 8000`.
@@ -38,12 +39,12 @@ import json
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self, cast
 
 import httptools
 import httpx
 
-from ._tokens import FIRST_ID, chat_text, pieces, token_id
+from ._tokens import FIRST_ID, SPECIAL_IDS, chat_text, pieces, token_id
 
 __all__ = ["ANSWERS", "Fault", "LoopbackVLLM", "read_response"]
 
@@ -99,19 +100,19 @@ class LoopbackVLLM:
         self.answer = answer
         self.narrow = narrow
         self.max_images = max_images
-        """Image parts one chat read may carry (None: any; 0: refused with vLLM's 400, as
-        a server started with `--limit-mm-per-prompt '{"image": 0}'` answers)."""
+        """Image parts one chat read may carry (None: any; 0: refused with vLLM's 400, as vLLM answers)."""
         self.url = ""
         self.requests: Counter[str] = Counter()
         """Requests by path (reads, `/tokenize`, `/v1/models`, unknown paths)."""
         self.headers: list[dict[str, str]] = []
         """Headers of the last 100 requests (lower-case names)."""
         self.reads = 0
-        """Structured reads received (a seed canvas of 2+ ids; discovery probes excluded)."""
+        """Structured reads received (a seed canvas of 2+ ids, label ids: no probe, no thought block)."""
         self.bodies: deque[dict[str, Any]] = deque(maxlen=100)
         """JSON bodies of the last 100 reads."""
         self._faults: deque[list[Any]] = deque()
         self._cache: dict[tuple[Any, ...], bytes] = {}
+        self._pieces: dict[int, str] = {i: text for text, i in SPECIAL_IDS.items()}
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -119,7 +120,7 @@ class LoopbackVLLM:
     def __repr__(self) -> str:
         return f"LoopbackVLLM({self.url or 'not started'!r}, model={self.model!r}, answer={self.answer!r})"
 
-    async def __aenter__(self) -> LoopbackVLLM:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -227,7 +228,7 @@ class LoopbackVLLM:
                  "max_model_len": self.max_model_len}]}).encode())
         if method == "GET" and path == "/_loopback/stats":
             return 0.0, (200, json.dumps({"requests": dict(self.requests), "reads": self.reads}).encode())
-        if method != "POST" or path not in ("/tokenize", *_READS):
+        if method != "POST" or path not in ("/tokenize", "/detokenize", *_READS):
             return 0.0, _error(404, f"no route {method} {path}", "NotFoundError")
         try:
             body = json.loads(raw)
@@ -237,11 +238,11 @@ class LoopbackVLLM:
             return 0.0, _error(400, "request body is not a JSON object")
         if body.get("model") not in (None, self.model):
             return 0.0, _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
-        if path == "/tokenize":
-            return 0.0, self._tokenize(body)
+        if path in ("/tokenize", "/detokenize"):
+            return 0.0, (self._tokenize if path == "/tokenize" else self._detokenize)(body)
         seed = (body.get("vllm_xargs") or {}).get("diffusion_seed_canvas")
-        if not (isinstance(seed, list) and len(seed) > 1):  # discovery probes: never faulted
-            return 0.0, self._read(path, body, None)
+        if not (isinstance(seed, list) and len(seed) > 1) or "logprob_token_ids" not in body:
+            return 0.0, self._read(path, body, None)  # discovery probes and thought blocks: never faulted
         self.reads += 1
         self.bodies.append(body)
         fault = self._next_fault()
@@ -265,7 +266,7 @@ class LoopbackVLLM:
             entry[1] -= 1
             if entry[1] <= 0:
                 self._faults.popleft()
-        return entry[0]
+        return cast(Fault, entry[0])
 
     # -- endpoints ----------------------------------------------------------------------
 
@@ -278,8 +279,14 @@ class LoopbackVLLM:
             text = str(body.get("prompt", ""))
         parts = pieces(text)
         ids = [token_id(p, self.vocab_size) for p in parts]
+        self._pieces.update(zip(ids, parts, strict=True))
         return 200, json.dumps({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                                 "token_strs": parts if body.get("return_token_strs") else None}).encode()
+
+    def _detokenize(self, body: Mapping[str, Any]) -> tuple[int, bytes]:
+        """The text of ids this server tokenized (an id it never made reads as empty)."""
+        text = "".join(self._pieces.get(t, "") for t in body.get("tokens") or () if isinstance(t, int))
+        return 200, json.dumps({"prompt": text}).encode()
 
     def _read(self, path: str, body: Mapping[str, Any], fault: Fault | None) -> tuple[int, bytes]:
         try:

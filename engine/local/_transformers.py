@@ -12,16 +12,23 @@ Either way the prompt's KV cache is kept in a small LRU keyed by prompt ids, so 
 of the same prompt with new noise runs only the canvas pass. A causal LM also prefills a
 new prompt on top of the longest cached prompt it starts with (vLLM's prefix caching), so
 decisions of one node, which share the system prompt, prefill only their state.
+
+The parts, in this order: the engine; `MicroBatcher`, which merges concurrent reads into one
+forward pass on a worker thread; the two readouts (`DiffusionGemma`, `CausalLM`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -33,16 +40,27 @@ from transformers import (
     DynamicCache,
 )
 
-from ._batching import MicroBatcher
-from ._prompts import EMPTY_CHAT, ChatPrompts, template_kwargs
-from ._readouts import MAX_MODEL_LEN_CAP, CausalLM, DiffusionGemma
-from ._text import THOUGHT_SCAFFOLD, scaffold_prefix, tokenizer_specials
-from ._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows, refuse_images, refuse_thoughts
-from .errors import EngineRequestError
+from .._prompts import EMPTY_CHAT, ChatPrompts, scaffold_prefix, template_kwargs, tokenizer_specials
+from .._types import (
+    THOUGHT_SCAFFOLD,
+    CanvasRead,
+    EngineInfo,
+    Message,
+    ReadResult,
+    check_rows,
+    refuse_images,
+    refuse_thoughts,
+)
+from ..errors import EngineOverloaded, EngineRequestError, EngineResponseError, EngineUnavailable
+
+__all__ = ["CausalLM", "DiffusionGemma", "MicroBatcher", "TransformersEngine"]
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 """A prompt's cache: per layer (keys, values), each `[1, kv_heads, n, head_dim]`."""
-
+MAX_MODEL_LEN_CAP = 32768
+"""The context assumed when a model states none."""
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,23 +275,26 @@ class TransformersEngine:
         missing = [p for p in dict.fromkeys(prefixes) if p not in found]
         if missing:
             bases = [self._cached_base(p) for p in missing]
-            past = past_lengths = None
+            past: tuple[DynamicCache, torch.Tensor] | None = None
             if some := next((b for b in bases if b is not None), None):
                 empty = tuple((k[:, :, :0], v[:, :, :0]) for k, v in some)
-                bases = [empty if b is None else b for b in bases]
-                past, past_lengths = self._stack(bases)
+                past = self._stack([empty if b is None else b for b in bases])
             suffixes = [p[_kv_len(b):] for p, b in zip(missing, bases, strict=True)]
             n = max(len(x) for x in suffixes)
             ids = torch.tensor([[self._pad] * (n - len(x)) + list(x) for x in suffixes], device=self._device)
             lengths = torch.tensor([len(x) for x in suffixes], device=self._device)
-            cache = (self._kind.encode(ids, lengths) if past is None
-                     else self._kind.encode(ids, lengths, past, past_lengths))
+            if past is None:
+                cache = self._kind.encode(ids, lengths)
+            else:  # only a causal LM reuses a cached prefix (`_cached_base`)
+                assert isinstance(self._kind, CausalLM)
+                cache = self._kind.encode(ids, lengths, *past)
             c = cache.get_seq_length() - n  # the stacked bases' padded length
+            layers = _layers(cache)
             for b, (p, base) in enumerate(zip(missing, bases, strict=True)):
                 lo, hi = c - _kv_len(base), c + n - len(suffixes[b])
-                found[p] = tuple((torch.cat([layer.keys[b:b + 1, :, lo:c], layer.keys[b:b + 1, :, hi:]], 2),
-                                  torch.cat([layer.values[b:b + 1, :, lo:c], layer.values[b:b + 1, :, hi:]], 2))
-                                 for layer in cache.layers)
+                found[p] = tuple((torch.cat([keys[b:b + 1, :, lo:c], keys[b:b + 1, :, hi:]], 2),
+                                  torch.cat([values[b:b + 1, :, lo:c], values[b:b + 1, :, hi:]], 2))
+                                 for keys, values in layers)
                 size = _kv_bytes(found[p])
                 if self._kv_size > 0 and size <= self._kv_bytes_cap:
                     self._kv[p] = found[p]
@@ -306,6 +327,18 @@ class TransformersEngine:
             for i in range(len(kvs[0]))
         ]
         return DynamicCache(ddp_cache_data=layers), torch.tensor(lengths, device=self._device)
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values) of a prefilled cache."""
+    out = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)):
+            raise EngineRequestError(f"the model's cache has a {type(layer).__name__} layer without keys and values",
+                                     hint="TransformersEngine reads attention-only models")
+        out.append((keys, values))
+    return out
 
 
 def _kv_len(kv: KV | None) -> int:
@@ -342,3 +375,256 @@ def _rows(logits: torch.Tensor, read: CanvasRead) -> tuple[dict[int, float], ...
     picked = logp[:, labels].tolist() if labels else [[] for _ in range(len(read.slots))]
     return tuple({**dict(zip(labels, row, strict=True)), b: lp}
                  for row, b, lp in zip(picked, best.tolist(), best_lp.tolist(), strict=True))
+
+
+# -- micro-batches -------------------------------------------------------------------------
+
+
+class MicroBatcher(Generic[T, R]):
+    """Run `fn(items) -> results` on one worker thread, over batches of queued items.
+
+    Items submitted by concurrent callers within `window_s` of the oldest queued item
+    share one call of at most `max_batch` items; an item never waits longer than
+    `window_s` for company. Results go back to each caller in its own order; an
+    exception raised by `fn` goes to every caller in that batch. The queue holds at most
+    `max_queue` items: a submission that does not fit raises `EngineOverloaded`.
+    The worker thread is the only thread that calls `fn`, so `fn` needs no locking.
+
+    Example:
+        ```python
+        batcher = MicroBatcher(lambda xs: [x * 2 for x in xs], max_batch=8)
+        assert await batcher.submit([1, 2]) == [2, 4]
+        ```
+    """
+
+    def __init__(self, fn: Callable[[list[T]], Sequence[R]], *, max_batch: int = 16,
+                 window_s: float = 0.002, max_queue: int = 1024, name: str = "canvasroute-batcher") -> None:
+        if max_batch < 1 or max_queue < 1 or window_s < 0:
+            raise ValueError("max_batch and max_queue must be >= 1 and window_s >= 0")
+        self._fn = fn
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self.max_queue = max_queue
+        self._name = name
+        self._queue: deque[tuple[float, T, Future[R]]] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.batches = 0
+        """Calls of `fn` so far (one per forward pass)."""
+
+    def __repr__(self) -> str:
+        return f"MicroBatcher(max_batch={self.max_batch}, window_s={self.window_s}, max_queue={self.max_queue})"
+
+    async def submit(self, items: Sequence[T]) -> list[R]:
+        """Queue `items` and wait for their results, in order."""
+        if not items:
+            return []
+        if len(items) > self.max_queue:
+            raise EngineRequestError(f"{len(items)} canvases in one read; the queue holds {self.max_queue}",
+                                     hint="split the batch or raise max_queue")
+        futures: list[Future[R]] = [Future() for _ in items]
+        with self._cond:
+            if self._closed:
+                raise EngineUnavailable("the engine is closed", hint="create a new engine")
+            if len(self._queue) + len(items) > self.max_queue:
+                raise EngineOverloaded(f"{len(self._queue)} canvases already queued (max_queue={self.max_queue})",
+                                       hint="retry later, or raise max_queue / max_batch")
+            now = time.monotonic()
+            self._queue.extend((now, item, fut) for item, fut in zip(items, futures, strict=True))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        outcomes = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes  # type: ignore[return-value]
+
+    async def aclose(self) -> None:
+        """Fail queued items with `EngineUnavailable`, finish the running batch, stop the thread."""
+        with self._cond:
+            self._closed = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        for _, _, fut in pending:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineUnavailable("the engine was closed before this read ran"))
+        if thread is not None and thread is not threading.current_thread():
+            await asyncio.to_thread(thread.join)
+
+    def _take(self) -> list[tuple[float, T, Future[R]]] | None:
+        """The next batch: wait for a first item, then for company until its window ends."""
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            deadline = self._queue[0][0] + self.window_s
+            while len(self._queue) < self.max_batch and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            n = min(len(self._queue), self.max_batch)
+            return [self._queue.popleft() for _ in range(n)]
+
+    def _work(self) -> None:
+        while (batch := self._take()) is not None:
+            live = [(item, fut) for _, item, fut in batch if fut.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            self.batches += 1
+            try:
+                results = list(self._fn([item for item, _ in live]))
+                if len(results) != len(live):
+                    raise EngineResponseError(f"the forward pass returned {len(results)} results for {len(live)} items")
+            except Exception as exc:  # noqa: BLE001 - any fault goes to every caller in the batch, or they wait forever
+                for _, fut in live:
+                    fut.set_exception(exc)
+                continue
+            for (_, fut), result in zip(live, results, strict=True):
+                fut.set_result(result)
+
+
+# -- readouts: how each model family turns a prompt's cache and a canvas into slot logits ---
+
+
+class DiffusionGemma:
+    """Encoder prefill of the prompt, then one bidirectional decoder pass over the canvas.
+
+    The attention masks are built here, as vLLM applies them: in sliding-window layers
+    every query sees the keys less than `sliding_window` positions away, prompt and
+    canvas alike. (transformers 5.24's own forward instead shows the canvas the last
+    `sliding_window - 1` prompt tokens; the two differ, by up to 0.5 nats on the tiny
+    checkpoint, once prompt + canvas exceed the window.)
+    """
+
+    def __init__(self, model: DiffusionGemmaForBlockDiffusion, canvas_width: int | None) -> None:
+        text, served = model.config.text_config, model.config.canvas_length
+        if text is None or isinstance(text, dict) or not served:
+            raise ValueError("this DiffusionGemma config has no text config or no canvas_length")
+        self.model = model
+        self.window = int(text.sliding_window or 0)
+        self.vocab = int(text.vocab_size)
+        self.max_positions = int(text.max_position_embeddings)
+        self.canvas_width = min(canvas_width or int(served), int(served))
+        self.cache_kw = _cache_kwarg(model)
+
+    def prefix(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        return prompt
+
+    def canvas_inputs(self, prompt: tuple[int, ...], read: CanvasRead) -> tuple[int, ...]:
+        return read.canvas
+
+    def encode(self, ids: torch.Tensor, lengths: torch.Tensor) -> DynamicCache:
+        n = ids.shape[1]
+        steps = torch.arange(n, device=ids.device)
+        valid = steps[None] >= (n - lengths)[:, None]
+        causal = steps[None, :] <= steps[:, None]
+        cache = DynamicCache()
+        self.model.get_encoder()(
+            input_ids=ids, attention_mask=self._masks(valid, steps, steps, causal),
+            position_ids=(steps[None] - (n - lengths)[:, None]).clamp(min=0), **{self.cache_kw: cache},
+        )
+        return cache
+
+    def logits(self, cache: DynamicCache, lengths: torch.Tensor, canvas: torch.Tensor, widths: torch.Tensor,
+               rows: torch.Tensor) -> torch.Tensor:
+        """`[batch, len(rows), vocab]`: the canvas rows at `rows` (every slot sees the whole canvas)."""
+        p, c = cache.get_seq_length(), canvas.shape[1]
+        steps = torch.arange(p + c, device=canvas.device)
+        valid = torch.cat([steps[None, :p] >= (p - lengths)[:, None],
+                           steps[None, :c] < widths[:, None]], dim=1)
+        masks = self._masks(valid, steps[p:], steps, None)
+        positions = lengths[:, None] + steps[None, :c]
+        out: torch.Tensor = self.model(decoder_input_ids=canvas, decoder_attention_mask=masks,
+                                       decoder_position_ids=positions, **{self.cache_kw: cache}).logits
+        return out[:, rows]
+
+    def _masks(self, valid: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               causal: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Additive `[batch, 1, queries, keys]` masks per layer type. Every query may see
+        itself, so padded rows stay finite."""
+        allowed = valid[:, None, :] & (causal if causal is not None else True)
+        allowed = allowed | (q[:, None] == k[None, :])
+        near = (q[:, None] - k[None, :]).abs() < self.window if self.window else True
+        dtype = self.model.dtype
+
+        def additive(ok: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device)
+            return mask.masked_fill(~ok, torch.finfo(dtype).min)[:, None]
+
+        return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & near)}
+
+
+class CausalLM:
+    """Next-token readout: the prompt minus its last token is the cached prefix; the
+    canvas pass feeds `[last prompt token, canvas[:last slot]]`, so output `s` is the
+    distribution over canvas position `s` (nothing after the last slot can change a row).
+
+    The canvas runs as given, noise included, so an earlier slot's noise conditions the
+    rows of later slots: the causal mirror of DiffusionGemma, where every slot sees the
+    noise at every other slot, and re-reads with new noise average it out. Putting the
+    template's label-0 id at earlier slots instead was measured on SmolLM2-135M (5 tickets,
+    3 questions, 8 noise draws): noise moves later slots' label distributions by a mean
+    total variation of 0.02 (max 0.09) from the label-0 fill and never changes their
+    argmax, while a label at an earlier slot is copied (P(yes) at q3 is 1.0 after
+    "q2: yes" but 0.76-0.99 after "q2: no"), a first-option bias the noise avoids.
+    """
+
+    def __init__(self, model: Any, canvas_width: int | None) -> None:
+        if "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+            raise ValueError("causal LMs with sliding-window layers are not supported by TransformersEngine")
+        self.model = model
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or MAX_MODEL_LEN_CAP)
+        self.canvas_width = canvas_width or 64
+        self.cache_kw = _cache_kwarg(model)
+        self.keeps_rows = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def prefix(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        return prompt[:-1]
+
+    def canvas_inputs(self, prompt: tuple[int, ...], read: CanvasRead) -> tuple[int, ...]:
+        """Up to the last slot: a causal row sees nothing after it, so the rest is not fed."""
+        return (prompt[-1], *read.canvas[:max(read.slots, default=0)])
+
+    def encode(self, ids: torch.Tensor, lengths: torch.Tensor, past: DynamicCache | None = None,
+               past_lengths: torch.Tensor | None = None) -> DynamicCache:
+        """Prefill left-padded `ids`, on top of `past` (left-padded cached prefixes of
+        `past_lengths` tokens) when given: the suffixes then start at those positions."""
+        n = ids.shape[1]
+        steps = torch.arange(n, device=ids.device)
+        valid = steps[None] >= (n - lengths)[:, None]
+        positions = (steps[None] - (n - lengths)[:, None]).clamp(min=0)
+        if past is not None and past_lengths is not None:
+            p = past.get_seq_length()
+            valid = torch.cat([torch.arange(p, device=ids.device)[None] >= (p - past_lengths)[:, None], valid], 1)
+            positions = positions + past_lengths[:, None]
+        cache = past if past is not None else DynamicCache()
+        self.model.base_model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
+                              use_cache=True, **{self.cache_kw: cache})
+        return cache
+
+    def logits(self, cache: DynamicCache, lengths: torch.Tensor, inputs: torch.Tensor, widths: torch.Tensor,
+               rows: torch.Tensor) -> torch.Tensor:
+        """`[batch, len(rows), vocab]`, projecting only those rows onto the vocabulary where
+        the model takes `logits_to_keep`. `widths` goes unused: the causal mask already
+        hides a canvas's right padding."""
+        p, c = cache.get_seq_length(), inputs.shape[1]
+        steps = torch.arange(p, device=inputs.device)
+        mask = torch.cat([steps[None] >= (p - lengths)[:, None], inputs.new_ones(inputs.shape, dtype=torch.bool)], 1)
+        positions = lengths[:, None] + torch.arange(c, device=inputs.device)[None]
+        keep = {"logits_to_keep": rows} if self.keeps_rows else {}
+        out: torch.Tensor = self.model(input_ids=inputs, attention_mask=mask.long(), position_ids=positions,
+                                       use_cache=True, **{self.cache_kw: cache}, **keep).logits
+        return out if self.keeps_rows else out[:, rows]
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); use what this version takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -1,4 +1,15 @@
-"""`VLLMServerEngine`: structured reads against vLLM's OpenAI-compatible server."""
+"""`VLLMServerEngine`: structured reads against vLLM's OpenAI-compatible server.
+
+One module for the engine and everything it says to the server, so a read runs through it,
+its connection (`engine/transport/_connection.py`) and the values it returns (`engine/_types.py`):
+
+- the engine: discovery, `/tokenize` with a prompt cache, reads on either endpoint, narrow
+  canvases, images, prefix affinity (`session_key`);
+- vLLM's structured-read wire, shared with `VLLMEngine` (docs/wire-format.md sections 3, 4):
+  what a read sends (`max_tokens`, `logprob_token_ids`, `vllm_xargs.diffusion_*`) and how its
+  rows are checked;
+- thoughts (`think`): what the model writes in its thought channel before a read.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +17,43 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import random
 import re
-import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-import httpx
+from .._prompts import EMPTY_CHAT, SPECIAL_CANDIDATES, PromptCache, scaffold_prefix, template_kwargs
+from .._types import THOUGHT_SCAFFOLD, CanvasRead, EngineInfo, Message, ReadResult, Thought, check_rows
+from ..errors import EngineRequestError, EngineResponseError, ImagesUnsupported
+from ..transport import Connection
 
-from ._http import MAX_RESPONSE_BYTES, Connection
-from ._prompts import EMPTY_CHAT, PromptCache, template_kwargs
-from ._text import SPECIAL_CANDIDATES, THOUGHT_SCAFFOLD, scaffold_prefix
-from ._thought import thought_prompt, write_thought
-from ._types import CanvasRead, EngineInfo, Message, ReadResult, Thought, check_rows
-from ._wire import NARROW_REFUSED, chat_messages, check_read, images_refused, parse_rows, read_xargs, seed_canvas
-from .errors import EngineRequestError, EngineResponseError, ImagesUnsupported
+__all__ = ["MAX_LABEL_IDS", "VLLMServerEngine", "session_key"]
 
 _VOCAB_RANGE = re.compile(r"must be in \[0, (\d+)\)")
 _NOISE_PROBE_ID = 2**30
 T = TypeVar("T")
 
+MAX_LABEL_IDS = 128
+"""vLLM caps `logprob_token_ids` at 128 ids per request (`MAX_LOGPROB_TOKEN_IDS`)."""
+
+NARROW_REFUSED = "diffusion_canvas_length"
+"""Text of the 400 that a build refusing narrow canvases answers."""
+
+THOUGHT_OPEN = "<|channel>thought\n"
+THOUGHT_CLOSE = "<channel|>"
+
+
 class VLLMServerEngine:
     """Reads canvases from one or more vLLM servers over HTTP.
 
-    The HTTP part is a `Connection` (engine/_http.py): at most `max_concurrency` requests in
-    flight per event loop, a timeout on every attempt, retries with exponential backoff and
-    jitter on connection errors, timeouts, 408, 429 and 5xx (moving to the next healthy
-    replica). Tokenization goes through the server's `/tokenize`, so no local tokenizer or
-    weights are needed. Discovery asks the server once for its model, canvas, vocabulary,
-    special tokens, and whether its generation prompt already holds the thought block.
+    `connection` is a `Connection`, or the server's URL (or several replicas' URLs) for a
+    default one (`Connection(url)`: 30 s per reply, 5 s to connect, 3 retries, 64 requests in
+    flight): a timeout on every attempt, retries with exponential backoff and jitter on
+    connection errors, timeouts, 408, 429 and 5xx (moving to the next healthy replica).
+    Tokenization goes through the server's `/tokenize`, so no local tokenizer or weights
+    are needed. Discovery asks the server once for its model, canvas, vocabulary, special
+    tokens, and whether its generation prompt already holds the thought block.
 
     Prefix affinity: every read carries `session_header` (default `x-session-id`; None
     sends none) with a stable key of its prompt (`session_key`: a hash of the chat
@@ -50,67 +69,39 @@ class VLLMServerEngine:
     down: a convenience for a handful of replicas, not a replacement for those routers
     (no load awareness, no shared view between clients beyond the same URL list).
 
-    HTTP (`Connection`'s arguments): `verify=` (True, False, a CA bundle, an `ssl.SSLContext`)
-    and `cert=` (a client certificate) for TLS; idle connections are reused for
-    `keepalive_expiry` seconds; a reply over `max_response_bytes` is an
-    `EngineResponseError`; `HTTP(S)_PROXY`/`ALL_PROXY`/`NO_PROXY` are followed unless
-    `trust_env=False`; URL userinfo is sent as Basic auth; `transport=` sends through httpx.
-    Discovery needs the served context length (`max_model_len` in `/v1/models`, as vLLM
-    lists it); a proxy that drops it gets `EngineResponseError` saying so, unless
-    `max_model_len=` is given. `canvas_width=` and `vocab_size=` skip their probes too.
+    Keys, TLS, proxies, timeouts, retries and limits are the connection's (`Connection`:
+    `api_key=`, `verify=`, `cert=`, `trust_env=`, `transport=`, `Timeout`, `Retries`,
+    `Limits`); URL userinfo is sent as Basic auth. Discovery needs the served context
+    length (`max_model_len` in `/v1/models`, as vLLM lists it); a proxy that drops it gets
+    `EngineResponseError` saying so, unless `max_model_len=` is given. `canvas_width=` and
+    `vocab_size=` skip their probes too.
 
     `enable_thinking` goes to the chat template (default False, the read mode). A server
     that refuses `diffusion_canvas_length` below its served width gets the full width from
     then on (`narrow_canvases` turns False).
 
+    `think(messages, budget, seed=...)` writes a thought before a read: block by block, each
+    one denoising step from noise drawn from `seed`, so the same seed gives the same thought.
+
     Example:
         ```python
         engine = VLLMServerEngine("http://127.0.0.1:8000")
         info = await engine.info()          # model, canvas width, vocab size
+        tuned = VLLMServerEngine(Connection("http://127.0.0.1:8000", api_key="k", timeout=120, retries=0))
         ```
     """
 
-    def __init__(
-        self,
-        base_url: str | Sequence[str],
-        *,
-        model: str | None = None,
-        api_key: str | None = None,
-        endpoint: Literal["chat", "completions"] = "chat",
-        timeout: float = 30.0,
-        connect_timeout: float = 5.0,
-        max_concurrency: int = 64,
-        max_retries: int = 3,
-        backoff: float = 0.2,
-        replica_cooldown: float = 5.0,
-        canvas_width: int | None = None,
-        max_model_len: int | None = None,
-        vocab_size: int | None = None,
-        enable_thinking: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        verify: bool | str | ssl.SSLContext = True,
-        cert: str | tuple[str, ...] | None = None,
-        keepalive_expiry: float = 4.0,
-        max_response_bytes: int = MAX_RESPONSE_BYTES,
-        trust_env: bool = True,
-        transport: httpx.AsyncBaseTransport | None = None,
-        session_header: str | None = "x-session-id",
-        affinity: bool = True,
-    ) -> None:
-        urls = [base_url] if isinstance(base_url, str) else list(base_url)
-        if not urls:
-            raise ValueError("VLLMServerEngine needs at least one base URL")
+    def __init__(self, connection: str | Sequence[str] | Connection, *, model: str | None = None,
+                 endpoint: Literal["chat", "completions"] = "chat", canvas_width: int | None = None,
+                 max_model_len: int | None = None, vocab_size: int | None = None, enable_thinking: bool = False,
+                 chat_template_kwargs: dict[str, Any] | None = None, session_header: str | None = "x-session-id",
+                 affinity: bool = True) -> None:
         if endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint must be 'chat' or 'completions', not {endpoint!r}")
-        if max_concurrency < 1 or max_retries < 0:
-            raise ValueError("max_concurrency must be >= 1 and max_retries >= 0")
         if session_header is not None and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", session_header):
             raise ValueError(f"session_header must be an HTTP header name or None, not {session_header!r}")
-        self.connection = Connection(urls, api_key=api_key, timeout=timeout, connect_timeout=connect_timeout,
-                                     max_concurrency=max_concurrency, max_retries=max_retries, backoff=backoff,
-                                     replica_cooldown=replica_cooldown, verify=verify, cert=cert,
-                                     keepalive_expiry=keepalive_expiry, max_response_bytes=max_response_bytes,
-                                     trust_env=trust_env, transport=transport, service="vLLM server")
+        self.connection = (connection if isinstance(connection, Connection)
+                           else Connection(connection))
         """The HTTP connection (replicas, lanes, retries)."""
         self.session_header = session_header
         """Header carrying each read's `session_key` (None: not sent)."""
@@ -192,10 +183,48 @@ class VLLMServerEngine:
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
         return list(await asyncio.gather(*(self._read_one(r) for r in batch)))
 
-    async def think(self, messages: Sequence[Message], budget: int) -> Thought:
-        """What the model writes in its thought channel after `messages`, up to `budget` tokens
-        (`engine._thought`); a `CanvasRead(thought=thought.ids)` then reads after it."""
-        return await write_thought(self, messages, budget)
+    async def think(self, messages: Sequence[Message], budget: int, *, seed: int = 0) -> Thought:
+        """What the model writes in its thought channel after `messages`, up to `budget` tokens;
+        a `CanvasRead(thought=thought.ids)` then reads after it.
+
+        vLLM's DiffusionGemma refuses a request `seed` and draws its own generation noise from
+        the server process's generator, so a thought it generated would differ on every run.
+        The engine writes it instead, one canvas-wide block at a time: each block is one
+        denoising step (a read-only read, `diffusion_max_steps=1`) from noise drawn from
+        `seed`, continuing the prompt and the blocks before it, cut at the channel's close tag
+        (or the end of turn) or at `budget`. The same messages and seed give the same thought
+        on the same server and weights.
+        """
+        if budget < 1:
+            raise EngineRequestError(f"a thought takes a budget of at least one token, not {budget}")
+        info = await self.info()
+        opening, closing = await self._thought_tags()
+        stops = {closing, *await self.tokenize(info.end_of_turn)} if info.end_of_turn else {closing}
+        prompt = [*await self.prompt_ids(messages, thinking=True), *opening]
+        draw = random.Random(f"canvasroute thought {seed}").randrange
+        ids: list[int] = []
+        closed, prompt_tokens = False, 0
+        start = time.perf_counter()
+        while len(ids) < budget and len(prompt) + len(ids) + info.canvas_width <= info.max_model_len:
+            noise = [draw(info.vocab_size) for _ in range(info.canvas_width)]
+            body = {"model": info.model, "prompt": [*prompt, *ids], "max_tokens": info.canvas_width, "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                    "vllm_xargs": read_xargs(noise, info.canvas_width, constrained=False)}
+            data = await self.post("/v1/completions", body)
+            try:
+                block = [token_id(t) for t in data["choices"][0]["logprobs"]["tokens"]]
+            except (KeyError, IndexError, TypeError) as exc:
+                raise EngineResponseError(f"the thought response has no token ids ({exc!r})") from exc
+            prompt_tokens += _usage(data, "prompt_tokens", len(prompt) + len(ids))
+            stop = next((i for i, t in enumerate(block) if t in stops), None)
+            ids.extend(block if stop is None else block[:stop])
+            if stop is not None or not block:
+                closed = stop is not None
+                break
+        del ids[budget:]
+        text = await self._detokenize(ids) if ids else ""
+        return Thought(ids=tuple(ids), text=text, closed=closed, prompt_tokens=prompt_tokens,
+                       latency_s=time.perf_counter() - start)
 
     async def aclose(self) -> None:
         await self.connection.aclose()
@@ -254,7 +283,7 @@ class VLLMServerEngine:
                         chat_template_kwargs=self._template_kwargs)
             path = "/v1/chat/completions"
         else:
-            prompt = (await thought_prompt(self, read.messages, read.thought) if read.thought is not None
+            prompt = (await self._thought_prompt(read.messages, read.thought) if read.thought is not None
                       else await self.prompt_ids(read.messages))
             body.update(prompt=list(prompt), logprobs=1)
             path = "/v1/completions"
@@ -267,8 +296,9 @@ class VLLMServerEngine:
         data = _object(reply.data, path)
         rows = parse_rows(data, endpoint, width, read.slots)
         check_rows(read, rows)
-        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-        try:
+        usage = data.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        try:  # inline, not `_usage`: a read's path stays short
             prompt_tokens = int(usage.get("prompt_tokens") or 0)
             completion_tokens = int(usage.get("completion_tokens") or width)
         except (TypeError, ValueError) as exc:
@@ -278,6 +308,31 @@ class VLLMServerEngine:
 
     def _count(self) -> None:
         self.requests_sent += 1
+
+    async def _thought_tags(self) -> tuple[list[int], int]:
+        """The thought channel's open tag ids and its close tag's one id."""
+        opening, closing = await self.tokenize(THOUGHT_OPEN), await self.tokenize(THOUGHT_CLOSE)
+        if len(closing) != 1:
+            raise EngineResponseError(f"this tokenizer splits {THOUGHT_CLOSE!r}: the model has no thought channel",
+                                      hint="think needs a DiffusionGemma (Gemma 4) tokenizer")
+        return opening, closing[0]
+
+    async def _thought_prompt(self, messages: Sequence[Message], thought: Sequence[int]) -> list[int]:
+        """The prompt ids of a read that continues `thought`: the thinking prompt, the channel with it, closed.
+
+        DiffusionGemma's chat template opens the thought channel itself only with
+        `enable_thinking=True` (its generation prompt then ends at the model turn); the read
+        goes to `/v1/completions` as token ids, so no template can alter the thought, and its
+        canvas starts at the answers."""
+        opening, closing = await self._thought_tags()
+        return [*await self.prompt_ids(messages, thinking=True), *opening, *thought, closing]
+
+    async def _detokenize(self, ids: Sequence[int]) -> str:
+        data = await self._request("POST", "/detokenize", {"model": await self._model_name(), "tokens": list(ids)})
+        text = data.get("prompt")
+        if not isinstance(text, str):
+            raise EngineResponseError(f"/detokenize answered no text: {str(data)[:200]}")
+        return text
 
     async def prompt_ids(self, messages: Sequence[Message], *, thinking: bool = False) -> tuple[int, ...]:
         """The chat prompt's token ids (the server's template, generation prompt included;
@@ -376,6 +431,15 @@ def session_key(messages: Sequence[Message]) -> str:
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
 
+def _usage(data: Mapping[str, Any], field: str, default: int) -> int:
+    """A count from a reply's `usage` (`default` where it is missing or zero)."""
+    usage = data.get("usage")
+    try:
+        return int((usage.get(field) if isinstance(usage, dict) else None) or default)
+    except (TypeError, ValueError) as exc:
+        raise EngineResponseError(f"the response has unreadable usage ({exc!r})") from exc
+
+
 def _positive(value: Any) -> int | None:
     """A positive int from a JSON field, else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
@@ -386,3 +450,99 @@ def _object(data: Any, path: str) -> dict[str, Any]:
         raise EngineResponseError(f"{path} answered {type(data).__name__}, not an object")
     return data
 
+
+# -- the structured-read wire (shared with VLLMEngine) --------------------------------------
+
+
+def check_read(read: CanvasRead, served_width: int) -> None:
+    """Refuse a read vLLM would refuse: canvas wider than served, too many label ids, no steps."""
+    width = len(read.canvas)
+    if read.steps < 1:
+        raise EngineRequestError(f"a read takes at least one denoising step, not {read.steps}")
+    if not 0 < width <= served_width:
+        raise EngineRequestError(f"canvas of {width} ids; this engine reads at most {served_width}")
+    if len(read.label_ids) > MAX_LABEL_IDS:
+        raise EngineRequestError(f"{len(read.label_ids)} label ids; one read carries at most {MAX_LABEL_IDS}")
+
+
+def seed_canvas(read: CanvasRead, served_width: int, pad_id: int, *, narrow: bool) -> list[int]:
+    """The canvas to send: as built, or padded to the served width where narrow canvases
+    are refused (the rows the caller reads lie before the padding either way)."""
+    if narrow or len(read.canvas) == served_width:
+        return list(read.canvas)
+    return [*read.canvas, *[pad_id] * (served_width - len(read.canvas))]
+
+
+def read_xargs(canvas: Sequence[int], served_width: int, *, constrained: bool, steps: int = 1,
+               slots: Sequence[int] = ()) -> dict[str, Any]:
+    """`vllm_xargs` of a read-only read of `canvas` (booleans as 0/1): one denoising step,
+    or `steps` with every position but the `slots` pinned to its seed."""
+    xargs: dict[str, Any] = {"diffusion_seed_canvas": list(canvas), "diffusion_max_steps": steps,
+                             "diffusion_read_only": 1}
+    if len(canvas) < served_width:
+        xargs["diffusion_canvas_length"] = len(canvas)
+    if steps > 1:
+        free = set(slots)
+        xargs["diffusion_pinned"] = [p for p in range(len(canvas)) if p not in free]
+    if constrained:
+        xargs["diffusion_constrained"] = 1
+    return xargs
+
+
+def check_row_count(count: int, width: int) -> None:
+    """A read returns one row per canvas position."""
+    if count != width:
+        raise EngineResponseError(f"the read returned {count} rows for a canvas of {width}")
+
+
+def token_id(token: str) -> int:
+    """The id in vLLM's `"token_id:<id>"` (`return_tokens_as_token_ids`)."""
+    if not (isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit()):
+        raise EngineResponseError(f"token {token!r} is not 'token_id:<id>' (was return_tokens_as_token_ids honoured?)")
+    return int(token[9:])
+
+
+def parse_rows(data: Mapping[str, Any], endpoint: str, width: int,
+               slots: Sequence[int]) -> tuple[dict[int, float], ...]:
+    """The `{id: logprob}` rows at `slots` from a chat or completions response body.
+
+    The response holds one row per canvas position (checked); only the slot rows are
+    decoded, which keeps the client's cost per read independent of the canvas width.
+    """
+    try:
+        logprobs = data["choices"][0]["logprobs"]
+        positions = logprobs["content"] if endpoint == "chat" else logprobs["top_logprobs"]
+        check_row_count(len(positions), width)
+        if endpoint == "chat":
+            return tuple(chat_row(positions[s]) for s in slots)
+        return tuple({token_id(t): float(lp) for t, lp in positions[s].items()} for s in slots)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise EngineResponseError(f"the read response has no readable logprob rows ({exc!r})") from exc
+
+
+def chat_row(position: Mapping[str, Any]) -> dict[int, float]:
+    """One chat row: its `top_logprobs` (the label ids) plus the emitted token."""
+    row = {token_id(e["token"]): float(e["logprob"]) for e in position["top_logprobs"]}
+    row[token_id(position["token"])] = float(position["logprob"])
+    return row
+
+
+def chat_messages(read: CanvasRead) -> list[dict[str, Any]]:
+    """The chat `messages` of a read: its images go with the last user message as OpenAI
+    image parts (`{"type": "image_url", "image_url": {"url": ...}}`) after its text."""
+    msgs: list[dict[str, Any]] = [dict(m) for m in read.messages]
+    if not read.images:
+        return msgs
+    last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=None)
+    if last is None:
+        raise ImagesUnsupported("a read with images needs a user message to carry them")
+    msgs[last]["content"] = [{"type": "text", "text": msgs[last]["content"]},
+                             *({"type": "image_url", "image_url": {"url": url}} for url in read.images)]
+    return msgs
+
+
+def images_refused(exc: EngineRequestError) -> bool:
+    """Whether a 400 refuses image input (vLLM: `At most 0 image(s) may be provided in one
+    prompt.` with images off; a text-only model names the modality too)."""
+    text = exc.message.casefold()
+    return exc.status == 400 and ("image" in text or "multimodal" in text or "multi-modal" in text)
