@@ -49,7 +49,7 @@ class SystemOneDecisionModel(BaseDecisionModel):
         ```
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     connection: Connection
     """The server and how to reach it (a URL given here becomes `Connection(url)`)."""

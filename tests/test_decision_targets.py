@@ -29,7 +29,7 @@ from langchain_core.runnables import RunnableLambda
 from langchain_openai.decisions import OpenAIDecisions
 from pydantic import SecretStr
 
-from canvasroute.engine import EscalationError
+from canvasroute.engine import Connection, EscalationError
 from canvasroute.router import SystemOneDecisionModel
 from canvasroute.router import parse_questions
 from canvasroute.router._escalation import (
@@ -299,7 +299,7 @@ async def test_a_decision_models_failures_are_classified(fresh: DecisionsServer)
 
 
 async def test_systemone_decision_model(fresh: DecisionsServer) -> None:
-    target = SystemOneDecisionModel(fresh.url, model="jev-latest", max_retries=0)
+    target = SystemOneDecisionModel(Connection(fresh.url, retries=0), model="jev-latest")
     reply = await ask_decision_target(target, ask(parents={"severity": (Restated("Which team?", "billing"),)}))
     assert dict(reply.answers) == EXPECTED
     sent = fresh.bodies[-1]

@@ -184,7 +184,7 @@ async def test_the_same_decision_and_seed_think_the_same_thought_and_read_the_sa
     async def run(seed: int) -> tuple[list[tuple[int, ...]], dict]:
         transport = Recording()
         engine = VLLMServerEngine(Connection(vllm_url, transport=transport))
-        resp = await CanvasDecisionModel(engine=engine, policy=ONE).adecide(TICKET, QUESTIONS, seed=seed, think=40)
+        resp = await CanvasDecisionModel(engine=engine, policy=ONE).adecide(TICKET, QUESTIONS, seed=seed, read={"think": 40})
         await engine.aclose()
         thoughts = [tuple(b["prompt"]) for b in transport.reads()]  # each read's prompt holds its thought
         return thoughts, {qid: r.canvas_probabilities for qid, r in resp.reads.items()}
