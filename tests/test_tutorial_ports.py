@@ -199,15 +199,15 @@ def reads_of(engine: Any) -> int:
     return engine.requests_sent if isinstance(engine, VLLMServerEngine) else engine.forward_passes
 
 
-def check_ports_on(engine: Any) -> dict[str, list[int]]:
-    """Both ports on a real engine; returns the reads of each run."""
+def check_ports_on(engine: Any, runs: int) -> dict[str, list[int]]:
+    """Both ports on a real engine, on their first `runs` sample inputs; returns the reads of each run."""
     model = CanvasDecisionModel(engine=engine, policy=ONE_READ)
     batched = not isinstance(engine, VLLMServerEngine)  # in-process: concurrent branches share a forward pass
     measured: dict[str, list[int]] = {"adaptive_rag": [], "supervisor": []}
     for example, check, inputs in ((adaptive_rag, check_adaptive_rag, adaptive_rag.SAMPLE_QUESTIONS),
                                    (supervisor, check_supervisor, supervisor.SAMPLE_REQUESTS)):
         graph = example.build_graph(model)
-        for given in inputs:
+        for given in inputs[:runs]:
             before = reads_of(engine)
             totals = check(graph, given)["totals"]
             seen = reads_of(engine) - before
@@ -241,14 +241,14 @@ def check_review_resume_reads_nothing(engine: Any) -> None:
 
 @pytest.mark.smollm
 def test_the_ports_on_the_embedded_engine(smol):
-    print("reads per run (embedded, rereads=0):", check_ports_on(smol))
+    print("reads per run (embedded, rereads=0):", check_ports_on(smol, runs=1))  # slow on 2 cores: one run each
     check_review_resume_reads_nothing(smol)
 
 
 @pytest.mark.vllm
 def test_the_ports_on_the_vllm_server(vllm_url):
     engine = VLLMServerEngine(vllm_url)
-    print("reads per run (vLLM, rereads=0):", check_ports_on(engine))
+    print("reads per run (vLLM, rereads=0):", check_ports_on(engine, runs=2))
     check_review_resume_reads_nothing(engine)
 
 
