@@ -4,6 +4,8 @@
   `canvasroute.apps.demo.triage`).
 - `examples.rag_relevance`: grade every retrieved document in one read.
 - `examples.tool_routing`: pick a tool for the user's message.
+- `examples.adaptive_rag`: LangGraph's Adaptive RAG tutorial, its router and graders as decisions.
+- `examples.supervisor`: LangGraph's multi-agent supervisor tutorial, its pick of a worker as a decision.
 
 Run one from the repository root: `python -m examples.triage [vLLM URL]`. Each module has
 `build_graph(model)` and `main(engine_url=None)`. Without a URL they run on the embedded

@@ -24,6 +24,7 @@ from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import ensure_config
 from langgraph.constants import CONF, CONFIG_KEY_CHECKPOINTER
+from langgraph.errors import EmptyChannelError
 from langgraph.runtime import get_runtime
 
 from canvasroute.engine import GraphSetupError
@@ -235,9 +236,23 @@ def state_lacks(config: RunnableConfig, key: str) -> bool | None:
         read(key, False)
     except KeyError:
         return True
-    except Exception:  # a reader that works differently: no warning rather than a wrong one
+    except Exception:  # noqa: BLE001 - a reader that works differently: no warning rather than a wrong one
         return None
     return False
+
+
+def graph_value(config: RunnableConfig, key: str) -> Any:
+    """The running graph's value of state key `key` as this step began (what a node run by an
+    ordinary edge gets in its input; a `Send` branch gets only its payload). None when it has
+    none yet, or when this cannot be read (outside a graph run, a reader this LangGraph does not
+    have)."""
+    read = (config.get(CONF) or {}).get(_READ)
+    if read is None:
+        return None
+    try:
+        return read(key, False)
+    except (KeyError, EmptyChannelError, TypeError):  # no such key, no value yet, a reader that works differently
+        return None
 
 
 def warn_dropped(node: str, key: str) -> None:

@@ -54,6 +54,7 @@ from ._context import (
     child_config,
     complete,
     graph_call,
+    graph_value,
     observed,
     select_inputs,
     state_lacks,
@@ -241,7 +242,8 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         reviewing = None if self.shadow is not None else review_for(self.review, request, call.node)
         if reviewing is not None:
             check_review(config, call.node)  # before any read: an interrupt nobody could resume
-        return _Job(call, request, observed(config, manager_for), reviewing)
+        earlier = _earlier(state, self.output_key, config) if self.history else {}
+        return _Job(call, request, observed(config, manager_for), reviewing, earlier)
 
     def _read(self, job: _Job, config: RunnableConfig, request: DecisionRequest) -> CanvasResponse:
         model = job.call.model
@@ -273,7 +275,7 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         decided = entries(response, human or {}, job.call.task_id)
         goto = self._goto(decided, state)
         trace_route(job.call.attributes, goto)
-        update = {self.output_key: self._written(decided, state, job.request.identity.branch)}
+        update = {self.output_key: self._written(decided, job.earlier, job.request.identity.branch)}
         command = Command(update=update) if goto is None else Command(goto=goto, update=update)
         return command, event(DECISION_EVENT, job.call.node, goto, decided, job.request)
 
@@ -291,13 +293,12 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         return Command(goto=outcome.destination, update=update), event(
             DECISION_EVENT, job.call.node, outcome.destination, decided, job.request, shadow=outcome.record())
 
-    def _written(self, decided: Decisions, state: Any, branch: str | None) -> dict[str, Any]:
+    def _written(self, decided: Decisions, earlier: Mapping[str, Any], branch: str | None) -> dict[str, Any]:
         """The records as the node writes them: grouped by branch, each with its question's
-        earlier records (`history`), newest last."""
+        earlier records (`history`, from `earlier`: the records in the graph state), newest last."""
         if self.history:
-            before = _earlier(state, self.output_key)
             for qid, record in decided.items():
-                prev = before.get(qid)
+                prev = earlier.get(qid)
                 if branch is not None:
                     prev = prev.get(branch) if isinstance(prev, Mapping) and not is_record(prev) else None
                 if isinstance(prev, Mapping) and is_record(prev):
@@ -338,6 +339,8 @@ class _Job:
     """A callback handler would see the model's run (else `arun` is called directly)."""
     review: ReviewPolicy | None
     """What goes to a human in this run (`review_for`; None: nothing)."""
+    earlier: Mapping[str, Any]
+    """The records in the graph state before this run (read only with `history=`)."""
 
 
 def _invoke_input(request: DecisionRequest) -> dict[str, Any]:
@@ -345,8 +348,12 @@ def _invoke_input(request: DecisionRequest) -> dict[str, Any]:
     return {"state": request.state.value, "questions": request.questions.asked, "request": request}
 
 
-def _earlier(state: Any, key: str) -> Mapping[str, Any]:
-    value = state.get(key) if isinstance(state, Mapping) else getattr(state, key, None)
+def _earlier(state: Any, key: str, config: RunnableConfig) -> Mapping[str, Any]:
+    """The records already in the graph state under `key`. A node run by an edge has them in
+    its input; a `Send` branch's input is its payload, so it reads them from the graph's state."""
+    value = graph_value(config, key) if pushed(config) else None
+    if value is None:
+        value = state.get(key) if isinstance(state, Mapping) else getattr(state, key, None)
     return value if isinstance(value, Mapping) else {}
 
 
@@ -404,7 +411,8 @@ def decision_node(
             `alone`, `steps`, `think`, `images`, `constrained`).
         history: Keep this many earlier records per question (and branch) across loop
             iterations, newest last, under each record's `history` (0: only the newest record;
-            at most `MAX_HISTORY`).
+            at most `MAX_HISTORY`). The earlier records are the graph state's, in a `Send` branch
+            too (whose input is only its payload).
 
     Returns:
         A `DecisionNode`: add it with `builder.add_node("triage", node)`.
@@ -451,8 +459,8 @@ def check_path_map(qid: str, options: Sequence[str], paths: Mapping[str, str], w
     missing = [o for o in options if o not in paths]
     unknown = [o for o in paths if o not in options]
     if missing or unknown:
-        parts = [f"{what} for {qid!r} must map every option of the question to a node (its options: "
-                 f"{list(options)})"]
+        parts = [(f"{what} for {qid!r} must map every option of the question to a node (its options: "
+                  f"{list(options)})")]
         if missing:
             parts.append(f"no node for {missing}")
         if unknown:
@@ -505,11 +513,15 @@ def branch_key(branch: Branch, state: Any, config: RunnableConfig) -> str | None
         if value is None or (isinstance(value, str) and not value):
             raise DecisionError(f"branch= gave {value!r}: a fan-out branch needs a non-empty key")
         return str(value)
-    metadata = config.get("metadata") or {}
-    path = metadata.get("langgraph_path")
-    if tuple(metadata.get("langgraph_triggers") or ()) == (_PUSH,) and path and len(path) > 1:
+    path = (config.get("metadata") or {}).get("langgraph_path")
+    if pushed(config) and path and len(path) > 1:
         return str(path[1])
     return None
+
+
+def pushed(config: RunnableConfig) -> bool:
+    """Whether this run was started by a `Send` (its input is the Send's payload, not the graph state)."""
+    return tuple((config.get("metadata") or {}).get("langgraph_triggers") or ()) == (_PUSH,)
 
 
 def grouped(decided: Decisions, key: str | None) -> dict[str, Any]:

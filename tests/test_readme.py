@@ -34,7 +34,7 @@ from canvasroute.engine import FunctionEngine
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, flags=re.S | re.M)
+BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, flags=re.DOTALL | re.MULTILINE)
 
 
 def blocks(language: str) -> list[str]:
@@ -67,7 +67,7 @@ def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypat
     for n, code in enumerate(python, 1):
         if not code.startswith(CONTINUES):
             sessions.append({"__name__": "readme"})
-        exec(compile(code, f"README.md python block {n}", "exec", dont_inherit=True), sessions[-1])
+        exec(compile(code, f"README.md python block {n}", "exec", dont_inherit=True), sessions[-1])  # noqa: S102
     usage = next(ns for ns in sessions if "graph" in ns)
     resp = usage["resp"]  # the usage block
     assert set(resp.answers) == {"team", "urgent"} and resp.reads["team"].path == "canvas"
@@ -90,6 +90,15 @@ def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypat
     graders = next(ns for ns in sessions if "retrieval_grader" in ns)  # questions from a schema
     assert graders["graded"].binary_score in ("yes", "no") and graders["routed"]["raw"].canvas_reads == 1
     assert graders["routed"]["parsed"].datasource == graders["routed"]["raw"].reads["datasource"].answer
+    loops = next(ns for ns in sessions if "retry_or_stop" in ns)  # a route of the state, history= and run_totals
+    attempts, graded = loops["out"]["attempts"], loops["graded"]
+    assert 1 < attempts <= loops["MAX_RETRIES"] + 1  # it looped, and stopped after MAX_RETRIES retries at most
+    assert graded["answer"] == "yes" or attempts == loops["MAX_RETRIES"] + 1  # it stopped for a reason the route gives
+    assert [h["answer"] for h in graded["history"]] == ["no"] * (attempts - 1)  # every earlier grade, each a "no"
+    drawn = loops["loop"].get_graph().draw_mermaid()
+    assert "grade -.-> write;" in drawn and "grade -.-> __end__;" in drawn  # destinations=, END included
+    assert loops["spent"].decisions == loops["spent"].reads == attempts  # one confident read per grade
+    assert canvasroute.run_totals(loops["events"]).as_tuple()[:-1] == loops["spent"].as_tuple()[:-1]
     double = next(ns for ns in sessions if "ScriptedTarget" in ns)  # the escalation target's double
     assert double["resp"].reads["team"].path == "escalated" and double["target"].calls == 1
     assert double["resp"].answers["team"].probabilities == pytest.approx({"billing": 0.8, "technical": 0.2})
@@ -137,7 +146,7 @@ def test_every_bash_block_parses_and_names_real_scripts_and_commands():
 
 
 def test_the_error_section_is_the_tree_in_engine_errors():
-    tree = re.search(r"```\n(CanvasRouteError.*?)```", engine.errors.__doc__, flags=re.S).group(1)
+    tree = re.search(r"```\n(CanvasRouteError.*?)```", engine.errors.__doc__, flags=re.DOTALL).group(1)
     assert ("```\n" + tree + "```") in README
     for name in engine.errors.__all__:
         assert f"`{name}`" in README or name in tree, name
@@ -145,7 +154,7 @@ def test_the_error_section_is_the_tree_in_engine_errors():
 
 
 def test_the_retry_section_lists_exactly_what_langgraph_skips():
-    listed = re.search(r"<!-- langgraph-skips -->(.*?)<!-- /langgraph-skips -->", README, flags=re.S).group(1)
+    listed = re.search(r"<!-- langgraph-skips -->(.*?)<!-- /langgraph-skips -->", README, flags=re.DOTALL).group(1)
     skipped = tuple(getattr(builtins, name) for name in re.findall(r"`(\w+)`", listed))
     assert len(skipped) == 12
     for cls in vars(builtins).values():
@@ -160,9 +169,9 @@ def test_the_retry_section_lists_exactly_what_langgraph_skips():
 
 
 def test_the_layout_drawing_matches_the_tree():
-    drawing = re.search(r"```\n(canvasroute/ .*?)```", README, flags=re.S).group(1)
-    drawn = re.findall(r"^(?:[├└]── )?(\w[\w.]*/?)\s", drawing, flags=re.M)
-    top = re.findall(r"^(\w[\w.]*/)\s", drawing, flags=re.M)
+    drawing = re.search(r"```\n(canvasroute/ .*?)```", README, flags=re.DOTALL).group(1)
+    drawn = re.findall(r"^(?:[├└]── )?(\w[\w.]*/?)\s", drawing, flags=re.MULTILINE)
+    top = re.findall(r"^(\w[\w.]*/)\s", drawing, flags=re.MULTILINE)
     assert top == ["canvasroute/", "apps/", "harness/", "router/", "engine/", "examples/", "data/"]
     apps = [d for d in drawn if d not in top]
     for name in apps:
