@@ -28,6 +28,9 @@ from examples import adaptive_rag, supervisor
 
 ONE_READ = GatePolicy(rereads=0)
 """One canvas read per canvas: a run's reads are then its canvases."""
+GENERATION_READS = 2
+"""Reads of one generation grade: grounded and useful are two yes/no questions, which
+`isolate="auto"` reads one at a time (read together, each would move the other's answer)."""
 
 
 def offline_model() -> CanvasDecisionModel:
@@ -105,7 +108,7 @@ def check_adaptive_rag(graph: Any, question: str, max_retries: int = adaptive_ra
     # the loop is bounded: at most max_retries + 1 passes (generate or rewrite), the last one an answer
     passes = [n for n in order if n in ("generate", "transform_query")]
     assert out["loop_step"] == len(passes) <= max_retries + 1 and passes[-1] == "generate"
-    # reads per run as documented: 1 route + 1 per graded document + 1 per graded generation
+    # reads per run as documented: 1 route + 1 per graded document + 2 per graded generation
     by_records, by_events = run_totals(out["decisions"]), run_totals(events)
     same_totals(by_records, by_events)
     generations = order.count("grade_generation")
@@ -121,7 +124,7 @@ def test_no_relevant_document_rewrites_the_question_until_max_retries_then_answe
     run = check_adaptive_rag(graph, "What are the types of agent memory?", max_retries)
     assert run["order"].count("transform_query") == max_retries and run["passes"] == max_retries + 1
     assert run["out"]["generation"] == "I don't know."  # nothing relevant was kept
-    assert run["totals"].reads == run["totals"].canvases == 1 + 2 * (max_retries + 1) + 1
+    assert run["totals"].reads == run["totals"].canvases == 1 + 2 * (max_retries + 1) + GENERATION_READS
 
 
 def test_relevant_documents_grounded_and_useful_answer_at_once():
@@ -130,14 +133,14 @@ def test_relevant_documents_grounded_and_useful_answer_at_once():
     assert run["order"] == ["route_question", "retrieve", "grade_documents", "decide_to_generate", "generate",
                             "grade_generation"]
     assert run["out"]["generation"].startswith("Short-term memory is in-context learning")
-    assert (run["totals"].decisions, run["totals"].reads, run["totals"].escalations) == (4, 4, 0)
+    assert (run["totals"].decisions, run["totals"].reads, run["totals"].escalations) == (4, 3 + GENERATION_READS, 0)
 
 
 def test_a_web_answer_never_grounded_is_generated_again_until_max_retries():
     graph = adaptive_rag.build_graph(picks(A=-6.0, B=-0.01, yes=-6.0, no=-0.01))  # web search; "not grounded"
     run = check_adaptive_rag(graph, "Who won the 2024 Super Bowl?")
     assert run["order"] == ["route_question", "web_search"] + ["generate", "grade_generation"] * 3
-    assert run["totals"].reads == 1 + 3
+    assert run["totals"].reads == 1 + 3 * GENERATION_READS
 
 
 # -- the supervisor ----------------------------------------------------------------------------
