@@ -20,9 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import RunnableConfig
-from langchain_core.runnables.config import ensure_config
 from langgraph.constants import CONF, CONFIG_KEY_CHECKPOINTER
 from langgraph.errors import EmptyChannelError
 from langgraph.runtime import get_runtime
@@ -67,14 +65,8 @@ class GraphCall:
     """The graph's store (`Runtime.store`), where the model's budget is counted; None: none."""
     gate: GatePolicy | Mapping[str, Any] | None
     """The run's gate layer from `Runtime.context.gate` (a policy, or fields over the model's); None: none."""
-
-    @property
-    def attributes(self) -> dict[str, str]:
-        """Span attributes naming the graph node and thread."""
-        attrs = {GRAPH_NODE: self.node}
-        if self.thread_id is not None:
-            attrs[GEN_AI_CONVERSATION_ID] = self.thread_id
-        return attrs
+    attributes: dict[str, str]
+    """Span attributes naming the graph node and thread."""
 
     def request(self, site: str, questions: Mapping[str, Any], decision_state: Any, *,
                 depends_on: Mapping[str, Any] | None = None, read: Any = None,
@@ -83,7 +75,8 @@ class GraphCall:
         runs, what it asks and reads; the run's gate; the store's budget meter; the branch."""
         request = self.model.request(decision_state, questions, read=read, depends_on=depends_on, gate=self.gate,
                                      thread_id=self.thread_id, attributes=self.attributes, site=(self.namespace, site))
-        request = request.metered(store_meter(self.model, self.store))
+        if self.store is not None:
+            request = request.metered(store_meter(self.model, self.store))
         return request if branch is None else replace(request, identity=replace(request.identity, branch=branch))
 
 
@@ -101,38 +94,19 @@ def graph_call(config: RunnableConfig, model: CanvasDecisionModel, default_name:
     if chosen is not None and not isinstance(chosen, CanvasDecisionModel):
         raise TypeError(f"Runtime.context decision_model must be a CanvasDecisionModel, not {type(chosen).__name__}")
     chosen = chosen or model
+    thread_id = None if thread is None else str(thread)
+    attributes = {GRAPH_NODE: node} if thread_id is None else {GRAPH_NODE: node, GEN_AI_CONVERSATION_ID: thread_id}
     return GraphCall(
         node=node,
         namespace=strip_task_ids(ns) or node,
-        thread_id=None if thread is None else str(thread),
+        thread_id=thread_id,
         task_id=info.task_id if info is not None else None,
         checkpoint_id=info.checkpoint_id if info is not None else None,
         model=chosen,
         store=getattr(runtime, "store", None),
         gate=_gate(_from_context(context, "gate")),
+        attributes=attributes,
     )
-
-
-def complete(config: RunnableConfig | None) -> RunnableConfig:
-    """A graph step's config as it comes (it carries the run's callbacks); anything else,
-    `None` included, completed from the current runnable context by `ensure_config`."""
-    return config if config is not None and "callbacks" in config else ensure_config(config)
-
-
-def observed(config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> bool:
-    """Whether a callback handler (LangSmith tracer, OpenInference instrumentor, stream or
-    debug handler) would see the model's child run. When none would, the node calls
-    `adecide` directly instead of through langchain-core's Runnable run machinery, which
-    only those handlers read, and sends no custom callback events.
-
-    In a graph step the config holds the run's child manager, which already carries every
-    inheritable handler its run was configured with (environment tracing, hooks, debug), so
-    its own lists answer; anywhere else the manager is configured in full (`manager_for`).
-    """
-    callbacks = config.get("callbacks")
-    if not (isinstance(callbacks, BaseCallbackManager) and callbacks.parent_run_id is not None):
-        callbacks = manager_for(config)
-    return bool(callbacks.handlers or callbacks.inheritable_handlers)
 
 
 def child_config(config: RunnableConfig) -> RunnableConfig:

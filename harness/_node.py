@@ -40,8 +40,13 @@ from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Literal
 
+from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import Runnable, RunnableConfig
-from langchain_core.runnables.config import get_async_callback_manager_for_config, get_callback_manager_for_config
+from langchain_core.runnables.config import (
+    ensure_config,
+    get_async_callback_manager_for_config,
+    get_callback_manager_for_config,
+)
 from langgraph.types import CachePolicy, Command, RetryPolicy
 
 from canvasroute.engine import CanvasRouteError, DecisionError
@@ -52,10 +57,8 @@ from ._context import (
     Inputs,
     check_review,
     child_config,
-    complete,
     graph_call,
     graph_value,
-    observed,
     select_inputs,
     state_lacks,
     warn_dropped,
@@ -239,7 +242,9 @@ class DecisionNode(Runnable[Any, Command[Any]]):
                                depends_on=self.depends_on, read=self.read, branch=branch)
         if callable(self.questions):
             self._check(request)
-        reviewing = None if self.shadow is not None else review_for(self.review, request, call.node)
+        reviewing = None
+        if self.shadow is None and (self.review is not None or request.outcomes.uncertain == "review"):
+            reviewing = review_for(self.review, request, call.node)
         if reviewing is not None:
             check_review(config, call.node)  # before any read: an interrupt nobody could resume
         earlier = _earlier(state, self.output_key, config) if self.history else {}
@@ -341,6 +346,28 @@ class _Job:
     """What goes to a human in this run (`review_for`; None: nothing)."""
     earlier: Mapping[str, Any]
     """The records in the graph state before this run (read only with `history=`)."""
+
+
+def complete(config: RunnableConfig | None) -> RunnableConfig:
+    """A graph step's config as it comes (it carries the run's callbacks); anything else,
+    `None` included, completed from the current runnable context by `ensure_config`."""
+    return config if config is not None and "callbacks" in config else ensure_config(config)
+
+
+def observed(config: RunnableConfig, manager_for: Callable[[RunnableConfig], Any]) -> bool:
+    """Whether a callback handler (LangSmith tracer, OpenInference instrumentor, stream or
+    debug handler) would see the model's child run. When none would, the node calls
+    `adecide` directly instead of through langchain-core's Runnable run machinery, which
+    only those handlers read, and sends no custom callback events.
+
+    In a graph step the config holds the run's child manager, which already carries every
+    inheritable handler its run was configured with (environment tracing, hooks, debug), so
+    its own lists answer; anywhere else the manager is configured in full (`manager_for`).
+    """
+    callbacks = config.get("callbacks")
+    if not (isinstance(callbacks, BaseCallbackManager) and callbacks.parent_run_id is not None):
+        callbacks = manager_for(config)
+    return bool(callbacks.handlers or callbacks.inheritable_handlers)
 
 
 def _invoke_input(request: DecisionRequest) -> dict[str, Any]:

@@ -159,13 +159,12 @@ def _validate(value: Any, pending: list[str], options: Mapping[str, tuple[str, .
     return chosen
 
 
-def review_for(review: ReviewPolicy | None, request: DecisionRequest, node: str) -> ReviewPolicy | None:
-    """What a node run sends to a human: its `review=`, else every question when the outcome
-    policy says `uncertain="review"`; None: nothing. A question others depend on is refused."""
-    if review is None and request.outcomes.reviews():
-        review = ReviewPolicy()
-    if review is not None:
-        check_parents_unreviewed(node, request.questions.depends.parent_ids, review.questions)
+def review_for(review: ReviewPolicy | None, request: DecisionRequest, node: str) -> ReviewPolicy:
+    """What a node run sends to a human (it has `review=`, or its outcome policy says
+    `uncertain="review"`): its `review=`, else every question. A question others depend on is
+    refused."""
+    review = review if review is not None else ReviewPolicy()
+    check_parents_unreviewed(node, request.questions.depends.parent_ids, review.questions)
     return review
 
 

@@ -40,9 +40,19 @@ from ._policy import (
     resolve_gate,
     save_policy,
 )
-from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, question_set_key, validate_questions
+from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
 from ._read import SlotStats, aggregate, slot_stats
-from ._request import MAX_STEPS, MAX_THINK, DecisionRequest, Identity, QuestionSet, ReadOptions, StateView, read_options
+from ._request import (
+    MAX_STEPS,
+    MAX_THINK,
+    DecisionRequest,
+    Identity,
+    QuestionSet,
+    ReadOptions,
+    StateView,
+    question_set_key,
+    read_options,
+)
 from ._schema import StructuredDecision, answers_to_schema, questions_from_schema
 from ._state import image_digests, read_state, render_state, state_images
 from ._types import CAUSES, PATHS, CanvasResponse, Diagnostics, ReadReport, Tally, ThoughtReport, Totals

@@ -88,7 +88,7 @@ class Decision:
             if not self.absorbs(exc):
                 raise
             fault = exc
-        if info is not None:
+        if info is not None and request.state.images:
             check_images(info, request.state.images)  # before any read: an engine that cannot see them refuses
         model = info.model if info is not None else self.name
         attrs = {tm.DECISION_SET: ",".join(specs), tm.QUESTIONS: len(specs), **request.identity.attributes}
@@ -162,10 +162,13 @@ class _Run:
                     self.answers[qid] = None
             if not asked:
                 continue
-            specials = self.info.special_tokens if self.info is not None else None
-            restated = deps.restatement(asked, self.answers, specs) if conditioned else ""
-            text = self.prompt.state_text + (deps.restated(asked, self.answers, specs, specials) if conditioned else "")
-            reads = await self._read(asked, replace(self.prompt, state_text=text), first=i == 0)
+            restated, prompt = "", self.prompt
+            if conditioned:  # a later stage's prompt restates its parents' answers
+                specials = self.info.special_tokens if self.info is not None else None
+                restated = deps.restatement(asked, self.answers, specs)
+                prompt = replace(prompt, state_text=prompt.state_text + deps.restated(asked, self.answers, specs,
+                                                                                    specials))
+            reads = await self._read(asked, prompt, first=i == 0)
             escalated = await self._escalate(reads, restated)
             for r in reads.values():
                 asked_if = deps.asked_if(r.spec.id, self.answers) if conditioned else None
@@ -188,7 +191,7 @@ class _Run:
         fault, info = self.fault, self.info
         if info is not None and fault is None:
             try:
-                the_plan = await decision.planner.layer(request, asked)
+                the_plan = await decision.planner.layer(request, asked, info)
             except CanvasRouteError as exc:
                 if not decision.absorbs(exc):
                     raise

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.decisions import BaseDecisionModel, ClassifierRequest
@@ -28,12 +27,11 @@ from ._decision import Decision
 from ._escalation import check_prompt, is_target, target_name
 from ._plan import Planner
 from ._policy import Escalation, GatePolicy, OutcomePolicy
-from ._questions import QuestionSpec, parse_depends_on, parse_questions, question_set_key
+from ._questions import QuestionSpec
 from ._request import (
     REQUEST,
     DecisionRequest,
     Defaults,
-    QuestionSet,
     ReadOptions,
     build_request,
     read_options,
@@ -189,21 +187,8 @@ class CanvasDecisionModel(BaseDecisionModel):
         Raises:
             DecisionError: a question, dependency, read option or fallback that cannot be used.
         """
-        return build_request(self._memo.defaults, self._questions(questions, depends_on), state, read=read,
-                             gate=gate, seed=seed, thread_id=thread_id, attributes=attributes, site=site)
-
-    def _questions(self, questions: Mapping[str, Any], depends_on: Mapping[str, Any] | None) -> QuestionSet:
-        """The parsed question set (a set seen before is not parsed again) and its dependencies."""
-        key, parsed = question_set_key(questions), self._memo.parsed
-        if key is None or key not in parsed:
-            specs = parse_questions(questions)
-            key = key or json.dumps({qid: s.question.model_dump(mode="json") for qid, s in specs.items()})
-            parsed[key] = QuestionSet(specs, key, parse_depends_on(None, specs))
-            while len(parsed) > 256:
-                parsed.popitem(last=False)
-        parsed.move_to_end(key)
-        qset = parsed[key]
-        return qset if depends_on is None else replace(qset, depends=parse_depends_on(depends_on, qset.specs))
+        return build_request(self._memo.defaults, questions, state, depends_on=depends_on, read=read, gate=gate,
+                             seed=seed, thread_id=thread_id, attributes=attributes, site=site)
 
     # -- the decision ------------------------------------------------------------------
 
@@ -255,7 +240,7 @@ class CanvasDecisionModel(BaseDecisionModel):
             copy = self.model_copy(update={"escalate_to": None, "cache": None})
             copy.model_post_init(None)
             copy._memo.defaults = replace(copy._memo.defaults, canvas_only=True)
-            copy._memo.parsed, copy._memo.planner = memo.parsed, memo.planner  # same engine, same plans
+            copy._memo.planner = memo.planner  # same engine, same plans (and the same question sets: defaults')
             memo.only = copy
         return memo.only
 
@@ -340,7 +325,6 @@ class _Memo:
     """The caller gave the escalation its meter (a graph store does not replace it)."""
     served: str | None = None
     """The engine's served model name, once known (for callback tracers)."""
-    parsed: OrderedDict[str, QuestionSet] = field(default_factory=OrderedDict)
     only: CanvasDecisionModel | None = None
     """The model's `canvas_only()` copy, once made."""
 

@@ -458,13 +458,12 @@ class Planner:
     engine: Engine
     plans: OrderedDict[Any, Plan] = field(default_factory=OrderedDict)
 
-    async def layer(self, request: DecisionRequest, asked: Sequence[str]) -> Plan:
+    async def layer(self, request: DecisionRequest, asked: Sequence[str], info: EngineInfo) -> Plan:
         """The plan of the asked questions of a decision, as read (abstain labels, order views,
-        questions read alone, a thought first)."""
+        questions read alone, a thought first) on the engine `info` describes."""
         specs, gates, read = request.questions.specs, request.gates, request.read
         shaped = {qid: with_abstain(specs[qid]) if gates[qid].abstain else specs[qid] for qid in asked}
         views = {qid: gates[qid].order_views for qid in asked if gates[qid].order_views}
-        info = await self.engine.info()
         apart = isolated(read.isolate, info, shaped)
         alone = sorted(asked) if apart and len(asked) > 1 else sorted(read.alone.intersection(asked))
         state_first = apart and info.causal_readout
@@ -484,7 +483,7 @@ class Planner:
     async def check(self, request: DecisionRequest, info: EngineInfo, prompt: Prompt) -> None:
         """`InputTooLong` unless every read of every stage (all of it asked) fits the model."""
         for layer in request.questions.depends.layers:
-            await self.check_plan(await self.layer(request, layer), request, info, prompt)
+            await self.check_plan(await self.layer(request, layer, info), request, info, prompt)
 
     async def check_plan(self, the_plan: Plan, request: DecisionRequest, info: EngineInfo, prompt: Prompt) -> None:
         """`InputTooLong` unless every read `the_plan` can send fits the model: each chunk's first

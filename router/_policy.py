@@ -313,10 +313,6 @@ class OutcomePolicy:
         return hash((self.uncertain, self.abstained, self.engine_fault, self.over_budget,
                      tuple(sorted(self.fallback.items()))))
 
-    def reviews(self) -> bool:
-        """Whether an uncertain question goes to a human (a decision node's review lane)."""
-        return self.uncertain == "review"
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EscalationBudget:

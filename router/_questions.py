@@ -89,26 +89,6 @@ def _schema_hint(value: Any) -> str | None:
     return None
 
 
-_QUESTION_TYPES = frozenset((Noul, Choice, Score))
-
-
-def question_set_key(questions: Any) -> str | None:
-    """A cheap exact key for a mapping of question models: each id with pydantic's JSON of
-    its question (`model_dump_json`), in order. None when `questions` is anything else
-    (plain dicts, subclasses): such a set is parsed first, then keyed by its parse.
-
-    Questions are mutable models, so the key is computed on every call, never cached by identity.
-    """
-    if not isinstance(questions, Mapping) or not questions:
-        return None
-    parts = []
-    for qid, q in questions.items():
-        if type(q) not in _QUESTION_TYPES or type(qid) is not str:
-            return None
-        parts.append(f"{qid!r}:{q.__pydantic_serializer__.to_json(q).decode()}")
-    return ",".join(parts)
-
-
 @dataclass(frozen=True, slots=True)
 class QuestionSpec:
     """One question as the canvas sees it: option names and candidate label alphabets."""

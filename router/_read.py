@@ -321,9 +321,7 @@ class Reading:
                 raise EngineResponseError(f"the engine returned {len(results)} results for {len(batch)} canvases")
             tokens_in = sum(r.prompt_tokens for r in results)
             tokens_out = sum(r.completion_tokens for r in results)
-            call.usage(tokens_in, tokens_out, results)
-            call.read_output(chunks, results, self.plan.specs)
-            call.response_model(self.info.model)
+            call.read(tokens_in, tokens_out, chunks, results, self.plan.specs)
         self.usage["input_tokens"] += tokens_in
         self.usage["output_tokens"] += tokens_out
         self.prompt_tokens = self.prompt_tokens or results[0].prompt_tokens

@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, Literal
 
+from langchain_core.decisions import Choice, Noul, Score
+
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 
 from ._policy import Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gates
-from ._questions import Dependencies, QuestionSpec, option_text
+from ._questions import Dependencies, QuestionSpec, option_text, parse_depends_on, parse_questions
 from ._state import read_state
 
 __all__ = ["MAX_STEPS", "MAX_THINK", "DecisionRequest", "Identity", "QuestionSet", "ReadOptions", "StateView",
@@ -167,6 +170,49 @@ class QuestionSet:
         return {qid: spec.question for qid, spec in self.specs.items()}
 
 
+class QuestionSets:
+    """A model's parsed question sets, by key (an LRU of `KEEP`): a set asked before is not
+    parsed again."""
+
+    KEEP = 256
+
+    def __init__(self) -> None:
+        self._sets: OrderedDict[str, QuestionSet] = OrderedDict()
+
+    def get(self, questions: Mapping[str, Any], depends_on: Mapping[str, Any] | None = None) -> QuestionSet:
+        """The parsed set of `questions`, with `depends_on`'s dependencies (none: independent)."""
+        key, sets = question_set_key(questions), self._sets
+        if key is None or key not in sets:
+            specs = parse_questions(questions)
+            key = key or json.dumps({qid: s.question.model_dump(mode="json") for qid, s in specs.items()})
+            sets[key] = QuestionSet(specs, key, parse_depends_on(None, specs))
+            while len(sets) > self.KEEP:
+                sets.popitem(last=False)
+        sets.move_to_end(key)
+        qset = sets[key]
+        return qset if depends_on is None else replace(qset, depends=parse_depends_on(depends_on, qset.specs))
+
+
+_QUESTION_TYPES = frozenset((Noul, Choice, Score))
+
+
+def question_set_key(questions: Any) -> str | None:
+    """A cheap exact key for a mapping of question models: each id with pydantic's JSON of
+    its question (`model_dump_json`), in order. None when `questions` is anything else
+    (plain dicts, subclasses): such a set is parsed first, then keyed by its parse.
+
+    Questions are mutable models, so the key is computed on every call, never cached by identity.
+    """
+    if not isinstance(questions, Mapping) or not questions:
+        return None
+    parts = []
+    for qid, q in questions.items():
+        if type(q) not in _QUESTION_TYPES or type(qid) is not str:
+            return None
+        parts.append(f"{qid!r}:{q.__pydantic_serializer__.to_json(q).decode()}")
+    return ",".join(parts)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Identity:
     """Who and where a decision is: its noise seed and the run it belongs to."""
@@ -241,15 +287,18 @@ class Defaults:
     escalation: Escalation | None
     canvas_only: bool = False
     """Requests measure the canvas alone (`CanvasDecisionModel.canvas_only()`)."""
+    sets: QuestionSets = field(default_factory=QuestionSets, compare=False)
+    """The model's parsed question sets."""
 
 
-def build_request(defaults: Defaults, qset: QuestionSet, state: Any, *,
-                  read: ReadOptions | Mapping[str, Any] | None, gate: GatePolicy | Mapping[str, Any] | None,
-                  seed: int | None, thread_id: str | None, attributes: Mapping[str, Any] | None,
-                  site: tuple[str, str] | None) -> DecisionRequest:
-    """The request a model makes of `state` and `qset` (`CanvasDecisionModel.request`'s arguments),
-    every option checked and resolved once (`seed` None: the default seed, of the site when there
-    is one)."""
+def build_request(defaults: Defaults, questions: Mapping[str, Any], state: Any, *,
+                  depends_on: Mapping[str, Any] | None, read: ReadOptions | Mapping[str, Any] | None,
+                  gate: GatePolicy | Mapping[str, Any] | None, seed: int | None, thread_id: str | None,
+                  attributes: Mapping[str, Any] | None, site: tuple[str, str] | None) -> DecisionRequest:
+    """The request a model makes of `state` and `questions` (`CanvasDecisionModel.request`'s
+    arguments), every option checked and resolved once (`seed` None: the default seed, of the
+    site when there is one)."""
+    qset = defaults.sets.get(questions, depends_on)
     options = read_options(read, defaults.read)
     if unknown := sorted(options.alone - set(qset.specs)):
         raise DecisionError(f"alone names {unknown[:5]}, which are not among the questions",

@@ -208,7 +208,7 @@ def test_09_an_engine_fault_then_a_failing_escalation_is_not_retried_again_by_th
 
     def rows(read: CanvasRead) -> list[dict[int, float]]:
         requests.append(read)
-        raise EngineUnavailable("engine down", attempts=2)  # as VLLMServerEngine(max_retries=1) raises it
+        raise EngineUnavailable("engine down", attempts=2)  # as VLLMServerEngine(Connection(url, retries=1)) raises it
 
     def target(msgs: Any) -> AIMessage:
         raise ConnectionError("the escalation target is down too")

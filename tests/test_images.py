@@ -112,7 +112,7 @@ async def test_an_unsure_image_question_escalates_to_a_target_that_sees_the_imag
 
     server = LoopbackVLLM(answer="uniform")
     target = Target(messages=iter([AIMessage('{"team": "tech"}')]))
-    model = CanvasDecisionModel(engine=VLLMServerEngine("http://vllm.test", transport=server.transport()),
+    model = CanvasDecisionModel(engine=VLLMServerEngine(Connection("http://vllm.test", transport=server.transport())),
                                 policy=GatePolicy(rereads=0), escalate_to=target)
     resp = await model.ainvoke({"state": _state(), "questions": {"team": TEAM},
                                 "read": {"images": ["https://example.test/extra.png"]}})

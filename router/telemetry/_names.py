@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 __all__ = [
     "CACHE_HIT",
     "CANVAS_READS",
@@ -77,7 +75,6 @@ __all__ = [
     "SHADOW_ROUTER_LATENCY",
     "SHADOW_WOULD_ESCALATE",
     "STATE_CONTENT",
-    "record_content",
 ]
 
 # -- GenAI semantic conventions ---------------------------------------------------------
@@ -196,8 +193,3 @@ METRIC_KIND = QUESTION_KIND
 METRIC_QUESTION = QUESTION_ID
 
 SCOPE = "canvasroute"
-
-
-def record_content() -> bool:
-    """Whether state and prompt content may be recorded (`CANVASROUTE_RECORD_CONTENT=1`)."""
-    return os.environ.get("CANVASROUTE_RECORD_CONTENT", "") == "1"

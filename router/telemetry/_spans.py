@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -74,7 +75,6 @@ from ._names import (
     SERVER_PORT,
     SESSION_ID,
     STATE_CONTENT,
-    record_content,
 )
 
 __all__ = ["Call", "engine_call", "escalation_call", "genai_attributes", "mark_error", "model_call", "provider_of",
@@ -129,6 +129,11 @@ def _instruments() -> _Instruments | None:
         off = type(provider).__module__.startswith("opentelemetry.metrics")  # the API's proxy or no-op
         cached = _cache["meter"] = (provider, None if off else _Instruments(provider.get_meter(SCOPE)))
     return cached[1]
+
+
+def record_content() -> bool:
+    """Whether state and prompt content may be recorded (`CANVASROUTE_RECORD_CONTENT=1`)."""
+    return os.environ.get("CANVASROUTE_RECORD_CONTENT", "") == "1"
 
 
 def _idle_span() -> Span:
@@ -233,10 +238,15 @@ class Call:
             inst.token_usage.record(input_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "input"})
             inst.token_usage.record(output_tokens, {**self.metric_attributes, GEN_AI_TOKEN_TYPE: "output"})
 
-    def read_output(self, chunks: Sequence[Any], results: Sequence[Any], specs: Mapping[str, Any]) -> None:
-        """`output.value` of a canvas read: per canvas, each question's distribution over its
-        options (softmax of the slot row over the question's labels, temperature 1; keyed by
-        label where a slot reads groups of options rather than the options)."""
+    def read(self, input_tokens: int, output_tokens: int, chunks: Sequence[Any], results: Sequence[Any],
+             specs: Mapping[str, Any]) -> None:
+        """What one canvas read answered: its usage, the model that answered, and as
+        `output.value`, per canvas, each question's distribution over its options (softmax of
+        the slot row over the question's labels, temperature 1; keyed by label where a slot
+        reads groups of options rather than the options)."""
+        if self.idle:
+            return
+        self.usage(input_tokens, output_tokens, results)
         if not self.span.is_recording():
             return
         out = []
@@ -256,7 +266,7 @@ class Call:
                 options = tuple(options[shift:]) + tuple(options[:shift])
                 canvas[key] = {o: round(p / sum(ps), 4) for o, p in zip(options, ps)}
             out.append(canvas)
-        self.output(out)
+        self.output(out, self.metric_attributes.get(GEN_AI_MODEL))
 
     def output(self, value: Any, response_model: str | None = None) -> None:
         """What the call answered, as `output.value` (on `escalate` too for an escalation),
