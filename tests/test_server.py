@@ -528,9 +528,9 @@ async def test_on_uncertain_answer_keeps_the_canvas_answer_though_a_target_is_se
     OutcomePolicy(uncertain="review"),
     OutcomePolicy(uncertain="raise"),
     OutcomePolicy(uncertain="fallback", fallback={"team": "billing"}),
-    OutcomePolicy(abstained="fallback"),
+    OutcomePolicy(abstained="fallback", fallback={"team": "billing"}),
     OutcomePolicy(engine_fault="fallback", fallback={"team": "billing"}),
-    OutcomePolicy(over_budget="fallback"),
+    OutcomePolicy(over_budget="fallback", fallback={"team": "billing"}),
 ])
 def test_create_app_refuses_an_outcome_the_wire_cannot_carry(outcomes):
     """Defect 16: refused when the app is built, naming the field (not a 500 or a 422 per request)."""
