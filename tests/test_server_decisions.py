@@ -38,7 +38,15 @@ from test_server import KEY, _args, _free_port, confident, function_model, unifo
 from canvasroute.apps.server import Limits, create_app, run_in_thread
 from canvasroute.apps.server import cli as serve
 from canvasroute.engine import EngineUnavailable, FunctionEngine, VLLMServerEngine
-from canvasroute.router import CanvasDecisionModel, GatePolicy, SystemOneDecisionModel, save_policy
+from canvasroute.router import (
+    CanvasDecisionModel,
+    Escalation,
+    EscalationBudget,
+    GatePolicy,
+    OutcomePolicy,
+    SystemOneDecisionModel,
+    save_policy,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
 
@@ -221,6 +229,30 @@ def test_refuse_unsure_refuses_what_the_gate_did_not_pass_and_nothing_answered()
     with run_in_thread(create_app(confident_model, refuse_unsure=True)) as url:
         passed = httpx.post(f"{url}/v1/decisions", json=body, timeout=30).json()
     assert [a["type"] for a in passed["answers"]] == ["predicate", "choice"]  # the gate passed them: answered
+
+
+def test_the_escalation_budget_holds_on_this_wire_too():
+    """One escalated question per window: the first request's question escalates; past the budget a
+    question is answered from the canvas (path unsure, cause over_budget), a refusal with
+    refuse_unsure, or 429 (the SDK's RateLimitError) with over_budget='raise'."""
+    def cascade(**outcomes: Any) -> CanvasDecisionModel:
+        return function_model(uniform, outcomes=OutcomePolicy(**outcomes), escalate_to=Escalation(
+            function_model(confident), budget=EscalationBudget(max_per_window=1, window_s=3600)))
+
+    body = {"model": "function", "input": TICKET, "questions": QUESTIONS[:1]}
+    with run_in_thread(create_app(cascade())) as answers, \
+            run_in_thread(create_app(cascade(), refuse_unsure=True)) as refuses, \
+            run_in_thread(create_app(cascade(over_budget="raise"))) as raises:
+        first = [httpx.post(f"{u}/v1/decisions", json=body, timeout=30).json()["answers"][0]
+                 for u in (answers, refuses, raises)]
+        spent = httpx.post(f"{answers}/v1/decisions", json=body, timeout=30).json()["answers"][0]
+        refused = httpx.post(f"{refuses}/v1/decisions", json=body, timeout=30).json()["answers"][0]
+        limited = _status_error(lambda: sdk(raises).decisions.create(**body))
+    assert {a["canvasroute"]["path"] for a in first} == {"escalated"}
+    assert (spent["type"], spent["canvasroute"]["path"], spent["canvasroute"]["cause"]) == (
+        "predicate", "unsure", "over_budget")
+    assert (refused["type"], refused["canvasroute"]["cause"]) == ("refusal", "over_budget")
+    assert (type(limited), limited.code) == (openai.RateLimitError, "escalation_budget_exhausted")
 
 
 class Refuser(BaseDecisionModel):

@@ -226,8 +226,9 @@ class DecisionsWire(Wire):
 
     def job(self, parsed: _Asked) -> Job:
         canvas, inputs = self.served.canvas, parsed.inputs
-        if canvas is None:
-            return {"state": parsed.wire.state, "questions": inputs.questions}
+        if canvas is None:  # another decision model reads the messages themselves (their images included)
+            state = parsed.wire.state
+            return {"state": list(state) if isinstance(state, tuple) else state, "questions": inputs.questions}
         return canvas.request(inputs.state, inputs.questions, read={"images": inputs.images} if inputs.images else None)
 
     async def decide(self, parsed: _Asked, job: Job) -> Any:
