@@ -10,7 +10,7 @@ their own counts. What it holds:
 | `canvasroute_server_requests_in_flight` | gauge | |
 | `canvasroute_server_queue_wait_seconds` | histogram (admission to a running slot) | |
 | `canvasroute_server_decisions_total` | counter: questions answered | `path` (canvas, reread, escalated, fallback, unsure, skipped), `cause` (uncertain, abstained, engine_fault, over_budget; `none` when the gate passed) |
-| `canvasroute_server_refusals_total` | counter: questions answered `refusal` on `/v1/decisions` | `reason` (`escalation_refused`: the target refused it; `unsure`: `--refuse-unsure`; `model_refused`: the decision model refused them all) |
+| `canvasroute_server_refusals_total` | counter: questions answered `refusal` on `/v1/decisions` | `reason` (`escalation_refused`: the target refused it; `unsure`: `--refuse-unsure`; `model_refused`: the decision model refused them all; `no_answer`: another decision model left it unanswered) |
 | `canvasroute_server_rejections_total` | counter: requests and connections turned away | `reason` (the error `type`) |
 | `canvasroute_server_connections` | gauge: open client connections | |
 | `canvasroute_server_decisions_running`, `..._queued` | gauges, read from the gate at scrape | |

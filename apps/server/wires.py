@@ -250,8 +250,9 @@ class DecisionsWire(Wire):
             if report is not None:
                 answer["canvasroute"] = extension(report)
             if results[q.id].refusal is not None:
-                kind = decisions.refusal_kind(report, self.refuse_unsure) if report is not None else "model_refused"
-                self.metrics.refusals.labels(kind or "model_refused").inc()
+                kind = ("model_refused" if refused else decisions.refusal_kind(report, self.refuse_unsure)
+                        if report is not None else None)
+                self.metrics.refusals.labels(kind or "no_answer").inc()
         body["canvasroute"] = {"decision_id": decision_id, "canvas_reads": getattr(response, "canvas_reads", 0),
                                "ignored": list(wire.ignored)}
         return body
