@@ -321,7 +321,7 @@ def test_errors_are_openais_shape_with_the_sdks_exception_classes():
     assert model.engine.reads == []  # nothing refused reached the engine
 
 
-def test_engine_faults_overload_and_the_rate_keep_their_status_and_retry_after():
+def test_engine_faults_and_the_rate_limit_keep_their_status_and_retry_after():
     def down(engine: FunctionEngine) -> Any:
         def read(_: Any) -> Any:
             raise EngineUnavailable("vLLM at http://10.0.0.9:8000 is down")
