@@ -101,3 +101,58 @@ def test_schemathesis_finds_no_5xx_and_no_leaks():
     assert total >= 1000
     assert engine_faults <= len(faults)  # every 503/504/529 is a fault the engine really raised
     assert seen.get(200, 0) >= 30 and seen.get(401, 0) >= 20 and seen.get(422, 0) >= 20  # each kind of answer was reached (CI saw 41)
+
+
+def test_schemathesis_finds_no_5xx_and_no_leaks_on_the_decisions_wire():
+    """`POST /v1/decisions` from the same description: no 5xx but an engine fault's, every error in
+    OpenAI's shape (exactly message, type, param, code) with a status the `openai` SDK maps, every 200
+    a `Decision` the SDK validates strictly, no leaks."""
+    from openai.types import Decision
+
+    schema = schemathesis.openapi.from_dict(openapi(Limits()))
+    operation = schema["/v1/decisions"]["POST"]
+    strategies = [operation.as_strategy(generation_mode=mode) for mode in (GenerationMode.POSITIVE,
+                                                                           GenerationMode.NEGATIVE)]
+    model, faults = faulty_model()
+    app = create_app(model, api_key=KEY, request_timeout=10)
+    seen: dict[int, int] = {}
+    problems: list[str] = []
+    calls = itertools.count()
+
+    with run_in_thread(app) as url, requests.Session() as session:
+        def fuzz(case):
+            n = next(calls)
+            if n % 10:
+                case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"}
+                case.headers["Authorization"] = f"Bearer {KEY}"
+            if n % 5 and isinstance(case.body, dict) and "model" in case.body:
+                case.body["model"] = "secret-dgemma"  # the served name (else nearly every case is a 404)
+            response = case.call(base_url=url, session=session, timeout=15)
+            seen[response.status_code] = seen.get(response.status_code, 0) + 1
+            where = f"{case.method} {case.path} -> {response.status_code}: {response.text[:300]}"
+            if response.status_code >= 500 and response.status_code not in (503, 504, 529):
+                problems.append(f"5xx: {where}")
+            if leaked := [s for s in LEAKS if s in response.text]:
+                problems.append(f"leaked {leaked}: {where}")
+            try:
+                body = response.json()
+            except ValueError:
+                problems.append(f"not JSON: {where}")
+                return
+            if response.status_code == 200:
+                try:
+                    Decision.model_validate(body)
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    problems.append(f"not a Decision ({exc}): {where}")
+            elif set(body) != {"error"} or set(body["error"]) != {"message", "type", "param", "code"}:
+                problems.append(f"not OpenAI's error shape: {where}")
+            elif response.status_code not in (400, 401, 404, 408, 429, 503, 504, 529):
+                problems.append(f"a status the SDK does not map: {where}")
+
+        elapsed = run_cases(strategies, 300, fuzz)
+
+    total = sum(seen.values())
+    print(f"schemathesis /v1/decisions: {total} requests in {elapsed:.1f}s, statuses {dict(sorted(seen.items()))}")
+    assert problems == []
+    assert sum(n for code, n in seen.items() if code in (503, 504, 529)) <= len(faults)
+    assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10 and seen.get(401, 0) >= 5

@@ -1,4 +1,5 @@
-"""The decision server: `POST /v1/systemone` (the Jev wire) over a gated decision model.
+"""The decision server: `POST /v1/systemone` (the Jev wire) and `POST /v1/decisions` (OpenAI
+Decisions) over one gated decision model.
 
 Any Jev client (TypeSafe's `typesafe-sdk`, OpenJev clients, `SystemOneDecisionModel`)
 can point its base URL here; `jev-latest` (the SDK's default `model`) is accepted and
@@ -11,6 +12,12 @@ and its reply: the Jev fields, the fields the gateway adds (`probabilities` and
 and a `canvasroute` object per answer (entropy, path, reads, ...) that plain clients
 ignore (its `path` and `cause`, in the library's one outcome vocabulary). A question that
 `ask_if` skipped has no answer (its reason is in `diagnostics.skipped`).
+
+The `openai` SDK's `client.decisions.create` and langchain-openai's `OpenAIDecisions` can point
+their base URL (`.../v1`) here too: `/v1/decisions` takes text, messages of every role (text and
+image parts) and agent traffic (tool calls and their outputs), and answers in question order
+(`wires.DecisionsWire`, `decisions`; `docs/decisions-wire.md`), with the same `canvasroute` object
+per answer. Both wires share everything below; only reading, replying and error shapes differ.
 
 Each request to a `CanvasDecisionModel` becomes one `DecisionRequest` (`model.request`: state,
 questions, the gateway keys as `read`, `depends_on` and `gate`, seed, thread), built before a
@@ -37,6 +44,10 @@ be answered; a client that goes away has its work cancelled. Errors are
 | 503 | the engine is unreachable (when the model's policy does not escalate) |
 | 504 | the engine (or the whole decision) did not finish within `request_timeout` |
 | 529 | every place is taken, no slot freed in time, or the engine itself shed load |
+
+On `/v1/decisions` errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`: every
+request error (400, 413, 415, 422 above) is a 400 naming its field, a model not served is a 404,
+and the other statuses are kept.
 """
 
 from __future__ import annotations
@@ -64,19 +75,19 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from canvasroute.engine import forward_headers
-from canvasroute.router import CanvasDecisionModel, DecisionRequest
+from canvasroute.router import CanvasDecisionModel
 from canvasroute.router import telemetry as tm
 
-from .body import ClientGone, read_body, request_parts
-from .diagnostics import diagnostics
+from .body import ClientGone, read_body
+from .decisions import DecisionsWireError
 from .gate import Drain, Gate, RateLimit
 from .limits import Limits
 from .logs import caller_request_id, request_scope
 from .metrics import Metrics, MetricsMiddleware
 from .openapi import openapi
 from .outcomes import check_outcomes
-from .parse import Parsed, parse_request
-from .wire import Refusal, from_exception, public_name
+from .wire import Refusal, from_exception
+from .wires import DecisionsWire, Served, SystemOneWire, Wire
 
 __all__ = ["JEV_ALIASES", "create_app"]
 
@@ -91,22 +102,6 @@ URL_PATH = "url.path"
 
 log = logging.getLogger("canvasroute.server")
 access = logging.getLogger("canvasroute.server.access")
-
-_EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "margin", "label_mass", "confidence",
-                     "reads", "agreement", "stderr", "crossed", "canvas_probabilities", "labels",
-                     "escalation_model", "cause", "error")
-
-
-def _answer_json(answer: Any, report: Any) -> dict[str, Any]:
-    out: dict[str, Any] = answer.model_dump(mode="json")
-    if out["type"] == "noul":  # vLLM's gateway also reports these for a noul
-        p = out["noul"]
-        out["probabilities"] = {"yes": p, "no": 1.0 - p}
-        out["confidence"] = max(p, 1.0 - p)
-    if report is not None:
-        figures = report.model_dump(mode="json")
-        out["canvasroute"] = {k: figures[k] for k in _EXTENSION_FIELDS}
-    return out
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -147,11 +142,13 @@ def create_app(
     limits: Limits | None = None,
     max_body_bytes: int | None = None,
     aliases: Sequence[str] = JEV_ALIASES,
+    refuse_unsure: bool = False,
     close_engine: bool = False,
 ) -> Starlette:
-    """An ASGI app serving `model` at `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /metrics`
-    (Prometheus) and `GET /openapi.json`. Serve it with `serving.server` or `run_in_thread` (they add
-    the connection cap, the head timeout and the bounded shutdown), or any ASGI server.
+    """An ASGI app serving `model` at `POST /v1/systemone`, `POST /v1/decisions`, `GET /v1/models`,
+    `GET /health`, `GET /metrics` (Prometheus) and `GET /openapi.json`. Serve it with
+    `serving.server` or `run_in_thread` (they add the connection cap, the head timeout and the
+    bounded shutdown), or any ASGI server.
 
     A caller's `X-Request-ID` (1-128 visible ASCII characters) is kept: logged with every record
     of the request, sent to the engine with each of its reads, returned; without one, the
@@ -164,15 +161,19 @@ def create_app(
             (`outcomes.SERVED`: no `review`, no `raise` for uncertain, no `fallback`).
         api_key: When set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
             `/health`, `/metrics` and `/openapi.json` stay open.
-        max_in_flight: Decisions running at once.
+        max_in_flight: Decisions running at once (both wires together).
         max_queue: Requests allowed to wait for a running slot; beyond it, 529 at once.
         request_timeout: Seconds from admission to answer (queue wait included).
         rate_limit: Requests per second over all clients (None: no limit; over it, 429).
         rate_burst: Bucket size for `rate_limit` (default: one second's worth).
-        limits: Bounds on what one request may carry (default `Limits()`).
+        limits: Bounds on what one request may carry (default `Limits()`), on both wires.
         max_body_bytes: Shorthand for `limits.max_body_bytes`.
         aliases: Other names accepted in the request's `model`, answered by the served
             model (default: `jev-latest`, what Jev clients send).
+        refuse_unsure: On `/v1/decisions`, answer a question on path `unsure` (the gate did not
+            pass it and nothing answered it instead) with a `refusal` (default: the canvas's best
+            option, as `/v1/systemone` answers it). A question the escalation target refused is
+            a refusal either way.
         close_engine: Close the model's engine when the app shuts down.
 
     Raises:
@@ -205,6 +206,7 @@ def create_app(
     started = int(time.time())
     today = date.today().isoformat()
     description = openapi(limits)
+    served = Served(model, canvas, limits, aliases)
 
     def authorize(request: Request) -> None:
         if key is None:
@@ -214,49 +216,28 @@ def create_app(
             raise Refusal(401, "authentication_error", "missing or invalid API key; send "
                           "'Authorization: Bearer <key>'", headers={"www-authenticate": "Bearer"})
 
-    async def served_name() -> str:
-        engine = getattr(model, "engine", None)
-        return public_name((await engine.info()).model if engine is not None else model.model)
+    def endpoint(wire: Wire) -> Any:
+        async def decide(request: Request) -> Response:
+            decision_id = f"decision-{uuid.uuid4().hex}"
+            request_id = caller_request_id(request.headers.get("x-request-id")) or decision_id
+            started = time.perf_counter()
+            with request_scope(request_id), forward_headers({"x-request-id": request_id}):
+                response = await traced(wire, request, decision_id, request_id)
+            access.info("POST %s %d %.1f ms (request %s)", request.url.path[:200], response.status_code,
+                        (time.perf_counter() - started) * 1000, request_id,
+                        extra={"request_id": request_id, "status": response.status_code, "decision_id": decision_id,
+                               "duration_ms": round((time.perf_counter() - started) * 1000, 2)})
+            return response
+        return decide
 
-    def prepare(parsed: Parsed) -> DecisionRequest | None:
-        """The one decision request a canvas model runs for `parsed` (None: another decision model,
-        which takes only the state and the questions). Built before a slot is taken."""
-        ext = parsed.extensions
-        if canvas is None:
-            if ext.read or ext.gate or ext.depends_on:
-                raise Refusal(422, "unsupported_field", "this server's decision model reads no samples, "
-                              "instructions, steps, think, images, depends_on, ask_if or alone")
-            return None
-        return canvas.request(parsed.state, parsed.questions, read=ext.read or None, depends_on=ext.depends_on,
-                              gate=ext.gate or None, seed=parsed.seed, thread_id=parsed.thread_id)
-
-    async def decide(parsed: Parsed, request: DecisionRequest | None) -> tuple[Any, dict[str, Any]]:
-        if canvas is not None and request is not None:
-            resp: Any = await canvas.arun(request)
-        else:
-            resp = await model.ainvoke({"state": parsed.state, "questions": parsed.questions})
-        return resp, getattr(resp, "reads", {}) or {}
-
-    async def systemone(request: Request) -> Response:
-        decision_id = f"decision-{uuid.uuid4().hex}"
-        request_id = caller_request_id(request.headers.get("x-request-id")) or decision_id
-        started = time.perf_counter()
-        with request_scope(request_id), forward_headers({"x-request-id": request_id}):
-            response = await traced(request, decision_id, request_id)
-        access.info("POST %s %d %.1f ms (request %s)", request.url.path[:200], response.status_code,
-                    (time.perf_counter() - started) * 1000, request_id,
-                    extra={"request_id": request_id, "status": response.status_code, "decision_id": decision_id,
-                           "duration_ms": round((time.perf_counter() - started) * 1000, 2)})
-        return response
-
-    async def traced(request: Request, decision_id: str, request_id: str) -> Response:
-        attrs = {HTTP_METHOD: "POST", HTTP_ROUTE: "/v1/systemone", URL_PATH: request.url.path}
+    async def traced(wire: Wire, request: Request, decision_id: str, request_id: str) -> Response:
+        attrs = {HTTP_METHOD: "POST", HTTP_ROUTE: wire.route, URL_PATH: request.url.path}
         tracer = trace.get_tracer("canvasroute.server")
-        with tracer.start_as_current_span("POST /v1/systemone", context=propagate.extract(request.headers),
+        with tracer.start_as_current_span(f"POST {wire.route}", context=propagate.extract(request.headers),
                                           kind=SpanKind.SERVER, attributes=attrs,
                                           record_exception=False, set_status_on_exception=False) as span:
             try:
-                payload = await answer(request, decision_id, request_id, span)
+                payload = await answer(wire, request, decision_id, request_id, span)
                 response: Response = JSONResponse(payload, headers={"x-request-id": request_id})
             except ClientGone:
                 log.info("request %s: the client disconnected before its answer; its work (if any) was cancelled",
@@ -264,63 +245,49 @@ def create_app(
                 span.set_attribute(tm.ERROR_TYPE, "client_disconnected")
                 return Response(status_code=499)  # nobody reads it
             except Exception as exc:
-                refusal = exc if isinstance(exc, Refusal) else from_exception(exc)
-                if not isinstance(exc, Refusal):
+                known = exc if isinstance(exc, (Refusal, DecisionsWireError)) else from_exception(exc)
+                if known is not exc:
                     log.error("request %s: unexpected %s", request_id, type(exc).__name__, exc_info=exc)
                     span.record_exception(exc)
-                response = refusal.response(request_id)
-                metrics.refused(refusal.status, refusal.kind)
-                span.set_attribute(tm.ERROR_TYPE, refusal.kind)
-                if refusal.status >= 500:
-                    span.set_status(Status(StatusCode.ERROR, refusal.kind))
+                response, kind = wire.error(known, request_id)
+                metrics.refused(response.status_code, kind)
+                span.set_attribute(tm.ERROR_TYPE, kind)
+                if response.status_code >= 500:
+                    span.set_status(Status(StatusCode.ERROR, kind))
             span.set_attribute(HTTP_STATUS, response.status_code)
             return response
 
-    async def answer(request: Request, decision_id: str, request_id: str, span: trace.Span) -> dict[str, Any]:
+    async def answer(wire: Wire, request: Request, decision_id: str, request_id: str,
+                     span: trace.Span) -> dict[str, Any]:
         if drain.draining:
             raise drain.refusal()
         authorize(request)
         if limiter is not None:
             limiter.take()
-        body, parts = request_parts(await read_body(request, limits), request.headers.get("content-type"))
-        parsed = parse_request(body, limits, parts)  # no slot is held yet
-        span.set_attribute(tm.QUESTIONS, len(parsed.questions))
+        parsed = wire.read(await read_body(request, limits), request.headers.get("content-type"))  # no slot yet
+        ids = wire.ids(parsed)
+        span.set_attribute(tm.QUESTIONS, len(ids))
         with gate.admission():
-            resp, reads, name = await _unless_gone(admitted(parsed, request_id, span), request.receive, drain)
-        metrics.decided(reads)
-        usage = resp.usage or {}
-        engine = getattr(model, "engine", None)
-        return {
-            "id": decision_id,
-            "object": "structured_decision",
-            "created": int(time.time()),
-            "model": public_name(resp.model or name),
-            "answers": {qid: _answer_json(resp.answers[qid], reads.get(qid)) for qid in parsed.questions
-                        if qid in resp.answers},  # a skipped question has none: diagnostics.skipped says why
-            "usage": {"input_tokens": int(usage.get("input_tokens", 0)),
-                      "output_tokens": int(usage.get("output_tokens", 0))},
-            "diagnostics": diagnostics(resp, parsed, (await engine.info()).provider if engine is not None
-                                       else type(model).__name__),
-        }
+            resp, name = await _unless_gone(admitted(wire, parsed, ids, request_id, span), request.receive, drain)
+        metrics.decided(getattr(resp, "reads", None) or {})
+        return await wire.reply(parsed, resp, name, decision_id)
 
-    async def admitted(parsed: Parsed, request_id: str, span: trace.Span) -> tuple[Any, dict[str, Any], str]:
+    async def admitted(wire: Wire, parsed: Any, ids: Sequence[str], request_id: str,
+                       span: trace.Span) -> tuple[Any, str]:
         waiting = False
         deadline = asyncio.timeout(request_timeout)
         try:
             async with deadline:
-                name = await served_name()
-                if parsed.model and parsed.model not in (name, *aliases):
-                    raise Refusal(422, "model_not_found", f"model {parsed.model[:80]!r} is not served here; "
-                                  f"served: {[name, *aliases]}", loc=("model",))
-                span.set_attribute(tm.DECISION_SET, ",".join(parsed.questions))
-                request = prepare(parsed)
+                name = await served.name()
+                wire.check_model(parsed, name)
+                span.set_attribute(tm.DECISION_SET, ",".join(ids))
+                job = wire.job(parsed)
                 waiting, queued = True, time.perf_counter()
                 async with gate.slot():
                     waiting = False
                     metrics.queue_wait.observe(time.perf_counter() - queued)
-                    resp, reads = await decide(parsed, request)
-                    return resp, reads, name
-        except Refusal:
+                    return await wire.decide(parsed, job), name
+        except (Refusal, DecisionsWireError):
             raise
         except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():
@@ -338,7 +305,7 @@ def create_app(
     async def models(request: Request) -> JSONResponse:
         try:
             authorize(request)
-            name = await asyncio.wait_for(served_name(), request_timeout)
+            name = await asyncio.wait_for(served.name(), request_timeout)
         except Refusal as exc:
             return exc.response()
         except Exception as exc:  # noqa: BLE001
@@ -358,7 +325,7 @@ def create_app(
     async def health(request: Request) -> JSONResponse:
         load = gate.snapshot()
         try:
-            name = await asyncio.wait_for(served_name(), 5.0)
+            name = await asyncio.wait_for(served.name(), 5.0)
         except Exception as exc:  # noqa: BLE001 - health reports, never raises; details only to the log
             log.warning("/health: the engine is not ready: %s: %s", type(exc).__name__, exc)
             return JSONResponse({"status": "unavailable", "error": "engine_unavailable", **load}, status_code=503)
@@ -376,7 +343,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
-            await asyncio.wait_for(served_name(), 30.0)  # warm up: learn the model before traffic
+            await asyncio.wait_for(served.name(), 30.0)  # warm up: learn the model before traffic
         except Exception as exc:  # noqa: BLE001 - the engine may come up after the server
             log.warning("engine not ready at startup: %s", exc)
         yield
@@ -384,8 +351,9 @@ def create_app(
         if close_engine and engine is not None:
             await engine.aclose()
 
+    wires: list[Wire] = [SystemOneWire(served), DecisionsWire(served, metrics, refuse_unsure=refuse_unsure)]
     app = Starlette(
-        routes=[Route("/v1/systemone", systemone, methods=["POST"]),
+        routes=[*(Route(w.route, endpoint(w), methods=["POST"]) for w in wires),
                 Route("/v1/models", models, methods=["GET"]),
                 Route("/health", health, methods=["GET"]),
                 Route("/metrics", metrics.endpoint, methods=["GET"]),
@@ -400,4 +368,5 @@ def create_app(
     app.state.limits = limits
     app.state.metrics = metrics
     app.state.drain = drain
+    app.state.refuse_unsure = refuse_unsure
     return app

@@ -1,12 +1,16 @@
-"""`canvasroute serve`: gated decisions over HTTP at `/v1/systemone` (the Jev wire).
+"""`canvasroute serve`: gated decisions over HTTP at `/v1/systemone` (the Jev wire) and
+`/v1/decisions` (OpenAI Decisions).
 
 Point any Jev client (`typesafe-sdk`, OpenJev clients, `SystemOneDecisionModel`) at it;
-`jev-latest`, the SDK's default model, is answered by the served model without flags.
+`jev-latest`, the SDK's default model, is answered by the served model without flags. Point the
+`openai` SDK (`client.decisions.create`) or langchain-openai's `OpenAIDecisions` at `<url>/v1`.
 Every flag also reads a `CANVASROUTE_*` environment variable (the flag wins):
 
 ```
 canvasroute serve --engine-url http://127.0.0.1:8000 --max-normalized-entropy 0.4 \\
     --escalate-url http://127.0.0.1:8001/v1 --escalate-model Qwen/Qwen3-8B --api-key $KEY
+canvasroute serve --engine-url http://127.0.0.1:8000 --port 8002 \\
+    --escalate-decisions http://127.0.0.1:8003/v1 --escalate-model tiny-dgemma   # a cascade of two servers
 CANVASROUTE_ENGINE=embedded canvasroute serve      # offline SmolLM2-135M: near-chance decisions
 ```
 """
@@ -19,6 +23,7 @@ import logging
 import logging.config
 import os
 import sys
+import warnings
 from typing import Any
 
 from .limits import Limits
@@ -51,6 +56,20 @@ Checked before a request takes a slot or reaches the engine: the body must arriv
 lone surrogates or NaN/Infinity are 400; a null state, an unusable question or field, over
 --max-questions, --max-options, --max-levels, --max-text-chars or 256-character names is 422;
 a state over --max-state-chars is 413.
+
+Escalation targets (one of): --escalate-url URL --escalate-model NAME, an OpenAI-compatible
+chat server (its structured output); --escalate-decisions URL --escalate-model NAME, an OpenAI
+Decisions server (its base URL, .../v1: OpenAI, another canvasroute serve; asked through
+langchain-openai's OpenAIDecisions, its distributions kept, its refusals not answers);
+--escalate-systemone URL [--escalate-model NAME], a /v1/systemone server (its root URL; model
+default jev-latest).
+
+/v1/decisions (OpenAI Decisions): every request error is 400 with OpenAI's error body
+{"error": {"message", "type", "param", "code"}} naming the field (param questions[3].choices), a
+model that is not served 404, the other statuses as below. A question the escalation target
+refused is answered {"type": "refusal"}; with --refuse-unsure, so is one the gate did not pass
+that nothing answered instead (path unsure); by default it gets the canvas's best option, as on
+/v1/systemone.
 
 Status codes: 400 malformed body; 401 bad key; 408 slow body; 413 too large; 415 not
 application/json or multipart/form-data; 422 a field, question, feature or model that cannot
@@ -89,6 +108,8 @@ _ENV = {
     "max_normalized_entropy": "CANVASROUTE_MAX_NORMALIZED_ENTROPY",
     "rereads": "CANVASROUTE_REREADS",
     "escalate_url": "CANVASROUTE_ESCALATE_URL",
+    "escalate_decisions": "CANVASROUTE_ESCALATE_DECISIONS",
+    "escalate_systemone": "CANVASROUTE_ESCALATE_SYSTEMONE",
     "escalate_model": "CANVASROUTE_ESCALATE_MODEL",
     "escalate_api_key": "CANVASROUTE_ESCALATE_API_KEY",
     "on_uncertain": "CANVASROUTE_ON_UNCERTAIN",
@@ -102,6 +123,7 @@ _ENV = {
     "request_timeout": "CANVASROUTE_REQUEST_TIMEOUT",
     "rate_limit": "CANVASROUTE_RATE_LIMIT",
     "model_alias": "CANVASROUTE_MODEL_ALIAS",
+    "refuse_unsure": "CANVASROUTE_REFUSE_UNSURE",
     **{name: f"CANVASROUTE_{name.upper()}" for name in _LIMIT_FLAGS},
     "max_connections": "CANVASROUTE_MAX_CONNECTIONS",
     "head_timeout": "CANVASROUTE_HEAD_TIMEOUT",
@@ -116,6 +138,10 @@ _CONNECTION_FLAGS = {
     "keep_alive": (float, "seconds an idle kept-alive connection stays open"),
     "shutdown_timeout": (float, "seconds requests in flight may take once shutdown (SIGTERM) begins; then 503"),
 }
+
+
+_TRUE = ("1", "true", "yes", "on")
+"""What a boolean environment variable may say for yes (any case)."""
 
 
 def _env(dest: str, default: Any = None) -> Any:
@@ -156,7 +182,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                               "best real option (default: %(default)s) [CANVASROUTE_ON_ABSTAIN]")
     esc = parser.add_argument_group("escalation")
     esc.add_argument("--escalate-url", default=_env("escalate_url"),
-                     help="OpenAI-compatible base URL of the escalation model [CANVASROUTE_ESCALATE_URL]")
+                     help="OpenAI-compatible chat base URL (.../v1) of the escalation model [CANVASROUTE_ESCALATE_URL]")
+    esc.add_argument("--escalate-decisions", metavar="URL", default=_env("escalate_decisions"),
+                     help="an OpenAI Decisions server's base URL (.../v1: OpenAI, another canvasroute serve) as the "
+                          "escalation target, with --escalate-model [CANVASROUTE_ESCALATE_DECISIONS]")
+    esc.add_argument("--escalate-systemone", metavar="URL", default=_env("escalate_systemone"),
+                     help="a /v1/systemone server's root URL as the escalation target (--escalate-model default: "
+                          "jev-latest) [CANVASROUTE_ESCALATE_SYSTEMONE]")
     esc.add_argument("--escalate-model", default=_env("escalate_model"),
                      help="escalation model name [CANVASROUTE_ESCALATE_MODEL]")
     esc.add_argument("--escalate-api-key", default=_env("escalate_api_key", "EMPTY"),
@@ -179,6 +211,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           "[CANVASROUTE_REQUEST_TIMEOUT]")
     srv.add_argument("--rate-limit", type=float, default=_env("rate_limit"),
                      help="requests per second over all clients; beyond it, 429 [CANVASROUTE_RATE_LIMIT]")
+    srv.add_argument("--refuse-unsure", action="store_true", default=str(_env("refuse_unsure", "")).lower() in _TRUE,
+                     help="on /v1/decisions, answer a question the gate did not pass and nothing answered instead "
+                          "(path unsure) with a refusal; default: the canvas's best option, as /v1/systemone "
+                          "answers it [CANVASROUTE_REFUSE_UNSURE=1]")
     srv.add_argument("--model-alias", action="append",
                      default=[a for a in (_env("model_alias") or "").split(",") if a],
                      help="another name clients may send as `model`, besides jev-latest (repeatable) "
@@ -232,15 +268,39 @@ def _policy(args: argparse.Namespace) -> Any:
 
 
 def _escalation(args: argparse.Namespace) -> Any:
-    if not args.escalate_url and not args.escalate_model:
+    """The escalation target the flags name (None: none): a chat server, an OpenAI Decisions
+    server or a `/v1/systemone` server, each with its own client's retries and a 60 s timeout."""
+    named = [flag for flag, value in (("--escalate-url", args.escalate_url),
+                                      ("--escalate-decisions", args.escalate_decisions),
+                                      ("--escalate-systemone", args.escalate_systemone)) if value]
+    if len(named) > 1:
+        raise ValueError(f"one escalation target at a time: {' and '.join(named)} are both set")
+    if not named:
+        if args.escalate_model:
+            raise ValueError("--escalate-model needs a target: --escalate-url, --escalate-decisions or "
+                             "--escalate-systemone")
         return None
-    if not (args.escalate_url and args.escalate_model):
-        raise ValueError("escalation needs both --escalate-url and --escalate-model")
-    from langchain_openai import ChatOpenAI
-
     from canvasroute.engine import Connection
 
-    target = Connection(args.escalate_url, api_key=args.escalate_api_key, timeout=60, retries=2)
+    key = args.escalate_api_key
+    key = None if key in (None, "", "EMPTY") else key
+    if args.escalate_systemone:
+        from canvasroute.router import SystemOneDecisionModel
+
+        return SystemOneDecisionModel(Connection(args.escalate_systemone, api_key=key, timeout=60, retries=2),
+                                      model=args.escalate_model or "jev-latest")
+    if not args.escalate_model:
+        raise ValueError(f"escalation to {named[0]} needs --escalate-model")
+    target = Connection(args.escalate_decisions or args.escalate_url, api_key=key or "EMPTY", timeout=60, retries=2)
+    if args.escalate_decisions:
+        from langchain_core._api import LangChainBetaWarning
+        from langchain_openai.decisions import OpenAIDecisions
+
+        with warnings.catch_warnings():  # a beta API, chosen knowingly: no warning per server start
+            warnings.simplefilter("ignore", LangChainBetaWarning)
+            return OpenAIDecisions(model=args.escalate_model, **target.openai_options())
+    from langchain_openai import ChatOpenAI
+
     return ChatOpenAI(model=args.escalate_model, temperature=0, **target.openai_options())
 
 
@@ -268,7 +328,8 @@ def build_app(args: argparse.Namespace) -> Any:
     limits = dataclasses.replace(Limits(), **{name: getattr(args, name) for name in _LIMIT_FLAGS})
     return create_app(build_model(args), api_key=args.api_key, max_in_flight=args.max_in_flight,
                       max_queue=args.max_queue, request_timeout=args.request_timeout, rate_limit=args.rate_limit,
-                      limits=limits, aliases=(*JEV_ALIASES, *args.model_alias), close_engine=True)
+                      limits=limits, aliases=(*JEV_ALIASES, *args.model_alias), refuse_unsure=args.refuse_unsure,
+                      close_engine=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -286,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.config.dictConfig(logging_config)
     auth = "bearer key required" if args.api_key else "no key (open)"
-    log.info("serving /v1/systemone on http://%s:%d (%s)", args.host, args.port, auth)
+    log.info("serving /v1/systemone and /v1/decisions on http://%s:%d (%s)", args.host, args.port, auth)
     try:
         server(app, host=args.host, port=args.port, limits=limits, log_level=args.log_level,
                log_config=logging_config).run()

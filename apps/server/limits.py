@@ -12,8 +12,9 @@ __all__ = ["ConnectionLimits", "Limits"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Limits:
-    """What one `/v1/systemone` request may carry. Over a size bound: 413; over a count or length: 422
-    (vLLM's gateway's code for a schema it will not take; these bounds are stricter than its own)."""
+    """What one request may carry, on either wire. On `/v1/systemone`, over a size bound: 413; over a
+    count or length: 422 (vLLM's gateway's code for a schema it will not take; these bounds are
+    stricter than its own). On `/v1/decisions` each is a 400 naming the field, as on OpenAI's API."""
 
     max_body_bytes: int = 1 << 20
     """Largest body, raw and decoded (413 `payload_too_large`)."""
@@ -21,8 +22,9 @@ class Limits:
     """Seconds to receive the whole body; a slower upload gets 408 `body_timeout` and never holds a slot."""
     max_depth: int = 32
     """Deepest JSON nesting anywhere in the body (400 `invalid_json`)."""
-    max_questions: int = 64
-    """Questions per request (422 `too_many_questions`)."""
+    max_questions: int = 400
+    """Questions per request (422 `too_many_questions`; on `/v1/decisions` 400 `array_above_max_length`):
+    OpenAI Decisions' own bound ("Ask 1-400 questions") by default, on both wires."""
     max_options: int = MAX_OPTIONS
     """Options of one Choice (422 `too_many_options`): System One's 255 by default, the library's cap
     (`canvasroute.router.MAX_OPTIONS`); past the labels one read takes, a question is read in two steps."""

@@ -10,6 +10,7 @@ their own counts. What it holds:
 | `canvasroute_server_requests_in_flight` | gauge | |
 | `canvasroute_server_queue_wait_seconds` | histogram (admission to a running slot) | |
 | `canvasroute_server_decisions_total` | counter: questions answered | `path` (canvas, reread, escalated, fallback, unsure, skipped), `cause` (uncertain, abstained, engine_fault, over_budget; `none` when the gate passed) |
+| `canvasroute_server_refusals_total` | counter: questions answered `refusal` on `/v1/decisions` | `reason` (`escalation_refused`: the target refused it; `unsure`: `--refuse-unsure`; `model_refused`: the decision model refused them all; `no_answer`: another decision model left it unanswered) |
 | `canvasroute_server_rejections_total` | counter: requests and connections turned away | `reason` (the error `type`) |
 | `canvasroute_server_connections` | gauge: open client connections | |
 | `canvasroute_server_decisions_running`, `..._queued` | gauges, read from the gate at scrape | |
@@ -32,7 +33,7 @@ from .gate import Gate
 
 __all__ = ["Metrics", "MetricsMiddleware"]
 
-ROUTES = frozenset({"/v1/systemone", "/v1/models", "/health", "/metrics", "/openapi.json"})
+ROUTES = frozenset({"/v1/systemone", "/v1/decisions", "/v1/models", "/health", "/metrics", "/openapi.json"})
 """Routes counted by name; any other path is counted as `other` (no unbounded label values)."""
 REJECTED = frozenset({400, 401, 404, 408, 413, 415, 422, 429, 529})
 """Statuses that turn a request away before or instead of decision work (engine faults are not among them)."""
@@ -70,6 +71,8 @@ class Metrics:
                                     registry=r)
         self.decisions = Counter("canvasroute_server_decisions", "Questions answered, by the path that answered "
                                  "and why the gate did not pass them", ["path", "cause"], registry=r)
+        self.refusals = Counter("canvasroute_server_refusals", "Questions answered with a refusal (/v1/decisions), "
+                                "by why", ["reason"], registry=r)
         self.rejections = Counter("canvasroute_server_rejections", "Requests and connections turned away",
                                   ["reason"], registry=r)
         self.connections = Gauge("canvasroute_server_connections", "Open client connections", registry=r)

@@ -1,4 +1,5 @@
-"""The API's OpenAPI 3.1 description (`GET /openapi.json`), built from pydantic models of the wire."""
+"""The API's OpenAPI 3.1 description (`GET /openapi.json`), built from pydantic models of both wires
+(`/v1/systemone` here, `/v1/decisions` in `decisions._schema`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pydantic.json_schema import models_json_schema
 
 from canvasroute.router import MAX_SAMPLES, MAX_STEPS, MAX_THINK
 
+from .decisions._schema import DecisionsErrorResponse, DecisionsRequest, DecisionsResponse
 from .limits import Limits
 
 __all__ = ["openapi"]
@@ -172,10 +174,21 @@ _ERRORS = {
 }
 
 
+_DECISIONS_ERRORS = {
+    "400": "a request error, its field named in `param`: a body that is not JSON, a field or question that "
+           "cannot be used, over a bound, a body or input too large",
+    "401": "missing or wrong bearer key (`invalid_api_key`)",
+    "404": "a model this server does not serve (`model_not_found`)",
+    "408": "the body did not arrive within the body timeout",
+    **{code: text for code, text in _ERRORS.items() if code in ("429", "502", "503", "504", "529")},
+}
+
+
 def openapi(limits: Limits) -> dict[str, Any]:
     """The OpenAPI document for a server with these limits."""
-    _, schemas = models_json_schema([(m, "validation") for m in (SystemOneRequest, SystemOneResponse,
-                                                                  ErrorResponse)],
+    _, schemas = models_json_schema([(m, "validation") for m in (SystemOneRequest, SystemOneResponse, ErrorResponse,
+                                                                  DecisionsRequest, DecisionsResponse,
+                                                                  DecisionsErrorResponse)],
                                     ref_template="#/components/schemas/{model}")
     components = schemas["$defs"]
     request = components["SystemOneRequest"]["properties"]
@@ -188,6 +201,12 @@ def openapi(limits: Limits) -> dict[str, Any]:
     score = components["ScoreQuestion"]["properties"]["criteria"]
     score["maxItems"] = limits.max_levels
     score["description"] = f"Level descriptions in order (level 0 first), 2 to {limits.max_levels} levels."
+    decisions = components["DecisionsRequest"]["properties"]
+    decisions["questions"]["maxItems"] = min(limits.max_questions, decisions["questions"]["maxItems"])
+    decisions["model"]["maxLength"] = limits.max_name_chars
+    components["DecisionChoice"]["properties"]["choices"]["maxItems"] = min(limits.max_options,
+                                                                     components["DecisionChoice"]["properties"]["choices"]["maxItems"])
+    components["DecisionScore"]["properties"]["levels"]["maxItems"] = limits.max_levels
     multipart = {"type": "object", "required": ["request"], "properties": {
         "request": {"type": "string", "description": "the JSON request (SystemOneRequest)"},
         "image": {"type": "string", "format": "binary",
@@ -197,10 +216,13 @@ def openapi(limits: Limits) -> dict[str, Any]:
     errors = {code: {"description": text, **error} for code, text in _ERRORS.items()}
     ok = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/SystemOneResponse"}}}}
     plain = {"content": {"application/json": {"schema": {"type": "object"}}}}
+    openai_error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/DecisionsErrorResponse"}}}}
+    decided = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/DecisionsResponse"}}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "canvasroute serve", "version": "1",
-                 "description": "Gated decisions on the Jev wire. Bounds: " + limits.describe()},
+                 "description": "Gated decisions on the Jev wire (/v1/systemone) and the OpenAI Decisions wire "
+                                "(/v1/decisions). Bounds: " + limits.describe()},
         "paths": {
             "/v1/systemone": {"post": {
                 "operationId": "systemone", "summary": "Answer a decision set",
@@ -208,6 +230,13 @@ def openapi(limits: Limits) -> dict[str, Any]:
                     "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}},
                     "multipart/form-data": {"schema": multipart}}},
                 "responses": {"200": {"description": "the answers", **ok}, **errors},
+                "security": [{"bearer": []}, {}]}},
+            "/v1/decisions": {"post": {
+                "operationId": "decisions", "summary": "Answer every question about one input (OpenAI Decisions)",
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/DecisionsRequest"}}}},
+                "responses": {"200": {"description": "the answers, in question order", **decided},
+                              **{code: {"description": text, **openai_error} for code, text in _DECISIONS_ERRORS.items()}},
                 "security": [{"bearer": []}, {}]}},
             "/v1/models": {"get": {"operationId": "models", "summary": "The served model and its aliases",
                                    "responses": {"200": {"description": "the models", **plain},

@@ -30,7 +30,7 @@ from .extensions import GATEWAY_KEYS, QUESTION_KEYS, Extensions, read_extensions
 from .limits import Limits
 from .wire import Refusal, from_exception, malformed
 
-__all__ = ["Parsed", "parse_request"]
+__all__ = ["Parsed", "load_json", "parse_request"]
 
 _QUESTION_TYPES: dict[str, type[Noul | Choice | Score]] = {"noul": Noul, "choice": Choice, "score": Score}
 _QUESTION_KEYS = {"type", "instructions", "criteria", *QUESTION_KEYS}
@@ -69,7 +69,7 @@ def parse_request(body: bytes, limits: Limits, parts: Sequence[tuple[str, str]] 
     `parts`: a multipart body's image file parts, (name, data URL): those System One's `assets`
     name are placed where their placeholders are (`assets`), the others are read with every question.
     """
-    data = _load(body, limits)
+    data = load_json(body, limits)
     if not isinstance(data, dict):
         raise Refusal(400, "invalid_body", "the body must be a JSON object", loc=())
     for name in ("state", "questions"):
@@ -111,7 +111,9 @@ def parse_request(body: bytes, limits: Limits, parts: Sequence[tuple[str, str]] 
     return Parsed(model, state, questions, seed, thread_id, extensions, tuple(i[:200] for i in ignored[:_MAX_IGNORED]))
 
 
-def _load(body: bytes, limits: Limits) -> Any:
+def load_json(body: bytes, limits: Limits) -> Any:
+    """The decoded body: 400 `invalid_json` for bad JSON, nesting deeper than `limits.max_depth`, lone
+    surrogates (`invalid_text`) or NaN and Infinity (`invalid_number`), on either wire."""
     try:
         data = json.loads(body, parse_constant=lambda _: _NON_FINITE)
     except RecursionError:

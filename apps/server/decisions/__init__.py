@@ -15,13 +15,17 @@ Pure functions over decoded JSON, no I/O. The `openai` SDK's own types define th
   `DecisionsWireError` carries it (status, `param` naming the field: `questions[3].choices`,
   `input[2].call_id`), and `from_refusal` turns the `/v1/systemone` server's own error
   answers (`wire.Refusal`: engine down, budget spent, ...) into it.
+- `decision_inputs(request)` and `question_results(request, response)` are the serving side
+  (`canvasroute serve`): the transcript, images and questions a decision takes, and the
+  decision's reports back as results, refusals included (`_served`).
 
 The JSON text itself (its size, depth, lone surrogates, NaN) is the body reader's to check
-(`parse._load` on the other wire). Every request error here is a 400, as on OpenAI's API.
+(`parse.load_json`, for both wires). Every request error here is a 400, as on OpenAI's API.
 """
 
 from ._fields import DecisionsWireError, error_body, from_refusal
 from ._questions import MAX_CHOICES, MAX_LEVELS, MAX_QUESTIONS, MIN_CHOICES, MIN_LEVELS, ChoiceValue, WireQuestion
+from ._served import DecisionInputs, decision_inputs, question_results, refusal_kind, usage_of
 from ._wire import QuestionResult, Usage, WireRequest, parse, render
 
 __all__ = [
@@ -31,13 +35,18 @@ __all__ = [
     "MIN_CHOICES",
     "MIN_LEVELS",
     "ChoiceValue",
+    "DecisionInputs",
     "DecisionsWireError",
     "QuestionResult",
     "Usage",
     "WireQuestion",
     "WireRequest",
+    "decision_inputs",
     "error_body",
     "from_refusal",
     "parse",
+    "question_results",
+    "refusal_kind",
     "render",
+    "usage_of",
 ]

@@ -33,10 +33,22 @@ class DecisionsWireError(Exception):
         return error_body(self.message, status=self.status, param=self.param, code=self.code)
 
 
+_REQUEST_ERRORS = (413, 415, 422)
+"""What `/v1/systemone` answers 413, 415 or 422 is a request error: 400 here, as on OpenAI's API."""
+
+
 def from_refusal(refusal: Refusal) -> DecisionsWireError:
     """The `/v1/systemone` server's error answer (status, stable kind, message, headers such
-    as `retry-after`) in OpenAI's shape: its kind becomes the `code`."""
-    return DecisionsWireError(refusal.message, status=refusal.status, code=refusal.kind, headers=refusal.headers)
+    as `retry-after`) in OpenAI's shape: its kind becomes the `code`. A request error it answers
+    413, 415 or 422 is a 400 (the SDK's `BadRequestError`); a 401's code is `invalid_api_key`
+    (OpenAI's); every other status is kept (401, 408, 429, 5xx: the SDK maps or retries each,
+    waiting what `retry-after` says)."""
+    status, code = refusal.status, refusal.kind
+    if status in _REQUEST_ERRORS:
+        status = 400
+    elif status == 401:
+        code = "invalid_api_key"
+    return DecisionsWireError(refusal.message, status=status, code=code, headers=refusal.headers)
 
 
 Path = tuple[str | int, ...]
