@@ -408,8 +408,9 @@ def test_serve_flags_choose_an_escalation_target_of_each_wire(monkeypatch, capsy
     assert isinstance(decisions, OpenAIDecisions)
     assert (decisions.base_url, decisions.model, decisions.max_retries) == ("http://127.0.0.1:11/v1", "b-model", 2)
     jev = serve.build_model(_args([*url, "--escalate-systemone", "http://127.0.0.1:12"])).escalate_to.target
-    assert isinstance(jev, SystemOneDecisionModel) and (jev.base_url, jev.model) == ("http://127.0.0.1:12",
-                                                                                      "jev-latest")
+    assert isinstance(jev, SystemOneDecisionModel)
+    assert (jev.connection.urls, jev.model, jev.connection.retries.max_retries) == (("http://127.0.0.1:12",),
+                                                                                   "jev-latest", 2)
     assert serve.run(_args([*url, "--escalate-decisions", "http://127.0.0.1:11/v1"])) == 2
     assert "--escalate-decisions needs --escalate-model" in capsys.readouterr().err
     assert serve.run(_args([*url, "--escalate-url", "http://127.0.0.1:11/v1", "--escalate-systemone",
