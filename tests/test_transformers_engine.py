@@ -159,6 +159,31 @@ async def test_reread_reuses_the_prompt_cache(tiny):
     await uncached.aclose()
 
 
+async def test_a_batch_sharing_a_leading_part_prefills_it_once(tiny_causal):
+    """A decision's isolated reads (one system prompt and state, then each its question) arrive
+    as one batch no cache entry covers: the shared part is prefilled once, each read's own rest
+    on top of it, and every row equals the read's own full prefill."""
+    eng = TransformersEngine(tiny_causal.model, tiny_causal.tokenizer, canvas_width=32)
+    alone = TransformersEngine(tiny_causal.model, tiny_causal.tokenizer, canvas_width=32, prompt_cache_size=0)
+    shapes = await make_reads(eng, 4, seed=12, constrained=True)
+    system = {"role": "system", "content": "Answer each question about the ticket on the canvas."}
+    state = " ".join(random.Random(4).choice(WORDS) for _ in range(80))
+    batch = [CanvasRead(messages=(system, {"role": "user", "content": f"{state}\n\nq{i}: is it {word}?"}),
+                        canvas=r.canvas, slots=r.slots, label_ids=r.label_ids, constrained=r.constrained)
+             for i, (r, word) in enumerate(zip(shapes, ("urgent", "billing", "a refund", "a crash"), strict=True))]
+    together = await eng.read(batch)
+    shared = await eng.count_prompt((system, {"role": "user", "content": state}))
+    assert eng.prefix_tokens_reused >= 3 * (shared - 16)  # the state and all before it (less the turn's end): once
+    assert eng.prompt_cache_hits == 0
+    single = [(await alone.read([r]))[0] for r in batch]
+    assert alone.prefix_tokens_reused == 0
+    worst = max_diff(together, single)
+    print(f"shared leading part prefilled once vs each read's own prefill: max |logprob diff| = {worst:.2e}")
+    assert worst <= 1e-4
+    await eng.aclose()
+    await alone.aclose()
+
+
 async def test_the_prompt_cache_is_capped_by_bytes_too(tiny):
     def held(e: TransformersEngine) -> int:
         return sum(t.numel() * t.element_size() for kv in e._kv.values() for layer in kv for t in layer)

@@ -264,7 +264,9 @@ class TransformersEngine:
         """Each prefix's KV cache: from the LRU, else from one batched prefill of the missing
         ones. A causal prefill starts from the longest cached prefix of it (the KV of an
         entry's first `n` tokens is the KV of those tokens), so decisions sharing a system
-        prompt prefill only their own state."""
+        prompt prefill only their own state; and prompts of one batch that share a leading part
+        no entry holds (a decision's isolated reads: the state, then each question) prefill that
+        part once, then each its own rest."""
         found: dict[tuple[int, ...], KV] = {}
         for p in dict.fromkeys(prefixes):
             if p in self._kv:
@@ -275,6 +277,11 @@ class TransformersEngine:
         missing = [p for p in dict.fromkeys(prefixes) if p not in found]
         if missing:
             bases = [self._cached_base(p) for p in missing]
+            shared = _shared_prefix(missing) if isinstance(self._kind, CausalLM) and len(missing) > 1 else ()
+            if len(shared) >= SHARED_MIN and len(shared) > max(_kv_len(b) for b in bases):
+                (kv,), _ = self._prefix_kv([shared])  # prefilled once (and kept, when it fits the LRU)
+                self.prefix_tokens_reused += len(shared) * (len(missing) - 1)
+                bases = [kv if _kv_len(b) < len(shared) else b for b in bases]
             past: tuple[DynamicCache, torch.Tensor] | None = None
             if some := next((b for b in bases if b is not None), None):
                 empty = tuple((k[:, :, :0], v[:, :, :0]) for k, v in some)
@@ -344,6 +351,18 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _kv_len(kv: KV | None) -> int:
     """Tokens held by one prompt's cache (0 for none)."""
     return 0 if kv is None else kv[0][0].shape[2]
+
+
+SHARED_MIN = 16
+"""Tokens a batch's prompts must share before that part is prefilled once for all of them."""
+
+
+def _shared_prefix(prompts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The leading tokens every prompt starts with, short of each one's last token."""
+    n = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        n = min(n, _common_prefix_len(prompts[0][:n], p))
+    return prompts[0][:max(n, 0)]
 
 
 def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
