@@ -86,7 +86,8 @@ async def test_ten_thousand_decisions_at_concurrency_256_with_bounded_memory():
         await asyncio.gather(produce(), *(work() for _ in range(CONCURRENCY)))
         gc.collect()
         rss["end"] = rss_mb()
-        stats = httpx.get(f"{server.url}/_loopback/stats", timeout=5).json()
+        async with httpx.AsyncClient(timeout=5) as http:
+            stats = (await http.get(f"{server.url}/_loopback/stats")).json()
 
         assert outcomes == Counter({"canvas": DECISIONS})  # none lost, none re-read or escalated
         assert sum(answers.values()) == DECISIONS and len(answers) == 1  # fixed rows: one answer

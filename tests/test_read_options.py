@@ -172,7 +172,7 @@ async def test_a_thought_is_written_once_per_canvas_and_every_read_continues_it(
 
 
 async def test_think_needs_an_engine_that_writes_thoughts():
-    fake = FunctionEngine(lambda read: [{i: -1.0 for i in read.label_ids}] * len(read.slots))
+    fake = FunctionEngine(lambda read: [dict.fromkeys(read.label_ids, -1.0)] * len(read.slots))
     with pytest.raises(DecisionError, match="think needs an engine"):
         await CanvasDecisionModel(engine=fake).adecide(TICKET, QUESTIONS, think=8)
     assert fake.reads == []

@@ -34,7 +34,7 @@ from canvasroute.engine import FunctionEngine
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, flags=re.S | re.M)
+BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, flags=re.DOTALL | re.MULTILINE)
 
 
 def blocks(language: str) -> list[str]:
@@ -130,7 +130,7 @@ def test_every_bash_block_parses_and_names_real_scripts_and_commands():
 
 
 def test_the_error_section_is_the_tree_in_engine_errors():
-    tree = re.search(r"```\n(CanvasRouteError.*?)```", engine.errors.__doc__, flags=re.S).group(1)
+    tree = re.search(r"```\n(CanvasRouteError.*?)```", engine.errors.__doc__, flags=re.DOTALL).group(1)
     assert ("```\n" + tree + "```") in README
     for name in engine.errors.__all__:
         assert f"`{name}`" in README or name in tree, name
@@ -138,7 +138,7 @@ def test_the_error_section_is_the_tree_in_engine_errors():
 
 
 def test_the_retry_section_lists_exactly_what_langgraph_skips():
-    listed = re.search(r"<!-- langgraph-skips -->(.*?)<!-- /langgraph-skips -->", README, flags=re.S).group(1)
+    listed = re.search(r"<!-- langgraph-skips -->(.*?)<!-- /langgraph-skips -->", README, flags=re.DOTALL).group(1)
     skipped = tuple(getattr(builtins, name) for name in re.findall(r"`(\w+)`", listed))
     assert len(skipped) == 12
     for cls in vars(builtins).values():
@@ -153,9 +153,9 @@ def test_the_retry_section_lists_exactly_what_langgraph_skips():
 
 
 def test_the_layout_drawing_matches_the_tree():
-    drawing = re.search(r"```\n(canvasroute/ .*?)```", README, flags=re.S).group(1)
-    drawn = re.findall(r"^(?:[├└]── )?(\w[\w.]*/?)\s", drawing, flags=re.M)
-    top = re.findall(r"^(\w[\w.]*/)\s", drawing, flags=re.M)
+    drawing = re.search(r"```\n(canvasroute/ .*?)```", README, flags=re.DOTALL).group(1)
+    drawn = re.findall(r"^(?:[├└]── )?(\w[\w.]*/?)\s", drawing, flags=re.MULTILINE)
+    top = re.findall(r"^(\w[\w.]*/)\s", drawing, flags=re.MULTILINE)
     assert top == ["canvasroute/", "apps/", "harness/", "router/", "engine/", "examples/", "data/"]
     apps = [d for d in drawn if d not in top]
     for name in apps:

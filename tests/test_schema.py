@@ -81,7 +81,8 @@ async def _check_plan(engine: TokenizerEngine) -> None:
             ids = await engine.tokenize(template_text(info, labels))
             assert len(ids) == len(chunk.template)
             assert ids[slot.position] == slot.label_ids[j]
-            assert [i for i, (a, b) in enumerate(zip(ids, chunk.template)) if a != b] == ([] if j == 0 else [slot.position])
+            changed = [i for i, (a, b) in enumerate(zip(ids, chunk.template)) if a != b]
+            assert changed == ([] if j == 0 else [slot.position])
 
 
 async def test_tiny_bpe_needs_another_noul_alphabet(tiny_bpe):
@@ -148,8 +149,8 @@ def test_canvas_width_rounding():
 
 
 async def test_questions_that_do_not_fit_split_into_chunks_read_together():
-    engine = FunctionEngine(lambda read: [{i: math.log(1 / len(read.label_ids)) for i in read.label_ids}] * len(read.slots),
-                            canvas_width=32)
+    engine = FunctionEngine(lambda read: [dict.fromkeys(read.label_ids, math.log(1 / len(read.label_ids)))]
+                            * len(read.slots), canvas_width=32)
     questions = {f"q{i}": Noul(instructions=f"question {i}?") for i in range(12)}
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
     resp = await model.ainvoke({"state": "x", "questions": questions})

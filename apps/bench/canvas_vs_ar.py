@@ -43,7 +43,7 @@ def run_canvas_vs_ar(quick: bool) -> Section:
         from canvasroute.engine import TransformersEngine, embedded_engine
         engine = embedded_engine()
         cold = TransformersEngine(engine.model, engine.tokenizer, name="no-cache", prompt_cache_size=0)
-    except Exception as exc:  # wheel or torch missing: say so
+    except Exception as exc:  # noqa: BLE001 - wheel or torch missing: say so
         section.skipped = f"embedded model unavailable: {type(exc).__name__}: {exc}"
         return section
     section.extra["torch_threads"] = torch.get_num_threads()

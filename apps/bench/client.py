@@ -110,7 +110,7 @@ def run_real_server(url: str | None, quick: bool) -> Section:
 
     try:
         asyncio.run(go())
-    except Exception as exc:  # a bench row, not a test: say why and go on
+    except Exception as exc:  # noqa: BLE001 - a bench row, not a test: say why and go on
         section.skipped = f"{type(exc).__name__}: {exc}"
         return section
     by = {(r["read"], r["concurrency"]): r for r in section.rows}

@@ -47,7 +47,7 @@ SETTINGS = {"auto": {"samples": "auto", "auto_max": 4, "auto_threshold": 0.1}, "
 LEVELS = (1, 8)
 TARGETS = {"latency c=1": 0.9, "latency c=8": 0.9, "calls/s c=8": 1.1}
 """canvasroute / reference: latency at most 0.9x, calls/s at least 1.1x (issue #22)."""
-_SUCCESS = re.compile(r'^vllm:request_success_total\{[^}]*\}\s+([0-9.e+]+)$', re.M)
+_SUCCESS = re.compile(r'^vllm:request_success_total\{[^}]*\}\s+([0-9.e+]+)$', re.MULTILINE)
 
 
 def run_gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Section:
@@ -60,7 +60,7 @@ def run_gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Sec
         return section
     rounds, per = (2, {1: 4, 8: 16}) if quick else (4, {1: 8, 8: 32})
     try:
-        with _serve(vllm_url) as ours:
+        with _Serve(vllm_url) as ours:
             tallies = asyncio.run(_interleaved(reference, ours, vllm_url, rounds, per))
     except Exception as exc:  # noqa: BLE001 - a bench row, not a test: say why and go on
         section.skipped = f"{type(exc).__name__}: {exc}"
@@ -103,7 +103,7 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-class _serve:
+class _Serve:
     """`canvasroute serve` on a free loopback port, in a process of its own, for the section's length."""
 
     def __init__(self, vllm_url: str) -> None:

@@ -72,7 +72,7 @@ def run_overhead(quick: bool) -> Section:
                 with ctx():
                     batch = loop.run_until_complete(_timed_async(afn)) if afn else _timed_sync(sfn)
                 if not warm:
-                    out += batch
+                    out.extend(batch)
         profile = loop.run_until_complete(_profile(n // 2))
     finally:
         loop.close()

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from .guided import enum_fields, guided_tokens
 
@@ -226,7 +226,7 @@ class ARServer:
         self._thread = threading.Thread(target=self._server.run, name="ar-server", daemon=True)
         self.url = ""
 
-    def __enter__(self) -> ARServer:
+    def __enter__(self) -> Self:
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:

@@ -192,7 +192,7 @@ def _enum(value: Any, names: Mapping[int, str], prefix: str, default: str) -> st
     if isinstance(value, int):
         return names.get(value, str(value))
     text = str(value)
-    return text[len(prefix):] if text.startswith(prefix) else text
+    return text.removeprefix(prefix)
 
 
 def _otlp_attributes(items: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -243,7 +243,7 @@ def create_app(
                          request_id)
                 span.set_attribute(tm.ERROR_TYPE, "client_disconnected")
                 return Response(status_code=499)  # nobody reads it
-            except Exception as exc:  # noqa: BLE001 - every fault becomes a typed answer
+            except Exception as exc:  # every fault becomes a typed answer
                 refusal = exc if isinstance(exc, Refusal) else from_exception(exc)
                 if not isinstance(exc, Refusal):
                     log.error("request %s: unexpected %s", request_id, type(exc).__name__, exc_info=exc)
@@ -301,7 +301,7 @@ def create_app(
                     return resp, reads, name
         except Refusal:
             raise
-        except Exception as exc:  # noqa: BLE001 - every fault becomes a typed answer; details to the log
+        except Exception as exc:  # every fault becomes a typed answer; details to the log
             if isinstance(exc, TimeoutError) and deadline.expired():
                 if waiting:
                     raise Refusal(529, "overloaded", f"no slot freed within {request_timeout:g}s; retry later",

@@ -9,7 +9,7 @@ their own counts. What it holds:
 | `canvasroute_server_request_duration_seconds` | histogram | `route` |
 | `canvasroute_server_requests_in_flight` | gauge | |
 | `canvasroute_server_queue_wait_seconds` | histogram (admission to a running slot) | |
-| `canvasroute_server_decisions_total` | counter: questions answered | `path` (canvas, reread, escalated, fallback, ...) |
+| `canvasroute_server_decisions_total` | counter: questions answered | `path` (canvas, reread, escalated, ...) |
 | `canvasroute_server_rejections_total` | counter: requests and connections turned away | `reason` (the error `type`) |
 | `canvasroute_server_connections` | gauge: open client connections | |
 | `canvasroute_server_decisions_running`, `..._queued` | gauges, read from the gate at scrape | |
