@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import pytest
-from conftest import ROOT, fresh_tracer_provider, label_rows, unavailable
+from conftest import ROOT, fresh_tracer_provider, label_rows
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -193,7 +193,7 @@ def test_report_figures_and_page_from_known_spans():
     assert re.search(r'id="kpi-escalation".*?<div class="v">60%</div>', page)
     assert re.search(r'id="kpi-agreement".*?<div class="v">33%</div>', page)
     assert page.count("<tr><td class=\"time\">") == 3  # top 3 uncertain
-    first = re.search(r'<table id="uncertain">.*?<tbody><tr>(.*?)</tr>', page, re.S).group(1)
+    first = re.search(r'<table id="uncertain">.*?<tbody><tr>(.*?)</tr>', page, re.DOTALL).group(1)
     assert "spam" in first and "0.950" in first
     assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
 
@@ -230,21 +230,15 @@ class _Dom(HTMLParser):
                 and (cls is None or cls in a.get("class", "").split())]
 
 
-def _chromium() -> str:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        unavailable("chromium is not installed (apt-get install -y chromium): cannot open the dashboard")
-    return exe
-
-
 def _browse(exe: str, *args: str) -> subprocess.CompletedProcess:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--disable-dev-shm-usage"]
     return subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.vllm
-def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
-    exe = _chromium()
+@pytest.mark.services
+def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, chromium, tmp_path):
+    exe = chromium
     intents = json.loads((BIGBENCH / "intent_recognition" / "task.json").read_text())["examples"]
     facts = json.loads((BIGBENCH / "strategyqa" / "task.json").read_text())["examples"]
     triage = {"intent": Choice(instructions="Which intent?", criteria=dict.fromkeys(intents[0]["target_scores"])),
@@ -281,7 +275,7 @@ def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
     dom.feed(dom_text)
     (banner,) = dom.find(ident="model-banner")
     assert banner["data-near-chance"] == "true"
-    banner_text = re.search(r'id="model-banner".*?</div>', dom_text, re.S).group(0)
+    banner_text = re.search(r'id="model-banner".*?</div>', dom_text, re.DOTALL).group(0)
     assert "tiny-dgemma" in banner_text and "near chance" in banner_text
     assert sorted(a["data-node"] for a in dom.find("section", cls="node")) == ["fact_check", "triage"]
     sections = re.split(r'<section class="node"', dom_text)[1:]
@@ -291,11 +285,11 @@ def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
         assert re.search(r'<rect class="seg (canvas|reread|escalated|fallback)"', section)
     assert len(dom.find("svg", cls="latency-bars")) == 1
     assert len(dom.find("table", ident="latency")) == 1
-    uncertain = re.search(r'<table id="uncertain">.*?</table>', dom_text, re.S).group(0)
+    uncertain = re.search(r'<table id="uncertain">.*?</table>', dom_text, re.DOTALL).group(0)
     assert uncertain.count("<tr>") - 1 == 12
     escalated = sum(d.path == "escalated" for d in report.decisions)
     rate = f"{escalated / len(report.decisions):.0%}"
-    assert re.search(rf'id="kpi-escalation".*?<div class="v">{rate}</div>', dom_text, re.S)
+    assert re.search(rf'id="kpi-escalation".*?<div class="v">{rate}</div>', dom_text, re.DOTALL)
     assert not dom.find("script")
 
 
@@ -370,7 +364,7 @@ def test_the_graph_shadow_and_edge_traffic_from_a_real_run(tmp_path):
                      page)
     assert 'data-source="check" data-target="tech" data-traffic="0"' in page  # drawn, never taken
     assert re.search(r'<table id="shadow">.*?<td data-nix="\d">triage</td><td class="num">5</td>.*?60%.*?40%',
-                     page, re.S)
+                     page, re.DOTALL)
 
 
 def test_cache_hits_and_a_graph_passed_on_the_command_line(tmp_path, capsys, monkeypatch):
@@ -395,8 +389,9 @@ def test_cache_hits_and_a_graph_passed_on_the_command_line(tmp_path, capsys, mon
     assert "module:attr" in capsys.readouterr().err
 
 
-def test_the_graph_page_in_chromium_filters_on_a_click(tmp_path):
-    exe = _chromium()
+@pytest.mark.services
+def test_the_graph_page_in_chromium_filters_on_a_click(chromium, tmp_path):
+    exe = chromium
     spans_file = tmp_path / "spans.jsonl"
     _graph_run(spans_file)
     html_file = tmp_path / "report.html"
@@ -425,7 +420,8 @@ def test_the_graph_page_in_chromium_filters_on_a_click(tmp_path):
     probed.write_text(page.replace("</body>", probe + "</body>"))
     dumped = _browse(exe, "--dump-dom", "--virtual-time-budget=3000", probed.as_uri())
     assert dumped.returncode == 0, dumped.stderr[-2000:]
-    seen = json.loads(html_module_unescape(re.search(r'<pre id="probe">(.*?)</pre>', dumped.stdout, re.S).group(1)))
+    probe = re.search(r'<pre id="probe">(.*?)</pre>', dumped.stdout, re.DOTALL)
+    seen = json.loads(html_module_unescape(probe.group(1)))
     assert seen["hash"] == f"#only-{nix}"
     assert seen["sections"] == ["check"]
     assert seen["uncertain"] and set(seen["uncertain"]) == {"check"}
