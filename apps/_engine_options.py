@@ -23,6 +23,7 @@ def open_engine(args: argparse.Namespace) -> Engine:
     """The engine the options name: the vLLM server(s), else the embedded model."""
     if args.engine_url:
         return VLLMServerEngine(args.engine_url, model=args.served_model, api_key=os.environ.get(args.api_key_env))
-    from canvasroute.engine import embedded_engine
+    from canvasroute.engine import TransformersEngine, embedded_engine
 
-    return embedded_engine()
+    engine: TransformersEngine = embedded_engine()  # typed Any there: transformers loads only when called
+    return engine

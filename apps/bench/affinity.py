@@ -37,7 +37,7 @@ def metrics(urls: list[str]) -> dict[str, float]:
     return out
 
 
-async def _mode(urls: list[str], affinity: bool, decisions: int) -> dict[str, float | int | str]:
+async def _mode(urls: list[str], affinity: bool, decisions: int) -> dict[str, float | int | str | None]:
     engine = VLLMServerEngine(urls, affinity=affinity, timeout=120)
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.0, rereads=REREADS))
     nonce = uuid.uuid4().hex[:12]

@@ -229,7 +229,7 @@ async def _profiled(url: str, read: CanvasRead, c: int, n: int) -> dict[str, Any
 
 def _decode_cost(body: bytes, repeat: int = 200) -> dict[str, float]:
     """Microseconds to decode one response body, with json and (if installed) orjson."""
-    decoders = {"json": json.loads}
+    decoders: dict[str, Callable[[bytes], Any]] = {"json": json.loads}
     try:
         import orjson
     except ImportError:

@@ -42,7 +42,8 @@ REQUEST: dict[str, Any] = {
     },
 }
 """The 3-question request both gateways answer (a state per call is added)."""
-SETTINGS = {"auto": {"samples": "auto", "auto_max": 4, "auto_threshold": 0.1}, "one read": {"samples": 1}}
+SETTINGS: dict[str, dict[str, Any]] = {"auto": {"samples": "auto", "auto_max": 4, "auto_threshold": 0.1},
+                                     "one read": {"samples": 1}}
 """Equal read settings sent to both: vLLM's gateway's default (`auto`), and exactly one read."""
 LEVELS = (1, 8)
 TARGETS = {"latency c=1": 0.9, "latency c=8": 0.9, "calls/s c=8": 1.1}
@@ -122,7 +123,8 @@ class _Serve:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"canvasroute serve exited: {self.proc.stderr.read()[-500:]}")
+                err = self.proc.stderr.read() if self.proc.stderr is not None else ""
+                raise RuntimeError(f"canvasroute serve exited: {err[-500:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     return url

@@ -133,7 +133,10 @@ def escalation_target(url: str, model: str) -> Any:
 
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    return ChatOpenAI(base_url=base, model=model, api_key=os.environ.get("CANVASROUTE_ESCALATE_API_KEY", "EMPTY"),
+    from pydantic import SecretStr
+
+    key = SecretStr(os.environ.get("CANVASROUTE_ESCALATE_API_KEY", "EMPTY"))
+    return ChatOpenAI(base_url=base, model=model, api_key=key,
                       logprobs=True, top_logprobs=5, temperature=0, max_retries=1, timeout=120)
 
 

@@ -28,9 +28,12 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from .guided import enum_fields, guided_tokens
+
+if TYPE_CHECKING:
+    from starlette.responses import JSONResponse
 
 __all__ = ["ARServer", "create_app", "load_smollm2"]
 
@@ -56,8 +59,7 @@ def load_smollm2() -> tuple[Any, Any]:
     target = cache_dir()
     if not (target / "config.json").is_file():
         run_sync(embedded_engine().aclose())  # builds the cache
-    model = AutoModelForCausalLM.from_pretrained(target)
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(target)  # in eval mode, as from_pretrained leaves it
     return model, AutoTokenizer.from_pretrained(target)
 
 
@@ -200,7 +202,7 @@ def _entry(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def _error(status: int, message: str) -> Any:
+def _error(status: int, message: str) -> JSONResponse:
     from starlette.responses import JSONResponse
 
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
@@ -244,7 +246,8 @@ class ARServer:
     @property
     def requests(self) -> Sequence[dict[str, Any]]:
         """Every request body the server received, in order."""
-        return self.app.state.requests
+        received: list[dict[str, Any]] = self.app.state.requests
+        return received
 
 
 def main() -> None:

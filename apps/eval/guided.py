@@ -64,7 +64,7 @@ def guided_tokens(model: Any, tokenizer: Any, prompt_ids: Any,
             return total
 
         def encode(text: str) -> list[int]:
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
         for i, (key, options) in enumerate(fields):
             feed(encode(("{" if i == 0 else ", ") + json.dumps(key) + ": "))

@@ -28,6 +28,7 @@ from typing import Any
 from canvasroute.engine import Engine, EscalationError
 from canvasroute.router import (
     CanvasDecisionModel,
+    CanvasResponse,
     Escalated,
     GatePolicy,
     escalate,
@@ -144,16 +145,17 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
     async def decide(n: int, row: Row) -> None:
         async with slots:
             start = time.perf_counter()
+            resp: CanvasResponse | None = None
             try:
-                resp = await model.adecide(row.state, row.questions)
+                answered = await model.adecide(row.state, row.questions)
             except EscalationError:
                 cascade.failures += 1
                 cascade.add(time.perf_counter() - start, None)
-                resp = None
             else:
-                cascade.add(time.perf_counter() - start, resp.usage)
-                cascade.reads += resp.canvas_reads
-                escalated = [r for r in resp.reads.values() if r.escalation_model is not None]  # abstained too
+                resp = answered
+                cascade.add(time.perf_counter() - start, answered.usage)
+                cascade.reads += answered.canvas_reads
+                escalated = [r for r in answered.reads.values() if r.escalation_model is not None]  # abstained too
                 cascade.escalations += len(escalated)
                 cascade.target_calls += bool(escalated)
         for qid in row.gold:

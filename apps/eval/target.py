@@ -65,10 +65,12 @@ def open_target(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def _chat(base_url: str, model: str, api_key: str, timeout: float, **extra: Any) -> Any:
+    from pydantic import SecretStr
+
     try:
         from langchain_openai import ChatOpenAI
     except ImportError as exc:
         raise CalibrationError("an OpenAI-compatible target needs langchain-openai",
                                hint="pip install 'canvasroute[openai]'") from exc
-    return ChatOpenAI(base_url=base_url, model=model, api_key=api_key, logprobs=True, top_logprobs=5,
+    return ChatOpenAI(base_url=base_url, model=model, api_key=SecretStr(api_key), logprobs=True, top_logprobs=5,
                       temperature=0, max_retries=1, timeout=timeout, **extra)

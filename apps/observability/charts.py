@@ -63,7 +63,7 @@ def _stacked(columns: Sequence[Mapping[str, float]], x_labels: Sequence[str], *,
     out = [_y_axis(y_max, fmt, ticks)]
     for i, col in enumerate(columns):
         x = _PAD_L + i * step + (step - bar) / 2
-        y = _H - _PAD_B
+        y = float(_H - _PAD_B)
         for path in PATHS:
             v = col.get(path, 0.0)
             if v <= 0 or y_max <= 0:

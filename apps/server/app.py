@@ -47,7 +47,7 @@ from contextlib import asynccontextmanager
 from datetime import date
 from typing import Any
 
-from langchain_core.decisions import BaseDecisionModel
+from langchain_core.decisions import BaseDecisionModel, ClassifierResponse
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.applications import Starlette
@@ -59,6 +59,7 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from canvasroute.engine import forward_headers
+from canvasroute.router import CanvasDecisionModel
 from canvasroute.router import telemetry as tm
 
 from .body import ClientGone, read_body, request_parts
@@ -92,7 +93,7 @@ _EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "marg
 
 
 def _answer_json(answer: Any, report: Any) -> dict[str, Any]:
-    out = answer.model_dump(mode="json")
+    out: dict[str, Any] = answer.model_dump(mode="json")
     if out["type"] == "noul":  # vLLM's gateway also reports these for a noul
         p = out["noul"]
         out["probabilities"] = {"yes": p, "no": 1.0 - p}
@@ -204,9 +205,10 @@ def create_app(
         engine = getattr(model, "engine", None)
         return public_name((await engine.info()).model if engine is not None else model.model)
 
-    async def decide(parsed: Parsed) -> tuple[Any, dict[str, Any]]:
+    async def decide(parsed: Parsed) -> tuple[ClassifierResponse, dict[str, Any]]:
         ext = parsed.extensions
-        if getattr(model, "engine", None) is not None:  # a canvas model: seed, thread and the gateway's keys reach it
+        resp: ClassifierResponse
+        if isinstance(model, CanvasDecisionModel):  # a canvas model: seed, thread and the gateway's keys reach it
             policy = request_policy(model.policy, ext.policy) if ext.policy else None
             resp = await model.adecide(parsed.state, parsed.questions, seed=parsed.seed, thread_id=parsed.thread_id,
                                        policy=policy, **ext.options)

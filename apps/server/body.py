@@ -118,7 +118,7 @@ try:  # zstd (what typesafe-sdk sends when zstd is available): Python 3.14+ or b
     try:
         from compression.zstd import ZstdDecompressor  # type: ignore[import-not-found]
     except ImportError:
-        from backports.zstd import ZstdDecompressor  # type: ignore[import-not-found,no-redef]
+        from backports.zstd import ZstdDecompressor  # type: ignore[import-not-found]
 
     _DECODERS["zstd"] = lambda data, max_length: ZstdDecompressor().decompress(data, max_length)
 except ImportError:

@@ -37,7 +37,7 @@ class Limits:
 
     def describe(self) -> str:
         """One line per bound (for `--help` and docs)."""
-        return "; ".join(f"{name}={getattr(self, name):g}" for name in self.__slots__)  # type: ignore[attr-defined]
+        return "; ".join(f"{name}={getattr(self, name):g}" for name in self.__slots__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -58,8 +58,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if getattr(record, "request_id", None) is not None:
-            out["request_id"] = record.request_id
+        if (request_id := getattr(record, "request_id", None)) is not None:
+            out["request_id"] = request_id
         out.update({k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")})
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)

@@ -73,7 +73,7 @@ class Metrics:
         self.rejections = Counter("canvasroute_server_rejections", "Requests and connections turned away",
                                   ["reason"], registry=r)
         self.connections = Gauge("canvasroute_server_connections", "Open client connections", registry=r)
-        r.register(_GateCollector(gate))  # type: ignore[arg-type]
+        r.register(_GateCollector(gate))
 
     def decided(self, reads: Mapping[str, Any]) -> None:
         """Count each question of an answered decision set by its path."""

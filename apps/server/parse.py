@@ -31,7 +31,7 @@ from .wire import Refusal, from_exception, malformed
 
 __all__ = ["Parsed", "parse_request"]
 
-_QUESTION_TYPES = {"noul": Noul, "choice": Choice, "score": Score}
+_QUESTION_TYPES: dict[str, type[Noul | Choice | Score]] = {"noul": Noul, "choice": Choice, "score": Score}
 _QUESTION_KEYS = {"type", "instructions", "criteria", *QUESTION_KEYS}
 _REQUEST_KEYS = {"model", "state", "questions", "seed", "thread_id", *GATEWAY_KEYS}
 _MEDIA_FIELDS = ("assets", "audio", "videos")
@@ -206,7 +206,7 @@ def _check_sizes(state: Any, shaped: dict[str, dict[str, Any]], limits: Limits) 
         if _chars(q["instructions"]) > limits.max_text_chars:
             raise Refusal(422, "text_too_long", f"question {qid!r}: instructions over {limits.max_text_chars} "
                           "characters", loc=(*where, "instructions"))
-        criteria = q.get("criteria")
+        criteria = q.get("criteria") or ()
         if q["type"] == "choice" and len(criteria) > limits.max_options:
             raise Refusal(422, "too_many_options", f"question {qid!r}: {len(criteria)} options; at most "
                           f"{limits.max_options}", loc=(*where, "criteria"))

@@ -41,7 +41,7 @@ def guarded_protocol(limits: ConnectionLimits, metrics: Any) -> type:
     slow = _refusal(408, "Request Timeout", "head_timeout",
                     f"the request head did not arrive within {limits.head_timeout:g}s")
 
-    class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
+    class GuardedProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _head_started = False
 
@@ -99,18 +99,18 @@ def server(app: Any, *, host: str, port: int, limits: ConnectionLimits | None = 
     """A uvicorn server for `app` (from `create_app`) with `limits` and the app's drain on shutdown."""
     import uvicorn
 
-    limits = limits or ConnectionLimits()
+    bounds = limits or ConnectionLimits()
     drain = app.state.drain
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
-            drain.begin(limits.shutdown_timeout)
+            drain.begin(bounds.shutdown_timeout)
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config,
-                            access_log=False, http=guarded_protocol(limits, app.state.metrics),
-                            timeout_keep_alive=limits.keep_alive,  # type: ignore[arg-type]
-                            timeout_graceful_shutdown=math.ceil(limits.shutdown_timeout) + 1)
+                            access_log=False, http=guarded_protocol(bounds, app.state.metrics),
+                            timeout_keep_alive=bounds.keep_alive,  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=math.ceil(bounds.shutdown_timeout) + 1)
     return DrainingServer(config)
 
 
