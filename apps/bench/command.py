@@ -18,6 +18,9 @@ Every figure is a ratio or a distribution measured side by side in one run:
 9. `gateway`      `canvasroute serve` vs vLLM's reference gateway (`--gateway-url`) in front of
                   the same vLLM server (`--vllm-url`): latency, calls/s and vLLM reads per call
                   at c=1 and c=8, interleaved; and the library path (skipped without both).
+10. `structure`   library modules entered, hops between modules and returns to a module
+                  already left, in one warm `decision_node` run and one `decide` (a count, not
+                  a time), beside `httpx.Client.get`.
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -39,7 +42,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway")
+            "gateway", "structure")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         "inprocess": lambda: _inprocess(args.quick),
         "clients": lambda: _clients(args.quick),
         "gateway": lambda: _gateway(args.gateway_url, args.vllm_url, args.quick),
+        "structure": lambda: _structure(args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -147,3 +151,8 @@ def _clients(quick: bool) -> Section:
 def _gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Section:
     from .gateway import run_gateway
     return run_gateway(reference, vllm_url, quick)
+
+
+def _structure(quick: bool) -> Section:
+    from .structure import run_structure
+    return run_structure(quick)
