@@ -3,8 +3,9 @@
 # The suite starts its own real vLLM CPU server; set CANVASROUTE_VLLM_URL to reuse a running one.
 #   scripts/test.sh [PYTEST ARGS...]          everything (what CI runs)
 #   scripts/test.sh --fast [PYTEST ARGS...]   the inner loop: no vLLM server, no PostgreSQL, Phoenix,
-#                                             `langgraph dev` or Chromium, no wheel build; the vLLM venv
-#                                             and Chromium are not provisioned (-m "not vllm and not services")
+#                                             `langgraph dev` or Chromium, no wheel build, no test over
+#                                             ~20 s; the vLLM venv and Chromium are not provisioned
+#                                             (-m "not vllm and not services and not slow")
 # Either way pytest reports its 25 slowest tests and the time per marker group, and the last line
 # says how long the whole command took.
 set -euo pipefail
@@ -26,7 +27,7 @@ if [ "$fast" = 0 ]; then
   fi
   select=()
 else
-  select=(-m "not vllm and not services")
+  select=(-m "not vllm and not services and not slow")
 fi
 status=0
 .venv/bin/python -m pytest -q -rs --durations=25 "${select[@]}" "$@" || status=$?

@@ -4,10 +4,10 @@ The integration suite starts its own vLLM server (scripts/vllm_cpu.sh) unless
 CANVASROUTE_VLLM_URL points at a running one. When the server cannot be provisioned the
 vLLM tests skip with the reason, and fail under CI=true.
 
-Markers (pyproject.toml) say what a test needs beyond this process; a test taking a fixture
-of `NEEDS_MARKER` without its marker refuses the run, so `-m "not vllm and not services"`
-(scripts/test.sh --fast) never starts a server. The end of the run prints the time spent per
-marker group.
+Markers (pyproject.toml) say what a test needs beyond this process, or that it is slow; a test
+taking a fixture of `NEEDS_MARKER` without its marker refuses the run, so `-m "not vllm and not
+services and not slow"` (scripts/test.sh --fast) never starts a server. The end of the run prints
+the time spent per marker group.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm", "smol": "smollm",
                 "installed": "services"}
 """Fixture -> the marker every test using it must carry, so `-m "not vllm"` never provisions vLLM and
 `-m "not services"` starts no PostgreSQL, LangGraph Server, Phoenix or Chromium and builds no wheel."""
-GROUPS = ("vllm", "services", "smollm")
+GROUPS = ("vllm", "services", "smollm", "slow")
 """The markers the end-of-run summary adds time up by (a test with none is `unmarked`)."""
 
 

@@ -76,6 +76,7 @@ def ar_server(smol):
         yield server
 
 
+@pytest.mark.slow
 @pytest.mark.smollm
 def test_the_demo_escalates_to_an_openai_compatible_ar_server(ar_server, tmp_path, capsys):
     trace = tmp_path / "demo.jsonl"

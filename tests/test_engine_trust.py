@@ -282,6 +282,7 @@ async def test_real_server_specials_are_discovered_and_inert(vllm_url):
     await engine.aclose()
 
 
+@pytest.mark.slow
 @pytest.mark.smollm
 async def test_embedded_smollm_added_tokens_are_inert(smol):
     info = await smol.info()

