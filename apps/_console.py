@@ -32,7 +32,11 @@ def progress(total: int, label: str, *, unit: str = "rows", stream: TextIO | Non
     stream = stream or sys.stderr
     if not is_terminal(stream):
         done, start = [0], time.perf_counter()
-        yield lambda n=1: done.__setitem__(0, done[0] + n)
+
+        def count(n: int = 1) -> None:
+            done[0] += n
+
+        yield count
         print(f"{label}: {done[0]}/{total} {unit} in {time.perf_counter() - start:.1f} s", file=stream, flush=True)
         return
     from rich.console import Console
@@ -49,7 +53,11 @@ def progress(total: int, label: str, *, unit: str = "rows", stream: TextIO | Non
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(file=stream), transient=False) as bar:
         task = bar.add_task(label, total=total)
-        yield lambda n=1: bar.advance(task, n)
+
+        def advance(n: int = 1) -> None:
+            bar.advance(task, n)
+
+        yield advance
 
 
 def say(line: str, stream: TextIO | None = None) -> None:
@@ -67,7 +75,10 @@ def say(line: str, stream: TextIO | None = None) -> None:
 def plain_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, indent: str = "   ") -> list[str]:
     """Left-aligned text columns, one line per row, a header line first."""
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
-    line = lambda cells: indent + "  ".join(v.ljust(w) for v, w in zip(cells, widths, strict=True))  # noqa: E731
+
+    def line(cells: Sequence[str]) -> str:
+        return indent + "  ".join(v.ljust(w) for v, w in zip(cells, widths, strict=True))
+
     return [line(columns), *(line(r) for r in rows)]
 
 

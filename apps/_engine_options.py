@@ -26,4 +26,5 @@ def open_engine(args: argparse.Namespace) -> Engine:
         return VLLMServerEngine(connection, model=args.served_model)
     from canvasroute.engine import embedded_engine
 
-    return embedded_engine()
+    engine: TransformersEngine = embedded_engine()  # typed Any there: transformers loads only when called
+    return engine

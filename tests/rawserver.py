@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 import httptools
 
@@ -21,6 +23,16 @@ def ok(body: bytes = b'{"ok": 1}', *headers: str) -> bytes:
 def closes(reply: bytes) -> bool:
     """Whether the server hangs up after this reply."""
     return b"connection: close" in reply.lower() or reply.startswith(b"HTTP/1.0")
+
+
+async def loopback_delivered() -> None:
+    """Return once the client's protocols have read what the server already wrote to them.
+
+    Bytes written on a loopback socket are in the peer's receive buffer when `write` returns;
+    the event loop reports them on its next pass and runs their read callback in that pass,
+    after what was already queued (this task's own wake-up): two passes at most, no clock involved."""
+    for _ in range(2):
+        await asyncio.sleep(0)
 
 
 CLOSE = None
@@ -86,7 +98,9 @@ class _Requests:
 
 class RawServer:
     """Serves the script; keeps every request (`heads`: request line and headers as received,
-    `bodies`), counts connections, hang-ups and bytes flooded."""
+    `bodies`), counts connections, hang-ups, connections it is done with (`closed`), stray
+    bytes sent (`strays`) and bytes flooded. `until` waits for any of them, on the event
+    each change signals: tests order themselves on what the server did, never on a sleep."""
 
     def __init__(self, *replies: bytes | Later | Flood | Hold | None, tls: ssl.SSLContext | None = None) -> None:
         self.tls = tls
@@ -95,9 +109,22 @@ class RawServer:
         self.bodies: list[bytes] = []
         self.connections = 0
         self.hangups = 0
+        self.closed = 0
+        self.strays = 0
         self.flooded = 0
+        self._changed = asyncio.Condition()
 
-    async def __aenter__(self) -> RawServer:
+    async def until(self, check: Callable[[], bool], within: float = 10.0) -> None:
+        """Wait until `check()` holds, re-checked after each request read, stray write or closed
+        connection; `TimeoutError` after `within` seconds."""
+        async with asyncio.timeout(within), self._changed:
+            await self._changed.wait_for(check)
+
+    async def _changed_now(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def __aenter__(self) -> Self:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
         scheme = "https" if self.tls else "http"
         self.url = f"{scheme}://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
@@ -115,6 +142,7 @@ class RawServer:
         head, body = seen.done.pop(0)
         self.heads.append(head)
         self.bodies.append(body)
+        await self._changed_now()
         return True
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -145,6 +173,8 @@ class RawServer:
                     await asyncio.sleep(reply.delay)
                     writer.write(reply.stray)
                     await writer.drain()
+                    self.strays += 1
+                    await self._changed_now()
                     continue
                 writer.write(reply)
                 await writer.drain()
@@ -155,3 +185,5 @@ class RawServer:
             self.hangups += 1
         finally:
             writer.close()
+            self.closed += 1
+            await self._changed_now()

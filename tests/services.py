@@ -2,8 +2,9 @@
 
 Each is a session-scoped fixture that starts the service on a free loopback port in a
 temporary folder and stops it afterwards. A service that cannot start skips its tests
-locally and fails them under CI=true (`conftest.unavailable`). Import the fixtures into a
-test module with `from services import postgres_dsn` (pytest then finds them there).
+locally and fails them under CI=true (`conftest.unavailable`). conftest loads this module as a
+plugin (`pytest_plugins`), so every test module can ask for these fixtures by name; a test that
+does must carry `@pytest.mark.services` (conftest refuses the run otherwise).
 
 Startup costs measured on a shared 2-core box: PostgreSQL 1.5-2 s (initdb with fsync off,
 then start); `langgraph dev` 1.6-3 s (graphs import lazily); Phoenix 14 s idle, 24-37 s
@@ -71,6 +72,18 @@ def stop(proc: subprocess.Popen | None, timeout: float = 10) -> None:
         proc.wait(5)
     except ProcessLookupError:
         pass
+
+
+# -- Chromium ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The headless Chromium that opens the dashboard (scripts/test.sh installs it when run as root)."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        unavailable("chromium is not installed (apt-get install -y chromium): cannot open the dashboard")
+    return exe
 
 
 # -- PostgreSQL ----------------------------------------------------------------------------
@@ -195,8 +208,11 @@ def langgraph_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LangG
     wait_for(lambda: httpx.get(f"{url}/ok", timeout=2).status_code == 200, proc, 120, "langgraph dev", log)
     # graphs are registered after /ok answers; wait until every one is listed
     wanted = set(config["graphs"])
-    wait_for(lambda: wanted <= {a["graph_id"] for a in httpx.post(f"{url}/assistants/search", json={"limit": 100},
-                                                                  timeout=5).json()}, proc, 60, "graph registration", log)
+    def registered() -> bool:
+        found = httpx.post(f"{url}/assistants/search", json={"limit": 100}, timeout=5).json()
+        return wanted <= {a["graph_id"] for a in found}
+
+    wait_for(registered, proc, 60, "graph registration", log)
     server = LangGraphServer(url, log, time.monotonic() - started)
     print(f"\n[services] langgraph dev ready in {server.startup_s:.1f}s at {url}")
     try:

@@ -37,7 +37,7 @@ class Big:
 
     def _reply(self, messages):
         self.prompts.append(messages[-1].content)
-        asked = re.findall(r'^Question "([^"]+)"', messages[-1].content, re.M)
+        asked = re.findall(r'^Question "([^"]+)"', messages[-1].content, re.MULTILINE)
         return AIMessage(json.dumps({q: self.answers[q] for q in asked}))
 
 

@@ -154,7 +154,7 @@ async def test_a_question_that_cannot_fit_the_canvas_alone_is_input_too_long():
 
 
 def _choice(names) -> Choice:
-    return Choice(instructions="Pick one", criteria={n: None for n in names})
+    return Choice(instructions="Pick one", criteria=dict.fromkeys(names))
 
 
 UNASKABLE = {

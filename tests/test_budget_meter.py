@@ -46,7 +46,7 @@ class Target:
         text = messages[-1].content
         if "fail" in text:
             raise RuntimeError("target down")
-        asked = re.findall(r'^Question "([^"]+)"', text, re.M)
+        asked = re.findall(r'^Question "([^"]+)"', text, re.MULTILINE)
         self.escalated += asked
         return AIMessage(json.dumps({q: {"team": "tech", "urgent": "yes"}[q] for q in asked}))
 

@@ -129,7 +129,7 @@ def test_thresholds_for_target_escalation_and_accuracy():
 
 
 def test_calibrate_builds_a_policy_that_round_trips(tmp_path):
-    rows = _synthetic(400, 2.0, seed=5) + [Labelled(question_id="rare", probabilities=(0.5, 0.5), gold=0)]
+    rows = [*_synthetic(400, 2.0, seed=5), Labelled(question_id="rare", probabilities=(0.5, 0.5), gold=0)]
     result = calibrate(rows, base=GatePolicy(rereads=1, min_margin=0.1), target_escalation=0.2)
     q = result.policy.for_question("q")
     assert q.temperature == result.questions["q"].temperature.temperature and 1.6 < q.temperature < 2.5

@@ -296,6 +296,7 @@ print(json.dumps([node.cache_key(state), decision_seed("triage", "node", {"team"
 """
 
 
+@pytest.mark.slow
 def test_07_node_cache_keys_and_seeds_are_the_same_in_every_process():
     """Workers sharing a cache share its hits: the key (and the seed) of the same decision
     is the same under any hash randomisation (sets in depends_on and in the state)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import pytest
-from conftest import ROOT, fresh_tracer_provider, label_rows, unavailable
+from conftest import ROOT, fresh_tracer_provider, label_rows
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -230,21 +230,15 @@ class _Dom(HTMLParser):
                 and (cls is None or cls in a.get("class", "").split())]
 
 
-def _chromium() -> str:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        unavailable("chromium is not installed (apt-get install -y chromium): cannot open the dashboard")
-    return exe
-
-
 def _browse(exe: str, *args: str) -> subprocess.CompletedProcess:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--disable-dev-shm-usage"]
     return subprocess.run([exe, *flags, *args], check=False, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.vllm
-def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, tmp_path):
-    exe = _chromium()
+@pytest.mark.services
+def test_dashboard_from_a_real_vllm_trace_in_chromium(vllm_url, chromium, tmp_path):
+    exe = chromium
     intents = json.loads((BIGBENCH / "intent_recognition" / "task.json").read_text())["examples"]
     facts = json.loads((BIGBENCH / "strategyqa" / "task.json").read_text())["examples"]
     triage = {"intent": Choice(instructions="Which intent?", criteria=dict.fromkeys(intents[0]["target_scores"])),
@@ -395,8 +389,9 @@ def test_cache_hits_and_a_graph_passed_on_the_command_line(tmp_path, capsys, mon
     assert "module:attr" in capsys.readouterr().err
 
 
-def test_the_graph_page_in_chromium_filters_on_a_click(tmp_path):
-    exe = _chromium()
+@pytest.mark.services
+def test_the_graph_page_in_chromium_filters_on_a_click(chromium, tmp_path):
+    exe = chromium
     spans_file = tmp_path / "spans.jsonl"
     _graph_run(spans_file)
     html_file = tmp_path / "report.html"
@@ -425,7 +420,8 @@ def test_the_graph_page_in_chromium_filters_on_a_click(tmp_path):
     probed.write_text(page.replace("</body>", probe + "</body>"))
     dumped = _browse(exe, "--dump-dom", "--virtual-time-budget=3000", probed.as_uri())
     assert dumped.returncode == 0, dumped.stderr[-2000:]
-    seen = json.loads(html_module_unescape(re.search(r'<pre id="probe">(.*?)</pre>', dumped.stdout, re.DOTALL).group(1)))
+    probe = re.search(r'<pre id="probe">(.*?)</pre>', dumped.stdout, re.DOTALL)
+    seen = json.loads(html_module_unescape(probe.group(1)))
     assert seen["hash"] == f"#only-{nix}"
     assert seen["sections"] == ["check"]
     assert seen["uncertain"] and set(seen["uncertain"]) == {"check"}

@@ -37,7 +37,8 @@ async def test_rereads_are_per_chunk():
     per_chunk: dict[str, int] = {}
     for read in engine.reads:
         per_chunk[read.messages[0]["content"]] = per_chunk.get(read.messages[0]["content"], 0) + 1
-    assert len(per_chunk) == 2 and sorted(per_chunk.values()) == [2, 4]  # 1 + 1 re-read, 1 + 3 re-reads (not 1 + 3 for both)
+    # 1 + 1 re-read, 1 + 3 re-reads (not 1 + 3 for both)
+    assert len(per_chunk) == 2 and sorted(per_chunk.values()) == [2, 4]
     assert resp.canvas_reads == 6 and engine.calls == 2
     assert (resp.reads["team"].reads, resp.reads["urgent"].reads) == (2, 4)
 
@@ -87,10 +88,10 @@ async def test_usage_reaches_langsmith_through_the_public_hooks_with_request_key
     import langchain_core.decisions.base as base
 
     class Run:
-        extra: dict = {}
+        def __init__(self) -> None:
+            self.extra: dict[str, object] = {}
 
     run = Run()
-    run.extra = {}
     monkeypatch.setattr(base, "get_current_run_tree", lambda: run)
 
     engine = FunctionEngine(uncertain)

@@ -72,11 +72,12 @@ def test_escalate_url_and_model_go_together(capsys):
 
 
 @pytest.fixture(scope="module")
-def ar_server():
-    with smollm2_ar_server(max_new_tokens=40) as server:
+def ar_server(smol):
+    with smollm2_ar_server(smol, max_new_tokens=40) as server:
         yield server
 
 
+@pytest.mark.slow
 @pytest.mark.smollm
 def test_the_demo_escalates_to_an_openai_compatible_ar_server(ar_server, tmp_path, capsys):
     trace = tmp_path / "demo.jsonl"
@@ -148,8 +149,9 @@ def test_console_stream_and_dashboard_count_the_same(tmp_path, capsys):
 def test_tally_counts_paths_and_the_gate_from_reports():
     """`Tally` over real `ReadReport`s: every path counted, over-the-gate counted whatever path
     followed (an escalation included), the gate in words; a path it does not know is refused."""
-    engine = FunctionEngine(lambda read: [{i: 0.0 for i in read.label_ids}] * len(read.slots))  # uniform: unsure
-    model = CanvasDecisionModel(engine=engine, escalate_to=GenericFakeChatModel(messages=itertools.cycle([AIMessage('{"team": "b"}')])), policy=GatePolicy(
+    engine = FunctionEngine(lambda read: [dict.fromkeys(read.label_ids, 0.0)] * len(read.slots))  # uniform: unsure
+    target = GenericFakeChatModel(messages=itertools.cycle([AIMessage('{"team": "b"}')]))
+    model = CanvasDecisionModel(engine=engine, escalate_to=target, policy=GatePolicy(
         rereads=0, per_question={"urgent": GatePolicy(max_normalized_entropy=None, rereads=0)}))
     resp = model.decide("My app crashes", {"urgent": Noul(instructions="Urgent?"),
                                            "team": Choice(instructions="Team?", criteria={"a": None, "b": None})})

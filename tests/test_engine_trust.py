@@ -251,7 +251,7 @@ async def assert_specials_are_inert(engine, prompt_ids) -> int:
 
 
 async def test_function_engine_specials_in_state_and_questions_are_inert():
-    engine = FunctionEngine(lambda read: [{i: -1.0 for i in read.label_ids}] * len(read.slots))
+    engine = FunctionEngine(lambda read: [dict.fromkeys(read.label_ids, -1.0)] * len(read.slots))
 
     async def prompt_ids(messages):
         return [t for m in messages for t in await engine.tokenize(m["content"])]
@@ -288,11 +288,9 @@ async def test_real_server_specials_are_discovered_and_inert(vllm_url):
     await engine.aclose()
 
 
+@pytest.mark.slow
 @pytest.mark.smollm
-async def test_embedded_smollm_added_tokens_are_inert():
-    import canvasroute.engine as engine_pkg
-
-    smol = engine_pkg.embedded_engine()
+async def test_embedded_smollm_added_tokens_are_inert(smol):
     info = await smol.info()
     added = {str(t.content) for t in smol.tokenizer.added_tokens_decoder.values()}
     assert added <= set(info.special_tokens) and len(added) >= 17
@@ -302,4 +300,3 @@ async def test_embedded_smollm_added_tokens_are_inert():
                                                        tokenize=True, return_dict=False))
 
     assert await assert_specials_are_inert(smol, prompt_ids) >= 17
-    await smol.aclose()

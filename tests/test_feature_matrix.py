@@ -43,6 +43,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any
 
+import pytest
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from langchain_core.decisions import Choice, Noul, Score
@@ -673,6 +674,7 @@ def check_budget(b: Built, runs: list[Run]) -> None:
             assert answered == sum(escalated), (answered, escalated)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(setups())

@@ -98,13 +98,13 @@ class Recorder:
 
     def _reply(self, messages):
         self.calls.append(messages)
-        asked = re.findall(r'^Question "([^"]+)"', messages[-1].content, re.M)
+        asked = re.findall(r'^Question "([^"]+)"', messages[-1].content, re.MULTILINE)
         i, o = self.usage
         return AIMessage(json.dumps({q: self.answers[q] for q in asked}),
                          usage_metadata={"input_tokens": i, "output_tokens": o, "total_tokens": i + o})
 
     def asked(self, call: int = -1) -> list[str]:
-        return re.findall(r'^Question "([^"]+)"', self.calls[call][-1].content, re.M)
+        return re.findall(r'^Question "([^"]+)"', self.calls[call][-1].content, re.MULTILINE)
 
 
 # -- slot_stats and aggregate: hand-computed ------------------------------------------------

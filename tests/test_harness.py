@@ -642,8 +642,8 @@ def test_retry_on_does_not_retry_a_spent_escalation_budget():
                                 outcomes=OutcomePolicy(over_budget="raise"))
     for retry_policy, runs in ((RetryPolicy(retry_on=retry_on, **FAST), 1), (RetryPolicy(**FAST), 3)):
         node_runs = []
-        node = decision_node(model, {"team": TEAM}, inputs=lambda state: node_runs.append(1) or state["ticket"],
-                             route=("team", TEAMS))
+        node = decision_node(model, {"team": TEAM}, route=("team", TEAMS),
+                             inputs=lambda state: node_runs.append(1) or state["ticket"])  # noqa: B023 - run below
         graph = triage_graph(node, checkpointer=InMemorySaver(), retry_policy=retry_policy)
         tid = f"budget-{runs}"
         assert graph.invoke({"ticket": "hm"}, thread(tid))["decisions"]["team"]["path"] == "escalated"
@@ -758,7 +758,7 @@ async def test_route_on_routes_a_conditional_edge_sync_and_async():
     assert out["lane"] == "tech" and engine.calls == 2
     assert engine.reads[0].canvas == engine.reads[1].canvas
     assert not out.get("decisions")  # an edge cannot write state: that is what decision_node is for
-    events = [e for e in graph.stream({"ticket": "Crash"}, stream_mode="custom")]
+    events = list(graph.stream({"ticket": "Crash"}, stream_mode="custom"))
     assert [(e["node"], e["goto"]) for e in events] == [("receive", "tech")]
 
 

@@ -22,8 +22,9 @@ def _state(data: str = PNG) -> list[HumanMessage]:
 
 def test_content_block_shapes_become_urls():
     assert state_images(_state()) == (f"data:image/png;base64,{PNG}", "https://example.test/b.png")
-    legacy = HumanMessage(content=[{"type": "image", "source_type": "base64", "data": "QUJD", "mime_type": "image/jpeg"},
-                                   {"type": "image_url", "image_url": "data:image/gif;base64,R0lG"}])
+    legacy = HumanMessage(content=[
+        {"type": "image", "source_type": "base64", "data": "QUJD", "mime_type": "image/jpeg"},
+        {"type": "image_url", "image_url": "data:image/gif;base64,R0lG"}])
     assert state_images({"messages": [legacy]}) == ("data:image/jpeg;base64,QUJD", "data:image/gif;base64,R0lG")
     assert state_images("plain text") == ()
     with pytest.raises(DecisionError, match="mime_type"):
@@ -71,7 +72,8 @@ async def test_completions_endpoint_and_in_process_engines_refuse_before_any_rea
     assert server.reads == 0
     fake = FunctionEngine(lambda read: pytest.fail("read"))
     with pytest.raises(ImagesUnsupported):
-        await CanvasDecisionModel(engine=fake, escalate_to=None).ainvoke({"state": _state(), "questions": {"team": TEAM}})
+        await CanvasDecisionModel(engine=fake, escalate_to=None).ainvoke(
+            {"state": _state(), "questions": {"team": TEAM}})
     assert fake.reads == []
 
 

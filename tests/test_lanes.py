@@ -88,7 +88,7 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced():
         conn = connection(server.url)
         await conn.request("GET", "/")
         await conn.request("GET", "/")  # the server closes after this reply
-        await asyncio.sleep(0.05)
+        await server.until(lambda: server.closed == 1)
         assert (await conn.request("GET", "/")).data == {"ok": 1}
         await conn.aclose()
     assert server.connections == 2
@@ -100,7 +100,7 @@ async def test_read_timeout_and_cancellation_close_the_connection():
         with pytest.raises(EngineTimeout, match="ReplyTimedOut"):
             await conn.request("GET", "/")
         task = asyncio.create_task(conn.request("GET", "/"))
-        await asyncio.sleep(0.05)
+        await server.until(lambda: len(server.heads) == 2)  # the request is at the (silent) server
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from langgraph.pregel.remote import RemoteGraph
 from langgraph.types import Command
 from langgraph_sdk import get_sync_client
-from services import SLOW_IMPORT_WARNING, LangGraphServer, langgraph_server  # noqa: F401 - fixture
+from services import SLOW_IMPORT_WARNING, LangGraphServer
 
 TICKET = "I was charged twice for my subscription this month. Please refund one payment."
+pytestmark = pytest.mark.services  # `langgraph dev`
 
 
 def test_langgraph_json_graphs_are_served_and_import_fast(langgraph_server: LangGraphServer) -> None:

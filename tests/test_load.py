@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import pytest
 from conftest import fresh_tracer_provider
 from langchain_core.decisions import Choice, Noul, Score
 
@@ -53,6 +54,7 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+@pytest.mark.slow
 async def test_ten_thousand_decisions_at_concurrency_256_with_bounded_memory():
     with spawn() as server, recording_sdk_without_export():
         engine = VLLMServerEngine(Connection(server.url, limits=Limits(max_concurrency=MAX_IN_FLIGHT_REQUESTS),
@@ -87,7 +89,8 @@ async def test_ten_thousand_decisions_at_concurrency_256_with_bounded_memory():
         await asyncio.gather(produce(), *(work() for _ in range(CONCURRENCY)))
         gc.collect()
         rss["end"] = rss_mb()
-        stats = httpx.get(f"{server.url}/_loopback/stats", timeout=5).json()
+        async with httpx.AsyncClient(timeout=5) as http:
+            stats = (await http.get(f"{server.url}/_loopback/stats")).json()
 
         assert outcomes == Counter({"canvas": DECISIONS})  # none lost, none re-read or escalated
         assert sum(answers.values()) == DECISIONS and len(answers) == 1  # fixed rows: one answer
@@ -140,6 +143,7 @@ def test_the_bench_command_reports_its_figures_as_json(capsys):
     assert "--vllm-url" in " ".join(report["sections"]["packing"]["notes"])
 
 
+@pytest.mark.slow
 def test_the_bench_measures_every_http_client_candidate_through_the_same_engine(capsys):
     """`canvasroute bench --quick --only clients` (issue #23): each candidate at each level, CPU beside the choice."""
     from canvasroute.apps.bench.lanes import CLIENTS

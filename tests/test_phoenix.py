@@ -20,7 +20,7 @@ from langchain_core.messages import AIMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from opentelemetry import trace
-from services import Phoenix, phoenix  # noqa: F401 - fixture
+from services import Phoenix
 from typing_extensions import TypedDict
 
 from canvasroute.engine import EngineUnavailable, FunctionEngine
@@ -88,6 +88,7 @@ def _spans(phoenix: Phoenix, project: str, trace_id: str, expected: int) -> list
         time.sleep(0.3)
 
 
+@pytest.mark.services
 def test_a_graph_run_reads_well_in_phoenix(monkeypatch: pytest.MonkeyPatch, phoenix: Phoenix) -> None:
     project, thread = f"canvasroute-{uuid.uuid4().hex[:6]}", f"thread-{uuid.uuid4().hex[:6]}"
     trace_id = _run(monkeypatch, phoenix, project, thread)
@@ -141,6 +142,7 @@ def test_a_graph_run_reads_well_in_phoenix(monkeypatch: pytest.MonkeyPatch, phoe
     assert trace_id in {t["trace_id"] for t in sessions[thread]["traces"]}
 
 
+@pytest.mark.services
 def test_errors_and_recorded_content_in_phoenix(monkeypatch: pytest.MonkeyPatch, phoenix: Phoenix) -> None:
     project, thread = f"canvasroute-{uuid.uuid4().hex[:6]}", f"thread-{uuid.uuid4().hex[:6]}"
     trace_id = _run(monkeypatch, phoenix, project, thread, fail=True, content=True)
@@ -156,6 +158,7 @@ def test_errors_and_recorded_content_in_phoenix(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.vllm
+@pytest.mark.services
 def test_demo_exports_to_phoenix_over_standard_otlp_env(vllm_url: str, phoenix: Phoenix, tmp_path) -> None:
     """`OTEL_EXPORTER_OTLP_ENDPOINT=... canvasroute demo --engine-url ...` (docs/scale-out.md):
     the demo's decisions on the real vLLM server arrive in Phoenix as CHAIN/LLM spans."""

@@ -202,7 +202,7 @@ async def test_the_same_decision_and_seed_think_the_same_thought_and_read_the_sa
 
 
 async def test_think_needs_an_engine_that_writes_thoughts():
-    fake = FunctionEngine(lambda read: [{i: -1.0 for i in read.label_ids}] * len(read.slots))
+    fake = FunctionEngine(lambda read: [dict.fromkeys(read.label_ids, -1.0)] * len(read.slots))
     with pytest.raises(DecisionError, match="think needs an engine"):
         await CanvasDecisionModel(engine=fake).adecide(TICKET, QUESTIONS, read={"think": 8})
     assert fake.reads == []

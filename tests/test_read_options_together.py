@@ -55,7 +55,7 @@ async def test_a_fault_during_fixed_samples_escalates_every_question_it_hit():
         calls.append(read)
         if len(calls) % 3 == 2:  # the second of three samples
             raise EngineUnavailable("vLLM went away")
-        return [{i: -1.0 for i in read.label_ids}] * len(read.slots)
+        return [dict.fromkeys(read.label_ids, -1.0)] * len(read.slots)
 
     target = GenericFakeChatModel(messages=iter([AIMessage(json.dumps({"team": "tech", "urgent": "no"}))]))
     model = CanvasDecisionModel(engine=FunctionEngine(rows), escalate_to=target)
@@ -81,7 +81,7 @@ async def test_samples_spend_no_budget_and_the_gate_still_escalates_after_them()
 
 async def test_samples_with_a_question_read_in_two_steps_and_with_order_views():
     big = Choice(instructions="Which topic?", criteria={f"t{i}": None for i in range(200)})  # > 128 label ids
-    engine = FunctionEngine(lambda read: [{i: -1.0 for i in read.label_ids}] * len(read.slots), canvas_width=64)
+    engine = FunctionEngine(lambda read: [dict.fromkeys(read.label_ids, -1.0)] * len(read.slots), canvas_width=64)
     routed = await CanvasDecisionModel(engine=engine, read={"constrained": False}).adecide(
         "x", {"topic": big}, gate=GatePolicy(samples=3, rereads=0))
     assert routed.reads["topic"].reads == 3 + 1  # the group slot read 3 times, the option in it once

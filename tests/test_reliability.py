@@ -89,11 +89,11 @@ def outcome(result: CanvasResponse | BaseException) -> str:
     return f"{'/'.join(sorted(paths))}" + ("+error" if errors != {None} else "")
 
 
-async def decide_all(model: CanvasDecisionModel, n: int, timeout: float = 60) -> Counter[str]:
-    """n concurrent decisions, each bounded by `timeout`; how each ended, counted."""
+async def decide_all(model: CanvasDecisionModel, n: int, limit_s: float = 60) -> Counter[str]:
+    """n concurrent decisions, each bounded by `limit_s` seconds; how each ended, counted."""
     async def one(i: int):
         try:
-            return await asyncio.wait_for(model.adecide(f"{TICKET} (#{i})", QUESTIONS), timeout)
+            return await asyncio.wait_for(model.adecide(f"{TICKET} (#{i})", QUESTIONS), limit_s)
         except CanvasRouteError:
             raise
         except TimeoutError:
@@ -338,11 +338,11 @@ async def test_real_vllm_killed_mid_run_every_decision_accounted_for(tmp_path):
                 return mode, exc
             except TimeoutError:
                 return mode, "hung"
-            except Exception as exc:  # counted below; untyped ones fail the test
+            except Exception as exc:  # noqa: BLE001 - counted below; untyped ones fail the test
                 return mode, exc
 
         tasks = [asyncio.ensure_future(one(mode, i)) for mode in MODES for i in range(per_mode)]
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         os.kill(pid, signal.SIGKILL)  # the API server dies with reads in flight
         in_flight_at_kill = len(pending)
         results = [await t for t in tasks]
@@ -367,7 +367,7 @@ async def test_real_vllm_killed_mid_run_every_decision_accounted_for(tmp_path):
         faulted = sum(n for c in ends.values() for k, n in c.items() if "error" in k or k.startswith("Engine"))
         assert faulted >= in_flight_at_kill // 2  # the kill reached decisions in flight
         # after the crash, new decisions still end as configured (no hang, typed)
-        after = await decide_all(models["escalate"], 3, timeout=60)
+        after = await decide_all(models["escalate"], 3, limit_s=60)
         assert after == Counter({"escalated+error": 3})
         await engine.aclose()
 

@@ -22,7 +22,7 @@ QUESTIONS = {"team": Choice(instructions="Which team owns this?", criteria={"bil
              "urgent": Noul(instructions="Is it urgent?")}
 UNSURE = GatePolicy(max_normalized_entropy=0.0, rereads=3)
 """A gate nothing passes: every decision reads 1 + 3 times."""
-_FINISHED = re.compile(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+_FINISHED = re.compile(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.MULTILINE)
 
 
 def finished(url: str) -> int:

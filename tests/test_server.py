@@ -41,7 +41,7 @@ BODY = {"state": "I was charged twice, refund me.", "questions": QUESTIONS}
 
 def confident(engine: FunctionEngine):
     """Rows that put almost all mass on each slot's first label (yes / billing / level 0)."""
-    return lambda read: [{i: -5.01 for i in read.label_ids} | {engine.token_id(t): -0.01 for t in ("yes", "A", "1")}
+    return lambda read: [dict.fromkeys(read.label_ids, -5.01) | {engine.token_id(t): -0.01 for t in ("yes", "A", "1")}
                     ] * len(read.slots)
 
 
@@ -86,9 +86,9 @@ def test_typesafe_sdk_gets_typed_answers_from_our_server_on_real_vllm(vllm_url):
             listed = jev.models.list()
             with pytest.raises(TypeSafeUnprocessableEntityError, match="Box questions have no canvas form"):
                 jev.system_one(state=state, questions={"where": TSBox(instructions="the logo")})
-        with TypeSafeClient(api_key="wrong", base_url=url, retry=RetryPolicy(max_retries=0)) as bad:
-            with pytest.raises(TypeSafeAuthenticationError):
-                bad.system_one(state=state, questions=questions)
+        with (TypeSafeClient(api_key="wrong", base_url=url, retry=RetryPolicy(max_retries=0)) as bad,
+              pytest.raises(TypeSafeAuthenticationError)):
+            bad.system_one(state=state, questions=questions)
 
     assert result.model == "tiny-dgemma"
     assert 0.0 <= result.nouls["urgent"].noul <= 1.0
@@ -372,7 +372,7 @@ async def test_what_the_gateway_takes_is_served():
     assert set(replies[4].json()["answers"]["q"]["probabilities"]) == {"", "Billing", "billing "}
     system = model.engine.reads[-1].messages[0]["content"]
     assert system.startswith('["every ticket is from the EU"]\n\n')  # request instructions head the prompt
-    assert model.engine.reads[0].messages[1]["content"] == "3" and model.engine.reads[1].messages[1]["content"] == "true"
+    assert [read.messages[1]["content"] for read in model.engine.reads[:2]] == ["3", "true"]
 
 
 async def test_too_long_state_media_and_unknown_model():
@@ -445,7 +445,10 @@ async def test_engine_faults_escalate_when_the_policy_says_so():
 async def test_timeouts_running_are_504_and_waiting_are_529():
     """The first request holds the only slot past the second's deadline (its engine
     takes a while to abort), so the second times out waiting."""
+    reading = asyncio.Event()
+
     async def slow_to_abort(read):
+        reading.set()
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
@@ -456,8 +459,7 @@ async def test_timeouts_running_are_504_and_waiting_are_529():
                      request_timeout=0.3)
     async with client(app) as http:
         first = asyncio.ensure_future(http.post("/v1/systemone", json=BODY))
-        while app.state.gate.running == 0:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(reading.wait(), 10)  # the first holds the only slot
         second = await http.post("/v1/systemone", json=BODY)
         first = await first
     assert (first.status_code, first.json()["error"]["type"]) == (504, "timeout")
@@ -566,7 +568,7 @@ async def test_overload_sheds_529_and_answers_every_accepted_request():
                 await release.wait()
             finally:
                 running -= 1
-            return [{i: -5.01 for i in read.label_ids} | {engine.token_id(t): -0.01 for t in ("yes", "A", "1")}
+            return [dict.fromkeys(read.label_ids, -5.01) | {engine.token_id(t): -0.01 for t in ("yes", "A", "1")}
                     ] * len(read.slots)
         return held
 
@@ -603,7 +605,7 @@ async def test_a_burst_stays_within_its_bounds():
             peak = max(peak, running)
             await asyncio.sleep(0.005)
             running -= 1
-            return [{i: -5.01 for i in read.label_ids} | {engine.token_id(t): -0.01 for t in ("yes", "A", "1")}
+            return [dict.fromkeys(read.label_ids, -5.01) | {engine.token_id(t): -0.01 for t in ("yes", "A", "1")}
                     ] * len(read.slots)
         return napping
 

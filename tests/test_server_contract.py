@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 
+import pytest
 import requests
 import schemathesis
 from fuzzing import run_cases
@@ -49,6 +50,7 @@ def _model() -> CanvasDecisionModel:
     return CanvasDecisionModel(engine=engine)
 
 
+@pytest.mark.slow
 def test_every_reply_conforms_to_the_gateway_contract_and_every_allowed_request_is_served():
     schema = schemathesis.openapi.from_dict(GATEWAY_CONTRACT)
     operation = schema["/v1/systemone"]["POST"]

@@ -7,7 +7,7 @@ import asyncio
 import json
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -391,18 +391,36 @@ def test_the_sync_path_and_a_second_event_loop_each_get_a_working_client():
     run_sync(engine.aclose())
 
 
+class Held:
+    """A MockTransport handler holding every request before `inner` until all callers of `run` started."""
+
+    def __init__(self, inner: Callable[[httpx.Request], httpx.Response]) -> None:
+        self.inner = inner
+        self.arrived, self.released = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.arrived.set()
+        await self.released.wait()
+        return self.inner(request)
+
+    async def run(self, calls: Callable[[], Awaitable[object]], n: int) -> list[object]:
+        """`n` concurrent `calls()`, their outcomes: the first request is held until every caller waits."""
+        self.arrived.clear()
+        self.released.clear()
+        tasks = [asyncio.ensure_future(calls()) for _ in range(n)]
+        await self.arrived.wait()  # tasks start in order: by now every caller has made its call
+        self.released.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def test_concurrent_cold_callers_share_one_discovery_and_one_tokenize():
     fake = FakeVLLM()
-
-    async def slow(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(0.005)  # keep the first caller in flight while the others arrive
-        return fake(request)
-
-    engine = engine_for(slow)
-    infos = await asyncio.gather(*(engine.info() for _ in range(20)))
+    held = Held(fake)
+    engine = engine_for(held)
+    infos = await held.run(engine.info, 20)
     assert all(i is infos[0] for i in infos)
     assert fake.paths() == Counter({"/v1/models": 1, "/v1/completions": 2, "/tokenize": 3})
-    ids = await asyncio.gather(*(engine.tokenize("hello world") for _ in range(20)))
+    ids = await held.run(lambda: engine.tokenize("hello world"), 20)
     assert ids == [tokenize("hello world", VOCAB)] * 20 and fake.paths()["/tokenize"] == 4
 
 
@@ -410,14 +428,14 @@ async def test_a_shared_failure_reaches_every_caller_and_is_not_cached():
     fake = FakeVLLM()
     fail = True
 
-    async def flaky(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(0.005)
+    def flaky(request: httpx.Request) -> httpx.Response:
         if fail and request.url.path == "/v1/models":
             return _json(401, {"error": {"message": "bad key"}})
         return fake(request)
 
-    engine = engine_for(flaky)
-    results = await asyncio.gather(*(engine.info() for _ in range(5)), return_exceptions=True)
+    held = Held(flaky)
+    engine = engine_for(held)
+    results = await held.run(engine.info, 5)
     assert all(isinstance(r, EngineRequestError) and r.status == 401 for r in results)
     assert fake.paths()["/v1/models"] == 0 and len(fake.requests) == 0
     fail = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 import requests
 import schemathesis
 from fuzzing import run_cases
@@ -56,6 +57,7 @@ def _state_text(case) -> str | None:
     return None if state in echoed else state  # a question may legitimately quote it back
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_5xx_and_no_leaks():
     schema = schemathesis.openapi.from_dict(openapi(Limits()))
     strategies = []

@@ -7,6 +7,7 @@ under a real uvicorn on loopback; the rest go through httpx's ASGI transport.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import logging
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -35,7 +37,7 @@ JSON = {"content-type": "application/json"}
 def model(fn=None, **engine_kwargs) -> CanvasDecisionModel:
     """A model on a FunctionEngine: confident rows, or what `fn(engine)` gives."""
     engine = FunctionEngine(lambda read: rows(read), **engine_kwargs)
-    rows = fn(engine) if fn else (lambda read: [{i: -6.0 for i in read.label_ids}
+    rows = fn(engine) if fn else (lambda read: [dict.fromkeys(read.label_ids, -6.0)
                                                 | {engine.token_id(t): -0.01 for t in ("yes", "A")}] * len(read.slots))
     return CanvasDecisionModel(engine=engine)
 
@@ -161,11 +163,16 @@ def _open_upload(url: str, declared: int, sent: bytes) -> socket.socket:
     return s
 
 
+def requests_in_flight(app: Any) -> float:
+    """HTTP requests the app is answering now (its own `canvasroute_server_requests_in_flight`)."""
+    return app.state.metrics.registry.get_sample_value("canvasroute_server_requests_in_flight") or 0.0
+
+
 def test_slow_uploads_hold_no_slot_and_time_out_408():
     app = create_app(model(), max_in_flight=1, max_queue=0, limits=Limits(body_timeout=1.0))
     with run_in_thread(app) as url:
         slow = [_open_upload(url, 500, b'{"st') for _ in range(4)]  # and then nothing more
-        time.sleep(0.2)
+        assert _wait(lambda: requests_in_flight(app) == 4)  # the app is reading all four bodies
         ok = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10)
         replies = [s.recv(200) for s in slow]
         for s in slow:
@@ -187,10 +194,8 @@ def silent_engine() -> Iterator[str]:
     def accept() -> None:
         listener.settimeout(0.1)
         while not stop.is_set():
-            try:
+            with contextlib.suppress(TimeoutError):
                 held.append(listener.accept()[0])
-            except TimeoutError:
-                pass
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
@@ -339,7 +344,7 @@ def test_a_disconnect_during_upload_is_logged_as_a_disconnect_not_an_error():
     app = create_app(model())
     with run_in_thread(app) as url, recorded("canvasroute.server", "uvicorn.error") as log:
         s = _open_upload(url, 400, b'{"state": "x", ')
-        time.sleep(0.2)
+        assert _wait(lambda: requests_in_flight(app) == 1)  # the app is reading the body
         s.close()
         assert _wait(lambda: any("disconnected" in r.getMessage() for r in log.records))
         ok = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10)
@@ -371,12 +376,12 @@ def test_the_typesafe_sdk_with_its_defaults_is_answered_by_the_served_model():
     from typesafe_sdk.constants import DEFAULT_MODEL
 
     assert DEFAULT_MODEL in JEV_ALIASES
-    with run_in_thread(create_app(model(), api_key=KEY)) as url:
-        with TypeSafeClient(api_key=KEY, base_url=url, retry=RetryPolicy(max_retries=0)) as jev:  # model: default
-            result = jev.system_one(state="I was charged twice.", questions={"urgent": TSNoul(instructions="Urgent?")})
-            with pytest.raises(TypeSafeUnprocessableEntityError, match="not served here"):
-                jev.system_one(state="x", questions={"urgent": TSNoul(instructions="Urgent?")}, model="gpt-4o")
-            names = {m.name for m in jev.models.list().models}
+    with (run_in_thread(create_app(model(), api_key=KEY)) as url,
+          TypeSafeClient(api_key=KEY, base_url=url, retry=RetryPolicy(max_retries=0)) as jev):  # model: default
+        result = jev.system_one(state="I was charged twice.", questions={"urgent": TSNoul(instructions="Urgent?")})
+        with pytest.raises(TypeSafeUnprocessableEntityError, match="not served here"):
+            jev.system_one(state="x", questions={"urgent": TSNoul(instructions="Urgent?")}, model="gpt-4o")
+        names = {m.name for m in jev.models.list().models}
     assert result.model == "function"  # honest: the served model answered, not "jev-latest"
     assert result.nouls["urgent"].noul > 0.9
     assert names == {"function", DEFAULT_MODEL}

@@ -50,6 +50,7 @@ def _body(i: int) -> dict:
     return {"state": f"Request {i}: {words}", "questions": questions}
 
 
+@pytest.mark.slow
 @pytest.mark.smollm
 def test_rss_levels_off_over_rounds_of_the_same_large_requests(tmp_path):
     try:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import httpx
+from conftest import until
 from prometheus_client.parser import text_string_to_metric_families
 from services import child_env
 from test_server_hostile import BODY, KEY, _wait, model, recorded
@@ -45,7 +46,7 @@ def test_connections_are_capped_and_a_slow_request_head_is_408_however_it_drips(
         silent = _socket(url)
         for s in drippers:
             s.sendall(b"POST /v1/systemone HTTP/1.1\r\nhost: x\r\n")
-        time.sleep(0.1)
+        assert _wait(lambda: app.state.metrics.registry.get_sample_value("canvasroute_server_connections") == 4)
         extra = _socket(url)  # the fifth: over the cap
         assert extra.recv(200).startswith(b"HTTP/1.1 503")
         extra.close()
@@ -138,7 +139,7 @@ def test_metrics_count_requests_decisions_latency_and_rejections():
 
 
 def test_metrics_count_each_question_by_the_path_that_answered_it_and_its_cause():
-    unsure = FunctionEngine(lambda read: [{i: -1.0 for i in read.label_ids}] * len(read.slots))
+    unsure = FunctionEngine(lambda read: [dict.fromkeys(read.label_ids, -1.0)] * len(read.slots))
     cascade = CanvasDecisionModel(engine=unsure, policy=GatePolicy(max_normalized_entropy=0.5, rereads=1),
                                   escalate_to=model())  # the sure model answers what the unsure one cannot
     with run_in_thread(create_app(cascade)) as url:
@@ -189,7 +190,7 @@ def _free_port() -> int:
 async def test_canvasroute_serve_logs_json_with_the_request_id_and_stops_within_its_shutdown_timeout(tmp_path):
     async with LoopbackVLLM() as vllm:
         port = _free_port()
-        proc = subprocess.Popen(
+        proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once; the test drives the child by hand
             [sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine-url", vllm.url, "--port", str(port),
              "--log-format", "json", "--shutdown-timeout", "1", "--rereads", "0"],
             # cwd: not the repository, whose canvasroute/ would shadow the import root
@@ -208,8 +209,7 @@ async def test_canvasroute_serve_logs_json_with_the_request_id_and_stops_within_
                 ok = await http.post(f"{url}/v1/systemone", json=BODY, headers={"x-request-id": "req-json-1"})
                 vllm.inject(Fault(delay=60), times=None)  # every later read hangs
                 stuck = asyncio.ensure_future(http.post(f"{url}/v1/systemone", json=BODY))
-                while vllm.reads < 2:
-                    await asyncio.sleep(0.05)
+                await until(lambda: vllm.reads >= 2, within=30, what="the second read reaching the loopback")
                 proc.send_signal(signal.SIGTERM)
                 stopping = time.monotonic()
                 answer = await stuck

@@ -168,8 +168,8 @@ def test_the_router_must_return_a_declared_destination_and_shadow_needs_a_route(
 
 
 @pytest.fixture(scope="module")
-def ar_server():
-    with smollm2_ar_server(max_new_tokens=4) as server:
+def ar_server(smol):
+    with smollm2_ar_server(smol, max_new_tokens=4) as server:
         yield server
 
 

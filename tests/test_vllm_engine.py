@@ -68,7 +68,7 @@ def need(ok: bool, reason: str) -> None:
 async def server_reads(server: engine.VLLMServerEngine) -> list[CanvasRead]:
     """Template-shaped reads of two widths, plain and constrained, prompts past the window."""
     rng = random.Random(7)
-    words = "the ticket is urgent refund invoice crash team billing please".split()
+    words = ["the", "ticket", "is", "urgent", "refund", "invoice", "crash", "team", "billing", "please"]
     label_ids = tuple(sorted(set(await server.tokenize(" yes no A B"))))
     template = await server.tokenize("<|channel>thought\n<channel|>q1: yes\nq2: A\n<turn|>")
     reads = []

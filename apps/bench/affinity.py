@@ -23,7 +23,7 @@ from .common import NODES, TICKETS, TRIAGE, Section
 
 REREADS = 3
 _METRIC = re.compile(r"^(vllm:prefix_cache_hits_total|vllm:prefix_cache_queries_total|"
-                     r"vllm:request_success_total)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+                     r"vllm:request_success_total)\{[^}]*\}\s+([0-9.eE+-]+)$", re.MULTILINE)
 
 
 def metrics(urls: list[str]) -> dict[str, float]:
@@ -37,7 +37,7 @@ def metrics(urls: list[str]) -> dict[str, float]:
     return out
 
 
-async def _mode(urls: list[str], affinity: bool, decisions: int) -> dict[str, float | int | str]:
+async def _mode(urls: list[str], affinity: bool, decisions: int) -> dict[str, float | int | str | None]:
     engine = VLLMServerEngine(Connection(urls, timeout=120), affinity=affinity)
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.0, rereads=REREADS))
     nonce = uuid.uuid4().hex[:12]
@@ -67,7 +67,7 @@ def run_affinity(urls: list[str], quick: bool) -> Section:
     try:
         for affinity in (True, False):
             section.rows.append(asyncio.run(_mode(urls[:2], affinity, decisions)))
-    except Exception as exc:  # a bench row, not a test: say why and go on
+    except Exception as exc:  # noqa: BLE001 - a bench row, not a test: say why and go on
         section.skipped = f"{type(exc).__name__}: {exc}"
         return section
     section.notes += [

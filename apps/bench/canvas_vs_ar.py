@@ -17,6 +17,7 @@ import inspect
 import json
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from canvasroute.router import CanvasDecisionModel, GatePolicy
@@ -43,7 +44,7 @@ def run_canvas_vs_ar(quick: bool) -> Section:
         from canvasroute.engine import TransformersEngine, embedded_engine
         engine = embedded_engine()
         cold = TransformersEngine(engine.model, engine.tokenizer, name="no-cache", prompt_cache_size=0)
-    except Exception as exc:  # wheel or torch missing: say so
+    except Exception as exc:  # noqa: BLE001 - wheel or torch missing: say so
         section.skipped = f"embedded model unavailable: {type(exc).__name__}: {exc}"
         return section
     section.extra["torch_threads"] = torch.get_num_threads()
@@ -73,7 +74,7 @@ def run_canvas_vs_ar(quick: bool) -> Section:
     return section
 
 
-async def _case(engine: Any, cold: Any, k: int, questions: dict[str, Any], runs: int,
+async def _case(engine: Any, cold: Any, k: int, questions: Mapping[str, Any], runs: int,
                 tag: str = "") -> dict[str, Any]:
     """Median latencies of both paths for k questions, with a cold prompt (`cold`: an engine
     without a prompt cache) and a cached one (`engine`, after a first read of the prompt)."""

@@ -110,7 +110,7 @@ def run_real_server(url: str | None, quick: bool) -> Section:
 
     try:
         asyncio.run(go())
-    except Exception as exc:  # a bench row, not a test: say why and go on
+    except Exception as exc:  # noqa: BLE001 - a bench row, not a test: say why and go on
         section.skipped = f"{type(exc).__name__}: {exc}"
         return section
     by = {(r["read"], r["concurrency"]): r for r in section.rows}
@@ -230,7 +230,7 @@ async def _profiled(url: str, read: CanvasRead, c: int, n: int) -> dict[str, Any
 
 def _decode_cost(body: bytes, repeat: int = 200) -> dict[str, float]:
     """Microseconds to decode one response body, with json and (if installed) orjson."""
-    decoders = {"json": json.loads}
+    decoders: dict[str, Callable[[bytes], Any]] = {"json": json.loads}
     try:
         import orjson
     except ImportError:

@@ -66,7 +66,8 @@ def run_clients(quick: bool) -> Section:
         top = best[CHOSEN]
         section.notes.append(
             f"goal: >= {TARGET_READS_S:,.0f} reads/s with the chosen client ({CHOSEN}); best here "
-            f"{top['reads/s']:,.0f} at c={top['concurrency']} ({'met' if top['reads/s'] >= TARGET_READS_S else 'NOT met'})")
+            f"{top['reads/s']:,.0f} at c={top['concurrency']} "
+            f"({'met' if top['reads/s'] >= TARGET_READS_S else 'NOT met'})")
     section.notes += [
         "best concurrency per client: " + "; ".join(
             f"{name} {r['reads/s']:,.0f} reads/s at c={r['concurrency']}, {r['client CPU us/read']:.0f} us CPU/read"

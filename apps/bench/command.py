@@ -20,6 +20,9 @@ Every figure is a ratio or a distribution measured side by side in one run:
                   at c=1 and c=8, interleaved; and the library path (skipped without both).
 10. `isolation`   each question read without its neighbours vs one joint canvas: reads and ms
                   per decision set on the embedded SmolLM2 and on a real vLLM server (`--vllm-url`).
+11. `structure`   library modules entered, hops between modules and returns to a module
+                  already left, in one warm `decision_node` run and one `decide` (a count, not
+                  a time), beside `httpx.Client.get`.
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -41,7 +44,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway", "isolation")
+            "gateway", "isolation", "structure")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         "clients": lambda: _clients(args.quick),
         "gateway": lambda: _gateway(args.gateway_url, args.vllm_url, args.quick),
         "isolation": lambda: _isolation(args.vllm_url, args.quick),
+        "structure": lambda: _structure(args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -156,3 +160,9 @@ def _isolation(vllm_url: str | None, quick: bool) -> Section:
     from .isolation import run_isolation
 
     return run_isolation(vllm_url, quick)
+
+
+def _structure(quick: bool) -> Section:
+    from .structure import run_structure
+
+    return run_structure(quick)

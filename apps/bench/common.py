@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.decisions import Choice, Noul, Score
+from pydantic import JsonValue
 
 from canvasroute.apps.observability.stats import percentile
-from canvasroute.engine import CanvasRead, EngineInfo, FunctionEngine, Message, ReadResult
+from canvasroute.engine import CanvasRead, Engine, EngineInfo, FunctionEngine, Message, ReadResult
 
 from .._console import plain_table, print_table
 
 __all__ = ["NODES", "TICKETS", "Recorder", "Section", "instant_engine", "loop_ns", "machine", "percentile",
            "profile_summary", "summary"]
 
-TEAMS = {"billing": "payments, invoices, refunds", "technical": "bugs, errors, outages",
+TEAMS: dict[str, JsonValue] = {"billing": "payments, invoices, refunds", "technical": "bugs, errors, outages",
          "account": "login, password, access", "sales": "pricing, plans, quotes", "other": None}
 NODES: Mapping[str, Mapping[str, Any]] = {
     "1 Noul": {"urgent": Noul(instructions="Does the customer need an answer within the hour?")},
@@ -154,7 +155,7 @@ def instant_engine(canvas_width: int = 64) -> FunctionEngine:
 class Recorder:
     """Wraps an engine and keeps every canvas it is asked to read (for packing figures)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Engine) -> None:
         self.inner = inner
         self.batches: list[list[CanvasRead]] = []
 

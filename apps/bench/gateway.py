@@ -42,12 +42,13 @@ REQUEST: dict[str, Any] = {
     },
 }
 """The 3-question request both gateways answer (a state per call is added)."""
-SETTINGS = {"auto": {"samples": "auto", "auto_max": 4, "auto_threshold": 0.1}, "one read": {"samples": 1}}
+SETTINGS: dict[str, dict[str, Any]] = {"auto": {"samples": "auto", "auto_max": 4, "auto_threshold": 0.1},
+                                     "one read": {"samples": 1}}
 """Equal read settings sent to both: vLLM's gateway's default (`auto`), and exactly one read."""
 LEVELS = (1, 8)
 TARGETS = {"latency c=1": 0.9, "latency c=8": 0.9, "calls/s c=8": 1.1}
 """canvasroute / reference: latency at most 0.9x, calls/s at least 1.1x (issue #22)."""
-_SUCCESS = re.compile(r'^vllm:request_success_total\{[^}]*\}\s+([0-9.e+]+)$', re.M)
+_SUCCESS = re.compile(r'^vllm:request_success_total\{[^}]*\}\s+([0-9.e+]+)$', re.MULTILINE)
 
 
 def run_gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Section:
@@ -60,7 +61,7 @@ def run_gateway(reference: str | None, vllm_url: str | None, quick: bool) -> Sec
         return section
     rounds, per = (2, {1: 4, 8: 16}) if quick else (4, {1: 8, 8: 32})
     try:
-        with _serve(vllm_url) as ours:
+        with _Serve(vllm_url) as ours:
             tallies = asyncio.run(_interleaved(reference, ours, vllm_url, rounds, per))
     except Exception as exc:  # noqa: BLE001 - a bench row, not a test: say why and go on
         section.skipped = f"{type(exc).__name__}: {exc}"
@@ -103,7 +104,7 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-class _serve:
+class _Serve:
     """`canvasroute serve` on a free loopback port, in a process of its own, for the section's length."""
 
     def __init__(self, vllm_url: str) -> None:
@@ -122,7 +123,8 @@ class _serve:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"canvasroute serve exited: {self.proc.stderr.read()[-500:]}")
+                err = self.proc.stderr.read() if self.proc.stderr is not None else ""
+                raise RuntimeError(f"canvasroute serve exited: {err[-500:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     return url

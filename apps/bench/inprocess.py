@@ -36,7 +36,7 @@ def run_inprocess(quick: bool) -> Section:
 
         from canvasroute.engine import TransformersEngine, embedded_engine
         cached = embedded_engine()
-    except Exception as exc:  # wheel or torch missing: say so
+    except Exception as exc:  # noqa: BLE001 - wheel or torch missing: say so
         section.skipped = f"embedded model unavailable: {type(exc).__name__}: {exc}"
         return section
     full = TransformersEngine(cached.model, cached.tokenizer, name="no-cache", prompt_cache_size=0)

@@ -43,7 +43,7 @@ async def measure(engine: object, task: str, limit: int, views: int) -> dict[str
         (qid, gold), = row.gold.items()
         report = resp.reads[qid]
         options = list(report.probabilities)
-        hits += gold_index_of(options, gold) == options.index(report.answer)
+        hits += report.answer is not None and gold_index_of(options, gold) == options.index(report.answer)
         first += report.answer == options[0]
     n = len(rows)
     return {"rows": n, "accuracy": hits / n, "first_option": first / n,

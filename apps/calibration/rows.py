@@ -84,7 +84,7 @@ def bigbench_rows(task: Mapping[str, Any], name: str = "") -> list[Row]:
             question: Any = Noul(instructions=instructions)
             gold = gold.casefold()
         else:
-            question = Choice(instructions=instructions, criteria={k: None for k in scores})
+            question = Choice(instructions=instructions, criteria=dict.fromkeys(scores))
         state = f"{prefix}\n{ex['input']}" if prefix else ex["input"]
         rows.append(Row(state, {qid: question}, {qid: gold}))
     return rows

@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(str(trace_path))))
     if add_otlp_exporter(provider):  # OTEL_EXPORTER_OTLP_ENDPOINT set: also to Phoenix, Langfuse, a collector...
-        print(f"exporting spans over OTLP to {os.environ.get('OTEL_EXPORTER_OTLP_TRACES_ENDPOINT') or os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}")
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        print(f"exporting spans over OTLP to {endpoint}")
     trace.set_tracer_provider(provider)
 
     if bool(args.escalate_url) != bool(args.escalate_model):

@@ -19,6 +19,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import RetryPolicy
+from pydantic import JsonValue
 from typing_extensions import TypedDict
 
 from canvasroute.harness import decision_node, merge_decisions, retry_on
@@ -26,7 +27,7 @@ from canvasroute.router import CanvasDecisionModel
 
 from .model import EMBEDDED_NOTE, make_model
 
-TEAMS: dict[str, Any] = {
+TEAMS: dict[str, JsonValue] = {
     "billing": "payments, invoices, refunds, subscriptions",
     "technical": "bugs, errors, crashes, outages",
     "account": "login, password, profile, access",
@@ -58,7 +59,8 @@ def route(decisions: dict[str, Any]) -> str:
 
 
 def build_graph(model: CanvasDecisionModel, *, on_call: bool = True,
-                checkpointer: BaseCheckpointSaver[Any] | None = None) -> CompiledStateGraph[Any]:
+                checkpointer: BaseCheckpointSaver[Any] | None = None
+                ) -> CompiledStateGraph[TicketState, None, TicketState, TicketState]:
     """The triage graph; `on_call=False` routes on the team alone (no on-call lane)."""
     if on_call:
         triage = decision_node(model, QUESTIONS, inputs="ticket", route=route, destinations=[*TEAMS, "on_call"])

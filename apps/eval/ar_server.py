@@ -59,8 +59,7 @@ def load_smollm2() -> tuple[Any, Any]:
     target = cache_dir()
     if not (target / "config.json").is_file():
         run_sync(embedded_engine().aclose())  # builds the cache
-    model = AutoModelForCausalLM.from_pretrained(target)
-    model.eval()  # type: ignore[no-untyped-call]
+    model = AutoModelForCausalLM.from_pretrained(target)  # in eval mode, as from_pretrained leaves it
     return model, AutoTokenizer.from_pretrained(target)
 
 
@@ -247,8 +246,8 @@ class ARServer:
     @property
     def requests(self) -> Sequence[dict[str, Any]]:
         """Every request body the server received, in order."""
-        requests: Sequence[dict[str, Any]] = self.app.state.requests
-        return requests
+        received: list[dict[str, Any]] = self.app.state.requests
+        return received
 
 
 def main() -> None:

@@ -71,4 +71,4 @@ def guided_tokens(model: Any, tokenizer: Any, prompt_ids: Any,
             end = "}" if i == len(fields) - 1 else ""
             feed(max((encode(json.dumps(o) + end) for o in options), key=score))
         rows.append(last.unsqueeze(0))  # the end of the answer
-    return ids + [tokenizer.eos_token_id], rows
+    return [*ids, tokenizer.eos_token_id], rows

@@ -167,12 +167,12 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
     async def decide(n: int, request: DecisionRequest) -> None:
         async with slots:
             start = time.perf_counter()
+            resp: CanvasResponse | None = None
             try:
                 resp = await model.arun(request)
             except EscalationError:
                 cascade.failures += 1
                 cascade.add(time.perf_counter() - start, None)
-                resp = None
             else:
                 cascade.add_response(time.perf_counter() - start, resp)
         for qid in rows[n].gold:

@@ -108,14 +108,14 @@ def _pct(v: float | None) -> str:
 
 
 def _badge(path: str) -> str:
-    return f'<span class="badge path-{html.escape(path)}" style="background:{COLORS.get(path, "#334155")}">' \
-           f'{html.escape(path)}</span>'
+    return (f'<span class="badge path-{html.escape(path)}" style="background:{COLORS.get(path, "#334155")}">'
+            f'{html.escape(path)}</span>')
 
 
 def _kpi(key: str, value: str, sub: str = "", kpi_id: str = "") -> str:
     ident = f' id="{kpi_id}"' if kpi_id else ""
-    return f'<div class="kpi"{ident}><div class="k">{html.escape(key)}</div><div class="v">{value}</div>' \
-           f'<div class="s">{sub}</div></div>'
+    return (f'<div class="kpi"{ident}><div class="k">{html.escape(key)}</div><div class="v">{value}</div>'
+            f'<div class="s">{sub}</div></div>')
 
 
 def _gate_kpi(tally: Tally, kpi_id: str = "") -> str:
@@ -274,7 +274,8 @@ def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str
              '<th class="num">escalated</th><th class="num">agreement</th><th class="num">mean H/ln K</th>'
              f'<th>gate not passed</th><th>top answers</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
     errors = f" · {node.errors} failed" if node.errors else ""
-    return (f'<section class="node" data-node="{html.escape(node.name)}"{_nix(index, node.name)}><h3>{html.escape(node.name)}</h3>'
+    return (f'<section class="node" data-node="{html.escape(node.name)}"{_nix(index, node.name)}>'
+            f'<h3>{html.escape(node.name)}</h3>'
             f'<div class="sub">graph node · questions {html.escape(", ".join(sorted(by_q)))}{errors}</div>'
             f'<div class="kpis">{kpis}</div><div class="charts">'
             f'<figure><figcaption>Canvas normalized entropy, by path</figcaption>{entropy_histogram(d)}</figure>'
@@ -335,7 +336,8 @@ def _agreement_section(report: Report, index: dict[str, int]) -> str:
                 by_q[x.question].append(x.agrees)
         for q, votes in sorted(by_q.items()):
             share = sum(votes) / len(votes)
-            rows.append(f'<tr><td{_nix(index, node.name)}>{html.escape(node.name)}</td><td><code>{html.escape(q)}</code></td>'
+            rows.append(f'<tr><td{_nix(index, node.name)}>{html.escape(node.name)}</td>'
+                        f'<td><code>{html.escape(q)}</code></td>'
                         f'<td class="num">{len(votes)}</td><td class="num">{sum(votes)}</td>'
                         f'<td class="num"><span class="meter"><i style="width:{share * 100:.0f}%"></i></span>'
                         f'{_pct(share)}</td></tr>')
@@ -361,8 +363,8 @@ def _latency_section(report: Report) -> str:
     table = ('<table id="latency"><thead><tr><th>span</th><th class="num">n</th><th class="num">p50</th>'
              '<th class="num">p95</th><th class="num">p99</th><th class="num">max</th></tr></thead>'
              f'<tbody>{trs}</tbody></table>')
-    return f'<section class="card" id="latency-section"><div class="charts"><figure>{latency_bars(rows)}</figure>' \
-           f'<div>{table}</div></div></section>'
+    return (f'<section class="card" id="latency-section"><div class="charts"><figure>{latency_bars(rows)}</figure>'
+            f'<div>{table}</div></div></section>')
 
 
 def _uncertain_section(report: Report, top: int, index: dict[str, int]) -> str:

@@ -63,7 +63,7 @@ from contextlib import asynccontextmanager
 from datetime import date
 from typing import Any
 
-from langchain_core.decisions import BaseDecisionModel
+from langchain_core.decisions import BaseDecisionModel, ClassifierResponse
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.applications import Starlette
@@ -289,7 +289,7 @@ def create_app(
                     return await wire.decide(parsed, job), name
         except (Refusal, DecisionsWireError):
             raise
-        except Exception as exc:
+        except Exception as exc:  # every fault becomes a typed answer; details to the log
             if isinstance(exc, TimeoutError) and deadline.expired():
                 if waiting:
                     raise Refusal(529, "overloaded", f"no slot freed within {request_timeout:g}s; retry later",

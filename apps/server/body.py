@@ -23,7 +23,7 @@ from .wire import Refusal
 __all__ = ["ClientGone", "read_body", "request_parts"]
 
 
-class ClientGone(Exception):
+class ClientGone(Exception):  # control flow inside the server, never raised to a caller
     """The client closed the connection; nobody is left to answer."""
 
 
@@ -50,7 +50,7 @@ def request_parts(body: bytes, content_type: str | None) -> tuple[bytes, list[tu
     try:
         message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
         parts = list(message.iter_parts()) if message.is_multipart() else []
-    except Exception as exc:
+    except Exception as exc:  # any parser failure is the client's malformed body
         raise Refusal(400, "invalid_body", "the multipart body could not be parsed", loc=()) from exc
     request: bytes | None = None
     images: list[tuple[str, str]] = []
@@ -107,7 +107,7 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
         return body
     try:
         out = _DECODERS[encoding](body, limit + 1)
-    except Exception as exc:
+    except Exception as exc:  # any decoder failure is the client's bad body
         raise Refusal(422, "invalid_body", f"the {encoding} body could not be decoded", loc=()) from exc
     if len(out) > limit:
         raise Refusal(413, "payload_too_large", f"the decoded body is over {limit} bytes")

@@ -18,6 +18,7 @@ CANVASROUTE_ENGINE=embedded canvasroute serve      # offline SmolLM2-135M: near-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import logging.config
@@ -146,7 +147,7 @@ _TRUE = ("1", "true", "yes", "on")
 
 def _env(dest: str, default: Any = None) -> Any:
     value = os.environ.get(_ENV[dest], "").strip()
-    return value if value else default
+    return value or default
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -348,9 +349,8 @@ def run(args: argparse.Namespace) -> int:
     logging.config.dictConfig(logging_config)
     auth = "bearer key required" if args.api_key else "no key (open)"
     log.info("serving /v1/systemone and /v1/decisions on http://%s:%d (%s)", args.host, args.port, auth)
-    try:
+    # uvicorn re-raises the SIGINT it drained for (as `uvicorn.run` does, exit 0)
+    with contextlib.suppress(KeyboardInterrupt):
         server(app, host=args.host, port=args.port, limits=limits, log_level=args.log_level,
                log_config=logging_config).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained for (as `uvicorn.run` does, exit 0)
-        pass
     return 0

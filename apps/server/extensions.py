@@ -162,7 +162,7 @@ def _parents(qid: str, q: Mapping[str, Any], asked: tuple[str, ...],
         raise malformed((*where, "depends_on"), "must be a list of question ids")
     if not isinstance(ask_if, dict) or not all(isinstance(v, list) and v for v in ask_if.values()):
         raise malformed((*where, "ask_if"), "must map a question id to a non-empty list of its answers")
-    parents: dict[str, Any] = {d: None for d in after}
+    parents: dict[str, Any] = dict.fromkeys(after)
     for parent, wanted in ask_if.items():
         known = answers.get(parent)
         if known is None:

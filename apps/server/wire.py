@@ -34,7 +34,7 @@ __all__ = ["Refusal", "from_exception", "malformed", "public_name"]
 _RETRY = {"retry-after": "1"}
 
 
-class Refusal(Exception):
+class Refusal(Exception):  # a wire answer, not a library error (those live in engine/errors.py)
     """An error answer: status, stable `type` code, short message, where in the body, headers."""
 
     def __init__(self, status: int, kind: str, message: str, *, loc: Sequence[str | int] | None = None,

@@ -106,7 +106,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def processor(tok: PreTrainedTokenizerFast):  # noqa: ANN201 - a Gemma4Processor
+def processor(tok: PreTrainedTokenizerFast):  # -> a Gemma4Processor
     from transformers.models.gemma4 import (
         Gemma4AudioFeatureExtractor,
         Gemma4ImageProcessor,

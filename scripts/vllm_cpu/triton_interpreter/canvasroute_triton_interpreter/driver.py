@@ -33,10 +33,10 @@ class InterpreterDriver(DriverBase):
     def get_current_stream(self, device: int | None = None) -> int:
         return 0
 
-    def get_device_interface(self):  # noqa: ANN201 - torch's module for the device
+    def get_device_interface(self):  # -> torch's module for the device
         return torch.cpu
 
-    def get_benchmarker(self):  # noqa: ANN201
+    def get_benchmarker(self):
         def bench(fn, *args, **kwargs) -> float:
             start = time.perf_counter()
             fn()
