@@ -288,7 +288,7 @@ class _Run:
                 raise EscalationError(f"escalation to {name} timed out after {escalation.timeout}s (network)",
                                       failure="network", retryable=True) from exc
             call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
-            call.output({**result.answers, **{q: None for q in result.refused}}, result.response_model)
+            call.output({**result.answers, **dict.fromkeys(result.refused)}, result.response_model)
         return result
 
     def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,

@@ -278,7 +278,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         if isinstance(prebuilt, DecisionRequest):
             return prebuilt
         if unknown := sorted(set(value) - {"state", "questions", *REQUEST_KEYS}):
-            moved = {"policy": "gate", **{k: "read" for k in ("instructions", "alone", "steps", "think", "images")}}
+            moved = {"policy": "gate", **dict.fromkeys(("instructions", "alone", "steps", "think", "images"), "read")}
             hints = [f"{k!r} is now {moved[k]!r}" for k in unknown if k in moved]
             raise DecisionError(f"a decision request has no key(s) {unknown}; it takes state, questions and "
                                 f"{', '.join(REQUEST_KEYS)}", hint="; ".join(hints) or None)

@@ -437,7 +437,7 @@ def isolated(isolate: str, info: EngineInfo, specs: Mapping[str, QuestionSpec]) 
         return False
     if info.causal_readout:
         return True
-    return isolate == "all" and len(specs) > 1 or (
+    return (isolate == "all" and len(specs) > 1) or (
         len(specs) in AUTO_ISOLATE and all(s.kind == "noul" for s in specs.values()))
 
 

@@ -402,7 +402,7 @@ def check_fallbacks(options: Mapping[str, tuple[str, ...]], gates: Mapping[str, 
             raise DecisionError(f"fallback {option!r} is not an option of {qid!r}",
                                 hint=f"one of {list(options[qid])[:8]}")
     wants = ["uncertain"] if outcomes.uncertain == "fallback" else []
-    if not (wants or outcomes.abstained != "answer" and any(g.abstain for g in gates.values())
+    if not (wants or (outcomes.abstained != "answer" and any(g.abstain for g in gates.values()))
             or outcomes.fallback):
         return
     for qid in options:

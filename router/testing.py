@@ -72,7 +72,7 @@ class ScriptedTarget(BaseChatModel):
     @classmethod
     def _check_script(cls, value: Any) -> Any:
         if not (isinstance(value, Mapping) or callable(value)):
-            raise ValueError(f"script must be a mapping of question id to answer, or a function, not {value!r}")  # noqa: TRY004
+            raise ValueError(f"script must be a mapping of question id to answer, or a function, not {value!r}")
         return value
 
     @field_validator("faults")

@@ -30,8 +30,7 @@ from langchain_openai.decisions import OpenAIDecisions
 from pydantic import SecretStr
 
 from canvasroute.engine import Connection, EscalationError
-from canvasroute.router import SystemOneDecisionModel
-from canvasroute.router import parse_questions
+from canvasroute.router import SystemOneDecisionModel, parse_questions
 from canvasroute.router._escalation import (
     Asked,
     Restated,

@@ -81,6 +81,7 @@ from canvasroute.router import (
     GatePolicy,
     OutcomePolicy,
 )
+
 EXAMPLES = int(os.environ.get("CANVASROUTE_MATRIX_EXAMPLES", "500"))
 MANY = 200
 """Options of the big Choice: past one read's 128 label ids, so it is read in two steps."""
@@ -404,7 +405,7 @@ def build(s: dict[str, Any]) -> Built:
             if s["edge"]:  # the same model again, on an edge: its escalations count in the same store
                 builder.add_conditional_edges(lane, route_on(model, questions[s["qids"][0]], paths, read={**read, "alone": ()},
                                                              inputs="ticket", question_id="edge"),
-                                              {o: "tail" for o in paths})
+                                              dict.fromkeys(paths, "tail"))
             else:
                 builder.add_edge(lane, "tail")
         if s["second_model"]:

@@ -28,7 +28,7 @@ ONE_READ = GatePolicy(max_normalized_entropy=None, rereads=0)
 
 
 @pytest.fixture(scope="module")
-def model(smol) -> CanvasDecisionModel:  # noqa: ANN001 - the suite's one embedded engine
+def model(smol) -> CanvasDecisionModel:
     return CanvasDecisionModel(engine=smol, policy=ONE_READ)
 
 

@@ -67,7 +67,7 @@ def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypat
     for n, code in enumerate(python, 1):
         if not code.startswith(CONTINUES):
             sessions.append({"__name__": "readme"})
-        exec(compile(code, f"README.md python block {n}", "exec", dont_inherit=True), sessions[-1])  # noqa: S102
+        exec(compile(code, f"README.md python block {n}", "exec", dont_inherit=True), sessions[-1])
     usage = next(ns for ns in sessions if "graph" in ns)
     resp = usage["resp"]  # the usage block
     assert set(resp.answers) == {"team", "urgent"} and resp.reads["team"].path == "canvas"

@@ -485,7 +485,7 @@ def by_state(engine: FunctionEngine):
         if read.messages[1]["content"] == "sure":
             return [{i: math.log(0.05) for i in read.label_ids} | {engine.token_id("yes"): math.log(0.95)}
                     ] * len(read.slots)
-        return [{i: -1.0 for i in read.label_ids}] * len(read.slots)
+        return [dict.fromkeys(read.label_ids, -1.0)] * len(read.slots)
     return rows
 
 

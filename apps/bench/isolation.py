@@ -80,7 +80,7 @@ async def _measure(label: str, engine: Any, questions: dict[str, Any], rounds: i
     modes = ("none", "all")
     times: dict[str, list[float]] = {m: [] for m in modes}
     reads: dict[str, int] = {}
-    reused: dict[str, int] = {m: 0 for m in modes}
+    reused: dict[str, int] = dict.fromkeys(modes, 0)
     for m in modes:  # warm: plans, tokenizer caches, the node's prompt prefixes
         await model.adecide("warm-up ticket", questions, read={"isolate": m})
     for r in range(rounds):

@@ -33,6 +33,7 @@ from canvasroute.engine import Engine, EscalationError
 from canvasroute.router import (
     Asked,
     CanvasDecisionModel,
+    CanvasResponse,
     DecisionRequest,
     Escalated,
     Escalation,

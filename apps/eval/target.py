@@ -65,7 +65,6 @@ def open_target(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def _chat(base_url: str, model: str, api_key: str, timeout: float, **extra: Any) -> Any:
-    from pydantic import SecretStr
 
     try:
         from langchain_openai import ChatOpenAI

@@ -63,7 +63,7 @@ from contextlib import asynccontextmanager
 from datetime import date
 from typing import Any
 
-from langchain_core.decisions import BaseDecisionModel, ClassifierResponse
+from langchain_core.decisions import BaseDecisionModel
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.applications import Starlette
