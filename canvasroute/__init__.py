@@ -20,6 +20,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from canvasroute.engine import (
+        Batching,
         BudgetExhausted,
         CalibrationError,
         CanvasRead,
@@ -88,7 +89,7 @@ if TYPE_CHECKING:
 
 _LAYERS = {
     "engine": [
-        "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "Connection", "DecisionError",
+        "Batching", "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "Connection", "DecisionError",
         "EmbeddedModelMissing", "Engine", "EngineInfo", "EngineOverloaded", "EngineRequestError",
         "EngineResponseError", "EngineTimeout", "EngineUnavailable", "EscalationError", "FunctionEngine",
         "GraphSetupError", "ImagesUnsupported", "InputTooLong", "LabelError", "Limits", "ReadResult", "Retries",
@@ -109,6 +110,7 @@ _LAYERS = {
 _HOME = {name: layer for layer, names in _LAYERS.items() for name in names}
 
 __all__ = [
+    "Batching",
     "BudgetExhausted",
     "CalibrationError",
     "CanvasDecisionModel",

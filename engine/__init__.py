@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ._function import FunctionEngine
 from ._prompts import SPECIAL_CANDIDATES, defuse
 from ._sync import run_sync
-from ._types import THOUGHT_SCAFFOLD, CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
+from ._types import THOUGHT_SCAFFOLD, Batching, CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
 from .errors import (
     BudgetExhausted,
     CalibrationError,
@@ -57,6 +57,7 @@ __all__ = [
     "MAX_LABEL_IDS",
     "SPECIAL_CANDIDATES",
     "THOUGHT_SCAFFOLD",
+    "Batching",
     "BudgetExhausted",
     "CalibrationError",
     "CanvasRead",

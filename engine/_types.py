@@ -152,6 +152,23 @@ def refuse_thoughts(batch: Sequence[CanvasRead], engine: str, *, steps: bool = T
         raise DecisionError(f"{engine} reads one denoising step only", hint="steps > 1 needs a vLLM engine")
 
 
+@dataclass(frozen=True, slots=True)
+class Batching:
+    """How an in-process engine batches concurrent reads (`TransformersEngine(batching=...)`).
+
+    Reads submitted within `window_s` of the oldest queued one share one forward pass of at
+    most `max_batch` canvases; the queue holds at most `max_queue` reads (one more raises
+    `EngineOverloaded`)."""
+
+    max_batch: int = 16
+    window_s: float = 0.002
+    max_queue: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_queue < 1 or not self.window_s >= 0:
+            raise ValueError(f"Batching needs max_batch and max_queue >= 1 and window_s >= 0, got {self}")
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A single-step canvas reader. Async-first; the router provides the sync path."""

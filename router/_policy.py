@@ -26,12 +26,9 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from canvasroute.engine import CalibrationError, DecisionError
-
-if TYPE_CHECKING:
-    from ._read import SlotStats
 
 __all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Escalation", "EscalationBudget", "EscalationOutput",
            "GatePolicy", "OutcomePolicy", "check_fallbacks", "load_policy", "policy_from_dict", "policy_to_dict",
@@ -81,6 +78,21 @@ class FrozenMapping(Mapping[str, "GatePolicy"]):
 
     def __repr__(self) -> str:
         return repr(self._data)
+
+
+class Figures(Protocol):
+    """What the gate reads of one slot's distribution (a `SlotStats`)."""
+
+    @property
+    def normalized_entropy(self) -> float: ...
+    @property
+    def entropy(self) -> float: ...
+    @property
+    def confidence(self) -> float: ...
+    @property
+    def margin(self) -> float: ...
+    @property
+    def label_mass(self) -> float: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,7 +222,7 @@ class GatePolicy:
             overrides = {qid: replace(p, **changes) for qid, p in self.per_question.items()}
         return replace(self, **changes, per_question=overrides)
 
-    def crossed(self, stats: SlotStats) -> list[str]:
+    def crossed(self, stats: Figures) -> list[str]:
         """Names of the thresholds a distribution crosses (empty: it passes)."""
         out = []
         if self.max_normalized_entropy is not None and stats.normalized_entropy > self.max_normalized_entropy:

@@ -186,9 +186,9 @@ def test_fan_out_with_review_pauses_each_unsure_branch_and_resumes_without_readi
 
 async def test_concurrent_branches_share_the_in_process_engines_micro_batches(tiny_dgemma_dir):
     pytest.importorskip("torch")
-    from canvasroute import TransformersEngine
+    from canvasroute import Batching, TransformersEngine
 
-    engine = TransformersEngine.from_pretrained(tiny_dgemma_dir, batch_window_s=0.2, max_batch=16)
+    engine = TransformersEngine.from_pretrained(tiny_dgemma_dir, batching=Batching(window_s=0.2, max_batch=16))
     try:
         graph = fan_out(decision_node(CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0)),
                                       {"relevant": RELEVANT}, inputs="doc"))

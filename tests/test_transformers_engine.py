@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import unavailable, until  # noqa: E402
 
 from canvasroute import engine  # noqa: E402
-from canvasroute.engine import CanvasRead, EngineOverloaded, EngineRequestError, TransformersEngine  # noqa: E402
+from canvasroute.engine import Batching, CanvasRead, EngineOverloaded, EngineRequestError, TransformersEngine  # noqa: E402
 from canvasroute.engine.local._transformers import MicroBatcher  # noqa: E402
 
 WORDS = ["the", "ticket", "sky", "is", "blue", "refund", "urgent", "invoice", "crash", "app", "team", "billing",
@@ -125,7 +125,7 @@ async def test_batched_reads_equal_unbatched(kind, request):
 
 
 async def test_concurrent_reads_share_forward_passes(tiny):
-    eng = TransformersEngine(tiny.model, tiny.tokenizer, batch_window_s=0.05, max_batch=16)
+    eng = TransformersEngine(tiny.model, tiny.tokenizer, batching=Batching(window_s=0.05, max_batch=16))
     reads = await make_reads(eng, 8, seed=5)
     sequential = [(await eng.read([r]))[0] for r in reads]
     before = eng.forward_passes
@@ -138,7 +138,7 @@ async def test_concurrent_reads_share_forward_passes(tiny):
 
 
 async def test_large_read_splits_into_max_batch_passes(tiny):
-    eng = TransformersEngine(tiny.model, tiny.tokenizer, max_batch=3)
+    eng = TransformersEngine(tiny.model, tiny.tokenizer, batching=Batching(max_batch=3))
     reads = await make_reads(eng, 7, seed=8)
     results = await eng.read(reads)
     assert eng.forward_passes == 3 and len(results) == 7
@@ -318,7 +318,7 @@ def test_embedded_engine_without_the_wheel(monkeypatch, tmp_path):
 async def test_shared_prefix_reuse_equals_a_full_prefill(smol):
     """Prompts sharing a system prompt prefill only their own suffix on top of a cached
     prompt's KV, batched with left-padded bases and suffixes; rows equal a full prefill."""
-    eng = TransformersEngine(smol.model, smol.tokenizer, batch_window_s=0.05)
+    eng = TransformersEngine(smol.model, smol.tokenizer, batching=Batching(window_s=0.05))
     full = TransformersEngine(smol.model, smol.tokenizer, prompt_cache_size=0)  # no LRU: every prompt in full
     reads = await make_reads(eng, 7, seed=31, widths=(64, 32), labels=" A B yes no")
     system = reads[0].messages[0]

@@ -43,6 +43,7 @@ from transformers import (
 from .._prompts import EMPTY_CHAT, ChatPrompts, scaffold_prefix, template_kwargs, tokenizer_specials
 from .._types import (
     THOUGHT_SCAFFOLD,
+    Batching,
     CanvasRead,
     EngineInfo,
     Message,
@@ -72,8 +73,8 @@ class _Job:
 class TransformersEngine:
     """Reads canvases in-process with a transformers model (DiffusionGemma or causal LM).
 
-    Concurrent `read` calls within `batch_window_s` share one forward pass of at most
-    `max_batch` canvases, run on one worker thread so the event loop stays free. Prompts
+    Concurrent `read` calls share forward passes as `batching` says (`Batching`: at most
+    16 canvases, 2 ms window, 1,024 queued), run on one worker thread so the event loop stays free. Prompts
     are left-padded with an attention mask, so a batched read equals an unbatched one.
     `enable_thinking` goes to the chat template (default False); a DiffusionGemma canvas
     opens with the thought block only when the generation prompt does not end with it.
@@ -100,15 +101,11 @@ class TransformersEngine:
         dtype: torch.dtype | str | None = None,
         canvas_width: int | None = None,
         max_model_len: int | None = None,
-        max_batch: int = 16,
-        batch_window_s: float = 0.002,
-        max_queue: int = 1024,
+        batching: Batching = Batching(),
         prompt_cache_size: int = 64,
         prompt_cache_bytes: int = 256 * 2**20,
         enable_thinking: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
-        canvas_prefix: str | None = None,
-        end_of_turn: str | None = None,
     ) -> None:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -132,7 +129,7 @@ class TransformersEngine:
         self.prefix_tokens_reused = 0
         """Prompt tokens not prefilled because a cached prompt started with them (causal LMs)."""
         self._batcher: MicroBatcher[_Job, tuple[tuple[dict[int, float], ...], dict[str, object]]] = MicroBatcher(
-            self._forward, max_batch=max_batch, window_s=batch_window_s, max_queue=max_queue,
+            self._forward, max_batch=batching.max_batch, window_s=batching.window_s, max_queue=batching.max_queue,
             name="canvasroute-transformers")
 
         limits = [self._kind.max_positions, max_model_len or MAX_MODEL_LEN_CAP]
@@ -142,13 +139,12 @@ class TransformersEngine:
         scaffold = tokenizer(THOUGHT_SCAFFOLD, add_special_tokens=False).input_ids
         defaults = ({"canvas_prefix": scaffold_prefix(empty, scaffold)} if diffusion
                     else {"canvas_prefix": "", "end_of_turn": tokenizer.eos_token or ""})
-        overrides = {k: v for k, v in (("canvas_prefix", canvas_prefix), ("end_of_turn", end_of_turn)) if v is not None}
         self._info = EngineInfo(
             model=name or Path(str(model.config.name_or_path or type(model).__name__)).name,
             provider="transformers", canvas_width=self._kind.canvas_width, max_model_len=min(limits),
             vocab_size=min(len(tokenizer), self._kind.vocab), pad_id=self._pad, chat_overhead=len(empty),
             special_tokens=tokenizer_specials(tokenizer), causal_readout=not diffusion,
-            **(defaults | overrides),
+            **defaults,
         )
 
     @classmethod
