@@ -12,17 +12,24 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
 
 
-def _portal() -> asyncio.AbstractEventLoop:
-    global _loop
-    with _lock:
-        if _loop is None or _loop.is_closed():
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="canvasroute-sync", daemon=True).start()
-        return _loop
+class _Portal:
+    """The shared loop, started on first use (and again if it was closed)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __call__(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="canvasroute-sync", daemon=True).start()
+            return self._loop
+
+
+_portal = _Portal()
 
 
 def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

@@ -7,8 +7,8 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 │   └── EngineOverloaded          the engine shed load (429/503/529)                retryable
 ├── EngineRequestError            ValueError: the engine refused the request (4xx)
 ├── EngineResponseError           the engine answered something a read cannot be
-├── EscalationError               the escalation target failed or answered garbage  retryable if it timed out or was unreachable
-│                                 (`failure`: network | target | format)
+├── EscalationError               the escalation target failed or answered garbage  retryable if it timed out
+│                                 (`failure`: network | target | format)            or was unreachable
 ├── BudgetExhausted               escalation was needed, the budget is spent, OutcomePolicy says raise
 ├── UnsureAnswer                  the gate stayed unsure and OutcomePolicy(uncertain="raise")
 ├── DecisionError                 ValueError: the questions cannot be asked as given

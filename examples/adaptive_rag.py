@@ -54,7 +54,8 @@ ROUTER_PROMPT = ("You are an expert at routing a user question to a vectorstore 
 class RouteQuery(BaseModel):
     """Route a user query to the most relevant datasource."""
 
-    datasource: Literal["vectorstore", "web_search"] = Field(description="Route the question to web search or a vectorstore.")
+    datasource: Literal["vectorstore", "web_search"] = Field(
+        description="Route the question to web search or a vectorstore.")
 
 
 class GradeDocuments(BaseModel):

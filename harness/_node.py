@@ -519,7 +519,8 @@ def route_destinations(route_map: dict[str, str] | None, route_fn: Callable[...,
 def annotated_call(destinations: tuple[str, ...]) -> Callable[..., Command[Any]]:
     """A `__call__` whose return annotation is `Command[Literal[destinations]]` (read by `add_node`)."""
 
-    def __call__(self: Any, state: Any, config: RunnableConfig | None = None) -> Command[Any]:
+    def __call__(self: Any, state: Any,  # noqa: N807 - bound as the node's own `__call__`, and named so
+                 config: RunnableConfig | None = None) -> Command[Any]:
         return self.invoke(state, config)  # type: ignore[no-any-return]
 
     __call__.__annotations__ = {"return": Command[Literal[destinations]]}  # type: ignore[valid-type]

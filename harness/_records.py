@@ -40,7 +40,8 @@ _UNSTABLE = {"latency_s"}
 """The report field a replay does not reproduce (kept under `timing`)."""
 
 
-def entries(response: CanvasResponse, human: Mapping[str, str], decision: str | None = None) -> dict[str, dict[str, Any]]:
+def entries(response: CanvasResponse, human: Mapping[str, str],
+            decision: str | None = None) -> dict[str, dict[str, Any]]:
     """One JSON-able entry per question, for graph state and checkpoints.
 
     `answer` and `path` are what the graph acted on (`path` is `human` when a reviewer
@@ -88,7 +89,7 @@ def run_totals(source: Any) -> Totals:
 def _sets(value: Any) -> Iterator[tuple[str, Totals]]:
     """(decision id, totals) of every decision set in `value`."""
     if isinstance(value, Mapping):
-        if value.get("type") in (DECISION_EVENT,) and isinstance(value.get("totals"), Mapping):
+        if value.get("type") == DECISION_EVENT and isinstance(value.get("totals"), Mapping):
             yield str(value.get("decision") or id(value)), Totals.from_dict(value["totals"])
             return
         if is_record(value):

@@ -151,8 +151,8 @@ def _validate(value: Any, pending: list[str], options: Mapping[str, tuple[str, .
     if missing or extra:
         raise DecisionError(f"the review needs exactly the questions {pending}; missing {missing}, unexpected {extra}")
     chosen = {}
-    for qid, option in value.items():
-        option = str(option)
+    for qid, given in value.items():
+        option = str(given)
         if option not in options[qid]:
             raise DecisionError(f"{option!r} is not an option of {qid!r}; options: {list(options[qid])}")
         chosen[qid] = option

@@ -180,7 +180,7 @@ def _canvas(read: Callable[[], CanvasResponse], goto: Callable[[CanvasResponse],
     try:
         response = read()
         return response, goto(response), time.perf_counter() - start, None
-    except Exception as exc:  # the router is in charge: a canvas fault is recorded, not raised
+    except Exception as exc:  # noqa: BLE001 - the router is in charge: a canvas fault is recorded, not raised
         return None, None, time.perf_counter() - start, type(exc).__qualname__
 
 
@@ -190,7 +190,7 @@ async def _acanvas(aread: Callable[[], Awaitable[CanvasResponse]],
     try:
         response = await aread()
         return response, goto(response), time.perf_counter() - start, None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - as in `_canvas`: recorded, not raised
         return None, None, time.perf_counter() - start, type(exc).__qualname__
 
 

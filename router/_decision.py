@@ -344,7 +344,8 @@ class _Run:
             if spec.id not in outcomes.fallback:
                 if spec.id in self.refused:
                     raise BudgetExhausted(f"question {spec.id!r} could not escalate (budget spent) and has no "
-                                          "fallback option", hint="add it to OutcomePolicy(fallback={...})") from r.fault
+                                          "fallback option",
+                                          hint="add it to OutcomePolicy(fallback={...})") from r.fault
                 assert r.fault is not None  # (uncertain and abstained fallbacks are checked before any read)
                 raise r.fault  # an engine fault never becomes a cheap answer
             answer = outcomes.fallback[spec.id]

@@ -180,7 +180,8 @@ def failure(name: str, target: Any, exc: BaseException) -> EscalationError:
         retryable, attempts = exc.retryable, exc.attempts
     else:
         status = getattr(exc, "status_code", None)
-        names = {c.__name__ for c in type(exc).__mro__}  # langchain-openai's OpenAIConnectionError is an APIConnectionError
+        # langchain-openai's OpenAIConnectionError is an APIConnectionError
+        names = {c.__name__ for c in type(exc).__mro__}
         network = isinstance(exc, (ConnectionError, TimeoutError)) or bool(names & _NETWORK_NAMES)
         kind = "network" if network else "target"
         answered = status is not None or getattr(exc, "response", None) is not None or bool(names & _API_NAMES)
@@ -424,7 +425,7 @@ def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec,
     content = logprobs.get("content") if isinstance(logprobs, Mapping) else logprobs
     if not content:
         return None
-    m = re.search(r'"%s"\s*:\s*"?' % re.escape(spec.id), text)
+    m = re.search(rf'"{re.escape(spec.id)}"\s*:\s*"?', text)
     if m is None:
         return None
     offset = 0
@@ -636,7 +637,8 @@ def _classified(name: str, target: Any, exc: Exception) -> EscalationError:
                                f"{exc!r}", failure="format", hint=_FORMAT_HINT)
     error = failure(name, target, exc)
     status = getattr(exc, "status_code", None)
-    retried = "APIConnectionError" in names or (isinstance(status, int) and (status in (408, 409, 429) or status >= 500))
+    retried = "APIConnectionError" in names or (isinstance(status, int)
+                                                 and (status in (408, 409, 429) or status >= 500))
     if _is_openai_decisions(target) and getattr(target, "max_retries", None) is None and retried:
         error.attempts = _OPENAI_RETRIES + 1  # the SDK retried these by itself
     return error

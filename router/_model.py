@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Coroutine, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -301,10 +302,8 @@ class CanvasDecisionModel(BaseDecisionModel):
         return await super().ainvoke(input, config, **kwargs)  # type: ignore[return-value]
 
     async def _learn_served(self) -> None:
-        try:
+        with suppress(CanvasRouteError):  # the decision itself handles an engine that is down
             self._memo.served = (await self.engine.info()).model
-        except CanvasRouteError:  # the decision itself handles an engine that is down
-            pass
 
     def _traced_config(self, config: RunnableConfig | None) -> RunnableConfig:
         config = super()._traced_config(config)

@@ -142,14 +142,14 @@ async def plan(engine: Engine, specs: Mapping[str, QuestionSpec], views: Mapping
         info = replace(info, canvas_prefix=canvas_prefix)
     routes: dict[str, Route] = {}
     units: list[list[QuestionSpec]] = []  # a question and its views share a chunk
-    for spec in specs.values():
-        settled = await _settled(engine, info, spec) if spec.alphabets else None
+    for given in specs.values():
+        settled = await _settled(engine, info, given) if given.alphabets else None
         if settled is None:  # past the fixed alphabets, or none is one token here: scan the tokenizer
-            spec, route = await _scanned(engine, info, spec)
+            spec, route = await _scanned(engine, info, given)
             if route is not None:
                 routes[spec.id] = route
-                spec = route.group_spec(spec)
-                spec = await _settled(engine, info, spec) or spec
+                grouped = route.group_spec(spec)
+                spec = await _settled(engine, info, grouped) or grouped
         else:
             spec = settled
         n = (views or {}).get(spec.id, 0)
@@ -228,7 +228,7 @@ async def _resolve(engine: Engine, info: EngineInfo, specs: Sequence[QuestionSpe
     slots: list[Slot] = []
     for i, spec in enumerate(specs):
         failures = []
-        for a, alphabet in enumerate(spec.alphabets):
+        for a in range(len(spec.alphabets)):
             choice[i] = a
             found = await _slot(engine, info, specs, choice, i, compact)
             if isinstance(found, Slot):
@@ -310,12 +310,12 @@ def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]]
         return defuse(option_text(content), specials)
 
     parts = ["Read the input and answer every question below."]
-    for n, (spec, alphabet) in enumerate(zip(specs, labels, strict=True), 1):
+    for n, (spec, spec_labels) in enumerate(zip(specs, labels, strict=True), 1):
         q = spec.question
         again = " (the same question again, options in another order)" if spec.shift else ""
         lines = [f"Question q{n}: {text(q.instructions)}{again}"]
-        if spec.abstain:  # the last label is "none of these / can't tell"
-            alphabet, abstain = alphabet[:-1], alphabet[-1]
+        # with abstain, the last label is "none of these / can't tell"
+        alphabet = spec_labels[:-1] if spec.abstain else spec_labels
         if isinstance(q, Noul):
             crit = q.criteria
             yes = text(crit.true) if crit and crit.true is not None else "yes"
@@ -327,7 +327,7 @@ def system_prompt(specs: Sequence[QuestionSpec], labels: Sequence[Sequence[str]]
         else:
             lines += [f"{label}: {text(desc)}" for label, desc in zip(alphabet, q.criteria, strict=True)]
         if spec.abstain:
-            lines.append(f"{abstain}: {ABSTAIN_TEXT}")
+            lines.append(f"{spec_labels[-1]}: {ABSTAIN_TEXT}")
         parts.append("\n".join(lines))
     parts.append(COMPACT_FORMAT if compact else LINES_FORMAT)
     return "\n\n".join(parts)

@@ -183,7 +183,8 @@ class GatePolicy:
             if not isinstance(override, GatePolicy):
                 raise TypeError(f"per_question[{qid!r}] must be a GatePolicy, got {type(override).__name__}")
             if override.per_question:
-                raise ValueError(f"per_question[{qid!r}] has overrides of its own; an override is one question's policy")
+                raise ValueError(f"per_question[{qid!r}] has overrides of its own; "
+                                 "an override is one question's policy")
 
     def for_question(self, question_id: str) -> GatePolicy:
         """The policy that applies to one question."""

@@ -243,7 +243,8 @@ class Dependencies:
 
     def applies(self, qid: str, answers: Mapping[str, str | None]) -> bool:
         """Whether `qid` is asked, given the final answers so far (None: skipped parent)."""
-        return qid not in self.parents or all(answers.get(p) in a for p, a in self.parents.get(qid, {}).items() if a is not None)
+        return qid not in self.parents or all(answers.get(p) in a for p, a in self.parents.get(qid, {}).items()
+                                              if a is not None)
 
     def restatement(self, asked: Sequence[str], answers: Mapping[str, str | None],
                     specs: Mapping[str, QuestionSpec]) -> str:
@@ -292,14 +293,17 @@ def parse_depends_on(depends_on: Any, specs: Mapping[str, QuestionSpec]) -> Depe
     if not isinstance(depends_on, Mapping):
         raise DecisionError("depends_on must be a mapping {question id: (parent id, answers)}")
     parents: dict[str, Parents] = {}
-    for child, cond in depends_on.items():
+    for child, given in depends_on.items():
         if child not in specs:
             raise DecisionError(f"depends_on names {child!r}, which is not one of the questions")
-        if isinstance(cond, (tuple, list)) and len(cond) == 2 and isinstance(cond[0], str):
-            cond = {cond[0]: cond[1]}
-        elif not isinstance(cond, Mapping) or not cond:
+        cond: Mapping[Any, Any]
+        if isinstance(given, (tuple, list)) and len(given) == 2 and isinstance(given[0], str):
+            cond = {given[0]: given[1]}
+        elif isinstance(given, Mapping) and given:
+            cond = given
+        else:
             raise DecisionError(f"depends_on[{child!r}] must be a pair (parent id, answers) or a mapping "
-                                f"{{parent id: answers or None}}, got {cond!r}")
+                                f"{{parent id: answers or None}}, got {given!r}")
         mine: dict[str, frozenset[str] | None] = {}
         for parent, raw in cond.items():
             if parent not in specs:
@@ -319,9 +323,8 @@ def _answers(child: str, parent: QuestionSpec, raw: Any) -> frozenset[str]:
     if not isinstance(values, Collection) or not values:
         raise DecisionError(f"depends_on[{child!r}]: answers must be an option or a non-empty collection of options")
     out = set()
-    for value in values:
-        if isinstance(value, bool):
-            value = "yes" if value else "no"
+    for given in values:
+        value = ("yes" if given else "no") if isinstance(given, bool) else given
         name = str(value)
         if name not in parent.answer_options:
             raise DecisionError(f"depends_on[{child!r}]: {value!r} is not an answer of {parent.id!r} "

@@ -122,7 +122,7 @@ class StructuredDecision(Runnable[Any, Any]):
         return f"StructuredDecision({self.schema.__name__}, model={self.model.model!r})"
 
     @property
-    def OutputType(self) -> Any:
+    def OutputType(self) -> Any:  # noqa: N802 - LangChain's Runnable.OutputType, overridden
         return dict if self.include_raw else self.schema
 
     def request(self, input: Any) -> ClassifierRequest:

@@ -321,16 +321,3 @@ def assert_snapshot(name: str, text: str) -> None:
         path.write_text(text)
     assert path.exists(), f"missing snapshot {path} (CANVASROUTE_UPDATE_SNAPSHOTS=1 writes it)"
     assert text == path.read_text()
-
-
-@pytest.fixture(scope="session")
-def smol() -> Iterator[Any]:
-    """The embedded SmolLM2-135M engine, loaded once per run (tests need `@pytest.mark.smollm`)."""
-    from canvasroute.engine import EmbeddedModelMissing, embedded_engine, run_sync
-
-    try:
-        engine = embedded_engine()
-    except EmbeddedModelMissing as exc:
-        unavailable(str(exc))
-    yield engine
-    run_sync(engine.aclose())

@@ -93,7 +93,8 @@ def build(checkpointer: PostgresSaver, log: str, block: str | None, ar_log: str 
     else:  # unsure of everything: team escalates (the budget's one), urgent goes to review
         model = CanvasDecisionModel(engine=engine,
                                     policy=GatePolicy(max_normalized_entropy=0.01, rereads=0),
-                                    escalate_to=Escalation(escalation_target(ar_log), budget=EscalationBudget(max_per_thread=1)),
+                                    escalate_to=Escalation(escalation_target(ar_log),
+                                                           budget=EscalationBudget(max_per_thread=1)),
                                     outcomes=OutcomePolicy(over_budget="answer"))
     triage = decision_node(model, QUESTIONS, inputs="ticket",
                            route=("team", {"billing": "billing", "technical": "technical"}),

@@ -61,7 +61,8 @@ async def test_a_winning_abstain_label_escalates_without_offering_abstain_to_the
     model = CanvasDecisionModel(engine=rows.engine, policy=ABSTAINS, escalate_to=esc.runnable)
     resp = await model.adecide("x", {"team": TEAM})
     report = resp.reads["team"]
-    assert (report.path, report.cause, report.answer, report.escalation_model) == ("escalated", "abstained", "tech", "big")
+    assert (report.path, report.cause, report.answer, report.escalation_model) == (
+        "escalated", "abstained", "tech", "big")
     assert report.canvas_probabilities["(abstain)"] == pytest.approx(0.8)
     assert resp.answers["team"].choice == "tech"
     (prompt,) = esc.prompts
@@ -73,7 +74,8 @@ async def test_a_winning_abstain_label_takes_the_fallback_when_the_policy_says_s
     rows = abstaining()
     policy = GatePolicy(max_normalized_entropy=None, rereads=0, abstain=True)
     model = CanvasDecisionModel(engine=rows.engine, policy=policy, escalate_to=esc.runnable,
-                                outcomes=OutcomePolicy(abstained="fallback", fallback={"team": "billing", "urgent": "no"}))
+                                outcomes=OutcomePolicy(abstained="fallback",
+                                                       fallback={"team": "billing", "urgent": "no"}))
     resp = await model.adecide("x", {"team": TEAM, "urgent": URGENT})
     for qid, answer in (("team", "billing"), ("urgent", "no")):
         assert (resp.reads[qid].path, resp.reads[qid].cause, resp.reads[qid].answer,

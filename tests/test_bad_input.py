@@ -189,7 +189,8 @@ async def test_unaskable_questions_fail_clearly_before_any_request(case):
 
 async def test_a_fallback_that_is_not_an_option_is_refused():
     engine = FunctionEngine(instant)
-    model = CanvasDecisionModel(engine=engine, outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "finance"}))
+    model = CanvasDecisionModel(engine=engine,
+                                outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "finance"}))
     with pytest.raises(DecisionError, match="finance"):
         await model.adecide(BENIGN, QUESTIONS)
     assert engine.calls == 0

@@ -462,7 +462,8 @@ def test_abstained_questions_answered_by_the_target_are_escalations_on_the_dashb
     report = build_report(old)
     assert [(d.path, d.cause) for d in report.decisions] == [("escalated", "abstained")] * 2
     page = render(report)
-    assert re.search(r'id="kpi-escalation".*?<div class="v">100%</div>.*?2 of 2 questions · abstained 2', page, re.DOTALL)
+    assert re.search(r'id="kpi-escalation".*?<div class="v">100%</div>.*?2 of 2 questions · abstained 2', page,
+                     re.DOTALL)
     assert re.search(r'id="kpi-causes".*?<div class="v">100%</div>.*?uncertain 0, abstained 2, engine fault 0, '
                      r'over budget 0', page, re.DOTALL)
 

@@ -51,7 +51,8 @@ async def test_abstain_is_one_more_label_on_the_server(vllm_url):
     engine = VLLMServerEngine(vllm_url)
     policy = GatePolicy(max_normalized_entropy=None, rereads=0, abstain=True)
     model = CanvasDecisionModel(engine=engine, policy=policy,
-                                outcomes=OutcomePolicy(abstained="fallback", fallback={"team": "sales", "urgent": "no"}))
+                                outcomes=OutcomePolicy(abstained="fallback",
+                                                       fallback={"team": "sales", "urgent": "no"}))
     resp = await model.adecide(TICKET, {"team": TEAM, "urgent": URGENT}, seed=3)
     for qid, q_options in (("team", list(TEAM.criteria)), ("urgent", ["yes", "no"])):
         report = resp.reads[qid]

@@ -41,7 +41,8 @@ from canvasroute.router._escalation import (
 
 pytestmark = pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
 
-PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg=="
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/"
+       "PchI7wAAAABJRU5ErkJggg==")
 TICKET = "I was charged twice and the app crashes. Fix it now!"
 QUESTIONS: dict[str, Noul | Choice | Score] = {
     "urgent": Noul(instructions="Is this urgent?", criteria=NoulCriteria(true="needs action today")),
@@ -171,7 +172,8 @@ async def test_openai_decisions_answers_outside_the_wire_are_format_failures(fre
                                                                             reply: Any, message: str) -> None:
     fresh.fail(200, body=reply)
     with pytest.raises(EscalationError, match=message) as info:
-        await ask_decision_target(openai_decisions(fresh, max_retries=0), ask(questions={"urgent": QUESTIONS["urgent"]}))
+        await ask_decision_target(openai_decisions(fresh, max_retries=0),
+                                  ask(questions={"urgent": QUESTIONS["urgent"]}))
     assert (info.value.failure, info.value.retryable) == ("format", False)
 
 
@@ -239,8 +241,9 @@ class WireDecisionModel(BaseDecisionModel):
             if a.type == "predicate":
                 answers[str(a.name)] = NoulAnswer(type="noul", noul=a.probability)
             elif a.type == "choice":
+                probabilities = {str(p.value): p.probability for p in a.probabilities}
                 answers[str(a.name)] = ChoiceAnswer(type="choice", choice=str(a.choice), confidence=a.confidence,
-                                                    probabilities={str(p.value): p.probability for p in a.probabilities})
+                                                    probabilities=probabilities)
             else:
                 answers[str(a.name)] = ScoreAnswer(type="score", score=a.score, confidence=a.confidence,
                                                    legend={p.value: p.label for p in a.probabilities},

@@ -17,7 +17,8 @@ from pydantic import SecretStr
 
 pytestmark = pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
 
-PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg=="
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/"
+       "PchI7wAAAABJRU5ErkJggg==")
 SCRIPT = {
     "urgent": Known(0.9),
     "team": Known({"billing": 0.7, "technical": 0.3}, confidence=0.55),

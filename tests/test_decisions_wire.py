@@ -23,7 +23,8 @@ from canvasroute.apps.server.decisions import (
 from canvasroute.apps.server.wire import Refusal
 from canvasroute.router._state import state_images
 
-PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg=="
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/"
+       "PchI7wAAAABJRU5ErkJggg==")
 URL = "https://example.com/cat.png"
 PREDICATE = {"type": "predicate", "name": "urgent", "instructions": "Is this urgent?"}
 CHOICE = {"type": "choice", "name": "team", "instructions": "Which team?",
@@ -147,7 +148,8 @@ def test_agent_traffic_function_and_custom_tool_calls_with_their_outputs() -> No
     ([{"type": "custom_tool_call", "call_id": "c", "name": "t", "input": "x"},
       {"type": "function_call_output", "call_id": "c", "output": "x"}], "input[1].call_id", "unknown_call_id"),
     ([{"type": "function_call", "call_id": "c", "name": "t", "arguments": "{}"},
-      {"type": "function_call", "call_id": "c", "name": "u", "arguments": "{}"}], "input[1].call_id", "duplicate_value"),
+      {"type": "function_call", "call_id": "c", "name": "u", "arguments": "{}"}],
+     "input[1].call_id", "duplicate_value"),
     ([{"type": "function_call", "call_id": "c", "name": "t"}], "input[0].arguments", "missing_required_parameter"),
     ([{"role": "tool", "content": "x"}], "input[0].role", "invalid_value"),
     ([{"content": "x"}], "input[0].type", "missing_required_parameter"),

@@ -264,7 +264,9 @@ async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, h
     transport = reads_fail(fault)
     retries = 1 if fault == "500" else 0  # a timeout costs the full 2 s per try
     info = await VLLMServerEngine(vllm_url).info()  # discovery (one real read) with the default timeout
-    engine = VLLMServerEngine(Connection(vllm_url, timeout=2.0, retries=Retries(max_retries=retries, backoff=0.001), transport=transport), canvas_width=info.canvas_width, vocab_size=info.vocab_size)
+    engine = VLLMServerEngine(Connection(vllm_url, timeout=2.0, retries=Retries(max_retries=retries, backoff=0.001),
+                                         transport=transport),
+                              canvas_width=info.canvas_width, vocab_size=info.vocab_size)
     model = make_model(engine, mode, target)
     assert (await engine.info()).model == info.model  # the rest of discovery against the real server works
     counts = await decide_all(model)

@@ -56,7 +56,8 @@ async def test_a_server_returning_only_its_argmax_is_a_response_error_not_an_ans
     assert fake.reads == 1  # read once, not retried: a malformed row cannot pass by itself
     fallback = CanvasDecisionModel(engine=engine,
                                    policy=GatePolicy(rereads=0),
-                                   outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "tech", "urgent": "yes"}))
+                                   outcomes=OutcomePolicy(engine_fault="fallback",
+                                                          fallback={"team": "tech", "urgent": "yes"}))
     resp = await fallback.adecide("I was charged twice.", QUESTIONS)
     assert {r.path for r in resp.reads.values()} == {"fallback"}  # never "canvas"
     assert all(r.error.startswith("EngineResponseError") for r in resp.reads.values())
@@ -72,8 +73,9 @@ async def test_function_engine_rows_without_a_slots_label_fail_expensive():
     engine = FunctionEngine(lambda read: [{engine.token_id(t): -0.01 for t in ("A", "yes", "no")}] * len(read.slots))
     with pytest.raises(EngineResponseError, match="lacks label id"):  # team's "B" is missing
         await CanvasDecisionModel(engine=engine, outcomes=OutcomePolicy(engine_fault="raise")).adecide("hi", QUESTIONS)
-    resp = await CanvasDecisionModel(engine=engine,
-                                     outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "tech", "urgent": "yes"})).adecide("hi", QUESTIONS)
+    resp = await CanvasDecisionModel(
+        engine=engine, outcomes=OutcomePolicy(engine_fault="fallback", fallback={"team": "tech", "urgent": "yes"}),
+    ).adecide("hi", QUESTIONS)
     assert (resp.reads["team"].path, resp.reads["team"].answer) == ("fallback", "tech")
     assert resp.reads["team"].error.startswith("EngineResponseError")
 

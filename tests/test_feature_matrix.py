@@ -276,7 +276,8 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
     think = 0 if odd == "image" else draw(st.sampled_from([0, 0, 0, 6]))
     state = ({"photo": _IMAGE} if odd == "image" else {"odd": object()} if odd == "object" else draw(
         st.one_of(st.text(max_size=40), _json_like) if graph else st.one_of(st.text(max_size=40), _json_like, _rich)))
-    target = draw(st.sampled_from([None, None, "answers", "fails"] if review else ["answers", "answers", "fails", None]))
+    target = draw(st.sampled_from([None, None, "answers", "fails"] if review
+                                  else ["answers", "answers", "fails", None]))
     uncertain = draw(st.sampled_from(["escalate", "escalate", "answer", "fallback", "raise", "review"]))
     return {
         "graph": graph, "fan_out": fan_out, "kinds": kinds, "qids": qids, "depends": depends, "shadow": shadow,
@@ -403,7 +404,8 @@ def build(s: dict[str, Any]) -> Built:
         for lane in route[1].values():
             builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
             if s["edge"]:  # the same model again, on an edge: its escalations count in the same store
-                builder.add_conditional_edges(lane, route_on(model, questions[s["qids"][0]], paths, read={**read, "alone": ()},
+                builder.add_conditional_edges(lane, route_on(model, questions[s["qids"][0]], paths,
+                                                             read={**read, "alone": ()},
                                                              inputs="ticket", question_id="edge"),
                                               dict.fromkeys(paths, "tail"))
             else:

@@ -322,7 +322,8 @@ async def test_a_503_engine_costs_one_layers_attempts_not_their_product(vllm_url
     failing = FailingPaths({"/v1/chat/completions"}, status=503, message="overloaded (injected)")
     engine = VLLMServerEngine(Connection(vllm_url, retries=Retries(max_retries=max_retries, backoff=0.001),
                                          transport=failing))
-    node = decision_node(CanvasDecisionModel(engine=engine, outcomes=OutcomePolicy(engine_fault="raise")), {"team": TEAM}, inputs="ticket")
+    node = decision_node(CanvasDecisionModel(engine=engine, outcomes=OutcomePolicy(engine_fault="raise")),
+                         {"team": TEAM}, inputs="ticket")
     graph = lanes_graph(node, retry_policy=RetryPolicy(retry_on=retry_on, max_attempts=3, initial_interval=0.001,
                                                        jitter=False))
     try:

@@ -112,7 +112,8 @@ def test_01_a_fan_out_with_a_node_cache_never_replays_a_faulted_branch():
     assert cache.refused == 2
     down["on"] = False
     healed = graph.invoke({"docs": docs})["decisions"]["relevant"]
-    assert {b: (r["path"], r["answer"]) for b, r in healed.items()} == {"d1": ("canvas", "yes"), "d2": ("canvas", "yes")}
+    assert {b: (r["path"], r["answer"]) for b, r in healed.items()} == {"d1": ("canvas", "yes"),
+                                                                       "d2": ("canvas", "yes")}
 
 
 # -- 4, 5: store budgets: one count per model, the edge counts too ----------------------------------

@@ -280,7 +280,8 @@ def test_route_function_returning_an_undeclared_node_fails_the_run():
 
 def test_route_on_needs_every_option_in_its_path_map():
     model = CanvasDecisionModel(engine=fixed_engine(SURE_TECH))
-    with pytest.raises(ValueError, match=r"path_map for 'route' .*\(its options: \['yes', 'no'\]\); no node for \['no'\]"):
+    with pytest.raises(ValueError,
+                       match=r"path_map for 'route' .*\(its options: \['yes', 'no'\]\); no node for \['no'\]"):
         route_on(model, URGENT, {"yes": "tech"})
     with pytest.raises(TypeError, match="explicit path_map"):
         route_on(model, URGENT, None)

@@ -545,7 +545,7 @@ def test_create_app_refuses_an_outcome_the_wire_cannot_carry(outcomes):
 
 def test_create_app_refuses_abstaining_questions_with_nowhere_to_go():
     policy = GatePolicy(per_question={"team": GatePolicy(abstain=True)})
-    with pytest.raises(ValueError, match="OutcomePolicy.abstained='escalate'.*no escalation target"):
+    with pytest.raises(ValueError, match=r"OutcomePolicy.abstained='escalate'.*no escalation target"):
         create_app(function_model(policy=policy))
     create_app(function_model(policy=policy, outcomes=OutcomePolicy(abstained="answer")))
     create_app(function_model(policy=policy, escalate_to=function_model()))

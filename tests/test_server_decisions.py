@@ -50,7 +50,8 @@ from canvasroute.router import (
 
 pytestmark = pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
 
-PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg=="
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/"
+       "PchI7wAAAABJRU5ErkJggg==")
 QUESTIONS: list[Any] = [
     {"type": "predicate", "name": "urgent", "instructions": "Is this urgent?"},
     {"type": "choice", "name": "team", "instructions": "Which team?",

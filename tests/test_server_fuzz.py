@@ -102,7 +102,8 @@ def test_schemathesis_finds_no_5xx_and_no_leaks():
     assert problems == []
     assert total >= 1000
     assert engine_faults <= len(faults)  # every 503/504/529 is a fault the engine really raised
-    assert seen.get(200, 0) >= 30 and seen.get(401, 0) >= 20 and seen.get(422, 0) >= 20  # each kind of answer was reached (CI saw 41)
+    # each kind of answer was reached (CI saw 41)
+    assert seen.get(200, 0) >= 30 and seen.get(401, 0) >= 20 and seen.get(422, 0) >= 20
 
 
 def test_schemathesis_finds_no_5xx_and_no_leaks_on_the_decisions_wire():

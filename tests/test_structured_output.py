@@ -67,7 +67,7 @@ def test_the_tutorial_graders_become_a_noul_and_a_choice_with_their_descriptions
         criteria={"vectorstore": None, "web_search": None})}
 
 
-class Color(str, Enum):
+class Color(str, Enum):  # noqa: UP042 - the (str, Enum) form of the schemas users write, under test
     RED = "red"
     BLUE = "blue"
 
@@ -249,7 +249,8 @@ def test_the_supervisor_tutorials_router_takes_its_message_dicts_and_answers_a_d
                 HumanMessage("Plot the GDP of France.")]
     assert model.with_structured_output(Router).invoke(messages) == {"next": "coder"}
     system, user = model.engine.reads[0].messages
-    assert user["content"] == "system: You are a supervisor managing: researcher, coder.\nhuman: Plot the GDP of France."
+    assert user["content"] == ("system: You are a supervisor managing: researcher, coder.\n"
+                               "human: Plot the GDP of France.")
     assert system["content"].startswith("Worker to route to next. If no workers needed, route to FINISH.")
     assert "next?" in system["content"]  # a field without a description is asked by its name
 

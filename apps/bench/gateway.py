@@ -150,7 +150,8 @@ async def _interleaved(reference: str, ours: str, vllm_url: str, rounds: int,
                        per: dict[int, int]) -> dict[tuple[str, str, int], dict[str, Any]]:
     engine = VLLMServerEngine(Connection(vllm_url, timeout=600, limits=Limits(max_concurrency=64)))
     # what serve makes of SETTINGS: "auto" re-reads above 0.1 nats (`reread_above`), the gate unchanged
-    policies = {"auto": GatePolicy(samples=1, rereads=3, reread_above=0.1), "one read": GatePolicy(samples=1, rereads=0)}
+    policies = {"auto": GatePolicy(samples=1, rereads=3, reread_above=0.1),
+                "one read": GatePolicy(samples=1, rereads=0)}
     model = CanvasDecisionModel(engine=engine)
     questions = REQUEST["questions"]
     tallies: dict[tuple[str, str, int], dict[str, Any]] = {}

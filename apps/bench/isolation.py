@@ -51,7 +51,7 @@ def run_isolation(vllm_url: str | None, quick: bool) -> Section:
         from canvasroute.engine import embedded_engine
 
         engines.append(("SmolLM2-135M in-process (causal)", embedded_engine(), MIXED))
-    except Exception as exc:  # the wheel or torch is missing: say so
+    except Exception as exc:  # noqa: BLE001 - the wheel or torch is missing: say so
         section.notes.append(f"embedded engine skipped: {type(exc).__name__}: {exc}")
     if vllm_url:
         from canvasroute.engine import VLLMServerEngine

@@ -46,8 +46,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling rows (default 0)")
     add_engine_options(parser)
     parser.add_argument("--policy", metavar="FILE", help="policy file from `canvasroute calibrate`")
-    parser.add_argument("--threshold", type=float, help="max_normalized_entropy for every question (over the policy file's, fitted ones too)")
-    parser.add_argument("--rereads", type=int, help="re-reads before escalating, for every question (over the policy file's)")
+    parser.add_argument("--threshold", type=float,
+                        help="max_normalized_entropy for every question (over the policy file's, fitted ones too)")
+    parser.add_argument("--rereads", type=int,
+                        help="re-reads before escalating, for every question (over the policy file's)")
     parser.add_argument("--thresholds", help="comma-separated sweep thresholds (default: every distinct entropy)")
     parser.add_argument("--concurrency", type=int, default=1, help="decisions in flight per arm (default 1)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")

@@ -316,7 +316,8 @@ def _runs_section(report: Report) -> str:
     return ('<section class="card" id="runs-section"><p class="muted">A run is one trace file. Had every decision '
             "set gone to the escalation target, each would have been one target call: measured here are the "
             "decision sets, the questions escalated (path escalated, any cause), the target calls made and "
-            "saved, their tokens and time (decision time: the decision sets end to end); ≈ marks an estimate, the mean measured target call times the decision "
+            "saved, their tokens and time (decision time: the decision sets end to end); ≈ marks an estimate, "
+            "the mean measured target call times the decision "
             "sets (– when no target call reported it). Canvas reads and their tokens are routing's own cost."
             f"</p>{plumbing}<table id=\"runs\"><thead><tr><th>run</th><th>canvas model</th>"
             '<th class="num">decision sets</th><th class="num">questions</th><th class="num">canvas reads</th>'
@@ -380,7 +381,8 @@ def _uncertain_section(report: Report, top: int, index: dict[str, int]) -> str:
         f'<td class="num">{d.reads}</td><td><code>{d.trace_id[:12]}</code></td></tr>'
         for d in ranked)
     return ('<section class="card"><table id="uncertain"><thead><tr><th>time (UTC)</th><th>node</th><th>question</th>'
-            '<th>path</th><th>cause</th><th>canvas</th><th>answer</th><th class="num">H/ln K</th><th class="num">confidence</th>'
+            '<th>path</th><th>cause</th><th>canvas</th><th>answer</th><th class="num">H/ln K</th>'
+            '<th class="num">confidence</th>'
             f'<th class="num">reads</th><th>trace</th></tr></thead><tbody>{rows}</tbody></table></section>')
 
 

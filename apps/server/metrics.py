@@ -9,11 +9,17 @@ their own counts. What it holds:
 | `canvasroute_server_request_duration_seconds` | histogram | `route` |
 | `canvasroute_server_requests_in_flight` | gauge | |
 | `canvasroute_server_queue_wait_seconds` | histogram (admission to a running slot) | |
-| `canvasroute_server_decisions_total` | counter: questions answered | `path` (canvas, reread, escalated, fallback, unsure, skipped), `cause` (uncertain, abstained, engine_fault, over_budget; `none` when the gate passed) |
-| `canvasroute_server_refusals_total` | counter: questions answered `refusal` on `/v1/decisions` | `reason` (`escalation_refused`: the target refused it; `unsure`: `--refuse-unsure`; `model_refused`: the decision model refused them all; `no_answer`: another decision model left it unanswered) |
+| `canvasroute_server_decisions_total` | counter: questions answered | `path`, `cause` (below) |
+| `canvasroute_server_refusals_total` | counter: questions answered `refusal` on `/v1/decisions` | `reason` (below) |
 | `canvasroute_server_rejections_total` | counter: requests and connections turned away | `reason` (the error `type`) |
 | `canvasroute_server_connections` | gauge: open client connections | |
 | `canvasroute_server_decisions_running`, `..._queued` | gauges, read from the gate at scrape | |
+
+Decisions: `path` is canvas, reread, escalated, fallback, unsure or skipped; `cause` is
+uncertain, abstained, engine_fault or over_budget (`none` when the gate passed). Refusals:
+`reason` is `escalation_refused` (the target refused it), `unsure` (`--refuse-unsure`),
+`model_refused` (the decision model refused them all) or `no_answer` (another decision model
+left it unanswered).
 """
 
 from __future__ import annotations

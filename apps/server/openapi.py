@@ -216,7 +216,8 @@ def openapi(limits: Limits) -> dict[str, Any]:
     errors = {code: {"description": text, **error} for code, text in _ERRORS.items()}
     ok = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/SystemOneResponse"}}}}
     plain = {"content": {"application/json": {"schema": {"type": "object"}}}}
-    openai_error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/DecisionsErrorResponse"}}}}
+    openai_error = {"content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/DecisionsErrorResponse"}}}}
     decided = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/DecisionsResponse"}}}}
     return {
         "openapi": "3.1.0",
@@ -236,7 +237,8 @@ def openapi(limits: Limits) -> dict[str, Any]:
                 "requestBody": {"required": True, "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/DecisionsRequest"}}}},
                 "responses": {"200": {"description": "the answers, in question order", **decided},
-                              **{code: {"description": text, **openai_error} for code, text in _DECISIONS_ERRORS.items()}},
+                              **{code: {"description": text, **openai_error}
+                                 for code, text in _DECISIONS_ERRORS.items()}},
                 "security": [{"bearer": []}, {}]}},
             "/v1/models": {"get": {"operationId": "models", "summary": "The served model and its aliases",
                                    "responses": {"200": {"description": "the models", **plain},

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 - PyTorch's own convention for torch.nn.functional
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,

@@ -79,7 +79,8 @@ def spawn(*, port: int = 0, canvas_width: int = 64, answer: str = "ranked",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m canvasroute.engine.testing._loopback", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m canvasroute.engine.testing._loopback",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--canvas-width", type=int, default=64)
     parser.add_argument("--answer", choices=list(ANSWERS), default="ranked")

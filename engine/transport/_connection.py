@@ -35,7 +35,7 @@ import ssl
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -242,7 +242,8 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def send(self, request: bytes, timeout: float) -> Answer:
+    async def send(self, request: bytes,
+                   timeout: float) -> Answer:  # noqa: ASYNC109 - on the deadline the reply fails as ReplyTimedOut
         """Write one request and wait for its whole reply (`LaneFault` subclasses on failure;
         the connection is closed on any failure or cancellation). `StaleConnection` means the
         request never left: the write failed at once. (A kept-alive connection found closing
@@ -842,10 +843,8 @@ class Connection:
         loops, self._loops = self._loops, {}
         for lanes in loops.values():
             for lane in lanes.open:
-                try:
+                with suppress(RuntimeError):  # client bound to a loop that is already closed
                     await lane.aclose()
-                except RuntimeError:  # client bound to a loop that is already closed
-                    pass
 
     # -- internals ------------------------------------------------------------------
 

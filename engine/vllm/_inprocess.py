@@ -84,8 +84,9 @@ class VLLMEngine:
             prompt = self._prompt_ids(tokenizer, EMPTY_CHAT)
             scaffold = tokenizer.encode(THOUGHT_SCAFFOLD, add_special_tokens=False)
             served = str(config.model_config.served_model_name or config.model_config.model)
+            local = await asyncio.to_thread(Path(served).is_dir)
             self._info = EngineInfo(
-                model=self._name or (Path(served).name if Path(served).is_dir() else served),
+                model=self._name or (Path(served).name if local else served),
                 provider="vllm", canvas_width=int(width), max_model_len=int(config.model_config.max_model_len),
                 vocab_size=int(config.model_config.get_vocab_size()),
                 pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0),

@@ -371,7 +371,7 @@ def provider_of(target: Any) -> str:
     """
     try:
         provider = target._get_ls_params().get("ls_provider")
-    except Exception:  # not a LangChain model, or one that needs call arguments
+    except Exception:  # noqa: BLE001 - not a LangChain model, or one that needs call arguments
         provider = getattr(target, "_provider", None)
     return provider if isinstance(provider, str) and provider else "langchain"
 
