@@ -89,8 +89,8 @@ if TYPE_CHECKING:
 
 _LAYERS = {
     "engine": [
-        "Batching", "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "Connection", "DecisionError",
-        "EmbeddedModelMissing", "Engine", "EngineInfo", "EngineOverloaded", "EngineRequestError",
+        "Batching", "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "Connection",
+        "DecisionError", "EmbeddedModelMissing", "Engine", "EngineInfo", "EngineOverloaded", "EngineRequestError",
         "EngineResponseError", "EngineTimeout", "EngineUnavailable", "EscalationError", "FunctionEngine",
         "GraphSetupError", "ImagesUnsupported", "InputTooLong", "LabelError", "Limits", "ReadResult", "Retries",
         "Timeout", "TraceFileError", "TransformersEngine", "UnsupportedQuestion", "UnsureAnswer", "VLLMEngine",

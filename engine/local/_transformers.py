@@ -70,6 +70,10 @@ class _Job:
     read: CanvasRead
 
 
+BATCHING = Batching()
+"""The default batching: at most 16 canvases per forward pass, a 2 ms window, 1,024 queued."""
+
+
 class TransformersEngine:
     """Reads canvases in-process with a transformers model (DiffusionGemma or causal LM).
 
@@ -101,7 +105,7 @@ class TransformersEngine:
         dtype: torch.dtype | str | None = None,
         canvas_width: int | None = None,
         max_model_len: int | None = None,
-        batching: Batching = Batching(),
+        batching: Batching = BATCHING,
         prompt_cache_size: int = 64,
         prompt_cache_bytes: int = 256 * 2**20,
         enable_thinking: bool = False,
