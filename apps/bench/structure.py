@@ -183,7 +183,7 @@ def httpx_structure(url: str, library: str = "httpx") -> Structure:
 
 def run_structure(quick: bool) -> Section:
     """The figure: one row per path (`quick` changes nothing: each path runs three times)."""
-    section = Section("structure", "10. Structure of one warm run: library modules entered, hops between modules, "
+    section = Section("structure", "11. Structure of one warm run: library modules entered, hops between modules, "
                                    "returns to a module already left (sys.setprofile, calls only)",
                       ["path", "counted", "modules", "hops", "returns", "bound"])
     with spawn(canvas_width=64) as server:
