@@ -174,11 +174,18 @@ def test_the_retry_section_lists_exactly_what_langgraph_skips():
 
 def test_the_layout_drawing_matches_the_tree():
     drawing = re.search(r"```\n(canvasroute/ .*?)```", README, flags=re.DOTALL).group(1)
-    drawn = re.findall(r"^(?:[├└]── )?(\w[\w.]*/?)\s", drawing, flags=re.MULTILINE)
     top = re.findall(r"^(\w[\w.]*/)\s", drawing, flags=re.MULTILINE)
     assert top == ["canvasroute/", "apps/", "harness/", "router/", "engine/", "examples/", "data/"]
-    apps = [d for d in drawn if d not in top]
-    for name in apps:
-        assert (ROOT / "apps" / name).exists(), name
-    on_disk = {p.parent.name + "/" for p in (ROOT / "apps").glob("*/__init__.py")} | {"cli.py"}
-    assert on_disk == set(apps)
+    drawn: dict[str, set[str]] = {}
+    room = ""
+    for line in drawing.splitlines():
+        if m := re.match(r"^(\w[\w.]*/)\s", line):
+            room = m.group(1)
+        elif m := re.match(r"^[├└]── (\w[\w.]*/?)\s", line):
+            drawn.setdefault(room, set()).add(m.group(1))
+    for room, names in drawn.items():
+        for name in names:
+            assert (ROOT / room / name).exists(), room + name
+    # every application and every engine room is drawn
+    assert drawn["apps/"] == {p.parent.name + "/" for p in (ROOT / "apps").glob("*/__init__.py")} | {"cli.py"}
+    assert drawn["engine/"] == {p.parent.name + "/" for p in (ROOT / "engine").glob("*/__init__.py")}
