@@ -306,9 +306,10 @@ class DecisionNode(Runnable[Any, Command[Any]]):
                 prev = earlier.get(qid)
                 if branch is not None:
                     prev = prev.get(branch) if isinstance(prev, Mapping) and not is_record(prev) else None
+                kept = []
                 if isinstance(prev, Mapping) and is_record(prev):
                     kept = [*prev.get("history", ()), {k: v for k, v in prev.items() if k != "history"}]
-                    record["history"] = kept[-self.history:]
+                record["history"] = kept[-self.history:]  # present from the first run: empty then
         return grouped(decided, branch)
 
     def _goto(self, decided: Decisions, state: Any) -> str | None:

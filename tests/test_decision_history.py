@@ -78,6 +78,11 @@ def test_history_keeps_each_questions_earlier_records_newest_last_and_bounded():
     assert all("history" not in h for h in record["history"])  # flat: no history inside history
 
 
+def test_with_history_the_first_run_holds_an_empty_history():
+    out, _ = run(retry_loop(CanvasDecisionModel(engine=fixed_engine(NO)), history=2), {"max_retries": 0})
+    assert out["decisions"]["good"]["history"] == []  # the key is there from the first run: no .get needed
+
+
 def test_without_history_a_loop_keeps_only_its_newest_record():
     out, _ = run(retry_loop(CanvasDecisionModel(engine=fixed_engine(NO)), history=0), {"max_retries": 2})
     assert "history" not in out["decisions"]["good"]
