@@ -26,6 +26,7 @@ from langchain_core.callbacks import adispatch_custom_event, dispatch_custom_eve
 from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_stream_writer
 
+from canvasroute.engine import GraphSetupError
 from canvasroute.router import CanvasResponse, DecisionRequest, Tally, Totals
 from canvasroute.router import telemetry as tm
 
@@ -150,6 +151,11 @@ def merge_decisions(left: Mapping[str, Any] | None, right: Mapping[str, Any] | N
     out = dict(left or {})
     for qid, value in (right or {}).items():
         before = out.get(qid)
+        if isinstance(before, Mapping) and before and value and _is_group(before) != _is_group(value):
+            raise GraphSetupError(
+                f"question {qid!r} is written both as one record and as fan-out records by branch (branch=): "
+                "one would replace the other", hint="give the two nodes' questions distinct ids, or write "
+                "them under distinct output_key values")
         out[qid] = {**before, **value} if isinstance(before, Mapping) and _is_group(before) and _is_group(value) \
             else value
     return out

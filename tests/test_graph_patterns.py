@@ -163,6 +163,15 @@ def test_merge_decisions_merges_branch_groups_and_replaces_records():
     assert merge_decisions({"q": rec, "p": rec}, {"q": other}) == {"q": other, "p": rec}
 
 
+@pytest.mark.parametrize("first, second", [("record", "group"), ("group", "record")])
+def test_merge_decisions_refuses_one_question_id_as_a_record_and_as_branch_records(first, second):
+    """Two nodes asking the same question id, one fanned out: one would silently replace the other."""
+    rec = {"answer": "yes", "path": "canvas", "result": None, "read": {}, "timing": {}}
+    forms = {"record": rec, "group": {"doc-1": rec}}
+    with pytest.raises(GraphSetupError, match="question 'q' is written both as one record and as fan-out"):
+        merge_decisions({"q": forms[first]}, {"q": forms[second]})
+
+
 def test_fan_out_with_review_pauses_each_unsure_branch_and_resumes_without_reading_again():
     """Features together: Send branches, review, the durable task, per-branch records."""
 
