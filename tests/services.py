@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -113,7 +114,7 @@ def _as_postgres_user() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def postgres_dsn() -> Iterator[str]:
     """A throwaway PostgreSQL 15 on a free loopback port (1.5-2 s: initdb + start), trust auth.
 
     fsync is off: the tests kill LangGraph workers, never the database.
@@ -122,16 +123,15 @@ def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if not initdb or not postgres:
         unavailable("PostgreSQL binaries (initdb, postgres) not found on PATH or /usr/lib/postgresql/*/bin")
     as_user = _as_postgres_user()
-    root = tmp_path_factory.mktemp("postgres")
+    # its own temporary folder, outside pytest's: pytest sets its base folders to 0700 whenever a
+    # pytest process starts, which would lock the postgres user out of a data folder inside them
+    root = Path(tempfile.mkdtemp(prefix="canvasroute-postgres-"))
     data, sockets, log = root / "data", root / "sock", root / "postgres.log"
     sockets.mkdir()
     if as_user:
         shutil.chown(root, "postgres")
         shutil.chown(sockets, "postgres")
         root.chmod(0o755)
-        for parent in root.parents:  # the postgres user must be able to reach its folder
-            if str(parent).startswith(str(tmp_path_factory.getbasetemp().parent)):
-                parent.chmod(parent.stat().st_mode | 0o011)
     started = time.monotonic()
     init = subprocess.run([*as_user, initdb, "-D", str(data), "-U", "postgres", "-A", "trust", "--no-sync",
                            "-E", "UTF8", "--locale=C"], capture_output=True, text=True)
@@ -159,6 +159,7 @@ def postgres_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield dsn
     finally:
         stop(proc)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # -- LangGraph Server (langgraph dev) ---------------------------------------------------------
