@@ -22,9 +22,11 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from langchain_core.decisions import ChoiceAnswer, NoulAnswer, ScoreAnswer
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from canvasroute.engine import (
     SPECIAL_CANDIDATES,
@@ -39,7 +41,7 @@ from canvasroute.engine import (
 
 from . import telemetry as tm
 from ._escalation import Asked, Escalated, Restated, escalate, target_name
-from ._plan import Planner, Prompt
+from ._plan import Plan, Planner, Prompt
 from ._questions import QuestionSpec
 from ._read import QuestionRead, Reading, SlotStats
 from ._request import DecisionRequest
@@ -125,8 +127,8 @@ class Decision:
 class _Run:
     """The mutable part of one decision run: per-stage reads, answers so far, usage."""
 
-    __slots__ = ("answers", "canvas_reads", "decision", "done", "fault", "info", "last", "log", "prompt", "refused",
-                 "usage")
+    __slots__ = ("answers", "canvas_reads", "checked", "decision", "done", "fault", "info", "last", "log", "prompt",
+                 "refused", "usage")
 
     def __init__(self, decision: Decision, info: EngineInfo | None, fault: CanvasRouteError | None) -> None:
         self.decision, self.info, self.fault = decision, info, fault
@@ -137,6 +139,8 @@ class _Run:
         self.last: list[tuple[QuestionRead, Escalated | None, dict[str, Any] | None]] = []
         self.refused: set[str] = set()
         """Questions the budget turned away."""
+        self.checked: list[Plan] = []
+        """Each stage's plan, all of it asked, as the length check made it (none: not checked)."""
         self.log = DiagnosticsLog(decision.request)
         specials = info.special_tokens if info is not None else None
         read = decision.request.read
@@ -148,7 +152,7 @@ class _Run:
         deps, specs = request.questions.depends, request.questions.specs
         if self.info is not None and self.fault is None:
             try:  # before any read: every read a plan of any stage can send is length-checked
-                await decision.planner.check(request, self.info, self.prompt)
+                self.checked = await decision.planner.check(request, self.info, self.prompt)
             except CanvasRouteError as exc:
                 if not decision.absorbs(exc):
                     raise
@@ -168,7 +172,7 @@ class _Run:
                 restated = deps.restatement(asked, self.answers, specs)
                 prompt = replace(prompt, state_text=prompt.state_text + deps.restated(asked, self.answers, specs,
                                                                                     specials))
-            reads = await self._read(asked, prompt, first=i == 0)
+            reads = await self._read(asked, prompt, stage=i)
             escalated = await self._escalate(reads, restated)
             for r in reads.values():
                 asked_if = deps.asked_if(r.spec.id, self.answers) if conditioned else None
@@ -185,13 +189,15 @@ class _Run:
             done[r.spec.id] = self.report(r, escalated, latency, asked_if)
         return [done[qid] for qid in self.decision.request.questions.specs]
 
-    async def _read(self, asked: Sequence[str], prompt: Prompt, *, first: bool) -> dict[str, QuestionRead]:
+    async def _read(self, asked: Sequence[str], prompt: Prompt, *, stage: int) -> dict[str, QuestionRead]:
         """One stage's asked questions read and gated (every one failed, on a fault)."""
         decision, request = self.decision, self.decision.request
         fault, info = self.fault, self.info
+        whole = len(asked) == len(request.questions.depends.layers[stage])
         if info is not None and fault is None:
             try:
-                the_plan = await decision.planner.layer(request, asked, info)
+                the_plan = (self.checked[stage] if whole and self.checked
+                            else await decision.planner.layer(request, asked, info))
             except CanvasRouteError as exc:
                 if not decision.absorbs(exc):
                     raise
@@ -204,7 +210,7 @@ class _Run:
                 r.fail(fault)
             self.log.add(asked, None)
             return reads
-        if not (first and len(asked) == len(request.questions.depends.layers[0])):
+        if not (stage == 0 and whole):
             # a later stage's prompt restates its parents' answers: checked again as read
             await decision.planner.check_plan(the_plan, request, info, prompt)
         reading = Reading(request=request, engine=decision.engine, info=info, plan=the_plan, prompt=prompt,
@@ -313,16 +319,17 @@ class _Run:
         if escalated is not None and spec.id in escalated.answers:
             answer = escalated.answers[spec.id]
             probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in options}
-            return _report(base, answer, probs, "escalated", escalation_model=escalated.model,
+            return _report(base, answer, probs, "escalated", trusted=False, escalation_model=escalated.model,
                            escalation_confidence=escalated.confidence.get(spec.id))
         refused = escalated is not None and spec.id in escalated.refused
         if refused:  # not an answer: the question goes on as if nothing could answer it
             assert escalated is not None
             base.update(refusal=escalated.refused[spec.id], escalation_model=escalated.model)
+        trusted = not refused  # every value is the library's own (no escalation target's words)
         if cause is None:
             assert st is not None
             return _report(base, spec.options[st.top], answer_probs(spec, st),
-                           "reread" if len(r.runs) > r.samples else "canvas", confident=True)
+                           "reread" if len(r.runs) > r.samples else "canvas", trusted=trusted, confident=True)
         canvas_only = request.mode == "canvas_only"
         action: str
         if spec.id in self.refused:
@@ -349,7 +356,8 @@ class _Run:
                 assert r.fault is not None  # (uncertain and abstained fallbacks are checked before any read)
                 raise r.fault  # an engine fault never becomes a cheap answer
             answer = outcomes.fallback[spec.id]
-            return _report(base, answer, {o: float(o == answer) for o in options}, "fallback")
+            return _report(base, answer, {o: float(o == answer) for o in options}, "fallback",
+                           trusted=trusted)
         assert st is not None
         if action == "raise":
             raise UnsureAnswer(
@@ -357,7 +365,7 @@ class _Run:
                 f"{', '.join(r.crossed) or cause}; normalized entropy {st.normalized_entropy:.3f})",
                 hint="set escalate_to=, or OutcomePolicy(uncertain='answer' | 'fallback' | 'review')")
         probs = answer_probs(spec, st)
-        return _report(base, max(probs, key=probs.__getitem__), probs, "unsure")  # answer and review
+        return _report(base, max(probs, key=probs.__getitem__), probs, "unsure", trusted=trusted)  # answer, review
 
 
 def _cause(r: QuestionRead) -> Cause | None:
@@ -378,11 +386,41 @@ def _action(request: DecisionRequest, r: QuestionRead) -> str:
 
 
 def _report(base: dict[str, Any], answer: str, probabilities: Mapping[str, float], path: str, *,
-            confident: bool = False, **more: Any) -> ReadReport:
-    """`base` completed and validated as one mapping (`model_validate`: the constructor's
-    checks without its keyword-argument call)."""
+            trusted: bool, confident: bool = False, **more: Any) -> ReadReport:
+    """`base` completed as one mapping: validated (`model_validate`: the constructor's checks
+    without its keyword-argument call) unless every value is `trusted`, built here from the
+    read (`_built`)."""
     base.update(answer=answer, probabilities=probabilities, path=path, confident=confident, **more)
-    return ReadReport.model_validate(base)
+    return _built(ReadReport, base) if trusted else ReadReport.model_validate(base)
+
+
+_Record = TypeVar("_Record", bound=BaseModel)
+_DEFAULTS: dict[type[BaseModel], tuple[dict[str, Any], tuple[tuple[str, FieldInfo], ...]]] = {}
+"""Per record class: its fields' plain defaults, in field order, and the fields with a default factory."""
+
+
+def _built(cls: type[_Record], values: dict[str, Any]) -> _Record:
+    """A record of values this module built, each already of its field's type and not shared with
+    anything else (a fresh dict or list): `model_construct`'s contract (no validation; the fields
+    not in `values` take their defaults, `model_fields_set` is `values`' keys), without its
+    per-field Python loop on every call."""
+    defaults = _DEFAULTS.get(cls)
+    if defaults is None:
+        fields = cls.model_fields
+        plain = {name: None if f.is_required() or f.default_factory else f.default for name, f in fields.items()}
+        factories = tuple((name, f) for name, f in fields.items() if f.default_factory)
+        defaults = _DEFAULTS[cls] = (plain, factories)
+    plain, factories = defaults
+    data = {**plain, **values}  # field order, as validation lays it out
+    for name, f in factories:
+        if name not in values:
+            data[name] = f.get_default(call_default_factory=True, validated_data=data)
+    record = cls.__new__(cls)
+    object.__setattr__(record, "__dict__", data)
+    object.__setattr__(record, "__pydantic_fields_set__", set(values))
+    object.__setattr__(record, "__pydantic_extra__", None)
+    object.__setattr__(record, "__pydantic_private__", None)
+    return record
 
 
 def named(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:
@@ -476,14 +514,15 @@ class DiagnosticsLog:
 
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
-    """The langchain-core answer for one report (validated as one mapping, like the reports)."""
-    probs = report.probabilities
+    """The langchain-core answer for one report (built from the report's own values; a Score's
+    validated, its legend holding the question's JSON criteria)."""
+    probs = report.probabilities  # validated or built as a report's: str -> float
     if spec.kind == "noul":
-        return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
+        return _built(NoulAnswer, {"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
     confidence = min(1.0, max(0.0, probs.get(report.answer or "", 0.0)))
     if spec.kind == "choice":
-        return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
-                                            "confidence": confidence})
+        return _built(ChoiceAnswer, {"type": "choice", "choice": report.answer, "probabilities": dict(probs),
+                                     "confidence": confidence})
     by_level = {int(k): v for k, v in probs.items()}
     return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
                                        "legend": dict(enumerate(spec.question.criteria or ())),

@@ -480,10 +480,14 @@ class Planner:
         return await self._get(("member", qid, spec.question.model_dump_json(), think), {qid: spec},
                                canvas_prefix="" if think else None)
 
-    async def check(self, request: DecisionRequest, info: EngineInfo, prompt: Prompt) -> None:
-        """`InputTooLong` unless every read of every stage (all of it asked) fits the model."""
+    async def check(self, request: DecisionRequest, info: EngineInfo, prompt: Prompt) -> list[Plan]:
+        """`InputTooLong` unless every read of every stage (all of it asked) fits the model; returns
+        each stage's plan, all of it asked."""
+        plans = []
         for layer in request.questions.depends.layers:
-            await self.check_plan(await self.layer(request, layer, info), request, info, prompt)
+            plans.append(the_plan := await self.layer(request, layer, info))
+            await self.check_plan(the_plan, request, info, prompt)
+        return plans
 
     async def check_plan(self, the_plan: Plan, request: DecisionRequest, info: EngineInfo, prompt: Prompt) -> None:
         """`InputTooLong` unless every read `the_plan` can send fits the model: each chunk's first

@@ -343,7 +343,7 @@ def state_digest(text: str, images: tuple[str, ...]) -> str:
 def default_seed(questions_key: str, read: ReadOptions, digest: str) -> int:
     """The noise seed of a decision that names none and runs nowhere in particular: a hash of what
     it asks and what it reads, so identical requests read identically in every process."""
-    blob = json.dumps([questions_key, read.key(), digest])
+    blob = f"[{_quote(questions_key)}, {_quote(read.key())}, {_quote(digest)}]"  # json.dumps of the list
     return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big")
 
 
