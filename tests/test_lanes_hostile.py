@@ -17,7 +17,7 @@ import ssl
 import time
 
 import pytest
-from rawserver import CLOSE, SILENT, Flood, Hold, Later, RawServer, ok
+from rawserver import CLOSE, SILENT, Flood, Hold, Later, RawServer, loopback_delivered, ok
 from test_lanes import connection, self_signed
 
 from canvasroute.engine import EngineResponseError, EngineTimeout, EngineUnavailable, Limits
