@@ -181,6 +181,8 @@ class VLLMServerEngine:
         return len(await self.prompt_ids(messages))
 
     async def read(self, batch: Sequence[CanvasRead]) -> list[ReadResult]:
+        if len(batch) == 1:  # the common case: no task to gather
+            return [await self._read_one(batch[0])]
         return list(await asyncio.gather(*(self._read_one(r) for r in batch)))
 
     async def think(self, messages: Sequence[Message], budget: int, *, seed: int = 0) -> Thought:
@@ -495,11 +497,21 @@ def check_row_count(count: int, width: int) -> None:
         raise EngineResponseError(f"the read returned {count} rows for a canvas of {width}")
 
 
+_TOKEN_IDS: dict[str, int] = {}
+"""`token_id`'s memo of valid tokens: every read returns the same label ids again (up to `_TOKEN_IDS_MAX`)."""
+_TOKEN_IDS_MAX = 1 << 16
+
+
 def token_id(token: str) -> int:
     """The id in vLLM's `"token_id:<id>"` (`return_tokens_as_token_ids`)."""
+    if isinstance(token, str) and (known := _TOKEN_IDS.get(token)) is not None:
+        return known
     if not (isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit()):
         raise EngineResponseError(f"token {token!r} is not 'token_id:<id>' (was return_tokens_as_token_ids honoured?)")
-    return int(token[9:])
+    ident = int(token[9:])
+    if len(_TOKEN_IDS) < _TOKEN_IDS_MAX:
+        _TOKEN_IDS[token] = ident
+    return ident
 
 
 def parse_rows(data: Mapping[str, Any], endpoint: str, width: int,
