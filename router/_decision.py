@@ -22,11 +22,9 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
 from langchain_core.decisions import ChoiceAnswer, NoulAnswer, ScoreAnswer
-from pydantic import BaseModel
-from pydantic.fields import FieldInfo
 
 from canvasroute.engine import (
     SPECIAL_CANDIDATES,
@@ -319,17 +317,16 @@ class _Run:
         if escalated is not None and spec.id in escalated.answers:
             answer = escalated.answers[spec.id]
             probs = escalated.probabilities.get(spec.id) or {o: float(o == answer) for o in options}
-            return _report(base, answer, probs, "escalated", trusted=False, escalation_model=escalated.model,
+            return _report(base, answer, probs, "escalated", escalation_model=escalated.model,
                            escalation_confidence=escalated.confidence.get(spec.id))
         refused = escalated is not None and spec.id in escalated.refused
         if refused:  # not an answer: the question goes on as if nothing could answer it
             assert escalated is not None
             base.update(refusal=escalated.refused[spec.id], escalation_model=escalated.model)
-        trusted = not refused  # every value is the library's own (no escalation target's words)
         if cause is None:
             assert st is not None
             return _report(base, spec.options[st.top], answer_probs(spec, st),
-                           "reread" if len(r.runs) > r.samples else "canvas", trusted=trusted, confident=True)
+                           "reread" if len(r.runs) > r.samples else "canvas", confident=True)
         canvas_only = request.mode == "canvas_only"
         action: str
         if spec.id in self.refused:
@@ -356,8 +353,7 @@ class _Run:
                 assert r.fault is not None  # (uncertain and abstained fallbacks are checked before any read)
                 raise r.fault  # an engine fault never becomes a cheap answer
             answer = outcomes.fallback[spec.id]
-            return _report(base, answer, {o: float(o == answer) for o in options}, "fallback",
-                           trusted=trusted)
+            return _report(base, answer, {o: float(o == answer) for o in options}, "fallback")
         assert st is not None
         if action == "raise":
             raise UnsureAnswer(
@@ -365,7 +361,7 @@ class _Run:
                 f"{', '.join(r.crossed) or cause}; normalized entropy {st.normalized_entropy:.3f})",
                 hint="set escalate_to=, or OutcomePolicy(uncertain='answer' | 'fallback' | 'review')")
         probs = answer_probs(spec, st)
-        return _report(base, max(probs, key=probs.__getitem__), probs, "unsure", trusted=trusted)  # answer, review
+        return _report(base, max(probs, key=probs.__getitem__), probs, "unsure")  # answer and review
 
 
 def _cause(r: QuestionRead) -> Cause | None:
@@ -386,41 +382,11 @@ def _action(request: DecisionRequest, r: QuestionRead) -> str:
 
 
 def _report(base: dict[str, Any], answer: str, probabilities: Mapping[str, float], path: str, *,
-            trusted: bool, confident: bool = False, **more: Any) -> ReadReport:
-    """`base` completed as one mapping: validated (`model_validate`: the constructor's checks
-    without its keyword-argument call) unless every value is `trusted`, built here from the
-    read (`_built`)."""
+            confident: bool = False, **more: Any) -> ReadReport:
+    """`base` completed and validated as one mapping (`model_validate`: the constructor's
+    checks without its keyword-argument call)."""
     base.update(answer=answer, probabilities=probabilities, path=path, confident=confident, **more)
-    return _built(ReadReport, base) if trusted else ReadReport.model_validate(base)
-
-
-_Record = TypeVar("_Record", bound=BaseModel)
-_DEFAULTS: dict[type[BaseModel], tuple[dict[str, Any], tuple[tuple[str, FieldInfo], ...]]] = {}
-"""Per record class: its fields' plain defaults, in field order, and the fields with a default factory."""
-
-
-def _built(cls: type[_Record], values: dict[str, Any]) -> _Record:
-    """A record of values this module built, each already of its field's type and not shared with
-    anything else (a fresh dict or list): `model_construct`'s contract (no validation; the fields
-    not in `values` take their defaults, `model_fields_set` is `values`' keys), without its
-    per-field Python loop on every call."""
-    defaults = _DEFAULTS.get(cls)
-    if defaults is None:
-        fields = cls.model_fields
-        plain = {name: None if f.is_required() or f.default_factory else f.default for name, f in fields.items()}
-        factories = tuple((name, f) for name, f in fields.items() if f.default_factory)
-        defaults = _DEFAULTS[cls] = (plain, factories)
-    plain, factories = defaults
-    data = {**plain, **values}  # field order, as validation lays it out
-    for name, f in factories:
-        if name not in values:
-            data[name] = f.get_default(call_default_factory=True, validated_data=data)
-    record = cls.__new__(cls)
-    object.__setattr__(record, "__dict__", data)
-    object.__setattr__(record, "__pydantic_fields_set__", set(values))
-    object.__setattr__(record, "__pydantic_extra__", None)
-    object.__setattr__(record, "__pydantic_private__", None)
-    return record
+    return ReadReport.model_validate(base)
 
 
 def named(spec: QuestionSpec, st: SlotStats) -> dict[str, float]:
@@ -514,15 +480,14 @@ class DiagnosticsLog:
 
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
-    """The langchain-core answer for one report (built from the report's own values; a Score's
-    validated, its legend holding the question's JSON criteria)."""
-    probs = report.probabilities  # validated or built as a report's: str -> float
+    """The langchain-core answer for one report (validated as one mapping, like the reports)."""
+    probs = report.probabilities
     if spec.kind == "noul":
-        return _built(NoulAnswer, {"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
+        return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
     confidence = min(1.0, max(0.0, probs.get(report.answer or "", 0.0)))
     if spec.kind == "choice":
-        return _built(ChoiceAnswer, {"type": "choice", "choice": report.answer, "probabilities": dict(probs),
-                                     "confidence": confidence})
+        return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
+                                            "confidence": confidence})
     by_level = {int(k): v for k, v in probs.items()}
     return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
                                        "legend": dict(enumerate(spec.question.criteria or ())),
