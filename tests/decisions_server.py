@@ -25,19 +25,17 @@ Example:
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from canvasroute.apps.eval.ar_server import ARServer
 from canvasroute.apps.server.decisions import (
     DecisionsWireError,
     QuestionResult,
@@ -48,7 +46,11 @@ from canvasroute.apps.server.decisions import (
     render,
 )
 
-__all__ = ["REFUSE", "DecisionsServer", "Failure", "Known"]
+__all__ = ["PNG", "REFUSE", "DecisionsServer", "Failure", "Known"]
+
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/"
+       "PchI7wAAAABJRU5ErkJggg==")
+"""A 1x1 PNG as a data URL: the image of the decision-wire tests."""
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,7 @@ class DecisionsServer:
         self.usage = Usage(input_tokens=11, output_tokens=2, cached_tokens=3)
         app = Starlette(routes=[Route("/v1/decisions", self._decisions, methods=["POST"]),
                                 Route("/v1/systemone", self._systemone, methods=["POST"])])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                     lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, name="decisions-server", daemon=True)
+        self._running = ARServer(app)  # uvicorn on a thread of its own, on a free loopback port
         self.url = ""
 
     @property
@@ -101,19 +101,11 @@ class DecisionsServer:
         self.failures.extend([Failure(status, body, headers)] * times)
 
     def __enter__(self) -> Self:
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the known-answers server did not start")
-            time.sleep(0.01)
-        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        self.url = self._running.__enter__().url
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._running.__exit__(*exc)
 
     # -- routes ---------------------------------------------------------------------------
 

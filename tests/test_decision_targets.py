@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-from decisions_server import REFUSE, DecisionsServer, Known
+from decisions_server import PNG, REFUSE, DecisionsServer, Known
 from langchain_core.decisions import (
     BaseDecisionModel,
     Choice,
@@ -41,8 +41,6 @@ from canvasroute.router._escalation import (
 
 pytestmark = pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
 
-PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/"
-       "PchI7wAAAABJRU5ErkJggg==")
 TICKET = "I was charged twice and the app crashes. Fix it now!"
 QUESTIONS: dict[str, Noul | Choice | Score] = {
     "urgent": Noul(instructions="Is this urgent?", criteria=NoulCriteria(true="needs action today")),

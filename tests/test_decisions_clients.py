@@ -10,15 +10,13 @@ from typing import Any
 
 import openai
 import pytest
-from decisions_server import REFUSE, DecisionsServer, Known
+from decisions_server import PNG, REFUSE, DecisionsServer, Known
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai.decisions import Choice, Level, OpenAIDecisions, Predicate, Score
 from pydantic import SecretStr
 
 pytestmark = pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
 
-PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/"
-       "PchI7wAAAABJRU5ErkJggg==")
 SCRIPT = {
     "urgent": Known(0.9),
     "team": Known({"billing": 0.7, "technical": 0.3}, confidence=0.55),

@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import pytest
+from decisions_server import PNG
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage, convert_to_openai_messages
 from openai.types import Decision
@@ -23,8 +24,6 @@ from canvasroute.apps.server.decisions import (
 from canvasroute.apps.server.wire import Refusal
 from canvasroute.router._state import state_images
 
-PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/"
-       "PchI7wAAAABJRU5ErkJggg==")
 URL = "https://example.com/cat.png"
 PREDICATE = {"type": "predicate", "name": "urgent", "instructions": "Is this urgent?"}
 CHOICE = {"type": "choice", "name": "team", "instructions": "Which team?",

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from decisions_server import REFUSE, DecisionsServer, Known
+from decisions_server import PNG, REFUSE, DecisionsServer, Known
 from langchain_core.decisions import BaseDecisionModel, Noul
 from langchain_core.decisions import Choice as LCChoice
 from langchain_core.decisions import Score as LCScore
@@ -50,8 +50,6 @@ from canvasroute.router import (
 
 pytestmark = pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
 
-PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/"
-       "PchI7wAAAABJRU5ErkJggg==")
 QUESTIONS: list[Any] = [
     {"type": "predicate", "name": "urgent", "instructions": "Is this urgent?"},
     {"type": "choice", "name": "team", "instructions": "Which team?",
