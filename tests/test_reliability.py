@@ -133,7 +133,8 @@ async def test_every_fault_ends_escalated_fallback_or_typed_error(name, mode):
         # only the read-timeout fault needs a short read timeout; the others get room, so a slow
         # CI core (two of them, the suite running) never turns a healthy reply into a retry
         timeout = 0.5 if error is EngineTimeout else 10.0
-        engine = VLLMServerEngine(Connection(server.url, timeout=timeout, retries=Retries(max_retries=1, backoff=0.001)))
+        retries = Retries(max_retries=1, backoff=0.001)
+        engine = VLLMServerEngine(Connection(server.url, timeout=timeout, retries=retries))
         model = make_model(engine, mode)
         assert outcome(await model.adecide(TICKET, QUESTIONS)) == "answered"  # healthy first
         server.inject(fault, times=None)
