@@ -1,8 +1,8 @@
 """Shared fixtures: the real vLLM CPU server, the embedded SmolLM2, network isolation, engines.
 
-The integration suite starts its own vLLM server (scripts/vllm_cpu.sh) unless
-CANVASROUTE_VLLM_URL points at a running one. When the server cannot be provisioned the
-vLLM tests skip with the reason, and fail under CI=true.
+The integration suite starts its own vLLM servers (tests/vllm_servers.py, in the background
+while the modules that need none run) unless CANVASROUTE_VLLM_URL points at a running one.
+When a server cannot be provisioned the vLLM tests skip with the reason, and fail under CI=true.
 
 Markers (pyproject.toml) say what a test needs beyond this process, or that it is slow; a test
 taking a fixture of `NEEDS_MARKER` without its marker refuses the run, so `-m "not vllm and not
@@ -16,7 +16,6 @@ import asyncio
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -25,7 +24,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -83,24 +81,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            return False
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    return False
+pytest_plugins = ("services", "vllm_servers")
+"""tests/services.py: the PostgreSQL, LangGraph Server, Phoenix and Chromium fixtures; tests/vllm_servers.py:
+the real vLLM CPU servers (started in the background at collection). By name everywhere."""
 
-
-pytest_plugins = ("services",)
-"""tests/services.py: the PostgreSQL, LangGraph Server, Phoenix and Chromium fixtures, by name everywhere."""
-
-NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm", "smol": "smollm", "postgres_dsn": "services",
+NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm", "spare_vllm": "vllm", "smol": "smollm",
+                "postgres_dsn": "services",
                 "langgraph_server": "services", "phoenix": "services", "chromium": "services",
                 "installed": "services"}
 """Fixture -> the marker every test using it must carry, so `-m "not vllm"` never provisions vLLM and
@@ -143,46 +129,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_url(tmp_path_factory: pytest.TempPathFactory):
-    """Base URL of a real vLLM server serving the tiny DiffusionGemma (tests need `@pytest.mark.vllm`)."""
-    if url := os.environ.get("CANVASROUTE_VLLM_URL"):
-        if not _wait_ready(url, None, 10):
-            unavailable(f"CANVASROUTE_VLLM_URL={url} does not answer")
-        yield url
-        return
-    with _vllm_server(tmp_path_factory) as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
-def second_vllm_url(vllm_url: str, tmp_path_factory: pytest.TempPathFactory):
-    """A second real vLLM server (a replica of the first), started by the suite, for replica tests."""
-    with _vllm_server(tmp_path_factory) as url:
-        yield url
-
-
-@contextmanager
-def _vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Provision (idempotent), start on a free loopback port, wait until it answers, stop after."""
-    script = ROOT / "scripts" / "vllm_cpu.sh"
-    prov = subprocess.run(["bash", str(script), "provision"], capture_output=True, text=True)
-    if prov.returncode != 0:
-        unavailable(f"could not provision the vLLM CPU server: {prov.stderr[-2000:]}")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    started = subprocess.run(["bash", str(script), "start", str(port), str(log)],
-                             capture_output=True, text=True, check=True)
-    pid = int(started.stdout.strip().splitlines()[-1])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        if not _wait_ready(url, None, 240):
-            unavailable(f"vLLM server did not start; log tail:\n{log.read_text()[-3000:]}")
-        yield url
-    finally:
-        _kill(pid)
-
-
-@pytest.fixture(scope="session")
 def smol() -> Iterator[Any]:
     """The embedded SmolLM2-135M engine (`embedded_engine()`), loaded once per run and shared by
     every test that reads on it or serves it (tests need `@pytest.mark.smollm`). Its decisions
@@ -212,17 +158,6 @@ def smollm2_ar_server(smol: Any, max_new_tokens: int) -> Iterator[Any]:
 
     with ARServer(create_app(smol.model, smol.tokenizer, max_new_tokens=max_new_tokens)) as server:
         yield server
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, 15)
-        for _ in range(50):
-            os.kill(pid, 0)
-            time.sleep(0.2)
-        os.kill(pid, 9)
-    except ProcessLookupError:
-        pass
 
 
 @pytest.fixture(scope="session")

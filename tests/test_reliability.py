@@ -15,16 +15,13 @@ import logging
 import math
 import os
 import signal
-import subprocess
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, _free_port, _wait_ready, fresh_tracer_provider, unavailable
+from conftest import _free_port, fresh_tracer_provider
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -268,112 +265,55 @@ async def test_replicas_share_reads_and_survive_losing_one_mid_run():
 # -- the real vLLM server, killed while decisions are in flight --------------------------------
 
 
-def _children(pid: int) -> set[int]:
-    """Every descendant of pid (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except OSError:
-        return False
-
-
-@contextmanager
-def real_server(tmp_path: Path) -> Iterator[tuple[str, int]]:
-    """A separate real vLLM CPU server (~45 s to start); every process of it ends with the block."""
-    script = ROOT / "scripts" / "vllm_cpu.sh"
-    prov = subprocess.run(["bash", str(script), "provision"], capture_output=True, text=True)
-    if prov.returncode != 0:
-        unavailable(f"could not provision the vLLM CPU server: {prov.stderr[-2000:]}")
-    port, log = _free_port(), tmp_path / "killed-server.log"
-    started = subprocess.run(["bash", str(script), "start", str(port), str(log)],
-                             capture_output=True, text=True, check=True)
-    pid = int(started.stdout.strip().splitlines()[-1])
-    family: set[int] = set()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        if not _wait_ready(url, None, 300):
-            unavailable(f"vLLM server did not start; log tail:\n{log.read_text()[-3000:]}")
-        family = _children(pid)
-        yield url, pid
-    finally:
-        for p in [pid, *family]:  # only the processes this test started
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while any(_alive(p) for p in [pid, *family]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-
 @pytest.mark.vllm
-async def test_real_vllm_killed_mid_run_every_decision_accounted_for(tmp_path):
-    with real_server(tmp_path) as (url, pid):
-        engine = VLLMServerEngine(Connection(url, timeout=Timeout(read=20, connect=2),
-                                             retries=Retries(max_retries=2, backoff=0.05, replica_cooldown=0.5)))
-        models = {mode: make_model(engine, mode, policy=GatePolicy(rereads=2)) for mode in MODES}
-        for model in models.values():  # discovery and plans, while the server is up
-            await model.adecide(TICKET, QUESTIONS)
-        per_mode = 6
+async def test_real_vllm_killed_mid_run_every_decision_accounted_for(spare_vllm):
+    url, pid = spare_vllm.url, spare_vllm.pid
+    engine = VLLMServerEngine(Connection(url, timeout=Timeout(read=20, connect=2),
+                                         retries=Retries(max_retries=2, backoff=0.05, replica_cooldown=0.5)))
+    models = {mode: make_model(engine, mode, policy=GatePolicy(rereads=2)) for mode in MODES}
+    for model in models.values():  # discovery and plans, while the server is up
+        await model.adecide(TICKET, QUESTIONS)
+    per_mode = 6
 
-        async def one(mode: str, i: int):
-            try:
-                return mode, await asyncio.wait_for(models[mode].adecide(f"{TICKET} (#{i})", QUESTIONS), 120)
-            except CanvasRouteError as exc:
-                return mode, exc
-            except TimeoutError:
-                return mode, "hung"
-            except Exception as exc:  # noqa: BLE001 - counted below; untyped ones fail the test
-                return mode, exc
+    async def one(mode: str, i: int):
+        try:
+            return mode, await asyncio.wait_for(models[mode].adecide(f"{TICKET} (#{i})", QUESTIONS), 120)
+        except CanvasRouteError as exc:
+            return mode, exc
+        except TimeoutError:
+            return mode, "hung"
+        except Exception as exc:  # noqa: BLE001 - counted below; untyped ones fail the test
+            return mode, exc
 
-        tasks = [asyncio.ensure_future(one(mode, i)) for mode in MODES for i in range(per_mode)]
-        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        os.kill(pid, signal.SIGKILL)  # the API server dies with reads in flight
-        in_flight_at_kill = len(pending)
-        results = [await t for t in tasks]
+    tasks = [asyncio.ensure_future(one(mode, i)) for mode in MODES for i in range(per_mode)]
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    os.kill(pid, signal.SIGKILL)  # the API server dies with reads in flight
+    in_flight_at_kill = len(pending)
+    results = [await t for t in tasks]
 
-        assert in_flight_at_kill > 0
-        ends: dict[str, Counter[str]] = {mode: Counter() for mode in MODES}
-        for mode, result in results:
-            assert result != "hung"
-            ends[mode][outcome(result)] += 1
-        assert sum(sum(c.values()) for c in ends.values()) == len(MODES) * per_mode  # none lost
-        allowed = {
-            "escalate": {"answered", "escalated", "escalated+error", "canvas/escalated", "escalated/reread",
-                         "canvas/escalated+error", "escalated/reread+error", "canvas/escalated/reread",
-                         "canvas/escalated/reread+error"},
-            "raise": {"answered", "escalated", "canvas/escalated", "escalated/reread", "canvas/escalated/reread",
-                      "EngineUnavailable", "EngineTimeout"},
-            "fallback": {"answered", "fallback+error", "canvas/fallback+error", "fallback/reread+error",
-                         "canvas/fallback/reread+error"},
-        }
-        for mode in MODES:
-            assert set(ends[mode]) <= allowed[mode], (mode, ends[mode])
-        faulted = sum(n for c in ends.values() for k, n in c.items() if "error" in k or k.startswith("Engine"))
-        assert faulted >= in_flight_at_kill // 2  # the kill reached decisions in flight
-        # after the crash, new decisions still end as configured (no hang, typed)
-        after = await decide_all(models["escalate"], 3, limit_s=60)
-        assert after == Counter({"escalated+error": 3})
-        await engine.aclose()
+    assert in_flight_at_kill > 0
+    ends: dict[str, Counter[str]] = {mode: Counter() for mode in MODES}
+    for mode, result in results:
+        assert result != "hung"
+        ends[mode][outcome(result)] += 1
+    assert sum(sum(c.values()) for c in ends.values()) == len(MODES) * per_mode  # none lost
+    allowed = {
+        "escalate": {"answered", "escalated", "escalated+error", "canvas/escalated", "escalated/reread",
+                     "canvas/escalated+error", "escalated/reread+error", "canvas/escalated/reread",
+                     "canvas/escalated/reread+error"},
+        "raise": {"answered", "escalated", "canvas/escalated", "escalated/reread", "canvas/escalated/reread",
+                  "EngineUnavailable", "EngineTimeout"},
+        "fallback": {"answered", "fallback+error", "canvas/fallback+error", "fallback/reread+error",
+                     "canvas/fallback/reread+error"},
+    }
+    for mode in MODES:
+        assert set(ends[mode]) <= allowed[mode], (mode, ends[mode])
+    faulted = sum(n for c in ends.values() for k, n in c.items() if "error" in k or k.startswith("Engine"))
+    assert faulted >= in_flight_at_kill // 2  # the kill reached decisions in flight
+    # after the crash, new decisions still end as configured (no hang, typed)
+    after = await decide_all(models["escalate"], 3, limit_s=60)
+    assert after == Counter({"escalated+error": 3})
+    await engine.aclose()
 
 
 # -- secrets ------------------------------------------------------------------------------------

