@@ -45,6 +45,7 @@ from canvasroute.engine.errors import CanvasRouteError, EngineResponseError, Eng
 
 from ._policy import Escalation, EscalationOutput
 from ._questions import QuestionSpec, option_text, parse_questions
+from ._state import state_images
 
 __all__ = ["ESCALATION_PROMPT", "PROMPT_VARIABLES", "Asked", "Escalated", "Restated", "TargetAnswer", "TargetReply",
            "answer_schema", "ask_decision_target", "check_prompt", "escalate", "failure", "is_decision_target",
@@ -537,7 +538,8 @@ async def ask_decision_target(target: Any, ask: Asked) -> TargetReply:
     if _is_openai_decisions(target):
         request = _openai_request(ask, name)
     elif isinstance(target, BaseDecisionModel):
-        request = {"state": ask.state, "questions": {qid: _restated(qid, q, ask) for qid, q in questions.items()}}
+        restated = {qid: _restated(qid, q, ask) for qid, q in questions.items()}
+        request = {"state": _decision_state(ask), "questions": restated}
     else:
         raise TypeError(f"{name} is not a decision model (OpenAIDecisions or a BaseDecisionModel)")
     try:
@@ -594,6 +596,21 @@ def _restated(qid: str, q: Noul | Choice | Score, ask: Asked) -> Noul | Choice |
     return q.model_copy(update={"instructions": _text(q, ask, qid, criteria=False)})
 
 
+def _decision_state(ask: Asked) -> Any:
+    """A `BaseDecisionModel`'s state: the value as given (it renders it and finds its images), or,
+    when the decision adds images of its own (`ReadOptions.images`), which the value does not hold,
+    what the canvas read: its text with every image beside it in one user message."""
+    if not ask.images or ask.images == state_images(ask.state):
+        return ask.state
+    return _as_read(ask)
+
+
+def _as_read(ask: Asked) -> list[HumanMessage]:
+    """What the canvas read, as one user message: its text, then every image."""
+    return [HumanMessage(content=[{"type": "text", "text": ask.text},
+                                  *({"type": "image_url", "image_url": {"url": url}} for url in ask.images)])]
+
+
 def _openai_request(ask: Asked, name: str) -> dict[str, Any]:
     """`OpenAIDecisions`'s input: the canvas's text (and images), the questions in its own types."""
     from langchain_openai.decisions import Choice as OpenAIChoice
@@ -605,10 +622,7 @@ def _openai_request(ask: Asked, name: str) -> dict[str, Any]:
         raise EscalationError(f"escalation to {name}: OpenAIDecisions sends images only as base64 data URLs, and "
                               f"the state holds {len(hosted)} hosted image URL(s)", failure="target",
                               hint="inline the images (data URLs), or escalate to a target that takes image URLs")
-    state: Any = ask.text
-    if ask.images:
-        state = [HumanMessage(content=[{"type": "text", "text": ask.text},
-                                       *({"type": "image_url", "image_url": {"url": url}} for url in ask.images)])]
+    state: Any = _as_read(ask) if ask.images else ask.text
     questions: dict[str, Any] = {}
     for qid, q in ask.questions.items():
         text = _text(q, ask, qid, criteria=True)

@@ -48,8 +48,9 @@ from langchain_core.messages import BaseMessage
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, ImagesUnsupported, defuse
 
-__all__ = ["MAX_DEPTH", "check_images", "image_digests", "image_url", "plain_state", "read_state", "render_state",
-           "state_images"]
+__all__ = ["MAX_DEPTH", "check_images", "image_digests", "image_url", "read_state", "render_state",
+           "state_images",
+           "wire_state"]
 
 MAX_DEPTH = 64
 """Deepest nesting of containers a state may have."""
@@ -95,20 +96,30 @@ def read_state(state: Any) -> tuple[str, tuple[str, ...]]:
     return text, tuple(images)
 
 
-def plain_state(state: Any) -> Any:
-    """`state` as JSON-able values by the rules above, image blocks kept as they are
-    (for a wire that carries them, e.g. `/v1/systemone`)."""
-    return _Walk(None).plain(state, (), 0)
+def wire_state(state: Any) -> tuple[Any, tuple[str, ...]]:
+    """`state` for a wire that carries JSON with image blocks in it, and images beside it
+    (`/v1/systemone`'s `state` and `images`), so the server reads what a local read would: a
+    string as is; messages as their transcript, their images beside it; anything else as
+    JSON-able values by the rules above, image blocks kept where they are, and the images of
+    messages inside it (whose content becomes their text) beside it."""
+    if isinstance(state, str):
+        return state, ()
+    if isinstance(state, BaseMessage) or (isinstance(state, Sequence) and state
+                                          and all(isinstance(m, BaseMessage) for m in state)):
+        return read_state(state)
+    beside: list[str] = []
+    return _Walk(None, beside).plain(state, (), 0), tuple(beside)
 
 
 class _Walk:
     """One pass over a state: JSON-able values out; image blocks collected into `images`
-    and replaced by `{"type": "image"}` (None: kept as they are)."""
+    and replaced by `{"type": "image"}` (None: kept as they are, and a message's images,
+    which its text has no place for, collected into `beside`)."""
 
-    __slots__ = ("active", "images")
+    __slots__ = ("active", "beside", "images")
 
-    def __init__(self, images: list[str] | None) -> None:
-        self.images = images
+    def __init__(self, images: list[str] | None, beside: list[str] | None = None) -> None:
+        self.images, self.beside = images, beside
         self.active: set[int] = set()  # containers on the current path (a repeat is a cycle)
 
     def plain(self, value: Any, where: Where, depth: int) -> Any:
@@ -177,10 +188,11 @@ class _Walk:
         return text if isinstance(text, str) else json.dumps(text, sort_keys=True, ensure_ascii=False)
 
     def _message_images(self, message: BaseMessage) -> None:
-        if self.images is not None and isinstance(message.content, list):
+        into = self.images if self.images is not None else self.beside
+        if into is not None and isinstance(message.content, list):
             for block in message.content:
                 if isinstance(block, Mapping) and (url := image_url(block)) is not None:
-                    self.images.append(url)
+                    into.append(url)
 
 
 _CONTAINER = object()

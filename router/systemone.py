@@ -12,15 +12,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langchain_core.decisions import BaseDecisionModel, ClassifierResponse
-from langchain_core.messages import BaseMessage
 from opentelemetry.trace import SpanKind
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from canvasroute.engine import Connection, EngineResponseError, run_sync
+from canvasroute.engine import Connection, DecisionError, EngineResponseError, run_sync
 
 from . import telemetry as tm
 from ._questions import validate_questions
-from ._state import plain_state
+from ._state import wire_state
 
 __all__ = ["SystemOneDecisionModel"]
 
@@ -94,7 +93,10 @@ class SystemOneDecisionModel(BaseDecisionModel):
     async def adecide(self, state: Any, questions: Mapping[str, Any]) -> ClassifierResponse:
         """Send one decision set and return the typed answers."""
         wire_questions = _wire_questions(questions)
-        body = {**self.extra_body, "model": self.model, "state": _wire_state(state), "questions": wire_questions}
+        wired, images = _wire_state(state)
+        body = {**self.extra_body, "model": self.model, "state": wired, "questions": wire_questions}
+        if images:
+            body["images"] = [*self.extra_body.get("images", ()), *images]
         attrs = {**tm.genai_attributes("systemone", self._provider, self.model),
                  tm.DECISION_SET: ",".join(wire_questions), tm.QUESTIONS: len(wire_questions)}
         # No token counts on this span: an enclosing `escalate` span already records them.
@@ -128,15 +130,15 @@ def _wire_questions(questions: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _wire_state(state: Any) -> Any:
-    """Text as is, messages as a transcript, anything else as JSON."""
-    if isinstance(state, str):
-        return state
-    if isinstance(state, BaseMessage):
-        return f"{state.type}: {state.text}"
-    if isinstance(state, Sequence) and state and all(isinstance(m, BaseMessage) for m in state):
-        return "\n".join(f"{m.type}: {m.text}" for m in state)
-    return plain_state(state)  # values JSON lacks rendered as text (canvasroute.router._state); else DecisionError
+def _wire_state(state: Any) -> tuple[Any, tuple[str, ...]]:
+    """Text as is, messages as a transcript, anything else as JSON (image blocks kept in it);
+    beside it, the images a message's text has no place for, for the body's `images`. The wire
+    takes those as data URLs, so a hosted one is refused before any request."""
+    wired, images = wire_state(state)
+    if hosted := [url for url in images if not url.startswith("data:image/")]:
+        raise DecisionError(f"/v1/systemone takes a message's images as data:image/ URLs; the state holds "
+                            f"{len(hosted)} hosted image URL(s) in messages", hint="inline the images (data URLs)")
+    return wired, images
 
 
 def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: str | None,

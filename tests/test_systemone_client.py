@@ -8,6 +8,7 @@ import os
 import httpx
 import pytest
 from langchain_core.decisions import Box, Choice, ClassifierResponse, Noul, Score
+from langchain_core.messages import HumanMessage
 from opentelemetry.trace import SpanKind
 
 from canvasroute.apps.server import create_app, run_in_thread
@@ -24,7 +25,10 @@ from canvasroute.engine import (
     UnsupportedQuestion,
     VLLMServerEngine,
 )
+from canvasroute.engine.testing import LoopbackVLLM
 from canvasroute.router import CanvasDecisionModel, GatePolicy, SystemOneDecisionModel
+
+PNG_BASE64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 
 KEY = "sk-client-test"
 QUESTIONS = {
@@ -108,6 +112,32 @@ async def test_against_our_server_matches_the_model_it_serves(spans):
     server_span = next(s for s in finished if s.kind == SpanKind.SERVER and
                        s.context.trace_id == client_span.context.trace_id)
     assert client_span.kind == SpanKind.CLIENT and server_span.parent.span_id == client_span.context.span_id
+
+
+async def test_a_messages_images_reach_the_served_read_as_a_local_read_sends_them():
+    """Defect: the client sent a message state's text and dropped its images (in a message
+    list, or in messages inside a value); a hosted image is refused before any request."""
+    vllm = LoopbackVLLM()
+    served = CanvasDecisionModel(engine=VLLMServerEngine(Connection("http://vllm.test", transport=vllm.transport())),
+                                 policy=GatePolicy(rereads=0))
+    message = HumanMessage(content=[{"type": "text", "text": STATE},
+                                    {"type": "image", "base64": PNG_BASE64, "mime_type": "image/png"}])
+    team = {"team": QUESTIONS["team"]}
+    with run_in_thread(create_app(served)) as url:
+        jev = SystemOneDecisionModel(Connection(url, retries=0), model="loopback")
+        for state in ([message], {"ticket": 7, "messages": [message]}):
+            await jev.ainvoke({"state": state, "questions": team})
+            remote = vllm.bodies[-1]["messages"][1]["content"]
+            await served.ainvoke({"state": state, "questions": team})
+            assert remote == vllm.bodies[-1]["messages"][1]["content"]  # the same text, the same image parts
+            assert {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG_BASE64}"}} in remote
+        hosted = HumanMessage(content=[{"type": "text", "text": STATE},
+                                       {"type": "image_url", "image_url": {"url": "https://example.test/a.png"}}])
+        reads = vllm.reads
+        with pytest.raises(DecisionError, match="data:image/ URLs"):
+            await jev.ainvoke({"state": [hosted], "questions": team})
+        assert vllm.reads == reads
+        await jev.aclose()
 
 
 @pytest.mark.vllm
