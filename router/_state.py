@@ -1,14 +1,17 @@
 """The state as the model sees it: prompt text and its images.
 
 How a state is rendered (`render_state`): a string as it is, a message or a list of
-messages as a transcript (`role: text`), anything else as JSON, where the values JSON
+messages as a transcript (`role: text`; an AI message's tool calls one line each,
+`ai: [call NAME id=ID] ARGS`, and a tool message's call named, `tool: [NAME id=ID] text`,
+as the OpenAI Decisions wire writes them), anything else as JSON, where the values JSON
 lacks are written as text:
 
 - `datetime`, `date`, `time` as ISO 8601; `timedelta`, `UUID`, `Decimal`, paths as `str()`;
 - `bytes` as their UTF-8 text; an `Enum` as its value;
 - `set` and `frozenset` as lists, sorted by their JSON (the same order in every process);
 - dataclasses and pydantic models as their fields (`model_dump()`, then these rules);
-  a message inside a state as `{"role", "content"}` (its text);
+  a message inside a state as `{"role", "content"}` (its text), with an AI message's
+  `tool_calls` (`name`, `id`, `args`) and a tool message's `name` and `tool_call_id`;
 - tuples as lists; a mapping key that is not a string, number, bool or None as text
   (a tuple key as its JSON);
 - an image content block, anywhere, as `{"type": "image"}`: the image itself travels
@@ -44,7 +47,7 @@ from enum import Enum
 from pathlib import PurePath
 from typing import Any
 
-from langchain_core.messages import BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, ImagesUnsupported, defuse
 
@@ -85,15 +88,32 @@ def read_state(state: Any) -> tuple[str, tuple[str, ...]]:
         text = state
     elif isinstance(state, BaseMessage):
         _Walk(images).plain(state, (), 0)
-        text = f"{state.type}: {state.text}"
+        text = "\n".join(_lines(state))
     elif isinstance(state, Sequence) and state and all(isinstance(m, BaseMessage) for m in state):
         _Walk(images).plain(state, (), 0)
-        text = "\n".join(f"{m.type}: {m.text}" for m in state)
+        text = "\n".join(line for m in state for line in _lines(m))
     else:
         text = json.dumps(_Walk(images).plain(state, (), 0), ensure_ascii=False)
     if not text.isascii():
         text = _SURROGATE.sub("\ufffd", text)
     return text, tuple(images)
+
+
+def _lines(message: BaseMessage) -> list[str]:
+    """A message's transcript lines, as the OpenAI Decisions wire writes the same turn: `type: text`;
+    an AI message's tool calls one line each (`ai: [call NAME id=ID] ARGS`, after its text, if any;
+    the calls whose arguments did not parse after the others, their arguments as sent);
+    a tool message names its call (`tool: [NAME id=ID] text`)."""
+    if isinstance(message, ToolMessage):
+        return [f"tool: [{message.name or 'tool'} id={message.tool_call_id}] {message.text}"]
+    if not isinstance(message, AIMessage) or not (message.tool_calls or message.invalid_tool_calls):
+        return [f"{message.type}: {message.text}"]
+    lines = [f"ai: {message.text}"] if message.text else []
+    for call in message.tool_calls:
+        args = json.dumps(_Walk(None).plain(call["args"], (), 0), ensure_ascii=False)
+        lines.append(f"ai: [call {call['name']} id={call['id']}] {args}")
+    lines += [f"ai: [call {bad['name']} id={bad['id']}] {bad['args']}" for bad in message.invalid_tool_calls]
+    return lines
 
 
 def wire_state(state: Any) -> tuple[Any, tuple[str, ...]]:
@@ -136,7 +156,7 @@ class _Walk:
             return value
         if isinstance(value, BaseMessage):
             self._message_images(value)
-            return {"role": value.type, "content": value.text}
+            return self._message(value, where, depth)
         leaf = _leaf(value, where)
         if leaf is not _CONTAINER:
             return leaf
@@ -186,6 +206,17 @@ class _Walk:
             return key
         text = self.plain(key, (where, " (a key)"), depth)
         return text if isinstance(text, str) else json.dumps(text, sort_keys=True, ensure_ascii=False)
+
+    def _message(self, message: BaseMessage, where: Where, depth: int) -> dict[str, Any]:
+        """`{"role", "content"}` (its text), an AI message's tool calls and a tool message's call beside."""
+        out: dict[str, Any] = {"role": message.type, "content": message.text}
+        if isinstance(message, AIMessage) and message.tool_calls:
+            out["tool_calls"] = [{"name": c["name"], "id": c["id"],
+                                  "args": self.plain(c["args"], (where, ".tool_calls"), depth)}
+                                 for c in message.tool_calls]
+        elif isinstance(message, ToolMessage):
+            out |= {"name": message.name, "tool_call_id": message.tool_call_id}
+        return out
 
     def _message_images(self, message: BaseMessage) -> None:
         into = self.images if self.images is not None else self.beside

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from canvasroute.apps.server.decisions import (
     render,
 )
 from canvasroute.apps.server.wire import Refusal
-from canvasroute.router._state import state_images
+from canvasroute.router._state import read_state, state_images
 
 URL = "https://example.com/cat.png"
 PREDICATE = {"type": "predicate", "name": "urgent", "instructions": "Is this urgent?"}
@@ -140,6 +141,25 @@ def test_agent_traffic_function_and_custom_tool_calls_with_their_outputs() -> No
         "ai: [call broken id=call_3] {not json",
         "tool: [broken id=call_3] error",
     ]
+
+
+def test_a_conversation_reads_as_the_same_text_on_the_wire_and_in_the_library() -> None:
+    """Defect: the library's transcript of messages dropped tool calls, so a canvas asked whether a
+    call needs a human never saw the call; it now writes them as the wire's transcript does."""
+    req = parse(body(input=[
+        {"role": "user", "content": "Refund order 7 and tell me the weather."},
+        {"role": "assistant", "content": "On it."},
+        {"type": "function_call", "call_id": "c1", "name": "refund", "arguments": '{"order": 7, "amount": 120.5}'},
+        {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{not json"},
+        {"type": "function_call_output", "call_id": "c1", "output": "refunded"},
+        {"type": "function_call_output", "call_id": "c2", "output": "error"},
+        {"role": "assistant", "content": "Refunded; the weather tool failed."},
+    ]))
+    assert 'ai: [call refund id=c1] {"order": 7, "amount": 120.5}' in req.text.splitlines()
+    assert read_state(req.state)[0] == req.text
+    nested = json.loads(read_state({"messages": list(req.state)})[0])["messages"]
+    assert nested[1]["tool_calls"] == [{"name": "refund", "id": "c1", "args": {"order": 7, "amount": 120.5}}]
+    assert (nested[2]["name"], nested[2]["tool_call_id"]) == ("refund", "c1")
 
 
 @pytest.mark.parametrize(("items", "param", "code"), [

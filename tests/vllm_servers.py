@@ -86,13 +86,15 @@ class VLLMServer:
 
     def ready(self) -> str:
         """Wait until it answers `GET /v1/models` (or died, or ran past the limit); its URL."""
-        while time.monotonic() - self.started < START_LIMIT_S and _alive(self.pid):
+        while True:  # asked at least once: a server started long ago may have been ready for minutes
             try:
                 if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
                     self.family = _children(self.pid)
                     return self.url
             except httpx.HTTPError:
                 pass
+            if time.monotonic() - self.started > START_LIMIT_S or not _alive(self.pid):
+                break
             time.sleep(0.5)
         tail = self.log.read_text()[-3000:] if self.log.exists() else "(no log)"
         self.stop()
