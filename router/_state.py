@@ -11,7 +11,8 @@ lacks are written as text:
 - `set` and `frozenset` as lists, sorted by their JSON (the same order in every process);
 - dataclasses and pydantic models as their fields (`model_dump()`, then these rules);
   a message inside a state as `{"role", "content"}` (its text), with an AI message's
-  `tool_calls` (`name`, `id`, `args`) and a tool message's `name` and `tool_call_id`;
+  `tool_calls` (`name`, `id`, `args`; unparsed arguments as sent, after the others) and a
+  tool message's `name` and `tool_call_id`;
 - tuples as lists; a mapping key that is not a string, number, bool or None as text
   (a tuple key as its JSON);
 - an image content block, anywhere, as `{"type": "image"}`: the image itself travels
@@ -52,8 +53,7 @@ from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, ImagesUnsupported, defuse
 
 __all__ = ["MAX_DEPTH", "check_images", "image_digests", "image_url", "read_state", "render_state",
-           "state_images",
-           "wire_state"]
+           "state_images", "wire_state"]
 
 MAX_DEPTH = 64
 """Deepest nesting of containers a state may have."""
@@ -86,17 +86,24 @@ def read_state(state: Any) -> tuple[str, tuple[str, ...]]:
     images: list[str] = []
     if isinstance(state, str):
         text = state
-    elif isinstance(state, BaseMessage):
+    elif (messages := _messages(state)) is not None:
         _Walk(images).plain(state, (), 0)
-        text = "\n".join(_lines(state))
-    elif isinstance(state, Sequence) and state and all(isinstance(m, BaseMessage) for m in state):
-        _Walk(images).plain(state, (), 0)
-        text = "\n".join(line for m in state for line in _lines(m))
+        text = "\n".join(line for m in messages for line in _lines(m))
     else:
         text = json.dumps(_Walk(images).plain(state, (), 0), ensure_ascii=False)
     if not text.isascii():
         text = _SURROGATE.sub("\ufffd", text)
     return text, tuple(images)
+
+
+def _messages(state: Any) -> Sequence[BaseMessage] | None:
+    """The messages a state is (a message, or a non-empty sequence of them), or None."""
+    if isinstance(state, BaseMessage):
+        return (state,)
+    if isinstance(state, Sequence) and not isinstance(state, str) and state and all(
+            isinstance(m, BaseMessage) for m in state):
+        return state
+    return None
 
 
 def _lines(message: BaseMessage) -> list[str]:
@@ -124,8 +131,7 @@ def wire_state(state: Any) -> tuple[Any, tuple[str, ...]]:
     messages inside it (whose content becomes their text) beside it."""
     if isinstance(state, str):
         return state, ()
-    if isinstance(state, BaseMessage) or (isinstance(state, Sequence) and state
-                                          and all(isinstance(m, BaseMessage) for m in state)):
+    if _messages(state) is not None:
         return read_state(state)
     beside: list[str] = []
     return _Walk(None, beside).plain(state, (), 0), tuple(beside)
@@ -210,10 +216,12 @@ class _Walk:
     def _message(self, message: BaseMessage, where: Where, depth: int) -> dict[str, Any]:
         """`{"role", "content"}` (its text), an AI message's tool calls and a tool message's call beside."""
         out: dict[str, Any] = {"role": message.type, "content": message.text}
-        if isinstance(message, AIMessage) and message.tool_calls:
-            out["tool_calls"] = [{"name": c["name"], "id": c["id"],
-                                  "args": self.plain(c["args"], (where, ".tool_calls"), depth)}
-                                 for c in message.tool_calls]
+        if isinstance(message, AIMessage) and (message.tool_calls or message.invalid_tool_calls):
+            out["tool_calls"] = [*({"name": c["name"], "id": c["id"],
+                                    "args": self.plain(c["args"], (where, ".tool_calls"), depth)}
+                                   for c in message.tool_calls),
+                                 *({"name": c["name"], "id": c["id"], "args": c["args"]}
+                                   for c in message.invalid_tool_calls)]  # arguments that did not parse, as sent
         elif isinstance(message, ToolMessage):
             out |= {"name": message.name, "tool_call_id": message.tool_call_id}
         return out

@@ -158,7 +158,8 @@ def test_a_conversation_reads_as_the_same_text_on_the_wire_and_in_the_library() 
     assert 'ai: [call refund id=c1] {"order": 7, "amount": 120.5}' in req.text.splitlines()
     assert read_state(req.state)[0] == req.text
     nested = json.loads(read_state({"messages": list(req.state)})[0])["messages"]
-    assert nested[1]["tool_calls"] == [{"name": "refund", "id": "c1", "args": {"order": 7, "amount": 120.5}}]
+    assert nested[1]["tool_calls"] == [{"name": "refund", "id": "c1", "args": {"order": 7, "amount": 120.5}},
+                                       {"name": "weather", "id": "c2", "args": "{not json"}]  # unparsed: as sent
     assert (nested[2]["name"], nested[2]["tool_call_id"]) == ("refund", "c1")
 
 
