@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from canvasroute.router import (
         CanvasDecisionModel,
         CanvasResponse,
+        Certificate,
         DecisionCache,
         DecisionRequest,
         Escalation,
@@ -97,10 +98,10 @@ _LAYERS = {
         "VLLMServerEngine", "embedded_engine",
     ],
     "router": [
-        "CanvasDecisionModel", "CanvasResponse", "DecisionCache", "DecisionRequest", "Escalation", "EscalationBudget",
-        "GatePolicy", "JsonlSpanExporter", "OutcomePolicy", "ReadOptions", "ReadReport", "SystemOneDecisionModel",
-        "Tally", "Totals", "add_otlp_exporter", "answers_to_schema", "load_policy", "questions_from_schema",
-        "save_policy",
+        "CanvasDecisionModel", "CanvasResponse", "Certificate", "DecisionCache", "DecisionRequest", "Escalation",
+        "EscalationBudget", "GatePolicy", "JsonlSpanExporter", "OutcomePolicy", "ReadOptions", "ReadReport",
+        "SystemOneDecisionModel", "Tally", "Totals", "add_otlp_exporter", "answers_to_schema", "load_policy",
+        "questions_from_schema", "save_policy",
     ],
     "harness": [
         "DecisionEdge", "DecisionNode", "NodeCache", "ReviewPolicy", "StoreBudgetMeter", "decision_node",
@@ -117,6 +118,7 @@ __all__ = [
     "CanvasRead",
     "CanvasResponse",
     "CanvasRouteError",
+    "Certificate",
     "Connection",
     "DecisionCache",
     "DecisionEdge",

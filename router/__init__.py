@@ -32,6 +32,7 @@ from ._model import CanvasDecisionModel
 from ._policy import (
     ACTIONS,
     MAX_SAMPLES,
+    Certificate,
     Escalation,
     EscalationBudget,
     GatePolicy,
@@ -82,6 +83,7 @@ __all__ = [
     "Calibration",
     "CanvasDecisionModel",
     "CanvasResponse",
+    "Certificate",
     "DecisionCache",
     "DecisionRequest",
     "Diagnostics",

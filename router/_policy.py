@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol, get_args
 
 from canvasroute.engine import CalibrationError, DecisionError
 
-__all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Escalation", "EscalationBudget", "EscalationOutput",
+__all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Certificate", "Escalation", "EscalationBudget", "EscalationOutput",
            "GatePolicy", "OutcomePolicy", "check_fallbacks", "load_policy", "policy_from_dict", "policy_to_dict",
            "resolve_gate", "save_policy"]
 
@@ -93,6 +93,46 @@ class Figures(Protocol):
     def margin(self) -> float: ...
     @property
     def label_mass(self) -> float: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Certificate:
+    """What a risk-controlled calibration proved about one gate (`canvasroute calibrate --max-error`).
+
+    The gate that holds it passes a canvas answer only when its normalized entropy is at most the
+    gate's `max_normalized_entropy` (the certified threshold); with probability at least
+    `confidence` over the calibration rows, the error rate of the answers it passes (those not
+    escalated) is at most `max_error`. `certified=False`: the rows could not certify any threshold,
+    so the gate passes nothing and every answer escalates rather than claim a bound it cannot hold.
+
+    Example:
+        ```python
+        GatePolicy(max_normalized_entropy=0.31, certificate=Certificate(
+            max_error=0.05, confidence=0.9, rows=400, escalation_rate=0.22))
+        ```
+    """
+
+    max_error: float
+    """The bound on the error rate of the answers the gate passes."""
+    confidence: float
+    """The probability, over the calibration rows, that the bound holds."""
+    rows: int
+    """Calibration rows the certificate rests on."""
+    escalation_rate: float
+    """Share of the calibration rows the certified gate does not pass (what the bound costs)."""
+    certified: bool = True
+    """False: no threshold could be certified; the gate passes nothing."""
+    method: str = "learn-then-test"
+    """How the bound was proved (the calibration's docstring cites it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_error", "escalation_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"Certificate.{name} must be within [0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.confidence < 1.0:
+            raise ValueError(f"Certificate.confidence must be within (0, 1), got {self.confidence}")
+        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 0:
+            raise ValueError(f"Certificate.rows must be an integer >= 0, got {self.rows!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,6 +199,11 @@ class GatePolicy:
     """Overrides by question id; an override replaces the whole policy for that question
     (stored read-only, so the policy hashes)."""
 
+    certificate: Certificate | None = None
+    """What a risk-controlled calibration proved about this gate (`Certificate`; None: nothing).
+    Informational for the gate's figures, except that an uncertified one (`certified=False`)
+    passes nothing; an escalation-rate controller never loosens a certified gate unless told."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.per_question, Mapping):
             raise TypeError(f"per_question must be a mapping, got {type(self.per_question).__name__}")
@@ -179,6 +224,8 @@ class GatePolicy:
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.certificate is not None and not isinstance(self.certificate, Certificate):
+            raise TypeError(f"certificate must be a Certificate, got {type(self.certificate).__name__}")
         for qid, override in self.per_question.items():
             if not isinstance(override, GatePolicy):
                 raise TypeError(f"per_question[{qid!r}] must be a GatePolicy, got {type(override).__name__}")
@@ -224,8 +271,11 @@ class GatePolicy:
         return replace(self, **changes, per_question=overrides)
 
     def crossed(self, stats: Figures) -> list[str]:
-        """Names of the thresholds a distribution crosses (empty: it passes)."""
+        """Names of the thresholds a distribution crosses (empty: it passes); `uncertified` when
+        the gate's certificate certified nothing (it passes no answer)."""
         out = []
+        if self.certificate is not None and not self.certificate.certified:
+            out.append("uncertified")
         if self.max_normalized_entropy is not None and stats.normalized_entropy > self.max_normalized_entropy:
             out.append("max_normalized_entropy")
         if self.max_entropy is not None and stats.entropy > self.max_entropy:
@@ -438,7 +488,10 @@ _MOVED_KEYS = {"on_unsure": "uncertain", "on_abstain": "abstained"}
 
 def policy_to_dict(policy: GatePolicy) -> dict[str, Any]:
     """A `GatePolicy` as plain JSON values (nested `per_question` included)."""
-    out: dict[str, Any] = {f.name: getattr(policy, f.name) for f in fields(GatePolicy) if f.name != "per_question"}
+    out: dict[str, Any] = {f.name: getattr(policy, f.name) for f in fields(GatePolicy)
+                           if f.name not in ("per_question", "certificate")}
+    if policy.certificate is not None:
+        out["certificate"] = {f.name: getattr(policy.certificate, f.name) for f in fields(Certificate)}
     if policy.per_question:
         out["per_question"] = {qid: policy_to_dict(p) for qid, p in policy.per_question.items()}
     return out
@@ -461,6 +514,10 @@ def policy_from_dict(data: Mapping[str, Any]) -> GatePolicy:
     if not isinstance(per_question, Mapping):
         raise CalibrationError("per_question must map question ids to policies")
     try:
+        if (certificate := values.pop("certificate", None)) is not None:
+            if not isinstance(certificate, Mapping):
+                raise CalibrationError("certificate must be a JSON object")
+            values["certificate"] = Certificate(**certificate)
         return GatePolicy(**values, per_question={str(k): policy_from_dict(v) for k, v in per_question.items()})
     except CalibrationError:
         raise
