@@ -63,7 +63,9 @@ chat server (its structured output); --escalate-decisions URL --escalate-model N
 Decisions server (its base URL, .../v1: OpenAI, another canvasroute serve; asked through
 langchain-openai's OpenAIDecisions, its distributions kept, its refusals not answers);
 --escalate-systemone URL [--escalate-model NAME], a /v1/systemone server (its root URL; model
-default jev-latest).
+default jev-latest). --hedge-band BAND starts the target beside the re-reads of a question
+whose first read is over the gate by at most BAND; each answer's canvasroute object says
+`hedged`.
 
 /v1/decisions (OpenAI Decisions): every request error is 400 with OpenAI's error body
 {"error": {"message", "type", "param", "code"}} naming the field (param questions[3].choices), a
@@ -113,6 +115,7 @@ _ENV = {
     "escalate_systemone": "CANVASROUTE_ESCALATE_SYSTEMONE",
     "escalate_model": "CANVASROUTE_ESCALATE_MODEL",
     "escalate_api_key": "CANVASROUTE_ESCALATE_API_KEY",
+    "hedge_band": "CANVASROUTE_HEDGE_BAND",
     "on_uncertain": "CANVASROUTE_ON_UNCERTAIN",
     "on_abstain": "CANVASROUTE_ON_ABSTAIN",
     "on_engine_error": "CANVASROUTE_ON_ENGINE_ERROR",
@@ -194,6 +197,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="escalation model name [CANVASROUTE_ESCALATE_MODEL]")
     esc.add_argument("--escalate-api-key", default=_env("escalate_api_key", "EMPTY"),
                      help="key for the escalation endpoint [CANVASROUTE_ESCALATE_API_KEY]")
+    esc.add_argument("--hedge-band", type=float, metavar="BAND", default=_env("hedge_band"),
+                     help="hedged escalation: a question whose first read is over the gate by at most BAND (on its "
+                          "0..1 figures) asks the target beside its re-reads, and the first to settle it answers "
+                          "(Escalation(hedge=Hedge(band=BAND))); off by default [CANVASROUTE_HEDGE_BAND]")
     outcome.add_argument("--on-engine-error", choices=SERVED["engine_fault"],
                          default=_env("on_engine_error", "escalate"),
                          help="engine faults escalate (when a target is set) or answer 503 (504, 529, 502 by the "
@@ -311,7 +318,7 @@ def build_model(args: argparse.Namespace) -> Any:
     Raises:
         ValueError: a flag or policy file that cannot be served (`outcomes.check_outcomes`).
     """
-    from canvasroute.router import CanvasDecisionModel, OutcomePolicy
+    from canvasroute.router import CanvasDecisionModel, Escalation, Hedge, OutcomePolicy
 
     from .outcomes import check_outcomes
 
@@ -319,6 +326,11 @@ def build_model(args: argparse.Namespace) -> Any:
     outcomes = OutcomePolicy(uncertain=args.on_uncertain, abstained=args.on_abstain,
                              engine_fault=args.on_engine_error)
     check_outcomes(outcomes, policy, target is not None)
+    if args.hedge_band is not None:
+        if target is None:
+            raise ValueError("--hedge-band needs an escalation target: --escalate-url, --escalate-decisions or "
+                             "--escalate-systemone")
+        target = Escalation(target, hedge=Hedge(band=args.hedge_band))
     return CanvasDecisionModel(engine=_engine(args), policy=policy, escalate_to=target, outcomes=outcomes)
 
 

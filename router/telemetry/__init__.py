@@ -9,6 +9,10 @@ decide <model>                      INTERNAL CHAIN  one decision set; per-questi
     └── chat <target model>         CLIENT   LLM    the escalation model's call
 ```
 
+A hedge (`Escalation.hedge`) is an `escalate` span that runs beside the re-reads' `canvas_read`,
+marked `canvasroute.hedge` (`won`, `cancelled`, `failed`); the decide span gets a
+`canvasroute.hedge` event per hedge, and the `canvasroute.hedges` counter a point.
+
 Around them `harness/` writes `route <node>` (where a decision node sent the graph),
 `shadow <node>` (shadow mode: the existing router and a canvas-only `decide` side by side)
 and `graph <name>` (the graph's nodes and edges, for the dashboard's drawing).
@@ -65,6 +69,7 @@ from ._spans import (
     provider_of,
     record_content,
     record_fault,
+    record_hedge,
     record_reports,
     set_io,
     set_usage,
@@ -86,6 +91,7 @@ __all__ = [
     "provider_of",
     "record_content",
     "record_fault",
+    "record_hedge",
     "record_reports",
     "set_io",
     "set_usage",
