@@ -220,7 +220,8 @@ class _Run:
             # a later stage's prompt restates its parents' answers: checked again as read
             await decision.planner.check_plan(the_plan, request, info, prompt)
         reading = Reading(request=request, engine=decision.engine, info=info, plan=the_plan, prompt=prompt,
-                          absorbs=decision.absorbs, planner=decision.planner, usage=self.usage, hedge=hedge)
+                          absorbs=decision.absorbs, planner=decision.planner, usage=self.usage,
+                          race=hedge.race if hedge is not None else None)
         reads = await reading.run()
         self.log.add(asked, reading)
         self.canvas_reads += reading.canvas_reads

@@ -92,7 +92,7 @@ class Hedging:
     async def __aenter__(self) -> Self:
         return self
 
-    async def race(self, reads: Mapping[str, QuestionRead], rereading: Sequence[str], candidates: Sequence[str],
+    async def race(self, reads: dict[str, QuestionRead], rereading: list[str], candidates: list[str],
                    rereads: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run a stage's re-reads (`rereads`, for the questions in `rereading`) beside a hedge call
         for the borderline ones among `candidates`; return once the re-reads have ended or were

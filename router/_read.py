@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -43,12 +43,15 @@ from ._plan import Chunk, Messages, Plan, Planner, Prompt, Route, Slot, messages
 from ._questions import QuestionSpec, unrotate
 
 if TYPE_CHECKING:
-    from ._hedge import Hedging
     from ._policy import GatePolicy
     from ._request import DecisionRequest
 
 REREAD_STRIDE = 7919
 """Read k of a canvas uses noise seed `seed + 7919 k` (vLLM's gateway convention)."""
+Race = Callable[[dict[str, "QuestionRead"], list[str], list[str], Callable[[], Coroutine[Any, Any, None]]],
+                Awaitable[None]]
+"""What a stage's re-reads run beside (`Hedging.race`): `race(reads, ids re-read, ids it may hedge,
+the re-reads)`, done when the re-reads are (or were cancelled)."""
 
 
 @dataclass(slots=True)
@@ -157,7 +160,7 @@ class Reading:
     """Whether an engine fault is recorded on the questions (True) or raised (False)."""
     planner: Planner
     usage: dict[str, int]
-    hedge: Hedging | None = None
+    race: Race | None = None
     """The hedged escalation the re-reads race (`Escalation.hedge`; None: re-reads alone)."""
     canvas_reads: int = 0
     sent: list[int] = field(default_factory=list)
@@ -200,11 +203,10 @@ class Reading:
         if uncertain:
             rereads = partial(self._jobs, self._jobs_for(reads, uncertain), msgs, reads, list(uncertain), "reread",
                               uncertain)
-            if self.hedge is None:
+            if self.race is None:
                 await rereads()
             else:  # a two-read question's first read is not its distribution: never hedged
-                await self.hedge.race(reads, list(uncertain), [q for q in uncertain if q not in self.plan.routes],
-                                      rereads)
+                await self.race(reads, list(uncertain), [q for q in uncertain if q not in self.plan.routes], rereads)
         await self._in_group(reads)
         for qid in self.plan.routes:
             if reads[qid].error is not None:  # a group distribution is no distribution over the options
