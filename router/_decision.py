@@ -241,23 +241,36 @@ class _Run:
     async def _escalate(self, reads: Mapping[str, QuestionRead], restated: str,
                         hedge: Hedging | None = None) -> Escalated | None:
         """Escalate what the gate did not pass, as the outcome policy says, under the budget, in one
-        call (beside a hedge's, which answers the questions it asked)."""
+        call; beside a hedge's call in flight, which answers the questions it asked."""
+        request = self.decision.request
+        if request.escalation is None or request.mode == "canvas_only":
+            return None
+        if hedge is None or hedge.task is None:
+            return await self._escalate_rest(reads, restated, ())
+        answers = asyncio.create_task(hedge.answers(reads))  # while the stage's other questions are asked
+        try:
+            rest = await self._escalate_rest(reads, restated, hedge.asked)
+        except BaseException:
+            answers.cancel()  # (the hedge's call itself ends with the hedge)
+            await asyncio.wait({answers})
+            raise
+        try:
+            hedged = await answers
+        except EscalationError as exc:  # (its budget grants are refunded as the hedge ends)
+            _with_fault(exc, [reads[q] for q in hedge.asked])
+        return joined(hedged, rest)
+
+    async def _escalate_rest(self, reads: Mapping[str, QuestionRead], restated: str,
+                             hedged: Sequence[str]) -> Escalated | None:
+        """The stage's own call, for the questions that escalate and no hedge asked."""
         request = self.decision.request
         escalation = request.escalation
-        if escalation is None or request.mode == "canvas_only":
-            return None
-        hedged: Escalated | None = None
-        if hedge is not None:
-            try:
-                hedged = await hedge.answers(reads)
-            except EscalationError as exc:  # (its budget grants are refunded as the hedge ends)
-                _with_fault(exc, [reads[q] for q in hedge.asked])
-        asked = hedge.asked if hedge is not None else ()
+        assert escalation is not None
         # engine faults first: under a partial budget they are the ones that cannot keep a canvas answer
-        wanted = sorted((r for r in reads.values() if r.spec.id not in asked and _cause(r) is not None
+        wanted = sorted((r for r in reads.values() if r.spec.id not in hedged and _cause(r) is not None
                          and _action(request, r) == "escalate"), key=lambda r: r.error is None)
         if not wanted:
-            return hedged
+            return None
         meter, thread = escalation.meter, request.identity.thread_id
         granted = await meter.take(len(wanted), thread) if meter is not None else len(wanted)
         try:
@@ -265,7 +278,7 @@ class _Run:
                 self._refuse(wanted[granted:])
             wanted = wanted[:granted]
             if not wanted:
-                return hedged
+                return None
             result = await self._call(wanted, restated)
         except EscalationError as exc:
             if meter is not None and granted:
@@ -277,7 +290,7 @@ class _Run:
             raise
         for key in ("input_tokens", "output_tokens"):
             self.usage[key] += result.usage.get(key, 0)
-        return joined(hedged, result)
+        return result
 
     def _refuse(self, spent: Sequence[QuestionRead]) -> None:
         """Mark the questions the budget turned away, or raise as `over_budget` says."""
@@ -307,7 +320,7 @@ class _Run:
                       restated=restated, parents={q: p for q, p in parents.items() if p},
                       instructions=request.read.instructions, images=request.state.images, canvas=canvas)
         name = target_name(escalation.target)
-        self.log.target_calls += 1
+        self.log.target_calls += not hedge  # (a hedge counts once started: `DiagnosticsLog.build`)
         with tm.escalation_call(escalation.target, name, list(canvas), hedge=hedge) as call:
             try:
                 result = await asyncio.wait_for(escalate(escalation, asked), escalation.timeout)
@@ -496,6 +509,7 @@ class DiagnosticsLog:
     thoughts: list[ThoughtReport] = field(default_factory=list)
     prompt_tokens: int = 0
     target_calls: int = 0
+    """Calls to the target a stage made for its own questions (hedges are counted in `hedges`)."""
     hedges: list[str] = field(default_factory=list)
 
     def add(self, asked: Sequence[str], reading: Reading | None) -> None:
@@ -515,7 +529,7 @@ class DiagnosticsLog:
             "stages": self.stages, "chunks": self.chunks, "formats": self.formats,
             "conditioning": "restated" if len(self.stages) > 1 else None, "constrained": self.request.constrained,
             "steps": self.request.read.steps, "thoughts": self.thoughts, "prompt_tokens": self.prompt_tokens,
-            "target_calls": self.target_calls, "hedges": self.hedges})
+            "target_calls": self.target_calls + sum(h != "refused" for h in self.hedges), "hedges": self.hedges})
 
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:

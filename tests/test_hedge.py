@@ -58,14 +58,15 @@ BORDERLINE, FAR, SURE = 0.7, 0.5, 0.98
 
 
 class Canvas:
-    """A FunctionEngine double: every slot's first read says p(yes) = `first`, every re-read
+    """A FunctionEngine double: every slot's first read says p(yes) = `first` (or, slot by slot,
+    `first[i]`: the questions in order, in one canvas), every re-read
     `later`, after waiting for `before()` (when given); a re-read may raise `fault` instead.
     Notes when a re-read starts and whether it was cancelled. A re-read is a read of a prompt
     with other noise than its first read (the same decision made again reads its first canvas
     again; another seed for the same prompt would read as a re-read: give each its own state)."""
 
-    def __init__(self, first: float, later: float, *, before: Callable[[], Awaitable[Any]] | None = None,
-                 fault: Exception | None = None) -> None:
+    def __init__(self, first: float | tuple[float, ...], later: float, *,
+                 before: Callable[[], Awaitable[Any]] | None = None, fault: Exception | None = None) -> None:
         self.first, self.later, self.before, self.fault = first, later, before, fault
         self.reread_started = asyncio.Event()
         self.reread_cancelled = False
@@ -84,8 +85,9 @@ class Canvas:
                 raise
             if self.fault is not None:
                 raise self.fault
-        p = self.later if reread else self.first
-        return label_rows(self.engine, {"yes": math.log(p), "no": math.log(1 - p)}, read)
+        ps = [self.later] * len(read.slots) if reread else (
+            list(self.first) if isinstance(self.first, tuple) else [self.first] * len(read.slots))
+        return [label_rows(self.engine, {"yes": math.log(p), "no": math.log(1 - p)}, read)[0] for p in ps]
 
 
 class Held:
@@ -288,6 +290,20 @@ class Refuser(BaseDecisionModel):
 
     def _classify(self, state: Any, questions: dict[str, Any]) -> Any:
         raise ModelRefusalError("will not say")
+
+
+async def test_the_stages_own_call_goes_out_while_the_hedge_is_in_flight():
+    async def hedge_waits_for_the_other_call(call: int) -> None:
+        if call == 0:  # the hedge answers only once the stage's own call has arrived beside it
+            await until(lambda: target.calls == 2, what="the stage's own call beside the hedge")
+
+    canvas = Canvas((BORDERLINE, FAR), BORDERLINE)  # urgent is hedged, refund is far over; both stay uncertain
+    target = ScriptedTarget(script={"urgent": "no", "refund": "yes"}, hold=hedge_waits_for_the_other_call)
+    resp = await hedged(canvas, target).adecide(TICKET, TWO)
+    assert {q: (r.path, r.hedged) for q, r in resp.reads.items()} == {"urgent": ("escalated", True),
+                                                                      "refund": ("escalated", False)}
+    assert [[m.text for m in p][-1].count('Question "') for p in target.prompts] == [1, 1]
+    assert (resp.totals.target_calls, resp.totals.hedges) == (2, 1)
 
 
 async def test_a_refusal_settles_nothing_and_the_rereads_go_on(spans):
