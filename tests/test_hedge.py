@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated, Any
 
 import httpx
 import pytest
-from conftest import label_rows, until
+from conftest import fresh_tracer_provider, label_rows, until
 from langchain_core.decisions import BaseDecisionModel, Noul
 from langchain_core.exceptions import ModelRefusalError
 from langgraph.cache.memory import InMemoryCache
@@ -595,6 +596,32 @@ async def test_a_fan_out_shares_a_store_budget_with_its_hedges():
     assert again["decisions"]["urgent"]["d4"]["read"]["hedged"] is False
 
 
+async def test_the_dashboard_shows_hedges_and_who_settled_them(tmp_path):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from canvasroute.apps.observability.dashboard import build_report, render
+    from canvasroute.apps.observability.traces import read_spans
+    from canvasroute.router.telemetry import JsonlSpanExporter
+
+    held = Held()
+    won = hedged(Canvas(BORDERLINE, SURE, before=never), ScriptedTarget(script={"urgent": "no"}))
+    beaten = hedged(Canvas(BORDERLINE, SURE, before=held.arrived.wait),
+                    ScriptedTarget(script={"urgent": "no"}, hold=held))
+    path = tmp_path / "spans.jsonl"
+    with fresh_tracer_provider(JsonlSpanExporter(path), InMemorySpanExporter()):
+        await won.adecide(TICKET, ONE)
+        await beaten.adecide(TICKET, ONE)
+    report = build_report(read_spans(path))
+    assert [(d.path, d.hedged) for d in sorted(report.decisions, key=lambda d: d.time_ns)] == [
+        ("escalated", True), ("reread", True)]
+    [run] = report.runs
+    assert (run.target_calls, run.hedges, run.hedges_cancelled) == (2, 2, 1)
+    page = render(report)
+    assert re.search(r'id="kpi-hedged".*?<div class="v">100%</div>.*?2 of 2 questions · target first 1, '
+                     r're-reads first 1', page, re.DOTALL)
+    assert "2 of 2 (2 hedged, 1 cancelled)" in page
+
+
 # -- both wires ----------------------------------------------------------------------------
 
 
@@ -643,4 +670,26 @@ def test_totals_add_up_hedges():
     one = Totals(decisions=1, target_calls=2, hedges=1, hedges_cancelled=1)
     assert (one + one).as_dict()["hedges_cancelled"] == 2
     assert Totals.from_dict(one.as_dict()) == one
+
+
+def test_the_bench_measures_hedging_beside_no_hedging_on_one_stream(capsys):
+    """`canvasroute bench --quick --json --only hedge` (figure 12): the arms decide the same stream;
+    counts, not times, are checked (the times are the figure's)."""
+    import json
+
+    from canvasroute.apps.cli import main
+
+    assert main(["bench", "--quick", "--json", "--only", "hedge", "--vllm-url", ""]) == 0
+    section = json.loads(capsys.readouterr().out)["sections"]["hedge"]
+    rows = {(row["arm"], row["decisions"]): row for row in section["rows"]}
+    over = "borderline or over the gate"
+    off, on, later = (rows[(arm, over)] for arm in ("no hedge", "Hedge(band=0.1)", "Hedge(band=0.1, after_s=8 ms)"))
+    settled = rows[("Hedge(band=0.1)", "borderline, re-read settles")]
+    # every borderline question was hedged; those the re-read settled cost one extra call each
+    assert on["hedges"] == rows[("Hedge(band=0.1)", "borderline, escalates")]["n"] + settled["n"]
+    assert on["extra calls"] == settled["n"] > 0 and 0 < on["cancelled"] <= settled["n"]
+    assert (off["hedges"], off["extra calls"]) == (0, 0) and 0 <= later["extra calls"] <= on["extra calls"]
+    assert rows[("no hedge", "far over, escalates")]["target calls"] == rows[("no hedge", "far over, escalates")]["n"]
+    assert all(row["p50 ms"] <= row["p99 ms"] for row in section["rows"])
+    assert section["generator"]["gate"] == "H/lnK <= 0.8"
 
