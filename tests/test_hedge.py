@@ -681,15 +681,16 @@ def test_the_bench_measures_hedging_beside_no_hedging_on_one_stream(capsys):
 
     assert main(["bench", "--quick", "--json", "--only", "hedge", "--vllm-url", ""]) == 0
     section = json.loads(capsys.readouterr().out)["sections"]["hedge"]
-    rows = {(row["arm"], row["decisions"]): row for row in section["rows"]}
-    over = "borderline or over the gate"
-    off, on, later = (rows[(arm, over)] for arm in ("no hedge", "Hedge(band=0.1)", "Hedge(band=0.1, after_s=8 ms)"))
-    settled = rows[("Hedge(band=0.1)", "borderline, re-read settles")]
-    # every borderline question was hedged; those the re-read settled cost one extra call each
-    assert on["hedges"] == rows[("Hedge(band=0.1)", "borderline, escalates")]["n"] + settled["n"]
-    assert on["extra calls"] == settled["n"] > 0 and 0 < on["cancelled"] <= settled["n"]
-    assert (off["hedges"], off["extra calls"]) == (0, 0) and 0 <= later["extra calls"] <= on["extra calls"]
-    assert rows[("no hedge", "far over, escalates")]["target calls"] == rows[("no hedge", "far over, escalates")]["n"]
+    for engine in ("idle, reads 8 ms", "loaded, reads 40 ms"):
+        rows = {(row["arm"], row["decisions"]): row for row in section["rows"] if row["engine"] == engine}
+        over = "borderline or over the gate"
+        arms = [arm for arm, decisions in rows if decisions == over]
+        assert arms[:2] == ["no hedge", "Hedge(band=0.1)"] and arms[2].startswith("Hedge(band=0.1, after_s=")
+        off, on, later = (rows[(arm, over)] for arm in arms)
+        settled = rows[("Hedge(band=0.1)", "borderline, re-read settles")]
+        # every borderline question was hedged; those the re-read settled cost one extra call each
+        assert on["hedges"] == rows[("Hedge(band=0.1)", "borderline, escalates")]["n"] + settled["n"]
+        assert on["extra calls"] == settled["n"] > 0 and 0 < on["cancelled"] <= settled["n"]
+        assert (off["hedges"], off["extra calls"]) == (0, 0) and 0 <= later["extra calls"] <= on["extra calls"]
     assert all(row["p50 ms"] <= row["p99 ms"] for row in section["rows"])
     assert section["generator"]["gate"] == "H/lnK <= 0.8"
-

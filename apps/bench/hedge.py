@@ -11,7 +11,8 @@ to a target (an async Runnable answering JSON) that sleeps too. Per decision, dr
   else it reads 0.7 again and the question escalates; a far read's re-read reads 0.5 again;
 - every engine read's latency is lognormal (median `READ_MS`, sigma 0.25), every target call's
   lognormal (median `TARGET_MS`, sigma 0.5): about a fifth of a GPU canvas read (~40 ms) and of a
-  27B model's JSON answer (~400 ms), so the run is short; only the ratios carry over.
+  27B model's JSON answer (~400 ms), so the run is short; only the ratios carry over. Two
+  regimes: an idle engine (reads 8 ms, a tenth of the target) and a loaded one (40 ms, half).
 
 Arms: no hedge; `Hedge(band=0.1)`; `Hedge(band=0.1, after_s=...)` (the target starts only if the
 re-read has not ended by about its median latency). Decisions run `CONCURRENCY` at a time through
@@ -45,8 +46,10 @@ __all__ = ["run_hedge"]
 
 BORDERLINE, FAR, SETTLE = 0.3, 0.15, 0.5
 """Shares: first reads within the band, far over the gate; borderline reads a re-read settles."""
-READ_MS, TARGET_MS = 8.0, 80.0
-"""Median simulated latency of one engine read and of one target call."""
+READS_MS = {"idle": 8.0, "loaded": 40.0}
+"""Median simulated latency of one engine read, by regime."""
+TARGET_MS = 80.0
+"""Median simulated latency of one target call."""
 CONCURRENCY = 8
 GATE = GatePolicy(max_normalized_entropy=0.8, rereads=1)
 QUESTION = {"urgent": Noul(instructions="Does the customer need an answer today?")}
@@ -74,7 +77,7 @@ class Draw:
         return "far over, escalates" if self.kind == "far" else "confident"
 
 
-def stream(n: int, seed: int = 35) -> list[Draw]:
+def stream(n: int, read_ms: float, seed: int = 35) -> list[Draw]:
     """The simulated stream (the module docstring states its generator)."""
     rng = random.Random(seed)
 
@@ -85,7 +88,7 @@ def stream(n: int, seed: int = 35) -> list[Draw]:
     for _ in range(n):
         u = rng.random()
         kind = "borderline" if u < BORDERLINE else "far" if u < BORDERLINE + FAR else "confident"
-        out.append(Draw(kind, rng.random() < SETTLE, ms(READ_MS, 0.25), ms(READ_MS, 0.25), ms(TARGET_MS, 0.5),
+        out.append(Draw(kind, rng.random() < SETTLE, ms(read_ms, 0.25), ms(read_ms, 0.25), ms(TARGET_MS, 0.5),
                         rng.choice(("yes", "no"))))
     return out
 
@@ -144,54 +147,56 @@ async def _arms(draws: list[Draw], hedges: dict[str, Hedge | None], rounds: int)
 
 
 def run_hedge(quick: bool) -> Section:
-    n = 200 if quick else 800
-    draws = stream(n)
-    arms = {"no hedge": None, "Hedge(band=0.1)": Hedge(band=0.1),
-            f"Hedge(band=0.1, after_s={READ_MS:g} ms)": Hedge(band=0.1, after_s=READ_MS / 1e3)}
+    n = 120 if quick else 600
     section = Section("hedge", "12. Hedged escalation vs none on a simulated stream (latency in simulated ms)",
-                      ["arm", "decisions", "n", "p50 ms", "p99 ms", "target calls", "extra calls", "hedges",
-                       "cancelled", "answers changed"])
-    results = asyncio.run(_arms(draws, arms, rounds=10 if quick else 40))
-    base_lat, base_resp = results["no hedge"]
-    base_calls = sum(r.totals.target_calls for r in base_resp)
-    groups = ["borderline, escalates", "borderline, re-read settles", "far over, escalates"]
-    for name, (lat, resp) in results.items():
-        calls = sum(r.totals.target_calls for r in resp)
-        hedges = sum(r.totals.hedges for r in resp)
-        changed = sum(a.reads["urgent"].answer != b.reads["urgent"].answer for a, b in zip(resp, base_resp,
-                                                                                           strict=True))
-        escalating = [i for i, d in enumerate(draws) if d.kind != "confident"]
-        section.rows.append({
-            "arm": name, "decisions": "borderline or over the gate", "n": len(escalating),
-            "p50 ms": percentile([lat[i] for i in escalating], 50) * 1e3,
-            "p99 ms": percentile([lat[i] for i in escalating], 99) * 1e3,
-            "target calls": calls, "extra calls": calls - base_calls, "hedges": hedges,
-            "cancelled": sum(r.totals.hedges_cancelled for r in resp), "answers changed": changed})
-        for group in groups:
-            ids = [i for i, d in enumerate(draws) if d.group == group]
+                      ["engine", "arm", "decisions", "n", "p50 ms", "p99 ms", "target calls", "extra calls",
+                       "hedges", "cancelled", "answers changed"])
+    groups = ["borderline, escalates", "borderline, re-read settles"]
+    for regime, read_ms in READS_MS.items():
+        draws = stream(n, read_ms)
+        arms = {"no hedge": None, "Hedge(band=0.1)": Hedge(band=0.1),
+                f"Hedge(band=0.1, after_s={read_ms:g} ms)": Hedge(band=0.1, after_s=read_ms / 1e3)}
+        results = asyncio.run(_arms(draws, arms, rounds=6 if quick else 30))
+        base = results["no hedge"][1]
+        base_calls = sum(r.totals.target_calls for r in base)
+        over = [i for i, d in enumerate(draws) if d.kind != "confident"]
+        far = [i for i, d in enumerate(draws) if d.kind == "far"]
+        engine = f"{regime}, reads {read_ms:g} ms"
+        for name, (lat, resp) in results.items():
+            calls = sum(r.totals.target_calls for r in resp)
             section.rows.append({
-                "arm": name, "decisions": group, "n": len(ids),
-                "p50 ms": percentile([lat[i] for i in ids], 50) * 1e3,
-                "p99 ms": percentile([lat[i] for i in ids], 99) * 1e3,
-                "target calls": sum(resp[i].totals.target_calls for i in ids),
-                "hedges": sum(resp[i].totals.hedges for i in ids)})
-    section.extra["p50_gain_escalated"] = {
-        name: percentile([base_lat[i] for i, d in enumerate(draws) if d.group == "borderline, escalates"], 50)
-        - percentile([lat[i] for i, d in enumerate(draws) if d.group == "borderline, escalates"], 50)
-        for name, (lat, _) in results.items()}
+                "engine": engine, "arm": name, "decisions": "borderline or over the gate", "n": len(over),
+                "p50 ms": percentile([lat[i] for i in over], 50) * 1e3,
+                "p99 ms": percentile([lat[i] for i in over], 99) * 1e3, "target calls": calls,
+                "extra calls": calls - base_calls, "hedges": sum(r.totals.hedges for r in resp),
+                "cancelled": sum(r.totals.hedges_cancelled for r in resp),
+                "answers changed": sum(a.reads["urgent"].answer != b.reads["urgent"].answer
+                                       for a, b in zip(resp, base, strict=True))})
+            for group in groups:
+                ids = [i for i, d in enumerate(draws) if d.group == group]
+                section.rows.append({
+                    "engine": engine, "arm": name, "decisions": group, "n": len(ids),
+                    "p50 ms": percentile([lat[i] for i in ids], 50) * 1e3,
+                    "p99 ms": percentile([lat[i] for i in ids], 99) * 1e3,
+                    "target calls": sum(resp[i].totals.target_calls for i in ids),
+                    "hedges": sum(resp[i].totals.hedges for i in ids)})
+        section.notes.append(f"{engine}: the {len(far)} far over the gate (never hedged, the control) p50 "
+                             + ", ".join(f"{percentile([lat[i] for i in far], 50) * 1e3:.0f}"
+                                         for lat, _ in results.values()) + " ms in the three arms")
     section.notes += [
-        f"{n} decisions, one yes/no question each, {CONCURRENCY} at a time; first reads: {BORDERLINE:.0%} within "
-        f"the band of the gate H/lnK <= 0.8, {FAR:.0%} far over, the rest confident; a re-read settles "
-        f"{SETTLE:.0%} of the borderline ones (canvasroute/apps/bench/hedge.py states the generator)",
-        f"latencies lognormal: engine read median {READ_MS:g} ms (sigma 0.25), target call median "
-        f"{TARGET_MS:g} ms (sigma 0.5), real asyncio sleeps; engine and target with unlimited capacity",
+        f"{n} decisions per engine, one yes/no question each, {CONCURRENCY} at a time, the arms interleaved; "
+        f"first reads: {BORDERLINE:.0%} within the band of the gate H/lnK <= 0.8, {FAR:.0%} far over, the rest "
+        f"confident; a re-read settles {SETTLE:.0%} of the borderline ones (apps/bench/hedge.py states the "
+        "generator)",
+        f"latencies lognormal: engine read median as shown (sigma 0.25), target call median {TARGET_MS:g} ms "
+        "(sigma 0.5), real asyncio sleeps; engine and target with unlimited capacity (no queueing)",
         "extra calls: target calls beyond the no-hedge arm's (a hedge the re-reads beat was still sent); "
         "answers changed: decisions whose answer differs from the no-hedge arm's (a borderline question the "
         "target answered first though its re-read would have settled it)",
         "a simulation of the library's race, not of a model: it says what hedging trades (latency of escalated "
         "decisions for target calls), not whether either answer is right",
     ]
-    section.extra["generator"] = {"borderline": BORDERLINE, "far": FAR, "settle": SETTLE, "read_ms": READ_MS,
+    section.extra["generator"] = {"borderline": BORDERLINE, "far": FAR, "settle": SETTLE, "reads_ms": READS_MS,
                                   "target_ms": TARGET_MS, "sigma_read": 0.25, "sigma_target": 0.5, "seed": 35,
                                   "concurrency": CONCURRENCY, "gate": GATE.gate_text, "rereads": GATE.rereads}
     return section
