@@ -15,11 +15,11 @@ to a target (an async Runnable answering JSON) that sleeps too. Per decision, dr
   regimes: an idle engine (reads 8 ms, a tenth of the target) and a loaded one (40 ms, half).
 
 Arms: no hedge; `Hedge(band=0.1)`; `Hedge(band=0.1, after_s=...)` (the target starts only if the
-re-read has not ended by about its median latency). Decisions run `CONCURRENCY` at a time through
-one model per arm, the arms taking turns over slices of the stream (interleaved: a change of the
-machine's load moves every arm alike); the engine and the target have unlimited capacity (no queueing), so what extra
-target calls would cost a loaded target is not measured. Latency is each decision's wall time
-(`adecide`), in the simulated milliseconds.
+re-read has not ended by about its median latency). Each arm decides through its own model,
+`CONCURRENCY` decisions at a time, the arms deciding each slice of the stream at the same time (a
+stall of the machine hits every arm alike). The engine and the target have unlimited capacity (no
+queueing), so what extra target calls would cost a loaded target is not measured. Latency is
+each decision's wall time (`adecide`), in the simulated milliseconds.
 """
 
 from __future__ import annotations
@@ -124,15 +124,14 @@ def _model(draws: list[Draw], hedge: Hedge | None) -> CanvasDecisionModel:
 async def _arms(draws: list[Draw], hedges: dict[str, Hedge | None], rounds: int) -> dict[str, tuple[list[float],
                                                                                                   list[Any]]]:
     """Each arm's latency and response per decision: the stream in `rounds` slices, every arm
-    deciding each slice in turn (the order rotating), so a change of the machine's load moves all alike."""
+    deciding each slice at the same time as the others, so a stall of the machine hits all alike."""
     models = {name: _model(draws, hedge) for name, hedge in hedges.items()}
     out: dict[str, tuple[list[float], list[Any]]] = {name: ([0.0] * len(draws), [None] * len(draws))
                                                       for name in hedges}
-    limit = asyncio.Semaphore(CONCURRENCY)
-    names = list(hedges)
+    limits = {name: asyncio.Semaphore(CONCURRENCY) for name in hedges}
 
     async def one(name: str, i: int) -> None:
-        async with limit:
+        async with limits[name]:
             start = time.perf_counter()
             out[name][1][i] = await models[name].adecide(f"ticket {i}: I was charged twice; please refund me.",
                                                          QUESTION)
@@ -141,8 +140,7 @@ async def _arms(draws: list[Draw], hedges: dict[str, Hedge | None], rounds: int)
     size = math.ceil(len(draws) / rounds)
     for r in range(rounds):
         ids = range(r * size, min(len(draws), (r + 1) * size))
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            await asyncio.gather(*(one(name, i) for i in ids))
+        await asyncio.gather(*(one(name, i) for i in ids for name in hedges))
     return out
 
 
@@ -184,7 +182,7 @@ def run_hedge(quick: bool) -> Section:
                              + ", ".join(f"{percentile([lat[i] for i in far], 50) * 1e3:.0f}"
                                          for lat, _ in results.values()) + " ms in the three arms")
     section.notes += [
-        f"{n} decisions per engine, one yes/no question each, {CONCURRENCY} at a time, the arms interleaved; "
+        f"{n} decisions per engine, one yes/no question each, {CONCURRENCY} at a time per arm, the arms side by side; "
         f"first reads: {BORDERLINE:.0%} within the band of the gate H/lnK <= 0.8, {FAR:.0%} far over, the rest "
         f"confident; a re-read settles {SETTLE:.0%} of the borderline ones (apps/bench/hedge.py states the "
         "generator)",
