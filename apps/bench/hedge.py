@@ -15,7 +15,7 @@ to a target (an async Runnable answering JSON) that sleeps too. Per decision, dr
   regimes: an idle engine (reads 8 ms, a tenth of the target) and a loaded one (40 ms, half).
 
 Arms: no hedge; `Hedge(band=0.1)`; `Hedge(band=0.1, after_s=...)` (the target starts only if the
-re-read has not ended by about its median latency). Each arm decides through its own model,
+re-read has not ended by its median latency). Each arm decides through its own model,
 `CONCURRENCY` decisions at a time, the arms deciding each slice of the stream at the same time (a
 stall of the machine hits every arm alike). The engine and the target have unlimited capacity (no
 queueing), so what extra target calls would cost a loaded target is not measured. Latency is
