@@ -258,7 +258,8 @@ class Tally:
 @dataclass(frozen=True, slots=True)
 class Totals:
     """What decisions cost, summed without any SDK: decision sets, questions, canvas reads,
-    distinct canvases (prompts), escalated questions, tokens and seconds.
+    distinct canvases (prompts), escalated questions, target calls (hedges among them), tokens
+    and seconds.
 
     `Totals.of(response)` is one decision set's; totals add up (`a + b`), so a graph run's are
     the sum of its decision events' `totals` (`canvasroute.harness.run_totals`).
