@@ -44,7 +44,7 @@ from canvasroute.engine import (
 
 from . import telemetry as tm
 from ._escalation import Asked, Escalated, Restated, escalate, target_name
-from ._hedge import Hedging, joined
+from ._hedge import Hedging, cancel, joined
 from ._plan import Plan, Planner, Prompt
 from ._questions import QuestionSpec
 from ._read import QuestionRead, Reading, SlotStats
@@ -251,8 +251,7 @@ class _Run:
         try:
             rest = await self._escalate_rest(reads, restated, hedge.asked)
         except BaseException:
-            answers.cancel()  # (the hedge's call itself ends with the hedge)
-            await asyncio.wait({answers})
+            await cancel(answers)  # (the hedge's call itself ends with the hedge)
             raise
         try:
             hedged = await answers

@@ -57,7 +57,7 @@ from ._escalation import Escalated, target_name
 from ._policy import Escalation, GatePolicy, Hedge
 from ._read import QuestionRead
 
-__all__ = ["Hedging", "joined"]
+__all__ = ["Hedging", "cancel", "joined"]
 
 logger = logging.getLogger("canvasroute.router")
 
@@ -118,9 +118,9 @@ class Hedging:
                     return
             await task
             if not self._answered() and not any(q not in self.won and self.escalates(reads[q]) for q in self.asked):
-                await _cancel(call)  # the re-reads settled every hedged question first
+                await cancel(call)  # the re-reads settled every hedged question first
         finally:
-            await _cancel(task)
+            await cancel(task)
 
     def _borderline(self, r: QuestionRead) -> bool:
         """A first read that escalates if its re-reads do not settle it, and is over the gate by at most the band."""
@@ -167,7 +167,7 @@ class Hedging:
             return None
         use = [q for q in self.asked if q in self.won or self.escalates(reads[q])]
         if not use:
-            await _cancel(call)
+            await cancel(call)
             return None
         await asyncio.wait({call})
         result = call.result()
@@ -181,7 +181,7 @@ class Hedging:
         call = self.task
         if call is None:
             return
-        await _cancel(call)
+        await cancel(call)
         failure = None if call.cancelled() else call.exception()
         self.outcome = "cancelled" if call.cancelled() else "failed" if failure is not None else "won"
         if self.outcome == "won":
@@ -203,12 +203,17 @@ class Hedging:
         tm.record_hedge(self.outcome, ids)
 
 
-async def _cancel(task: asyncio.Future[Any] | None) -> None:
+async def cancel(task: asyncio.Future[Any] | None) -> None:
     """Cancel `task` if it still runs, and wait until it has ended (a cancellation of the caller
-    still propagates)."""
-    if task is not None and not task.done():
+    still propagates); an exception it ended with is retrieved (its owner reads it, or another
+    error is on its way)."""
+    if task is None:
+        return
+    if not task.done():
         task.cancel()
         await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()
 
 
 def joined(first: Escalated | None, second: Escalated | None) -> Escalated | None:
