@@ -265,7 +265,13 @@ def _policy(args: argparse.Namespace) -> Any:
     policy = load_policy(args.policy) if args.policy else GatePolicy()
     flags = {k: v for k, v in (("max_normalized_entropy", args.max_normalized_entropy),
                                ("rereads", args.rereads)) if v is not None}
-    return resolve_gate(policy, flags)
+    served = resolve_gate(policy, flags)
+    if voided := sorted(qid for qid, gate in policy.per_question.items() if gate.certificate is not None
+                        and gate.certificate.certified and served.for_question(qid).certificate is None):
+        log.warning("%s moves the certified gates of %s off what calibrate certified: they serve without their "
+                    "certificates (no bound is claimed for them)",
+                    " and ".join(f"--{k.replace('_', '-')}" for k in flags), ", ".join(voided))
+    return served
 
 
 def _escalation(args: argparse.Namespace) -> Any:
