@@ -189,7 +189,7 @@ def test_the_bound_holds_over_many_calibrations_and_the_naive_threshold_misses_i
     ltt, naive = measure(500, 120, pool, stream, seed=3)
     assert ltt["gate"] == "certified (LTT)" and naive["gate"] == "naive"
     assert ltt["violations"] <= 0.1 and naive["violations"] >= 0.3
-    assert ltt["certified"] > 0.3 and ltt["escalated"] > naive["escalated"]  # the bound costs escalations
+    assert ltt["found"] > 0.3 and ltt["escalated"] > naive["escalated"]  # the bound costs escalations
 
 
 # -- the policy calibrate writes --------------------------------------------------------------
@@ -555,7 +555,7 @@ def test_the_bench_reports_the_certified_gate_beside_the_naive_one(capsys):
     rows = {(r["rows"], r["gate"]): r for r in section["rows"]}
     assert {n for n, _ in rows} == {60, 500, 2000} and section["rows_needed"] == 45
     few = rows[(60, "certified (LTT)")]
-    assert (few["certified"], few["escalated"], few["violations"]) == (0, 1.0, 0)  # escalates all, claims nothing
+    assert (few["found"], few["escalated"], few["violations"]) == (0, 1.0, 0)  # escalates all, claims nothing
     for n in (500, 2000):
         ltt, naive = rows[(n, "certified (LTT)")], rows[(n, "naive")]
         assert ltt["violations"] <= ltt["allowed"] == pytest.approx(0.1) and naive["violations"] > ltt["violations"]

@@ -207,7 +207,7 @@ def _print_guarantees(cal: cm.Calibration, chance: str | None) -> None:
         if risk.certified:
             lines.append(f"{q}: certified: with probability at least {sure} over its {risk.rows} check rows, the "
                          f"answers its gate passes (H/lnK <= {risk.threshold:.3g}) are wrong at most {bound} of the "
-                         f"time; that escalates {_percent(risk.escalation_rate)} of the check rows.")
+                         f"time; that escalates {_percent(risk.escalation_rate, 3)} of the check rows.")
         else:
             lines.append(f"{q}: NOT certified ({risk.note}). Its gate passes nothing: every answer to {q!r} goes "
                          "where OutcomePolicy.uncertain says (escalated) rather than claim a bound the rows cannot "
@@ -217,9 +217,9 @@ def _print_guarantees(cal: cm.Calibration, chance: str | None) -> None:
               "same model, prompt, engine and traffic); drift breaks it. For Q questions at once, calibrate at "
               "confidence 1 - (1 - C) / Q."]
     if chance:
-        lines.append(f"** {chance}: a bound certified on a near-chance model certifies plumbing, not quality **")
+        lines.append(f"** {chance}: a bound certified on it shows the plumbing, not a real model's quality **")
     print("\n".join(lines))
 
 
-def _percent(x: float) -> str:
-    return f"{x * 100:.4g}%"
+def _percent(x: float, digits: int = 4) -> str:
+    return f"{x * 100:.{digits}g}%"
