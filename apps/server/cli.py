@@ -45,6 +45,9 @@ The gate, in one order: the --policy file (its per-question fits included), then
 --max-normalized-entropy and --rereads for every question (fits included), then a
 request's own samples, auto_max and auto_threshold for that request. auto_threshold only
 asks for more reads (re-read above it); whether an answer escalates stays the server's gate.
+A certified gate (`canvasroute calibrate --max-error`) keeps its certificate while the flags
+and a request's keys leave it as it was tested; one they change serves without it (a warning
+at start for flags), and an uncertified gate passes nothing whatever they say.
 
 Outcomes: --on-uncertain escalate|answer, --on-abstain escalate|answer, --on-engine-error
 escalate|raise. A server cannot review (no human lane over HTTP), raise for an uncertain
