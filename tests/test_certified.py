@@ -531,6 +531,7 @@ def test_calibrate_max_error_certifies_per_question_and_says_when_it_cannot(tmp_
                      r"check rows\.", printed.out)
     assert ("urgent: NOT certified (10 check rows: certifying error <= 5% at 90% needs at least 45 passed rows, "
             "all of them right). Its gate passes nothing") in printed.out
+    assert "more labelled rows would help" in printed.out
     assert "Each bound holds for its question alone" in printed.out and "drift breaks it" in printed.out
     policy = load_policy(out)
     assert policy.for_question("team").certificate.certified and not policy.for_question("urgent").certificate.certified
@@ -544,6 +545,30 @@ def test_calibrate_max_error_certifies_per_question_and_says_when_it_cannot(tmp_
     assert "re-reads would pass answers the certificate never tested" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["calibrate", rows, "--max-error", "0.05", "--target-accuracy", "0.9", "-o", str(out)])
+
+
+@pytest.mark.vllm
+def test_calibrate_max_error_on_the_real_vllm_server_certifies_nothing_near_chance(vllm_url, tmp_path, capsys):
+    """The tiny random DiffusionGemma is near chance: no threshold passes, the command says so, and
+    the served policy escalates every answer (read on the real server, answered by the target)."""
+    from conftest import ROOT
+
+    from canvasroute.engine import VLLMServerEngine
+
+    out = tmp_path / "certified.json"
+    code = main(["calibrate", str(ROOT / "data" / "bigbench" / "strategyqa"), "--limit", "80", "--engine-url",
+                 vllm_url, "--max-error", "0.05", "--no-plots", "-o", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "answer: NOT certified" in printed and "near chance" in printed
+    policy = load_policy(out)
+    assert not policy.for_question("answer").certificate.certified
+    scripted = ScriptedTarget(script={"answer": "yes"})
+    model = CanvasDecisionModel(engine=VLLMServerEngine(vllm_url), policy=policy, escalate_to=scripted)
+    r = model.decide("Is water wet?", {"answer": Noul(instructions="Is the answer to this question yes?")})
+    report = r.reads["answer"]
+    assert (report.path, report.cause, report.crossed[0], scripted.calls) == ("escalated", "uncertain",
+                                                                              "uncertified", 1)
+    assert report.reads == 1 and "uncertified: 40 rows cannot certify error <= 5% at 90%" in report.gate
 
 
 # -- the bench ------------------------------------------------------------------------------------

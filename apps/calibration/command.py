@@ -209,9 +209,10 @@ def _print_guarantees(cal: cm.Calibration, chance: str | None) -> None:
                          f"answers its gate passes (H/lnK <= {risk.threshold:.3g}) are wrong at most {bound} of the "
                          f"time; that escalates {_percent(risk.escalation_rate, 3)} of the check rows.")
         else:
+            more = "; more labelled rows would help" if risk.rows < risk.rows_needed else ""
             lines.append(f"{q}: NOT certified ({risk.note}). Its gate passes nothing: every answer to {q!r} goes "
                          "where OutcomePolicy.uncertain says (escalated) rather than claim a bound the rows cannot "
-                         "support; more rows would help.")
+                         f"support{more}.")
     lines += ["Questions the rows never asked are not certified either: their gate passes nothing.",
               "Each bound holds for its question alone, while live reads are drawn like the calibration rows (the "
               "same model, prompt, engine and traffic); drift breaks it. For Q questions at once, calibrate at "
