@@ -23,6 +23,9 @@ Every figure is a ratio or a distribution measured side by side in one run:
 11. `structure`   library modules entered, hops between modules and returns to a module
                   already left, in one warm `decision_node` run and one `decide` (a count, not
                   a time), beside `httpx.Client.get`.
+12. `risk`        the certified gate (`calibrate --max-error`) on a simulated stream with known
+                  truth: how often its passed answers' error exceeds the bound, over many
+                  calibrations, and the escalation it costs, beside the naive threshold.
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -44,7 +47,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway", "isolation", "structure")
+            "gateway", "isolation", "structure", "risk")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         "gateway": lambda: _gateway(args.gateway_url, args.vllm_url, args.quick),
         "isolation": lambda: _isolation(args.vllm_url, args.quick),
         "structure": lambda: _structure(args.quick),
+        "risk": lambda: _risk(args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -166,3 +170,9 @@ def _structure(quick: bool) -> Section:
     from .structure import run_structure
 
     return run_structure(quick)
+
+
+def _risk(quick: bool) -> Section:
+    from .risk import run_risk
+
+    return run_risk(quick)
