@@ -329,7 +329,8 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         for qid, record in decided.items():
             record["shadow"] = outcome.record(qid)
         trace_route(job.call.attributes, outcome.destination)
-        update = {self.output_key: grouped(decided, job.request.identity.branch)} if decided else None
+        update = {self.output_key: self._written(decided, job.earlier, job.request.identity.branch)} if decided \
+            else None
         return Command(goto=outcome.destination, update=update), event(
             DECISION_EVENT, job.call.node, outcome.destination, decided, job.request, shadow=outcome.record())
 

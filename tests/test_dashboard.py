@@ -527,7 +527,8 @@ def test_the_runs_panel_counts_cache_hits_apart_as_the_totals_do(tmp_path):
     engine = FunctionEngine(lambda read: label_rows(engine, {"A": -0.69, "B": -0.70}, read))  # a toss-up
     reply = AIMessage('{"team": "tech"}', usage_metadata={"input_tokens": 50, "output_tokens": 5, "total_tokens": 55})
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.5, rereads=0),
-                                escalate_to=GenericFakeChatModel(messages=itertools.repeat(reply)), cache=DecisionCache())
+                                escalate_to=GenericFakeChatModel(messages=itertools.repeat(reply)),
+                                cache=DecisionCache())
     team = {"team": Choice(instructions="Which team?", criteria={"billing": None, "tech": None})}
     with traced(tmp_path / "hits.jsonl"):
         responses = [run_sync(model.adecide(t, team, attributes={tm.GRAPH_NODE: "triage"}))

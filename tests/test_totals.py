@@ -62,8 +62,8 @@ def fan_out(model: CanvasDecisionModel, *, cache: bool = False) -> Any:
                          branch="doc_id")
     builder = StateGraph(State)
     builder.add_node("grade", node, cache_policy=node.cache_policy() if cache else None)
-    builder.add_conditional_edges(START, lambda s: [Send("grade", {"doc": t, "doc_id": d}) for d, t in s["docs"].items()],
-                                  ["grade"])
+    builder.add_conditional_edges(START, lambda s: [Send("grade", {"doc": t, "doc_id": d})
+                                                    for d, t in s["docs"].items()], ["grade"])
     builder.add_edge("grade", END)
     return builder.compile(cache=NodeCache(InMemoryCache()) if cache else None)
 
