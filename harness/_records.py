@@ -105,6 +105,13 @@ def run_totals(source: Any) -> Totals:
     - A `NodeCache` hit: the node did not run and sent no event; its records are replayed
       (`replayed: "node_cache"`, totals zero, a new id).
     - A replay from a checkpoint (time travel): the nodes after it run again and really read.
+    - A `route_on` edge writes no record: its decision sets count in the events only.
+
+    As invariants: a response or a decision event with `replayed` set totals `Totals()`, and so
+    does a record a cache replayed (`decision_cache`, `node_cache`; a review's record, `checkpoint`,
+    keeps its paused run's read); over a thread's runs, `run_totals(events) == run_totals(records)`
+    for records that keep every decision set, and their `reads` and `escalations` are the canvas
+    reads and escalated questions of the attempts that returned or paused.
 
     Example:
         ```python

@@ -148,16 +148,17 @@ def test_a_decision_cache_hit_inside_a_node_spent_nothing_in_its_event_and_recor
     assert timing["replayed"] == "decision_cache" and timing["original"] == first["decisions"]["ok"]["timing"]["totals"]
 
 
-@pytest.mark.parametrize("shape", ["one node", "fan-out"])
+@pytest.mark.parametrize("shape", ["one node", "fan-out", "async"])
 def test_a_node_cache_hit_sends_no_event_and_its_records_spent_nothing(shape):
     engine = fixed_engine(SURE)
     model = CanvasDecisionModel(engine=engine, policy=GATE)
-    if shape == "one node":
-        graph, given = one_node(model, cache=True), {"ticket": "Refund me"}
-    else:
+    if shape == "fan-out":
         graph, given = fan_out(model, cache=True), {"docs": {"faq-2": "Refunds take five days.", "faq-9": "Nine."}}
-    first, first_events = run(graph, given)
-    out, events = run(graph, given)
+    else:
+        graph, given = one_node(model, cache=True), {"ticket": "Refund me"}
+    runner = run if shape != "async" else lambda *a: run_sync(arun(*a))  # NodeCache.aget
+    first, first_events = runner(graph, given)
+    out, events = runner(graph, given)
     assert engine.calls == len(first_events) and events == []  # the node did not run
     assert run_totals(out["decisions"]) == run_totals(events) == Totals()
     before = {r["timing"]["decision"]: r["timing"]["totals"] for r in records(first)}
@@ -246,3 +247,13 @@ def test_history_records_of_a_loop_the_decision_cache_answers_total_one_read():
     assert [h["timing"]["replayed"] for h in [*record["history"], record]] == [None] + ["decision_cache"] * 3
     assert run_totals(out["decisions"]) == run_totals(events)
     assert spend(run_totals(events))[:5] == (1, 1, 1, 1, 0)
+
+
+def test_a_review_checkpointed_before_decision_sets_had_ids_still_resumes_as_a_replay():
+    """The review's task output was the response alone before it held the decision set's id."""
+    from canvasroute.harness._review import _checkpointed
+
+    decided = CanvasDecisionModel(engine=fixed_engine(SURE), policy=GATE).decide("Refund me", OK)
+    done = _checkpointed(decided.model_dump(mode="json"), False, 0.01)
+    assert done.response.replayed == "checkpoint" and done.response.totals == Totals()
+    assert done.spent == done.response.original == decided.totals and done.decision
