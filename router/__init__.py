@@ -14,7 +14,7 @@ _plan        chunks that fit a canvas, one-token labels, prompts, two-read route
 _read        samples, per-chunk re-reads, in-group reads, thoughts -> per-question distributions
 _decision    one run: stages, escalation under the budget (_budget), the outcome rules, reports
 _escalation  the target call: prompt, structured output, reading the reply
-_types       ReadReport, CanvasResponse, Diagnostics, Tally: the outcome vocabulary (path, cause)
+_types       ReadReport, CanvasResponse, Diagnostics, Tally, Totals: the outcome vocabulary (path, cause, replay)
 _schema      questions from a pydantic model or TypedDict, answers back into it (with_structured_output)
 systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
 ```
@@ -56,7 +56,18 @@ from ._request import (
 )
 from ._schema import StructuredDecision, answers_to_schema, questions_from_schema
 from ._state import image_digests, read_state, render_state, state_images
-from ._types import CAUSES, PATHS, CanvasResponse, Diagnostics, ReadReport, Tally, ThoughtReport, Totals
+from ._types import (
+    CAUSES,
+    PATHS,
+    REPLAYS,
+    CanvasResponse,
+    Diagnostics,
+    ReadReport,
+    Replay,
+    Tally,
+    ThoughtReport,
+    Totals,
+)
 from .calibration import (
     Calibration,
     Labelled,
@@ -78,6 +89,7 @@ __all__ = [
     "MAX_STEPS",
     "MAX_THINK",
     "PATHS",
+    "REPLAYS",
     "Asked",
     "BudgetMeter",
     "Calibration",
@@ -101,6 +113,7 @@ __all__ = [
     "QuestionSpec",
     "ReadOptions",
     "ReadReport",
+    "Replay",
     "SlotStats",
     "StateView",
     "StructuredDecision",

@@ -330,9 +330,13 @@ def _runs_section(report: Report) -> str:
     def secs(value: float | None, *, estimate: bool = False) -> str:
         return "–" if value is None else ("≈ " if estimate else "") + seconds(value)
 
+    def replayed(n: int) -> str:
+        return f' <span class="muted">+ {n} replayed</span>' if n else ""
+
     rows = "".join(
         f'<tr data-run="{html.escape(r.source or "spans")}"><td>{html.escape(r.source or "spans")}</td>'
-        f'<td>{html.escape(", ".join(r.models))}</td><td class="num">{r.sets}</td><td class="num">{r.questions}</td>'
+        f'<td>{html.escape(", ".join(r.models))}</td><td class="num">{r.sets}{replayed(r.replayed)}</td>'
+        f'<td class="num">{r.questions}</td>'
         f'<td class="num">{r.reads}</td><td class="num">{count(r.canvas_tokens or None)}</td>'
         f'<td class="num">{secs(r.decide_s)}</td><td class="num">{r.escalated} of {r.questions}</td>'
         f'<td class="num">{r.target_calls} of {r.sets}</td><td class="num">{r.calls_saved}</td>'
@@ -350,7 +354,8 @@ def _runs_section(report: Report) -> str:
             "decision sets, the questions escalated (path escalated, any cause), the target calls made and "
             "saved, their tokens and time (decision time: the decision sets end to end); ≈ marks an estimate, "
             "the mean measured target call times the decision "
-            "sets (– when no target call reported it). Canvas reads and their tokens are routing's own cost."
+            "sets (– when no target call reported it). Canvas reads and their tokens are routing's own cost. "
+            "Decision sets a cache replayed (+ N replayed) read nothing and are not counted as saved by routing."
             f"</p>{plumbing}<table id=\"runs\"><thead><tr><th>run</th><th>canvas model</th>"
             '<th class="num">decision sets</th><th class="num">questions</th><th class="num">canvas reads</th>'
             '<th class="num">canvas tokens</th><th class="num">decision time</th><th class="num">escalated</th>'
