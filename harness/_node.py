@@ -34,6 +34,7 @@ import hashlib
 import inspect
 import json
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,10 +48,11 @@ from langchain_core.runnables.config import (
     get_async_callback_manager_for_config,
     get_callback_manager_for_config,
 )
+from langgraph.errors import GraphInterrupt
 from langgraph.types import CachePolicy, Command, RetryPolicy
 
 from canvasroute.engine import CanvasRouteError, DecisionError
-from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions, read_options
+from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions, Totals, read_options
 
 from ._context import (
     GraphCall,
@@ -64,7 +66,16 @@ from ._context import (
     warn_dropped,
 )
 from ._records import DECISION_EVENT, REVIEW_EVENT, aemit, emit, entries, event, is_record, trace_route
-from ._review import ReviewPolicy, adurable, check_parents_unreviewed, durable, pending_review, review, review_for
+from ._review import (
+    Checkpointed,
+    ReviewPolicy,
+    adurable,
+    check_parents_unreviewed,
+    durable,
+    pending_review,
+    review,
+    review_for,
+)
 from ._shadow import ExistingRouter, Shadow, ShadowOutcome
 
 Questions = Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]
@@ -156,8 +167,18 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         `builder.compile(cache=NodeCache(InMemoryCache()))`: an identical decision about an
         identical decision state is not read again. `NodeCache` (`canvasroute.harness`) keeps
         LangGraph from storing a decision that an engine fault or a budget refusal touched,
-        which a plain LangGraph cache would replay for its TTL.
+        which a plain LangGraph cache would replay for its TTL. A hit's records are replays
+        (`timing.replayed == "node_cache"`): they spent nothing in the run that replayed them.
+
+        Raises:
+            DecisionError: the node keeps `history=`: a hit would replay the records the node
+                wrote then, their history included, in place of this run's.
         """
+        if self.history:
+            raise DecisionError(f"decision node {self.name!r} keeps history= and a node cache would replay the "
+                                "records it wrote when it was cached, their history included",
+                                hint="cache the model's decisions instead, CanvasDecisionModel(cache=DecisionCache()): "
+                                     "the node still runs, keeps its history and records each hit as a replay")
         self._node_cache = True
         return CachePolicy(key_func=self.cache_key, ttl=ttl)
 
@@ -195,10 +216,13 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         elif job.review is None:
             command, payload = self._finish(job, input, self._read(job, config, job.request))
         else:
-            response, fresh = durable(lambda: self._read(job, config, job.request))
-            if (waiting := self._review_event(job, response, fresh)) is not None:
-                emit(waiting, config, job.observed)
-            command, payload = self._finish(job, input, response, self._human(job, response))
+            done = durable(lambda: self._read(job, config, job.request))
+            try:
+                human = self._human(job, done.response)
+            except GraphInterrupt:  # the run pauses for a human: its review event, then the interrupt
+                emit(self._review_event(job, done), config, job.observed)
+                raise
+            command, payload = self._finish(job, input, done.response, human, done)
         emit(payload, config, job.observed)
         return command
 
@@ -214,10 +238,13 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         elif job.review is None:
             command, payload = self._finish(job, input, await self._aread(job, config, job.request))
         else:
-            response, fresh = await adurable(lambda: self._aread(job, config, job.request))
-            if (waiting := self._review_event(job, response, fresh)) is not None:
-                await aemit(waiting, config, job.observed)
-            command, payload = self._finish(job, input, response, self._human(job, response))
+            done = await adurable(lambda: self._aread(job, config, job.request))
+            try:
+                human = self._human(job, done.response)
+            except GraphInterrupt:
+                await aemit(self._review_event(job, done), config, job.observed)
+                raise
+            command, payload = self._finish(job, input, done.response, human, done)
         await aemit(payload, config, job.observed)
         return command
 
@@ -262,27 +289,35 @@ class DecisionNode(Runnable[Any, Command[Any]]):
             return await model.arun(request)
         return await model.ainvoke(_invoke_input(request), child_config(config))  # type: ignore[arg-type]
 
-    def _review_event(self, job: _Job, response: CanvasResponse, fresh: bool) -> dict[str, Any] | None:
-        """The event a decision waiting for a human sends before its interrupt (once: not on a resume)."""
+    def _review_event(self, job: _Job, done: Checkpointed) -> dict[str, Any]:
+        """The event of a decision set that pauses for a human: what it proposes, and what the
+        run that decided it spent (under the id its records will keep)."""
         assert job.review is not None
-        pending = pending_review(job.review, response)
-        if not (pending and fresh):
-            return None
-        return event(REVIEW_EVENT, job.call.node, None, entries(response, {}), job.request, review=pending)
+        decided = entries(done.response, {}, done.decision, spent=done.spent)
+        return event(REVIEW_EVENT, job.call.node, None, decided, job.request,
+                     review=pending_review(job.review, done.response))
 
     def _human(self, job: _Job, response: CanvasResponse) -> dict[str, str]:
         """The human's options (interrupts the first time; a resume returns them)."""
         assert job.review is not None
         return review(job.review, job.call.node, response, job.request)
 
-    def _finish(self, job: _Job, state: Any, response: CanvasResponse,
-                human: Mapping[str, str] | None = None) -> tuple[Command[Any], dict[str, Any]]:
-        decided = entries(response, human or {}, job.call.task_id)
+    def _finish(self, job: _Job, state: Any, response: CanvasResponse, human: Mapping[str, str] | None = None,
+                done: Checkpointed | None = None) -> tuple[Command[Any], dict[str, Any]]:
+        """The `Command` and the decision event. A reviewed decision's records carry its own id and
+        what the run that decided it spent (`done`); a resume's event says what the resume spent."""
+        spent = None
+        if done is None:
+            decided = entries(response, human or {}, job.call.task_id)
+        else:
+            decided = entries(response, human or {}, done.decision, spent=done.spent)
+            if not done.fresh:
+                spent = (job.call.task_id or uuid.uuid4().hex, Totals.of(response))
         goto = self._goto(decided, state)
         trace_route(job.call.attributes, goto)
         update = {self.output_key: self._written(decided, job.earlier, job.request.identity.branch)}
         command = Command(update=update) if goto is None else Command(goto=goto, update=update)
-        return command, event(DECISION_EVENT, job.call.node, goto, decided, job.request)
+        return command, event(DECISION_EVENT, job.call.node, goto, decided, job.request, spent=spent)
 
     def _canvas_goto(self, state: Any) -> Callable[[CanvasResponse], str | None]:
         return lambda response: self._goto(entries(response, {}), state)
@@ -294,7 +329,8 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         for qid, record in decided.items():
             record["shadow"] = outcome.record(qid)
         trace_route(job.call.attributes, outcome.destination)
-        update = {self.output_key: grouped(decided, job.request.identity.branch)} if decided else None
+        update = {self.output_key: self._written(decided, job.earlier, job.request.identity.branch)} if decided \
+            else None
         return Command(goto=outcome.destination, update=update), event(
             DECISION_EVENT, job.call.node, outcome.destination, decided, job.request, shadow=outcome.record())
 

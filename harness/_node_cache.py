@@ -8,6 +8,11 @@ be replayed after the engine is back or the budget refills, for the whole TTL.
 and does not store the writes of such a decision, so the next run decides again: in this
 process and in every worker sharing the cache.
 
+A hit replays the records as they were written, but as a replay (`replayed_record`): the node
+did not run and sent no event, so what the records say was spent in this run is nothing
+(`timing.totals` all zero, `timing.replayed == "node_cache"`, a new decision id), and what the
+decision spent when it was read is their `timing.original`.
+
 ```python
 builder.add_node("triage", node, cache_policy=node.cache_policy(ttl=300))
 graph = builder.compile(cache=NodeCache(InMemoryCache()))
@@ -16,14 +21,15 @@ graph = builder.compile(cache=NodeCache(InMemoryCache()))
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langgraph.cache.base import BaseCache, FullKey, Namespace
 
-from ._records import is_record
+from ._records import is_record, replayed_record
 
-__all__ = ["NodeCache", "replayable_writes", "stable_json"]
+__all__ = ["NodeCache", "replayable_writes", "replayed_writes", "stable_json"]
 
 
 class NodeCache(BaseCache[Any]):
@@ -45,10 +51,10 @@ class NodeCache(BaseCache[Any]):
         return f"NodeCache({self.cache!r})"
 
     def get(self, keys: Sequence[FullKey]) -> dict[FullKey, Any]:
-        return self.cache.get(keys)
+        return {key: replayed_writes(writes) for key, writes in self.cache.get(keys).items()}
 
     async def aget(self, keys: Sequence[FullKey]) -> dict[FullKey, Any]:
-        return await self.cache.aget(keys)
+        return {key: replayed_writes(writes) for key, writes in (await self.cache.aget(keys)).items()}
 
     def set(self, pairs: Mapping[FullKey, tuple[Any, int | None]]) -> None:
         if kept := self._kept(pairs):
@@ -68,6 +74,23 @@ class NodeCache(BaseCache[Any]):
         kept = {key: entry for key, entry in pairs.items() if replayable_writes(entry[0])}
         self.refused += len(pairs) - len(kept)
         return kept
+
+
+def replayed_writes(writes: Any) -> Any:
+    """A node's cached writes `[(channel, value), ...]` as a hit replays them: every decision
+    record among the values (flat, or by fan-out branch) a node-cache replay that spent nothing,
+    each decision set under a new id; anything else as it was."""
+    ids: dict[Any, str] = {}
+
+    def replay(value: Any) -> Any:
+        if is_record(value):
+            old = (value.get("timing") or {}).get("decision")
+            return replayed_record(value, "node_cache", ids.setdefault(old, uuid.uuid4().hex))
+        if isinstance(value, Mapping) and value and all(isinstance(v, Mapping) for v in value.values()):
+            return {k: replay(v) for k, v in value.items()}
+        return value
+
+    return [(w[0], replay(w[1])) if isinstance(w, Sequence) and len(w) == 2 else w for w in writes or ()]
 
 
 def replayable_writes(writes: Any) -> bool:

@@ -1,7 +1,8 @@
 """What a decision leaves behind: plain-dict records in state, the reducer that merges them, and its events.
 
 A record is `{answer, path, result, read, timing}`. Everything but `timing` follows from
-the node's inputs and seed, so replays reproduce it; `timing` (wall clock) does not, and no
+the node's inputs and seed, so replays reproduce it; `timing` (wall clock, the decision set's
+id, what it spent and whether it was replayed: see `entries` and `run_totals`) does not, and no
 other decision ever reads it: `answers_only` turns records in a later decision's inputs
 into their answers. A fan-out branch groups its records by branch key
 (`{question_id: {branch: record}}`, see `decision_node`'s `branch=`).
@@ -10,10 +11,10 @@ Events: one payload per decision set reaches two places, LangGraph's custom stre
 (`stream_mode="custom"`, `get_stream_writer`) and the callback system as a custom event
 (`astream_events` shows it as `on_custom_event`, named by its `type`; LangSmith and other
 callback tracers record it). Types: `canvasroute.decision` (`DECISION_EVENT`: a decision set
-is final: answers, paths, entropies, where the graph goes, and its `tally`) and
-`canvasroute.review` (`REVIEW_EVENT`: a decision set waits for a human, sent just before the
-review `interrupt()`, once). The `messages` stream shows no decision: a decision is not a chat
-message, and the models a decision calls are tagged `nostream`.
+is final: answers, paths, entropies, where the graph goes, its `tally` and `totals`) and
+`canvasroute.review` (`REVIEW_EVENT`: a decision set waits for a human, sent as the review's
+`interrupt()` pauses the run, with what the paused run spent). The `messages` stream shows no
+decision: a decision is not a chat message, and the models a decision calls are tagged `nostream`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_stream_writer
 
 from canvasroute.engine import GraphSetupError
-from canvasroute.router import CanvasResponse, DecisionRequest, Tally, Totals
+from canvasroute.router import CanvasResponse, DecisionRequest, Replay, Tally, Totals
 from canvasroute.router import telemetry as tm
 
 DECISION_EVENT = "canvasroute.decision"
@@ -41,17 +42,21 @@ _UNSTABLE = {"latency_s"}
 """The report field a replay does not reproduce (kept under `timing`)."""
 
 
-def entries(response: CanvasResponse, human: Mapping[str, str],
-            decision: str | None = None) -> dict[str, dict[str, Any]]:
+def entries(response: CanvasResponse, human: Mapping[str, str], decision: str | None = None, *,
+            spent: Totals | None = None) -> dict[str, dict[str, Any]]:
     """One JSON-able entry per question, for graph state and checkpoints.
 
     `answer` and `path` are what the graph acted on (`path` is `human` when a reviewer
     chose); `result` (the langchain-core answer) and `read` (the `ReadReport` without its
     latency) describe the model's own answer; `timing` holds what a replay does not reproduce:
-    the wall-clock `latency_s`, and the decision set's `totals` (`Totals.as_dict()`) under its
-    `decision` id (one per node run), so `run_totals` counts each set once.
+    the wall-clock `latency_s`; the decision set's id (`decision`, one per node run, so
+    `run_totals` counts each set once) and what it spent (`totals`, `Totals.as_dict()`: `spent`,
+    by default what `response` spent); how it came back when it was not decided now
+    (`replayed`: None or a `Replay`) and what it spent when it was decided (`original`: None
+    unless replayed).
     """
-    totals = Totals.of(response).as_dict()
+    totals = (spent if spent is not None else Totals.of(response)).as_dict()
+    original = response.original.as_dict() if response.original is not None else None
     decision = decision or uuid.uuid4().hex
     out = {}
     for qid, report in response.reads.items():
@@ -61,19 +66,52 @@ def entries(response: CanvasResponse, human: Mapping[str, str],
             "path": "human" if qid in human else report.path,
             "result": None if answer is None else answer.__pydantic_serializer__.to_python(answer, mode="json"),
             "read": report.__pydantic_serializer__.to_python(report, mode="json", exclude=_UNSTABLE),
-            "timing": {"latency_s": report.latency_s, "decision": decision, "totals": totals},
+            "timing": {"latency_s": report.latency_s, "decision": decision, "totals": totals,
+                       "replayed": response.replayed, "original": original},
         }
     return out
 
 
+def replayed_record(record: Mapping[str, Any], how: Replay, decision: str) -> dict[str, Any]:
+    """`record` as replayed now (`how`) under the decision id `decision`: it spent nothing
+    (`totals` all zero), and what it spent when it was decided is its `original`."""
+    timing = dict(record.get("timing") or {})
+    original = timing.get("original") or timing.get("totals")
+    timing.update(decision=decision, totals=Totals().as_dict(), replayed=how, original=original)
+    return {**record, "timing": timing}
+
+
 def run_totals(source: Any) -> Totals:
-    """What a graph run's decisions cost, summed without any SDK: reads, canvases, escalations,
-    tokens and seconds (`Totals`).
+    """What a graph run's decisions spent, summed without any SDK: decision sets, reads,
+    canvases, escalations, tokens and seconds (`Totals`: a replay spends nothing).
 
     `source` is the run's decision records (`state["decisions"]`, flat, by fan-out branch, or
-    with `history=`: every iteration the records kept counts), or its decision events (the
-    custom stream's `canvasroute.decision` chunks, or `astream_events`' data). Each decision set
-    counts once, however many questions or places carry it.
+    with `history=`: every iteration the records kept counts), or its events (the custom
+    stream's `canvasroute.decision` and `canvasroute.review` chunks, or `astream_events`' data).
+    Each decision set counts once, under its decision id, however many questions or places
+    carry it: an id always carries the same totals.
+
+    The two agree on every path: over the runs of a thread, the events and the records that
+    keep every decision set (one node run per question, or `history=`) total the same.
+
+    - A plain run, a `Send` fan-out (a record per branch, each branch its own set), a loop with
+      `history=`: each node run's set, as read.
+    - A `RetryPolicy` retry: a failed attempt finished no set; only the attempt that returned counts.
+    - A review: the paused run read, and its `canvasroute.review` event counts that read; the
+      resume reads nothing (its decision event says `replayed: "checkpoint"`, totals zero) and
+      the records it writes keep the paused run's read under the review event's id.
+    - A `DecisionCache` hit inside a node: its event and records spent nothing (`replayed:
+      "decision_cache"`).
+    - A `NodeCache` hit: the node did not run and sent no event; its records are replayed
+      (`replayed: "node_cache"`, totals zero, a new id).
+    - A replay from a checkpoint (time travel): the nodes after it run again and really read.
+    - A `route_on` edge writes no record: its decision sets count in the events only.
+
+    As invariants: a response or a decision event with `replayed` set totals `Totals()`, and so
+    does a record a cache replayed (`decision_cache`, `node_cache`; a review's record, `checkpoint`,
+    keeps its paused run's read); over a thread's runs, `run_totals(events) == run_totals(records)`
+    for records that keep every decision set, and their `reads` and `escalations` are the canvas
+    reads and escalated questions of the attempts that returned or paused.
 
     Example:
         ```python
@@ -90,7 +128,7 @@ def run_totals(source: Any) -> Totals:
 def _sets(value: Any) -> Iterator[tuple[str, Totals]]:
     """(decision id, totals) of every decision set in `value`."""
     if isinstance(value, Mapping):
-        if value.get("type") == DECISION_EVENT and isinstance(value.get("totals"), Mapping):
+        if value.get("type") in (DECISION_EVENT, REVIEW_EVENT) and isinstance(value.get("totals"), Mapping):
             yield str(value.get("decision") or id(value)), Totals.from_dict(value["totals"])
             return
         if is_record(value):
@@ -179,11 +217,15 @@ def trace_route(attributes: Mapping[str, Any], goto: str | None) -> None:
 
 
 def event(kind: str, node: str, goto: str | None, decided: Mapping[str, Mapping[str, Any]],
-          request: DecisionRequest, **more: Any) -> dict[str, Any]:
+          request: DecisionRequest, *, spent: tuple[str, Totals] | None = None, **more: Any) -> dict[str, Any]:
     """The payload of one decision event (plain JSON values): answers, paths, entropies, its
-    `tally` and its `totals` (reads, canvases, escalations, tokens, seconds: the records')."""
+    `tally`, its decision id and `totals` (reads, canvases, escalations, tokens, seconds: the
+    records', or `spent`, the run's own id and totals where they differ: a review's resume),
+    how it was replayed (`replayed`) and what it spent when decided (`original`)."""
     branch = request.identity.branch
     timing = next(iter(decided.values()))["timing"] if decided else {}
+    if spent is not None:
+        timing = {**timing, "decision": spent[0], "totals": spent[1].as_dict()}
     return {
         "type": kind,
         "node": node,
@@ -197,6 +239,7 @@ def event(kind: str, node: str, goto: str | None, decided: Mapping[str, Mapping[
         "normalized_entropies": {qid: d["read"]["normalized_entropy"] for qid, d in decided.items()},
         "tally": Tally.of([d["read"] for d in decided.values()]).as_dict(),
         **({"totals": timing["totals"]} if "totals" in timing else {}),
+        **({"replayed": timing.get("replayed"), "original": timing.get("original")} if timing else {}),
         **more,
     }
 

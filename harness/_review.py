@@ -17,7 +17,11 @@ resumes, in whatever process resumes it. Its decision (canvas read, re-reads, es
 therefore runs inside a LangGraph `task` (`durable`): the task's result is checkpointed before
 the `interrupt()`, and a resume, here or in another process, gets that result back instead of
 reading and escalating again. The task's input is a key into this process's table of pending
-calls, and its output the response as JSON. One case still pays twice: LangGraph numbers the
+calls, and its output the response as JSON with the decision set's id. What each run spent:
+the paused run read (its `canvasroute.review` event says so, under that id); the resume spent
+nothing (its response is a replay, `replayed == "checkpoint"`, whose `original` is the read), and
+the records it writes keep the paused run's read under the same id, so a thread's records and
+its events total the read once. One case still pays twice: LangGraph numbers the
 tasks a node calls without resetting the count when its `RetryPolicy` re-runs the node, so a
 decision that failed, was retried by the node and then paused for review is read once more on
 resume (with the engine owning retries, `retry_on`, a node re-runs only for a fault no engine
@@ -35,6 +39,7 @@ question under review), or `ignore` (the model's answers stand with their own pa
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +49,7 @@ from langgraph.func import task
 from langgraph.types import interrupt
 
 from canvasroute.engine import DecisionError
-from canvasroute.router import CanvasResponse, DecisionRequest, ReadReport
+from canvasroute.router import CanvasResponse, DecisionRequest, ReadReport, Totals
 
 from ._records import REVIEW_EVENT
 
@@ -266,13 +271,11 @@ def _take(key: str) -> Callable[[], Any]:
 
 
 def _decide(key: str) -> dict[str, Any]:
-    data: dict[str, Any] = _take(key)().model_dump(mode="json")
-    return data
+    return {"decision": uuid.uuid4().hex, "response": _take(key)().model_dump(mode="json")}
 
 
 async def _adecide(key: str) -> dict[str, Any]:
-    data: dict[str, Any] = (await _take(key)()).model_dump(mode="json")
-    return data
+    return {"decision": uuid.uuid4().hex, "response": (await _take(key)()).model_dump(mode="json")}
 
 
 # langgraph's `task` overloads take no function mypy can match (ParamSpec over `Never`): one ignore each
@@ -280,25 +283,50 @@ _decision: Any = task(name=TASK_NAME)(_decide)  # type: ignore[arg-type]
 _adecision: Any = task(name=TASK_NAME)(_adecide)  # type: ignore[arg-type]
 
 
-def durable(decide: Callable[[], CanvasResponse]) -> tuple[CanvasResponse, bool]:
-    """Run `decide` as a checkpointed task; returns its response and whether it ran now
-    (False: replayed from the checkpoint on a resume)."""
+@dataclass(frozen=True, slots=True)
+class Checkpointed:
+    """A review node's decision as this run has it (what `durable` returns)."""
+
+    response: CanvasResponse
+    """The decision: a replay (`replayed == "checkpoint"`, nothing spent) when a resume got it back."""
+    decision: str
+    """The decision set's id, given when it was decided: its records and its review event carry it."""
+    spent: Totals
+    """What the run that decided it spent (the records keep it: the paused run's read, on a resume)."""
+    fresh: bool
+    """Whether it was decided in this run (False: a resume got it back from the checkpoint)."""
+
+
+def durable(decide: Callable[[], CanvasResponse]) -> Checkpointed:
+    """Run `decide` as a checkpointed task: its decision, decided now or (a resume) replayed."""
+    start = time.perf_counter()
     key = _register(decide)
     try:
         data = _decision(key).result()
     finally:
         ran = _unregister(key)
-    return CanvasResponse.model_validate(data), ran
+    return _checkpointed(data, ran, time.perf_counter() - start)
 
 
-async def adurable(decide: Callable[[], Awaitable[CanvasResponse]]) -> tuple[CanvasResponse, bool]:
+async def adurable(decide: Callable[[], Awaitable[CanvasResponse]]) -> Checkpointed:
     """`durable` for async code."""
+    start = time.perf_counter()
     key = _register(decide)
     try:
         data = await _adecision(key)
     finally:
         ran = _unregister(key)
-    return CanvasResponse.model_validate(data), ran
+    return _checkpointed(data, ran, time.perf_counter() - start)
+
+
+def _checkpointed(data: Mapping[str, Any], fresh: bool, latency_s: float) -> Checkpointed:
+    if "response" not in data:  # a task checkpointed before decision sets had ids: the response alone
+        data = {"decision": uuid.uuid4().hex, "response": data}
+    response = CanvasResponse.model_validate(data["response"])
+    spent = Totals.of(response)
+    if not fresh:
+        response = response.replay("checkpoint", latency_s)
+    return Checkpointed(response, str(data["decision"]), spent, fresh)
 
 
 def _register(decide: Callable[[], Any]) -> str:

@@ -15,7 +15,7 @@ _read        samples, per-chunk re-reads, in-group reads, thoughts -> per-questi
 _decision    one run: stages, escalation under the budget (_budget), the outcome rules, reports
 _hedge       hedged escalation: a borderline question's target call raced against its re-reads
 _escalation  the target call: prompt, structured output, reading the reply
-_types       ReadReport, CanvasResponse, Diagnostics, Tally: the outcome vocabulary (path, cause)
+_types       ReadReport, CanvasResponse, Diagnostics, Tally, Totals: the outcome vocabulary (path, cause, replay)
 _schema      questions from a pydantic model or TypedDict, answers back into it (with_structured_output)
 systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
 ```
@@ -58,7 +58,18 @@ from ._request import (
 )
 from ._schema import StructuredDecision, answers_to_schema, questions_from_schema
 from ._state import image_digests, read_state, render_state, state_images
-from ._types import CAUSES, PATHS, CanvasResponse, Diagnostics, ReadReport, Tally, ThoughtReport, Totals
+from ._types import (
+    CAUSES,
+    PATHS,
+    REPLAYS,
+    CanvasResponse,
+    Diagnostics,
+    ReadReport,
+    Replay,
+    Tally,
+    ThoughtReport,
+    Totals,
+)
 from .calibration import (
     Calibration,
     Labelled,
@@ -80,6 +91,7 @@ __all__ = [
     "MAX_STEPS",
     "MAX_THINK",
     "PATHS",
+    "REPLAYS",
     "Asked",
     "BudgetMeter",
     "Calibration",
@@ -104,6 +116,7 @@ __all__ = [
     "QuestionSpec",
     "ReadOptions",
     "ReadReport",
+    "Replay",
     "SlotStats",
     "StateView",
     "StructuredDecision",

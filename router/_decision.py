@@ -52,12 +52,9 @@ from ._request import DecisionRequest
 from ._state import check_images
 from ._types import CanvasResponse, Cause, Diagnostics, ReadReport, ThoughtReport
 
-__all__ = ["NO_USAGE", "Decision"]
+__all__ = ["Decision"]
 
 logger = logging.getLogger("canvasroute.router")
-
-NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-"""What a cache hit spends (langchain-core records a response's usage on its run)."""
 
 
 @dataclass(slots=True)
@@ -469,13 +466,12 @@ def replayable(response: CanvasResponse) -> bool:
 
 
 def _replay(response: CanvasResponse, span_name: str, attrs: dict[str, Any], latency_s: float) -> CanvasResponse:
-    """A cached response as this call's answer: a decide span marked as a hit, no reads, no
-    target calls, no token usage, and a copy of its own (the stored one is never handed out)."""
+    """A cached response as this call's answer (`CanvasResponse.replay`): a decide span marked
+    as a hit, no reads, no escalation, no token usage, and a copy of its own (the stored one is
+    never handed out)."""
     with tm.span(span_name, {**attrs, tm.CACHE_HIT: True}) as span:
         span.set_attribute(tm.CANVAS_READS, 0)
-    diagnostics = response.diagnostics and response.diagnostics.model_copy(update={"target_calls": 0, "hedges": []})
-    return response.model_copy(update={"canvas_reads": 0, "latency_s": latency_s, "usage": dict(NO_USAGE),
-                                       "diagnostics": diagnostics}, deep=True)
+    return response.replay("decision_cache", latency_s)
 
 
 def _note_faults(span: Any, reports: Sequence[ReadReport], request: DecisionRequest) -> None:

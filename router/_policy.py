@@ -135,6 +135,20 @@ class Certificate:
         if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 0:
             raise ValueError(f"Certificate.rows must be an integer >= 0, got {self.rows!r}")
 
+    @property
+    def text(self) -> str:
+        """What it proved, in words: `certified: error <= 5% at 90%, 400 rows, 22% escalated`, or
+        `uncertified: 40 rows cannot certify error <= 5% at 90%`."""
+        bound = f"error <= {_percent(self.max_error)} at {_percent(self.confidence)}"
+        if not self.certified:
+            return f"uncertified: {self.rows} rows cannot certify {bound}"
+        return f"certified: {bound}, {self.rows} rows, {_percent(self.escalation_rate, 3)} escalated"
+
+
+def _percent(x: float, digits: int = 4) -> str:
+    """`0.05` as `5%`, `0.025` as `2.5%`."""
+    return f"{x * 100:.{digits}g}%"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GatePolicy:
@@ -241,11 +255,16 @@ class GatePolicy:
 
     @property
     def gate_text(self) -> str:
-        """What this gate passes, in words: `H/lnK <= 0.5` (thresholds joined by `, `; `none`)."""
+        """What this gate passes, in words: `H/lnK <= 0.5` (thresholds joined by `, `; `none`),
+        with what its certificate proved: `H/lnK <= 0.31 (certified: error <= 5% at 90%, 400
+        rows, 22% escalated)`, or `nothing (uncertified: 40 rows cannot certify ...)`."""
         tests = (("H/lnK", "<=", self.max_normalized_entropy), ("H", "<=", self.max_entropy),
                  ("confidence", ">=", self.min_confidence), ("margin", ">=", self.min_margin),
                  ("label mass", ">=", self.min_label_mass))
-        return ", ".join(f"{name} {op} {value:g}" for name, op, value in tests if value is not None) or "none"
+        text = ", ".join(f"{name} {op} {value:g}" for name, op, value in tests if value is not None) or "none"
+        if self.certificate is None:
+            return text
+        return f"{text if self.certificate.certified else 'nothing'} ({self.certificate.text})"
 
     @property
     def uses_label_mass(self) -> bool:
@@ -259,17 +278,22 @@ class GatePolicy:
 
         `per_question=` among the changes replaces the overrides instead (a mapping of
         policies, or of field dicts applied over this policy's own per-question entry).
+
+        A certificate speaks for the gate it was proved on: a change to any field of a gate
+        whose certificate certified a bound drops the certificate (the gate no longer claims
+        it), unless `certificate=` is among the changes; an uncertified certificate stays
+        (no override makes a gate pass answers its rows could not certify).
         """
         if unknown := sorted(set(changes) - _GATE_FIELDS):
             raise ValueError(f"unknown GatePolicy fields {unknown}; fields are {sorted(_GATE_FIELDS)}")
         per_question: Mapping[str, Any] | None = changes.pop("per_question", None)
         if per_question is not None:
             base = {qid: self.for_question(qid) for qid in per_question}
-            overrides = {qid: p if isinstance(p, GatePolicy) else replace(base[qid], per_question={}, **dict(p))
+            overrides = {qid: p if isinstance(p, GatePolicy) else _changed(base[qid], {"per_question": {}, **dict(p)})
                          for qid, p in per_question.items()}
         else:
-            overrides = {qid: replace(p, **changes) for qid, p in self.per_question.items()}
-        return replace(self, **changes, per_question=overrides)
+            overrides = {qid: _changed(p, changes) for qid, p in self.per_question.items()}
+        return _changed(self, {**changes, "per_question": overrides})
 
     def crossed(self, stats: Figures) -> list[str]:
         """Names of the thresholds a distribution crosses (empty: it passes); `uncertified` when
@@ -291,6 +315,16 @@ class GatePolicy:
 
 
 _GATE_FIELDS = frozenset(f.name for f in fields(GatePolicy))
+
+
+def _changed(gate: GatePolicy, changes: Mapping[str, Any]) -> GatePolicy:
+    """`replace(gate, **changes)`, dropping a certified certificate when a field it rests on moves."""
+    out = replace(gate, **changes)
+    cert = gate.certificate
+    if cert is not None and cert.certified and "certificate" not in changes and any(
+            getattr(out, f) != getattr(gate, f) for f in _GATE_FIELDS - {"per_question", "certificate"}):
+        out = replace(out, certificate=None)
+    return out
 
 
 def resolve_gates(policy: GatePolicy, layer: GatePolicy | Mapping[str, Any] | None,

@@ -1,18 +1,29 @@
 """The state as the model sees it: prompt text and its images.
 
-How a state is rendered (`render_state`): a string as it is, a message or a list of
-messages as a transcript (`role: text`; an AI message's tool calls one line each,
-`ai: [call NAME id=ID] ARGS`, and a tool message's call named, `tool: [NAME id=ID] text`,
-as the OpenAI Decisions wire writes them), anything else as JSON, where the values JSON
-lacks are written as text:
+How a state is rendered (`render_state`): a string as it is; a message or a list of
+messages (langchain-core messages, or OpenAI-style message dicts) as a transcript, the text
+the OpenAI Decisions wire (`canvasroute serve`, `/v1/decisions`) writes for the same
+conversation; anything else as JSON, where the values JSON lacks are written as text.
+
+The transcript: `speaker: text` per message, the speaker `human`, `ai`, `system`, `tool` or
+`developer` (OpenAI's developer role: a `SystemMessage` marked `__openai_role__`, as
+langchain-openai and `convert_to_messages` read it, a `ChatMessage(role="developer")`, a
+`{"role": "developer"}` dict); a message's parts one line each (an image `[image N]`, N
+counting the state's images, a refusal `[refusal] text`); an AI message's tool calls one line
+each, `ai: [call NAME id=ID] ARGS` (a custom tool call `ai: [custom call NAME id=ID] INPUT`),
+in the order its content holds them, the arguments exactly as sent where the message keeps
+them (a Responses API `function_call` block, OpenAI chat `additional_kwargs["tool_calls"]`, a
+streamed chunk's `tool_call_chunks`; else their JSON, as langchain-openai sends them back);
+calls whose arguments did not parse as sent; a tool message names its call,
+`tool: [NAME id=ID] text`. JSON's rules:
 
 - `datetime`, `date`, `time` as ISO 8601; `timedelta`, `UUID`, `Decimal`, paths as `str()`;
 - `bytes` as their UTF-8 text; an `Enum` as its value;
 - `set` and `frozenset` as lists, sorted by their JSON (the same order in every process);
 - dataclasses and pydantic models as their fields (`model_dump()`, then these rules);
-  a message inside a state as `{"role", "content"}` (its text), with an AI message's
-  `tool_calls` (`name`, `id`, `args`; unparsed arguments as sent, after the others) and a
-  tool message's `name` and `tool_call_id`;
+  a message inside a state as `{"role", "content"}` (its speaker, as in a transcript, and
+  its text), with an AI message's `tool_calls` (`name`, `id`, `args`; unparsed arguments as
+  sent, after the others) and a tool message's `name` and `tool_call_id`;
 - tuples as lists; a mapping key that is not a string, number, bool or None as text
   (a tuple key as its JSON);
 - an image content block, anywhere, as `{"type": "image"}`: the image itself travels
@@ -48,7 +59,7 @@ from enum import Enum
 from pathlib import PurePath
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, SystemMessage, ToolMessage, convert_to_messages
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, ImagesUnsupported, defuse
 
@@ -87,8 +98,9 @@ def read_state(state: Any) -> tuple[str, tuple[str, ...]]:
     if isinstance(state, str):
         text = state
     elif (messages := _messages(state)) is not None:
-        _Walk(images).plain(state, (), 0)
-        text = "\n".join(line for m in messages for line in _lines(m))
+        _Walk(images).plain(list(messages), (), 0)
+        count = [0]
+        text = "\n".join(line for m in messages for line in _lines(m, count))
     else:
         text = json.dumps(_Walk(images).plain(state, (), 0), ensure_ascii=False)
     if not text.isascii():
@@ -97,30 +109,132 @@ def read_state(state: Any) -> tuple[str, tuple[str, ...]]:
 
 
 def _messages(state: Any) -> Sequence[BaseMessage] | None:
-    """The messages a state is (a message, or a non-empty sequence of them), or None."""
+    """The messages a state is (a message, or a non-empty sequence of messages and OpenAI-style
+    message dicts, `{"role": "developer", "content": ...}`), or None."""
     if isinstance(state, BaseMessage):
         return (state,)
-    if isinstance(state, Sequence) and not isinstance(state, str) and state and all(
-            isinstance(m, BaseMessage) for m in state):
+    if not (isinstance(state, Sequence) and not isinstance(state, str) and state):
+        return None
+    if all(isinstance(m, BaseMessage) for m in state):
         return state
+    if all(isinstance(m, BaseMessage) or _message_dict(m) for m in state):
+        try:
+            return [m if isinstance(m, BaseMessage) else _from_dict(m) for m in state]
+        except (ValueError, TypeError, KeyError, NotImplementedError):  # not messages after all: JSON
+            return None
     return None
 
 
-def _lines(message: BaseMessage) -> list[str]:
-    """A message's transcript lines, as the OpenAI Decisions wire writes the same turn: `type: text`;
-    an AI message's tool calls one line each (`ai: [call NAME id=ID] ARGS`, after its text, if any;
-    the calls whose arguments did not parse after the others, their arguments as sent);
-    a tool message names its call (`tool: [NAME id=ID] text`)."""
+_ROLES = frozenset({"user", "human", "assistant", "ai", "system", "developer", "tool"})
+_SPEAKERS = {"user": "human", "assistant": "ai", "developer": "developer"}
+"""Who speaks a `ChatMessage` of a role (OpenAI's names to LangChain's; developer as itself)."""
+
+
+def _message_dict(value: Any) -> bool:
+    """Whether `value` is an OpenAI-style message dict (a known role, and content or tool calls)."""
+    return (isinstance(value, Mapping) and value.get("role") in _ROLES
+            and ("content" in value or "tool_calls" in value))
+
+
+def _from_dict(value: Mapping[str, Any]) -> BaseMessage:
+    """A message dict as langchain-core reads it (`developer` a `SystemMessage` marked as such); an
+    assistant's tool calls as langchain-openai reads them (arguments that do not parse an invalid
+    call), kept as sent in `additional_kwargs`, where OpenAI's chat messages hold them."""
+    raw = value.get("tool_calls")
+    if value.get("role") not in ("assistant", "ai") or not isinstance(raw, list):
+        return convert_to_messages([{"content": "", **value}])[0]
+    from langchain_core.exceptions import OutputParserException
+    from langchain_core.output_parsers.openai_tools import make_invalid_tool_call, parse_tool_call
+
+    calls, invalid = [], []
+    for call in raw:
+        try:
+            calls.append(parse_tool_call(call, return_id=True))
+        except OutputParserException as exc:
+            invalid.append(make_invalid_tool_call(call, str(exc)))
+    return AIMessage(content=value.get("content") or "", tool_calls=[c for c in calls if c is not None],
+                     invalid_tool_calls=invalid, additional_kwargs={"tool_calls": raw})
+
+
+def _speaker(message: BaseMessage) -> str:
+    """Who speaks `message` in a transcript: its type (`human`, `ai`, `system`, `tool`), `developer`
+    for OpenAI's developer role (a `SystemMessage` marked `__openai_role__`, or a `ChatMessage`)."""
+    if isinstance(message, ChatMessage):
+        return _SPEAKERS.get(message.role, message.role)
+    if isinstance(message, SystemMessage) and message.additional_kwargs.get("__openai_role__") == "developer":
+        return "developer"
+    return message.type
+
+
+def _content_text(message: BaseMessage, images: list[int]) -> str:
+    """A message's text as the OpenAI Decisions wire writes its parts: one line each, text as it is,
+    a refusal as `[refusal] text`, an image as `[image N]` (`images[0]` counts the state's images so
+    far); other blocks (tool calls, reasoning) have no text."""
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for block in message.content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif not isinstance(block, Mapping):
+            continue
+        elif block.get("type") == "text" and isinstance(block.get("text"), str):
+            refusal = isinstance(block.get("extras"), Mapping) and block["extras"].get("refusal")
+            parts.append(f"[refusal] {block['text']}" if refusal else block["text"])
+        elif block.get("type") == "refusal" and isinstance(block.get("refusal"), str):
+            parts.append(f"[refusal] {block['refusal']}")
+        elif image_url(block) is not None:
+            images[0] += 1
+            parts.append(f"[image {images[0]}]")
+    return "\n".join(parts)
+
+
+def _lines(message: BaseMessage, images: list[int]) -> list[str]:
+    """A message's transcript lines, as the OpenAI Decisions wire writes the same turn: `speaker:
+    text` (`_speaker`, `_content_text`); an AI message's tool calls one line each after its text,
+    if any (`ai: [call NAME id=ID] ARGS`, the arguments as sent: `_sent_arguments`; a custom tool
+    call `ai: [custom call NAME id=ID] INPUT`), in the order its content holds them; a tool
+    message names its call (`tool: [NAME id=ID] text`)."""
+    text = _content_text(message, images)
     if isinstance(message, ToolMessage):
-        return [f"tool: [{message.name or 'tool'} id={message.tool_call_id}] {message.text}"]
+        return [f"tool: [{message.name or 'tool'} id={message.tool_call_id}] {text}"]
     if not isinstance(message, AIMessage) or not (message.tool_calls or message.invalid_tool_calls):
-        return [f"{message.type}: {message.text}"]
-    lines = [f"ai: {message.text}"] if message.text else []
+        return [f"{_speaker(message)}: {text}"]
+    sent = _sent_arguments(message)
+    calls: dict[Any, str] = {}
     for call in message.tool_calls:
-        args = json.dumps(_Walk(None).plain(call["args"], (), 0), ensure_ascii=False)
-        lines.append(f"ai: [call {call['name']} id={call['id']}] {args}")
-    lines += [f"ai: [call {bad['name']} id={bad['id']}] {bad['args']}" for bad in message.invalid_tool_calls]
-    return lines
+        if (given := sent.get(call["id"])) is not None and given[0] == "custom_tool_call":
+            calls[call["id"]] = f"ai: [custom call {call['name']} id={call['id']}] {given[1]}"
+            continue
+        args = given[1] if given is not None else json.dumps(_Walk(None).plain(call["args"], (), 0),
+                                                             ensure_ascii=False)
+        calls[call["id"]] = f"ai: [call {call['name']} id={call['id']}] {args}"
+    invalid = [f"ai: [call {bad['name']} id={bad['id']}] {bad['args']}" for bad in message.invalid_tool_calls]
+    ordered = [calls.pop(i) for i in sent if i in calls]  # as the content orders them (the wire's order)
+    return [*([f"ai: {text}"] if text else []), *ordered, *calls.values(), *invalid]
+
+
+def _sent_arguments(message: AIMessage) -> dict[Any, tuple[str, str]]:
+    """Per tool call id, its kind and its arguments as sent, where the message keeps them: a
+    Responses API `function_call` / `custom_tool_call` block in its content (in content order),
+    OpenAI's chat `additional_kwargs["tool_calls"]`, or a streamed chunk's `tool_call_chunks`."""
+    sent: dict[Any, tuple[str, str]] = {}
+    for block in message.content if isinstance(message.content, list) else ():
+        if isinstance(block, Mapping) and block.get("type") == "function_call" and isinstance(
+                block.get("arguments"), str):
+            sent.setdefault(block.get("call_id"), ("function_call", block["arguments"]))
+        elif isinstance(block, Mapping) and block.get("type") == "custom_tool_call" and isinstance(
+                block.get("input"), str):
+            sent.setdefault(block.get("call_id"), ("custom_tool_call", block["input"]))
+    raw = message.additional_kwargs.get("tool_calls")
+    for call in raw if isinstance(raw, list) else ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
+            sent.setdefault(call.get("id"), ("function_call", function["arguments"]))
+    for chunk in getattr(message, "tool_call_chunks", None) or ():
+        if isinstance(chunk.get("args"), str):
+            sent.setdefault(chunk.get("id"), ("function_call", chunk["args"]))
+    return sent
 
 
 def wire_state(state: Any) -> tuple[Any, tuple[str, ...]]:
@@ -215,7 +329,7 @@ class _Walk:
 
     def _message(self, message: BaseMessage, where: Where, depth: int) -> dict[str, Any]:
         """`{"role", "content"}` (its text), an AI message's tool calls and a tool message's call beside."""
-        out: dict[str, Any] = {"role": message.type, "content": message.text}
+        out: dict[str, Any] = {"role": _speaker(message), "content": message.text}
         if isinstance(message, AIMessage) and (message.tool_calls or message.invalid_tool_calls):
             out["tool_calls"] = [*({"name": c["name"], "id": c["id"],
                                     "args": self.plain(c["args"], (where, ".tool_calls"), depth)}

@@ -152,6 +152,100 @@ class ReadReport(BaseModel):
     latency_s: float = 0.0
 
 
+# -- what a decision spent ----------------------------------------------------------------
+
+Replay = Literal["decision_cache", "node_cache", "checkpoint"]
+"""How a decision came back without being decided again: `decision_cache` (a `DecisionCache`
+hit), `node_cache` (LangGraph's node cache replayed the node's records; graph records only) or
+`checkpoint` (a review's resume got the decision its paused run checkpointed)."""
+
+REPLAYS: tuple[str, ...] = get_args(Replay)
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """What decisions spent, summed without any SDK: decision sets decided, their questions,
+    canvas reads, distinct canvases (prompts), escalated questions, target calls (hedges among
+    them), tokens and seconds.
+
+    One rule for every path: totals count what was spent where they are reported. A decision
+    set decided now counts 1 decision, its questions, the reads and escalations it made, their
+    tokens and its seconds. A replayed one (`CanvasResponse.replayed`: a `DecisionCache` hit, a
+    review's resume, a `NodeCache` hit) decided nothing now and counts nothing: its totals are
+    `Totals()`, and what it spent when it was decided stays readable as
+    `CanvasResponse.original` (a record's `timing.original`). A failed attempt (an
+    error the node raised, retried by a `RetryPolicy` or not) finished no decision set and
+    counts nothing; its reads are on its `decide` span. Totals add up (`a + b`): a graph run's
+    are the sum of its decision sets' (`canvasroute.harness.run_totals`).
+
+    Example:
+        ```python
+        first = model.decide(ticket, questions)     # with CanvasDecisionModel(cache=DecisionCache())
+        again = model.decide(ticket, questions)     # a hit: again.replayed == "decision_cache"
+        again.totals.reads, again.original.reads    # 0, and what the first read cost
+        ```
+    """
+
+    decisions: int = 0
+    """Decision sets decided (a replay decided none)."""
+    questions: int = 0
+    """Their questions, skipped ones included."""
+    reads: int = 0
+    """Canvas reads sent to the engine (first reads, re-reads, in-group reads)."""
+    canvases: int = 0
+    """Distinct canvas prompts read (chunks over every stage)."""
+    escalations: int = 0
+    """Questions the escalation target answered."""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    target_calls: int = 0
+    """Calls to the escalation target, hedges included (`Diagnostics.target_calls`)."""
+    hedges: int = 0
+    """Hedge calls started beside re-reads (`Escalation.hedge`), and of them cancelled:"""
+    hedges_cancelled: int = 0
+    latency_s: float = 0.0
+    """Seconds the decision sets took to decide (a replay's lookup is no decision: its
+    response's own `latency_s` says how long it took)."""
+
+    @classmethod
+    def of(cls, response: CanvasResponse) -> Totals:
+        """What one response spent: a decision set decided now, or a replay (nothing: `Totals()`)."""
+        if response.replayed is not None:
+            return cls()
+        usage: Mapping[str, Any] = response.usage or {}
+        diagnostics = response.diagnostics
+        hedges = [h for h in diagnostics.hedges if h != "refused"] if diagnostics is not None else []
+        return cls(decisions=1, questions=len(response.reads), reads=response.canvas_reads,
+                   canvases=len(diagnostics.chunks) if diagnostics is not None and response.canvas_reads else 0,
+                   escalations=sum(r.path == "escalated" for r in response.reads.values()),
+                   input_tokens=int(usage.get("input_tokens", 0)), output_tokens=int(usage.get("output_tokens", 0)),
+                   latency_s=response.latency_s, target_calls=diagnostics.target_calls if diagnostics else 0,
+                   hedges=len(hedges), hedges_cancelled=hedges.count("cancelled"))
+
+    def __add__(self, other: Totals) -> Totals:
+        return Totals(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
+
+    def as_tuple(self) -> tuple[Any, ...]:
+        return (self.decisions, self.questions, self.reads, self.canvases, self.escalations, self.input_tokens,
+                self.output_tokens, self.target_calls, self.hedges, self.hedges_cancelled, self.latency_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON, the keys of the fields."""
+        return dict(zip(_TOTALS_KEYS, self.as_tuple(), strict=True))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Totals:
+        """The inverse of `as_dict` (missing keys count 0)."""
+        return cls(*(type(v)(data.get(k, 0)) for k, v in zip(_TOTALS_KEYS, cls().as_tuple(), strict=True)))
+
+
+_TOTALS_KEYS = ("decisions", "questions", "reads", "canvases", "escalations", "input_tokens", "output_tokens",
+                "target_calls", "hedges", "hedges_cancelled", "latency_s")
+
+NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+"""What a replay spends (langchain-core records a response's usage on its run)."""
+
+
 class CanvasResponse(ClassifierResponse):
     """A `ClassifierResponse` whose `reads` explain every answer.
 
@@ -169,11 +263,23 @@ class CanvasResponse(ClassifierResponse):
     latency_s: float = 0.0
     diagnostics: Diagnostics | None = None
     """How the decision was read: stages, canvases, formats, thoughts."""
+    replayed: Replay | None = None
+    """How this response came back without being decided in this call (`Replay`); None: decided
+    now. A replay spent nothing: `canvas_reads` 0, no usage; its reports say how it was decided."""
+    original: Totals | None = None
+    """What the decision spent when it was decided (a replay's; None when decided now)."""
 
     @property
     def totals(self) -> Totals:
-        """What this decision set cost: reads, canvases, escalations, tokens, seconds."""
+        """What this call spent (`Totals.of`): reads, canvases, escalations, tokens, seconds."""
         return Totals.of(self)
+
+    def replay(self, how: Replay, latency_s: float) -> CanvasResponse:
+        """This decision as replayed now (`how`, in `latency_s`): nothing read, nothing escalated,
+        no usage, what it spent when decided kept as `original`; a copy of its own."""
+        original = self.original if self.original is not None else Totals.of(self)
+        return self.model_copy(update={"replayed": how, "original": original, "canvas_reads": 0,
+                                       "usage": dict(NO_USAGE), "latency_s": latency_s}, deep=True)
 
 
 # -- how a run's decisions ended ----------------------------------------------------------
@@ -253,64 +359,3 @@ class Tally:
         """`over the gate: 7/9 (the gate passes H/lnK <= 0.5)`."""
         gates = "; ".join(self.gates) or "no read was gated"
         return f"over the gate: {self.over_gate}/{self.decisions} (the gate passes {gates})"
-
-
-@dataclass(frozen=True, slots=True)
-class Totals:
-    """What decisions cost, summed without any SDK: decision sets, questions, canvas reads,
-    distinct canvases (prompts), escalated questions, target calls (hedges among them), tokens
-    and seconds.
-
-    `Totals.of(response)` is one decision set's; totals add up (`a + b`), so a graph run's are
-    the sum of its decision events' `totals` (`canvasroute.harness.run_totals`).
-    """
-
-    decisions: int = 0
-    questions: int = 0
-    reads: int = 0
-    """Canvas reads sent to the engine (first reads, re-reads, in-group reads)."""
-    canvases: int = 0
-    """Distinct canvas prompts read (chunks over every stage)."""
-    escalations: int = 0
-    """Questions the escalation target answered."""
-    input_tokens: int = 0
-    output_tokens: int = 0
-    target_calls: int = 0
-    """Calls to the escalation target, hedges included (`Diagnostics.target_calls`)."""
-    hedges: int = 0
-    """Hedge calls started beside re-reads (`Escalation.hedge`), and of them cancelled:"""
-    hedges_cancelled: int = 0
-    latency_s: float = 0.0
-
-    @classmethod
-    def of(cls, response: CanvasResponse) -> Totals:
-        """One decision set's totals (a cache hit read nothing and spent nothing)."""
-        usage: Mapping[str, Any] = response.usage or {}
-        diagnostics = response.diagnostics
-        hedges = [h for h in diagnostics.hedges if h != "refused"] if diagnostics is not None else []
-        return cls(decisions=1, questions=len(response.reads), reads=response.canvas_reads,
-                   canvases=len(diagnostics.chunks) if diagnostics is not None and response.canvas_reads else 0,
-                   escalations=sum(r.path == "escalated" for r in response.reads.values()),
-                   input_tokens=int(usage.get("input_tokens", 0)), output_tokens=int(usage.get("output_tokens", 0)),
-                   latency_s=response.latency_s, target_calls=diagnostics.target_calls if diagnostics else 0,
-                   hedges=len(hedges), hedges_cancelled=hedges.count("cancelled"))
-
-    def __add__(self, other: Totals) -> Totals:
-        return Totals(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
-
-    def as_tuple(self) -> tuple[Any, ...]:
-        return (self.decisions, self.questions, self.reads, self.canvases, self.escalations, self.input_tokens,
-                self.output_tokens, self.target_calls, self.hedges, self.hedges_cancelled, self.latency_s)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain JSON, the keys of the fields."""
-        return dict(zip(_TOTALS_KEYS, self.as_tuple(), strict=True))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Totals:
-        """The inverse of `as_dict` (missing keys count 0)."""
-        return cls(*(type(v)(data.get(k, 0)) for k, v in zip(_TOTALS_KEYS, cls().as_tuple(), strict=True)))
-
-
-_TOTALS_KEYS = ("decisions", "questions", "reads", "canvases", "escalations", "input_tokens", "output_tokens",
-                "target_calls", "hedges", "hedges_cancelled", "latency_s")

@@ -11,7 +11,14 @@ A labelled read is the canvas distribution over one question's options, as read
   `sum_b n_b / n * |accuracy_b - confidence_b|`, confidence = probability of the argmax.
 - **Threshold.** A `max_normalized_entropy` for the gate, on the tempered distributions:
   the largest one whose canvas-answered questions reach a target accuracy, or the
-  `1 - rate` quantile of entropies for a target escalation rate (RouteLLM's rule).
+  `1 - rate` quantile of entropies for a target escalation rate (RouteLLM's rule). Both
+  describe the rows they were fitted on, and promise nothing about the next ones.
+- **Certified threshold.** With a bound instead (`calibrate(max_error=A, confidence=C)`):
+  the loosest threshold for which, with probability at least C over the check rows, the
+  error rate of the answers the gate passes is at most A (Learn then Test:
+  `certify_threshold` states the test and the exact guarantee, and cites the papers). Too
+  few rows to certify anything: the gate passes nothing rather than claim a bound. The gate
+  holds the proof as a `Certificate`.
 
 The result is a `GatePolicy` with a `per_question` override per calibrated question,
 written and read as JSON by `save_policy` / `load_policy` (`router._policy_file`).
@@ -19,6 +26,7 @@ written and read as JSON by `save_policy` / `load_policy` (`router._policy_file`
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections import defaultdict
@@ -28,7 +36,7 @@ from typing import Any
 
 from canvasroute.engine.errors import CalibrationError
 
-from ._policy import GatePolicy
+from ._policy import Certificate, GatePolicy, _percent
 
 ECE_BINS = 15
 MIN_ROWS = 4
@@ -277,6 +285,167 @@ def entropy_threshold(samples: Sequence[Labelled], temperature: float = 1.0, *,
                         escalation_rate=best.escalation_rate, canvas_accuracy=best.canvas_accuracy, reachable=True)
 
 
+# -- risk control: a certified threshold (Learn then Test) -------------------------------
+
+RISK_METHOD = "learn-then-test: binomial p-values, fixed sequence ordered on the fit split"
+"""`Certificate.method` of a threshold `certify_threshold` certified."""
+
+
+def binomial_cdf(k: int, n: int, p: float) -> float:
+    """`P(Binomial(n, p) <= k)`, summed in log space (exact for any n)."""
+    if k < 0:
+        return 0.0
+    if k >= n or p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    lp, lq, top = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+    terms = [top - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k + 1)]
+    peak = max(terms)
+    return min(1.0, math.exp(peak) * sum(math.exp(t - peak) for t in terms))
+
+
+def rows_needed(max_error: float, confidence: float) -> int:
+    """The fewest passed rows that can certify any threshold: all of them right, and
+    `(1 - max_error) ** m <= 1 - confidence` (45 for error <= 5 % at 90 %)."""
+    _check_risk(max_error, confidence)
+    m = math.ceil(math.log(1.0 - confidence) / math.log1p(-max_error))
+    return m + ((1.0 - max_error) ** m > 1.0 - confidence)  # in case rounding put the ceiling one short
+
+
+def _check_risk(max_error: float, confidence: float) -> None:
+    if not 0.0 < max_error < 1.0:
+        raise CalibrationError(f"max_error must be within (0, 1), got {max_error}")
+    if not 0.0 < confidence < 1.0:
+        raise CalibrationError(f"confidence must be within (0, 1), got {confidence}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RiskFit:
+    """A threshold certified for one question (`certify_threshold`), and what the test saw."""
+
+    max_error: float
+    """The bound asked for: the error rate of the answers the gate passes."""
+    confidence: float
+    """The probability, over the check rows, that the bound holds."""
+    certified: bool
+    """False: no threshold passed the test; the gate passes nothing."""
+    threshold: float
+    """The certified `max_normalized_entropy`: the loosest threshold that passed (0 when none did)."""
+    rows: int
+    """Check rows the test ran on."""
+    passed: int
+    """Check rows the certified threshold passes (0 when uncertified)."""
+    errors: int
+    """Wrong answers among them."""
+    escalation_rate: float
+    """Share of the check rows the certified gate does not pass (1 when uncertified)."""
+    p_value: float
+    """The certified threshold's p-value (uncertified: that of the first threshold tested)."""
+    tested: int
+    """Thresholds tested, up to and including the first that failed."""
+    rows_needed: int
+    """The fewest passed rows, all right, that could certify anything (`rows_needed`)."""
+    note: str
+    """What happened, in words."""
+
+    @property
+    def error_rate(self) -> float | None:
+        """Errors over passed check rows (None when none passed)."""
+        return self.errors / self.passed if self.passed else None
+
+    def certificate(self) -> Certificate:
+        """The `Certificate` a gate with this threshold carries."""
+        return Certificate(max_error=self.max_error, confidence=self.confidence, rows=self.rows,
+                           escalation_rate=self.escalation_rate, certified=self.certified, method=RISK_METHOD)
+
+
+def _counts(rows: Sequence[tuple[float, bool]]) -> tuple[list[float], list[int]]:
+    """Scores in order, and the wrong answers among the first m of them, for every m."""
+    ranked = sorted(rows, key=lambda r: r[0])
+    wrong = [0]
+    for _, ok in ranked:
+        wrong.append(wrong[-1] + (not ok))
+    return [s for s, _ in ranked], wrong
+
+
+def certify_threshold(fit: Sequence[tuple[float, bool]], check: Sequence[tuple[float, bool]], *,
+                      max_error: float, confidence: float) -> RiskFit:
+    """The loosest entropy threshold whose passed answers err at most `max_error`, with
+    probability at least `confidence` over the `check` rows (Learn then Test).
+
+    Rows are `(normalized entropy, answered right)`; a threshold `lam` passes the rows with
+    entropy `<= lam`. Its risk is `R(lam) = P(wrong | entropy <= lam)`, the error rate of the
+    answers it passes (0 when it passes none). The test of one threshold: of the `m` check rows
+    it passes, `k` are wrong; given `m`, those rows are `m` independent draws of a passed read,
+    so `k ~ Binomial(m, R(lam))`, and `p(lam) = P(Binomial(m, max_error) <= k)` is a valid
+    p-value for `H0: R(lam) > max_error` given every `m`, so also unconditionally (`m = 0`:
+    `p = 1`). The candidates are the fit rows' entropies (and 1); the sequence starts at the
+    candidate with the smallest p-value on the fit rows and walks looser, testing each at
+    `delta = 1 - confidence` on the check rows and stopping at the first `p > delta`. The fit
+    rows alone choose the sequence, so fixed-sequence testing holds the family-wise error at
+    `delta` whatever the dependence between the p-values: with probability at least
+    `confidence`, every threshold that passed has `R(lam) <= max_error`, the loosest (the one
+    returned) included. No threshold passed: `certified=False` (the gate passes nothing).
+
+    The guarantee needs the check rows and the live reads to be independent draws from one
+    distribution, independent of the fit rows; it is about the expected error rate of the
+    passed answers (a finite batch of them scatters around it), for this question alone.
+
+    References: Angelopoulos, Bates, Candès, Jordan, Lei, "Learn then Test: Calibrating
+    predictive algorithms to achieve risk control" (2021), fixed-sequence testing; Bates,
+    Angelopoulos, Lei, Malik, Jordan, "Distribution-free, risk-controlling prediction sets"
+    (2021), the binomial tail bound; Laufer-Goldshtein, Fisch, Barzilay, Jaakkola, "Efficiently
+    controlling multiple risks with Pareto Testing" (2023), the sequence chosen on a split of its
+    own; Jung, Brahman, Choi, "Trust or Escalate: LLM judges with provable guarantees for human
+    agreement" (ICLR 2025), selective answers with an escalation.
+
+    Example:
+        ```python
+        rows = [(i / 400, i < 200 or i % 4 >= 2) for i in range(400)]  # above 0.5, half are wrong
+        fit = certify_threshold(rows[::2], rows[1::2], max_error=0.05, confidence=0.9)
+        fit.certified, fit.threshold, fit.escalation_rate   # True, 0.51, 0.49
+        ```
+    """
+    _check_risk(max_error, confidence)
+    delta, need = 1.0 - confidence, rows_needed(max_error, confidence)
+    fit_scores, fit_wrong = _counts(fit)
+    scores_, wrong = _counts(check)
+    candidates = sorted({min(1.0, max(0.0, s)) for s in fit_scores} | {1.0})
+
+    def evidence(lam: float, ranked: list[float], errs: list[int]) -> tuple[int, int, float]:
+        m = bisect.bisect_right(ranked, lam)
+        return m, errs[m], binomial_cdf(errs[m], m, max_error)
+
+    on_fit = [evidence(lam, fit_scores, fit_wrong)[2] for lam in candidates]
+    start = min(range(len(candidates)), key=lambda j: (on_fit[j], -j))  # ties: the looser
+    n, best, tested = len(check), None, 0
+    first: tuple[int, int, float] | None = None
+    for lam in candidates[start:]:
+        m, k, p = evidence(lam, scores_, wrong)
+        tested += 1
+        first = first or (m, k, p)
+        if p > delta:
+            break
+        best = (lam, m, k, p)
+    words = f"error <= {_percent(max_error)} at {_percent(confidence)}"
+    if best is None:
+        assert first is not None
+        m, k, p = first
+        lam, passed, errors = 0.0, 0, 0
+        note = (f"{n} check rows: certifying {words} needs at least {need} passed rows, all of them right"
+                if n < need else
+                f"no threshold passed: the first tested, H/lnK <= {candidates[start]:.3g}, passes {m} of {n} "
+                f"check rows with {k} wrong (p = {p:.2g} > {delta:.2g})")
+    else:
+        lam, passed, errors, p = best
+        note = (f"certified {words}: H/lnK <= {lam:.3g} passes {passed} of {n} check rows, {errors} wrong "
+                f"(p = {p:.2g} <= {delta:.2g}; {tested} thresholds tested)")
+    return RiskFit(max_error=max_error, confidence=confidence, certified=best is not None, threshold=lam, rows=n,
+                   passed=passed, errors=errors, escalation_rate=1.0 - passed / n if n else 1.0, p_value=p,
+                   tested=tested, rows_needed=need, note=note)
+
+
 # -- per question, and the policy -------------------------------------------------------
 
 
@@ -302,6 +471,8 @@ class QuestionCalibration:
     """Share of check rows the chosen threshold escalates."""
     check_canvas_accuracy: float | None = None
     """Accuracy of the check rows the canvas answers at the chosen threshold."""
+    risk: RiskFit | None = None
+    """With `max_error`: the certified threshold and what its test saw (None without)."""
     note: str = ""
 
 
@@ -330,14 +501,27 @@ def split(samples: Sequence[Labelled], holdout: float = 0.5, seed: int = 0) -> t
 
 
 def calibrate(samples: Iterable[Labelled], *, base: GatePolicy | None = None, holdout: float = 0.5, seed: int = 0,
-              target_accuracy: float | None = None, target_escalation: float | None = None) -> Calibration:
+              target_accuracy: float | None = None, target_escalation: float | None = None,
+              max_error: float | None = None, confidence: float = 0.9) -> Calibration:
     """Fit a temperature (and, with a target, a threshold) per question; build the policy.
 
     Questions with fewer than `MIN_ROWS` rows keep T = 1 and the base threshold.
+
+    With `max_error` the threshold is certified instead (`certify_threshold`): per question,
+    with probability at least `confidence` over its check rows, the error rate of the answers
+    its gate passes is at most `max_error`. The temperature is then fitted and checked on the
+    fit split alone (halved), so nothing the test sees chose the score it tests. Each
+    question's gate reads once (`samples=1`, `rereads=0`) and tests `max_normalized_entropy`
+    only, the gate the certificate is about, and holds the `Certificate`; a question whose rows
+    certify nothing, and the policy's base gate (questions the rows never asked), hold
+    `Certificate(certified=False)` and pass nothing. The bound holds per question: for all Q
+    questions at once, ask each for `1 - (1 - confidence) / Q` (Bonferroni).
     """
     base = base or GatePolicy()
-    if target_accuracy is not None and target_escalation is not None:
-        raise CalibrationError("give at most one of target_accuracy and target_escalation")
+    if sum(x is not None for x in (target_accuracy, target_escalation, max_error)) > 1:
+        raise CalibrationError("give at most one of target_accuracy, target_escalation and max_error")
+    if max_error is not None:
+        _check_risk(max_error, confidence)
     by_question: dict[str, list[Labelled]] = defaultdict(list)
     for s in samples:
         by_question[s.question_id].append(s)
@@ -348,6 +532,10 @@ def calibrate(samples: Iterable[Labelled], *, base: GatePolicy | None = None, ho
     overrides: dict[str, GatePolicy] = {}
     targeted = target_accuracy is not None or target_escalation is not None
     for qid, rows in sorted(by_question.items()):
+        if max_error is not None:
+            results[qid], splits[qid], overrides[qid] = _certify(qid, rows, base.for_question(qid), holdout, seed,
+                                                                 max_error, confidence)
+            continue
         if len(rows) < MIN_ROWS:
             e = ece(rows)
             results[qid] = QuestionCalibration(
@@ -376,5 +564,39 @@ def calibrate(samples: Iterable[Labelled], *, base: GatePolicy | None = None, ho
         if thr is not None:
             changes["max_normalized_entropy"] = thr.threshold
         overrides[qid] = replace(base.for_question(qid), **changes)
+    if max_error is not None:
+        nobody = Certificate(max_error=max_error, confidence=confidence, rows=0, escalation_rate=1.0, certified=False,
+                             method=RISK_METHOD)
+        base = replace(base, **_CERTIFIED_GATE, max_normalized_entropy=0.0, certificate=nobody)
     policy = replace(base, per_question={**base.per_question, **overrides})
     return Calibration(questions=results, policy=policy, samples=splits)
+
+
+_CERTIFIED_GATE: dict[str, Any] = {"samples": 1, "rereads": 0, "reread_above": None, "max_entropy": None,
+                                   "min_confidence": None, "min_margin": None, "min_label_mass": None}
+"""What a certified gate is, besides its threshold: one read, one test (the reads the rows were)."""
+
+
+def _certify(qid: str, rows: list[Labelled], base: GatePolicy, holdout: float, seed: int, max_error: float,
+             confidence: float) -> tuple[QuestionCalibration, tuple[list[Labelled], list[Labelled]], GatePolicy]:
+    """One question's certified gate: temperature on the fit split, the test on the check split."""
+    fit, check = split(rows, holdout, seed) if len(rows) >= 2 else ([], list(rows))
+    tfit = None
+    if len(fit) >= MIN_ROWS:
+        tfit = fit_temperature(*split(fit, 0.5, seed))
+    t = tfit.temperature if tfit else 1.0
+
+    def pairs(part: Sequence[Labelled]) -> list[tuple[float, bool]]:
+        _, ok, ent = scores(part, t)
+        return list(zip(ent, ok, strict=True))
+
+    risk = certify_threshold(pairs(fit), pairs(check), max_error=max_error, confidence=confidence)
+    note = "" if tfit else f"fewer than {MIN_ROWS} fit rows: T = 1"
+    result = QuestionCalibration(
+        question_id=qid, rows=len(rows), fit_rows=len(fit), check_rows=len(check), temperature=tfit, threshold=None,
+        accuracy=accuracy(rows), ece_before=ece(check), ece_after=ece(check, t),
+        check_escalation_rate=risk.escalation_rate,
+        check_canvas_accuracy=1.0 - risk.errors / risk.passed if risk.passed else None, risk=risk, note=note)
+    gate = replace(base, **_CERTIFIED_GATE, temperature=t, max_normalized_entropy=risk.threshold,
+                   certificate=risk.certificate(), per_question={})
+    return result, (fit, check), gate

@@ -519,6 +519,30 @@ def test_older_trace_outcomes_map_onto_paths_and_causes():
     assert build_report([span]).tally.causes == {"uncertain": 1, "abstained": 3, "engine_fault": 2, "over_budget": 2}
 
 
+def test_the_runs_panel_counts_cache_hits_apart_as_the_totals_do(tmp_path):
+    """Issue 34.3: a `DecisionCache` hit of an escalated decision read nothing and escalated
+    nothing; the dashboard's runs (and its "calls saved") agree with the responses' `Totals`."""
+    from canvasroute.router import DecisionCache, Totals
+
+    engine = FunctionEngine(lambda read: label_rows(engine, {"A": -0.69, "B": -0.70}, read))  # a toss-up
+    reply = AIMessage('{"team": "tech"}', usage_metadata={"input_tokens": 50, "output_tokens": 5, "total_tokens": 55})
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.5, rereads=0),
+                                escalate_to=GenericFakeChatModel(messages=itertools.repeat(reply)),
+                                cache=DecisionCache())
+    team = {"team": Choice(instructions="Which team?", criteria={"billing": None, "tech": None})}
+    with traced(tmp_path / "hits.jsonl"):
+        responses = [run_sync(model.adecide(t, team, attributes={tm.GRAPH_NODE: "triage"}))
+                     for t in ("crash a", "crash a", "crash b", "crash a")]
+    assert [r.replayed for r in responses] == [None, "decision_cache", None, "decision_cache"]
+    totals = sum((r.totals for r in responses), Totals())
+    (run,) = build_report(read_spans(tmp_path / "hits.jsonl")).runs
+    assert (run.sets, run.questions, run.reads, run.escalated, run.target_calls) == (
+        totals.decisions, totals.questions, totals.reads, totals.escalations, 2)
+    assert (run.sets, run.replayed, run.calls_saved) == (2, 2, 0)  # the hits were saved by the cache, not routing
+    row = re.search(r'<tr data-run="hits.jsonl">(.*?)</tr>', render(build_report(read_spans(tmp_path / "hits.jsonl"))))
+    assert "+ 2 replayed" in row.group(1)
+
+
 def test_the_runs_panel_counts_each_runs_cost_beside_every_decision_sent_to_the_target(tmp_path, capsys):
     """Issue 30.3: per run (trace file), the decision sets, canvas reads, escalations and target
     tokens, beside what sending every decision set to the target would have cost."""

@@ -50,10 +50,10 @@ def retry_loop(model: CanvasDecisionModel, *, history: int):
     return builder.compile()
 
 
-def run(graph: Any, state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def run(graph: Any, state: Any, config: Any = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The final state and the decision events of one run."""
     events, out = [], {}
-    for mode, chunk in graph.stream(state, stream_mode=["custom", "values"]):
+    for mode, chunk in graph.stream(state, config, stream_mode=["custom", "values"]):
         if mode == "custom":
             events.append(chunk)
         else:
@@ -87,6 +87,61 @@ def test_without_history_a_loop_keeps_only_its_newest_record():
     out, _ = run(retry_loop(CanvasDecisionModel(engine=fixed_engine(NO)), history=0), {"max_retries": 2})
     assert "history" not in out["decisions"]["good"]
     assert run_totals(out["decisions"]).decisions == 1  # the records alone undercount a loop: the events do not
+
+
+def test_history_in_shadow_mode_keeps_the_canvas_records_beside_the_routers_choices():
+    """Issue 34.4: shadow mode wrote its records without their history (`_finish_shadow`)."""
+    engine = fixed_engine(NO)
+    grade = decision_node(CanvasDecisionModel(engine=engine), {"good": Noul(instructions="Is the attempt good?")},
+                          inputs="attempt", route=lambda decisions: "attempt", destinations=("attempt", END),
+                          shadow=lambda state: "attempt" if state["attempt"] < 3 else END, history=5)
+    builder = StateGraph(LoopState)
+    builder.add_node("attempt", lambda state: {"attempt": 1})
+    builder.add_node("grade", grade)
+    builder.add_edge(START, "attempt")
+    builder.add_edge("attempt", "grade")
+    out, events = run(builder.compile(), {})
+    record = out["decisions"]["good"]
+    assert out["attempt"] == 3 and engine.calls == 3  # the existing router stopped the loop
+    assert [h["timing"]["decision"] for h in record["history"]] == [e["decision"] for e in events][:-1]
+    assert [h["shadow"]["destination"] for h in [*record["history"], record]] == ["attempt", "attempt", END]
+    assert run_totals(out["decisions"]) == run_totals(events) and run_totals(events).reads == 3
+
+
+def test_history_under_review_keeps_each_iterations_human_answer():
+    """A loop whose grade goes to a person each time: every pause and resume, and the records keep
+    each human answer; the thread's events and its records total the reads once."""
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.types import Command
+
+    from canvasroute.harness import ReviewPolicy
+    from canvasroute.router import GatePolicy
+
+    engine = fixed_engine({"yes": -0.69, "no": -0.70})  # a toss-up: every grade goes to review
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.1, rereads=0))
+
+    def again(decisions: dict[str, Any], state: LoopState) -> str:
+        return "attempt" if decisions["good"]["answer"] == "no" else END
+
+    grade = decision_node(model, {"good": Noul(instructions="Is the attempt good?")}, inputs="attempt",
+                          route=again, destinations=("attempt", END), history=5, review=ReviewPolicy())
+    builder = StateGraph(LoopState)
+    builder.add_node("attempt", lambda state: {"attempt": 1})
+    builder.add_node("grade", grade)
+    builder.add_edge(START, "attempt")
+    builder.add_edge("attempt", "grade")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": "graded"}}
+    out, events = run(graph, {}, config)
+    for answer in ("no", "no", "yes"):
+        assert "__interrupt__" in out
+        out, more = run(graph, Command(resume=answer), config)
+        events += more
+    record = out["decisions"]["good"]
+    assert [(h["answer"], h["path"]) for h in [*record["history"], record]] == [
+        ("no", "human"), ("no", "human"), ("yes", "human")]
+    assert engine.calls == 3 and out["attempt"] == 3
+    assert run_totals(out["decisions"]) == run_totals(events) and run_totals(events).reads == 3
 
 
 def fan_out_loop(model: CanvasDecisionModel, *, history: int):

@@ -317,10 +317,11 @@ async def test_images_of_the_decision_reach_a_decision_model_target(fresh: Decis
     target = SystemOneDecisionModel(Connection(fresh.url, retries=0), model="jev-latest")
     await ask_decision_target(target, ask(images=(PNG,)))
     sent = fresh.bodies[-1]
-    assert (sent["state"], sent["images"]) == (f"human: {TICKET}", [PNG])  # what the canvas read, images beside
+    pictured = f"human: {TICKET}\n[image 1]"  # the transcript marks where the image is, as /v1/decisions does
+    assert (sent["state"], sent["images"]) == (pictured, [PNG])  # what the canvas read, images beside
     own = [HumanMessage(content=[{"type": "text", "text": TICKET}, {"type": "image_url", "image_url": {"url": PNG}}])]
-    await ask_decision_target(target, ask(state=own, text=f"human: {TICKET}", images=(PNG,)))
-    assert (fresh.bodies[-1]["state"], fresh.bodies[-1]["images"]) == (f"human: {TICKET}", [PNG])
+    await ask_decision_target(target, ask(state=own, text=pictured, images=(PNG,)))
+    assert (fresh.bodies[-1]["state"], fresh.bodies[-1]["images"]) == (pictured, [PNG])
     await ask_decision_target(target, ask())
     assert (fresh.bodies[-1]["state"], "images" in fresh.bodies[-1]) == (TICKET, False)  # no images: the value
 

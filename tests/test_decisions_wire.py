@@ -95,6 +95,7 @@ def test_messages_of_every_role_with_text_image_and_json_parts() -> None:
                         "ai: Looking.\n[refusal] No card data.")
     openai_roles = [m["role"] for m in convert_to_openai_messages(list(req.state))]
     assert openai_roles == ["developer", "system", "user", "assistant"]  # langchain-core reads them back
+    assert read_state(req.state) == (req.text, req.images)  # and the library writes the same transcript
 
 
 def test_agent_traffic_function_and_custom_tool_calls_with_their_outputs() -> None:
@@ -119,7 +120,9 @@ def test_agent_traffic_function_and_custom_tool_calls_with_their_outputs() -> No
         {"type": "tool_call", "name": "get_weather", "args": {"city": "Paris"}, "id": "call_1"},
         {"type": "tool_call", "name": "db.run_sql", "args": {"__arg1": "SELECT count(*) FROM orders"}, "id": "call_2"},
     ]
-    assert turn.content == [{"type": "text", "text": "Checking."},
+    assert turn.content == [{"type": "text", "text": "Checking."},  # each call as sent, in order
+                            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                             "arguments": '{"city": "Paris"}'},
                             {"type": "custom_tool_call", "call_id": "call_2", "name": "run_sql",
                              "input": "SELECT count(*) FROM orders"}]
     assert isinstance(weather, ToolMessage) and (weather.tool_call_id, weather.name) == ("call_1", "get_weather")
@@ -141,6 +144,7 @@ def test_agent_traffic_function_and_custom_tool_calls_with_their_outputs() -> No
         "ai: [call broken id=call_3] {not json",
         "tool: [broken id=call_3] error",
     ]
+    assert read_state(req.state) == (req.text, req.images)  # the library reads the wire's messages as the same text
 
 
 def test_a_conversation_reads_as_the_same_text_on_the_wire_and_in_the_library() -> None:
@@ -161,6 +165,115 @@ def test_a_conversation_reads_as_the_same_text_on_the_wire_and_in_the_library() 
     assert nested[1]["tool_calls"] == [{"name": "refund", "id": "c1", "args": {"order": 7, "amount": 120.5}},
                                        {"name": "weather", "id": "c2", "args": "{not json"}]  # unparsed: as sent
     assert (nested[2]["name"], nested[2]["tool_call_id"]) == ("refund", "c1")
+
+
+# -- one conversation, two representations (issue #34.4) ------------------------------------------
+
+ARGUMENTS = '{"order":7 , "days" :7}'
+"""Tool-call arguments as a model sent them (json.dumps would re-space them)."""
+CONVERSATION_ITEMS = [
+    {"role": "developer", "content": "Route support tickets."},
+    {"role": "system", "content": "Be terse."},
+    {"role": "user", "content": [{"type": "input_text", "text": "My order 7 is late:"},
+                                 {"type": "input_image", "image_url": PNG}]},
+    {"role": "assistant", "content": "Checking."},
+    {"type": "function_call", "call_id": "c1", "name": "order_status", "arguments": ARGUMENTS},
+    {"type": "function_call", "call_id": "c2", "name": "refund", "arguments": "{not json"},
+    {"type": "function_call_output", "call_id": "c1", "output": "late by 2 days"},
+    {"type": "function_call_output", "call_id": "c2", "output": "error"},
+    {"role": "assistant", "content": "It is late by 2 days."},
+]
+"""The conversation as OpenAI Decisions input items (what `/v1/decisions` reads)."""
+
+
+def _openai(kind: str) -> Any:
+    """A `ChatOpenAI` whose server (an httpx `MockTransport`) replies "Checking." with the two calls
+    (`responses`: the Responses API; `stream`: chat completions, streamed)."""
+    import httpx
+    from langchain_openai import ChatOpenAI
+
+    calls = [("c1", "order_status", ARGUMENTS), ("c2", "refund", "{not json")]
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if kind == "responses":
+            return httpx.Response(200, json={
+                "id": "resp_1", "object": "response", "created_at": 1, "model": "gpt-x", "status": "completed",
+                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                            "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+                           *({"type": "function_call", "id": f"fc_{i}", "call_id": i, "name": n, "arguments": a,
+                              "status": "completed"} for i, n, a in calls)]})
+        deltas = [{"role": "assistant", "content": "Checking."}, *(
+            {"tool_calls": [{"index": k, "id": i, "type": "function", "function": {"name": n, "arguments": a}}]}
+            for k, (i, n, a) in enumerate(calls))]
+        chunks = [{"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
+                   "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+        return httpx.Response(200, text="".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+    return ChatOpenAI(model="gpt-x", api_key="test", base_url="http://openai.test/v1",
+                      use_responses_api=kind == "responses",
+                      http_client=httpx.Client(transport=httpx.MockTransport(reply)))
+
+
+def _assistant_turn(kind: str) -> Any:
+    """The assistant's "Checking." and its two calls, as a LangChain user holds them."""
+    if kind == "responses":  # langchain-openai keeps a Responses API call as sent, in a content block
+        return _openai(kind).invoke("Is order 7 late?")
+    if kind == "stream":  # a streamed turn's chunks keep the arguments as sent
+        chunks = list(_openai(kind).stream("Is order 7 late?"))
+        return sum(chunks[1:], chunks[0])
+    return {"role": "assistant", "content": "Checking.",  # an OpenAI chat message, as an app stores it
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "order_status",
+                                                                          "arguments": ARGUMENTS}},
+                           {"id": "c2", "type": "function", "function": {"name": "refund", "arguments": "{not json"}}]}
+
+
+def conversation_messages(developer: str = "SystemMessage", assistant: str = "responses") -> list[Any]:
+    """`CONVERSATION_ITEMS` as a LangChain user holds the conversation: the developer message as
+    langchain-openai reads one (`SystemMessage`), as a `ChatMessage` or as a dict; the assistant's
+    turn from `ChatOpenAI` (the Responses API, or streamed chat completions) or as a dict."""
+    from langchain_core.messages import ChatMessage
+
+    instructions = "Route support tickets."
+    lead = {"SystemMessage": SystemMessage(instructions, additional_kwargs={"__openai_role__": "developer"}),
+            "ChatMessage": ChatMessage(role="developer", content=instructions),
+            "dict": {"role": "developer", "content": instructions}}[developer]
+    return [
+        lead,
+        SystemMessage("Be terse."),
+        HumanMessage(content=[{"type": "text", "text": "My order 7 is late:"},
+                              {"type": "image", "base64": PNG.split(",", 1)[1], "mime_type": "image/png"}]),
+        _assistant_turn(assistant),
+        ToolMessage("late by 2 days", tool_call_id="c1", name="order_status"),
+        ToolMessage("error", tool_call_id="c2", name="refund"),
+        AIMessage("It is late by 2 days."),
+    ]
+
+
+@pytest.mark.parametrize("developer", ["SystemMessage", "ChatMessage", "dict"])
+@pytest.mark.parametrize("assistant", ["responses", "stream", "dict"])
+def test_one_conversation_reads_as_the_same_text_from_langchain_messages_and_from_decisions_items(
+        developer: str, assistant: str) -> None:
+    """The library's transcript of a messages state (`read_state`) is the `/v1/decisions`
+    transcript of the same conversation: developer and system messages, a user's text and image,
+    the assistant's text and calls with their arguments exactly as sent (an unparsed one
+    included), the tool outputs naming their calls."""
+    messages = conversation_messages(developer, assistant)
+    wire = parse(body(input=CONVERSATION_ITEMS))
+    assert wire.text.splitlines()[:4] == ["developer: Route support tickets.", "system: Be terse.",
+                                         "human: My order 7 is late:", "[image 1]"]
+    assert f"ai: [call order_status id=c1] {ARGUMENTS}" in wire.text.splitlines()
+    assert read_state(messages) == (wire.text, wire.images)
+    assert read_state(wire.state) == (wire.text, wire.images)  # the wire's own messages read back the same
+
+
+def test_an_assistant_turn_of_calls_only_reads_the_same_with_or_without_an_empty_message() -> None:
+    calls = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]
+    bare, empty = (parse(body(input=[{"role": "user", "content": "Go."}, *lead, *calls]))
+                   for lead in ([], [{"role": "assistant", "content": ""}]))
+    assert bare.text == empty.text == "human: Go.\nai: [call f id=c1] {}"
+    assert read_state(empty.state)[0] == empty.text
 
 
 @pytest.mark.parametrize(("items", "param", "code"), [

@@ -673,7 +673,7 @@ def test_totals_add_up_hedges():
 
 
 def test_the_bench_measures_hedging_beside_no_hedging_on_one_stream(capsys):
-    """`canvasroute bench --quick --json --only hedge` (figure 12): the arms decide the same stream;
+    """`canvasroute bench --quick --json --only hedge` (figure 13): the arms decide the same stream;
     counts, not times, are checked (the times are the figure's)."""
     import json
 

@@ -39,8 +39,8 @@ async def test_images_go_to_the_chat_endpoint_as_image_parts_with_the_same_canva
     system, user = body["messages"]
     assert system["role"] == "system" and isinstance(system["content"], str)
     assert user["role"] == "user"
-    assert user["content"] == [
-        {"type": "text", "text": "human: What does this screen show?"},
+    assert user["content"] == [  # the transcript marks where each image is, as /v1/decisions writes it
+        {"type": "text", "text": "human: What does this screen show?\n[image 1]\n[image 2]"},
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
         {"type": "image_url", "image_url": {"url": "https://example.test/b.png"}},
     ]

@@ -43,6 +43,7 @@ RECORDS = {
     "canvasroute.ReadReport": "one question's figures, as the library built them",
     "canvasroute.apps.observability.Report": "the dashboard's totals over a trace file",
     "canvasroute.apps.observability.SpanRecord": "one span read back from a trace file",
+    "canvasroute.router.QuestionCalibration": "one question's calibration figures, as `calibrate` built them",
 }
 """Records the library builds and a caller reads, never calls: their fields are not a signature."""
 

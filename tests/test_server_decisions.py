@@ -157,6 +157,20 @@ async def test_the_async_sdk_sends_agent_traffic_and_images_the_canvas_reads_as_
     assert "Does the photo show damage?\n[image 3]" in system
 
 
+def test_one_conversation_is_read_as_the_same_canvas_in_the_library_and_over_decisions():
+    """Issue 34.4: the conversation as Decisions input items through `serve`, and as LangChain
+    messages decided in the library, reach the engine as the same text and the same images."""
+    from test_decisions_wire import CONVERSATION_ITEMS, conversation_messages
+
+    model, fake = vision_model()
+    with run_in_thread(create_app(model)) as url:
+        sdk(url).decisions.create(model="fake-dgemma", input=CONVERSATION_ITEMS, questions=[QUESTIONS[0]])
+    model.decide(conversation_messages(), {"urgent": Noul(instructions="Is this urgent?")})
+    remote, local = (body["messages"][1]["content"] for body in fake.read_bodies())
+    assert remote == local and remote[0]["text"].startswith("developer: Route support tickets.\nsystem: Be terse.")
+    assert 'ai: [call order_status id=c1] {"order":7 , "days" :7}' in remote[0]["text"].splitlines()
+
+
 def test_langchain_openais_decisions_model_invokes_and_ainvokes_serve():
     import asyncio
 

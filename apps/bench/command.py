@@ -23,7 +23,10 @@ Every figure is a ratio or a distribution measured side by side in one run:
 11. `structure`   library modules entered, hops between modules and returns to a module
                   already left, in one warm `decision_node` run and one `decide` (a count, not
                   a time), beside `httpx.Client.get`.
-12. `hedge`       hedged escalation vs none on a simulated stream (borderline first reads,
+12. `risk`        the certified gate (`calibrate --max-error`) on a simulated stream with known
+                  truth: how often its passed answers' error exceeds the bound, over many
+                  calibrations, and the escalation it costs, beside the naive threshold.
+13. `hedge`       hedged escalation vs none on a simulated stream (borderline first reads,
                   re-reads that settle a known share, lognormal engine and target latencies):
                   p50/p99 of the decisions over the gate and the extra target calls.
 
@@ -47,7 +50,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway", "isolation", "structure", "hedge")
+            "gateway", "isolation", "structure", "risk", "hedge")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         "gateway": lambda: _gateway(args.gateway_url, args.vllm_url, args.quick),
         "isolation": lambda: _isolation(args.vllm_url, args.quick),
         "structure": lambda: _structure(args.quick),
+        "risk": lambda: _risk(args.quick),
         "hedge": lambda: _hedge(args.quick),
     }
     start = time.perf_counter()
@@ -170,6 +174,12 @@ def _structure(quick: bool) -> Section:
     from .structure import run_structure
 
     return run_structure(quick)
+
+
+def _risk(quick: bool) -> Section:
+    from .risk import run_risk
+
+    return run_risk(quick)
 
 
 def _hedge(quick: bool) -> Section:

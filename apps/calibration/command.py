@@ -16,10 +16,19 @@ an escalation target (`--escalate-url/--escalate-model`, `--escalate-systemone`,
 `--escalate-embedded`) the target answers every row on its own and the curve's overall
 accuracy is measured with its answers, instead of the bound "if escalations were right".
 
+`--max-error A --confidence C` certifies each question's threshold instead (Learn then Test,
+`canvasroute.router.calibration.certify_threshold`): with probability at least C over the
+check rows, the error rate of the answers its gate passes is at most A. The fit split fits the
+temperature and orders the thresholds, the check split tests them; a question whose rows
+certify nothing gets a gate that passes nothing (every answer escalates), and the summary says
+so. The policy file records each gate's `Certificate`.
+
 Example:
     ```bash
     canvasroute calibrate data/bigbench/intent_recognition --limit 40 \\
         --engine-url http://127.0.0.1:8000 --target-escalation 0.3 -o policy.json
+    canvasroute calibrate rows.jsonl --engine-url http://127.0.0.1:8000 \\
+        --max-error 0.05 --confidence 0.9 -o certified.json
     ```
 """
 
@@ -69,6 +78,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     targets.add_argument("--target-accuracy", type=float,
                          help="threshold so canvas-answered questions reach this accuracy")
     targets.add_argument("--target-escalation", type=float, help="threshold so this share of questions escalates")
+    targets.add_argument("--max-error", type=float,
+                         help="certify thresholds: with probability --confidence over the rows, the answers the "
+                              "gate passes err at most this often (Learn then Test; escalates all when the rows "
+                              "cannot certify it)")
+    parser.add_argument("--confidence", type=float,
+                        help="with --max-error: the probability the bound holds (default 0.9), per question")
     parser.add_argument("--holdout", type=float, default=0.5, help="share of rows that checks the fit (default 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and splitting (default 0)")
     parser.add_argument("--rereads", type=int, default=0,
@@ -105,6 +120,15 @@ def run(args: argparse.Namespace) -> int:
     if (args.data is None) == (args.from_traces is None):
         print("canvasroute calibrate: give DATA or --from-traces TRACES (one of them)", file=sys.stderr)
         return 2
+    if args.confidence is not None and args.max_error is None:
+        print("canvasroute calibrate: --confidence needs --max-error (the bound it is the confidence of)",
+              file=sys.stderr)
+        return 2
+    if args.max_error is not None and args.rereads:
+        print("canvasroute calibrate: --max-error certifies single reads; re-reads would pass answers the "
+              "certificate never tested (drop --rereads)", file=sys.stderr)
+        return 2
+    confidence = 0.9 if args.confidence is None else args.confidence
     measured, target_label = None, ""
     try:
         if args.from_traces:
@@ -123,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
                 target_label = target_name(target) if target is not None else ""
             source = str(args.data)
         cal = calibrate(samples, base=GatePolicy(rereads=args.rereads), holdout=args.holdout, seed=args.seed,
-                        target_accuracy=args.target_accuracy, target_escalation=args.target_escalation)
+                        target_accuracy=args.target_accuracy, target_escalation=args.target_escalation,
+                        max_error=args.max_error, confidence=confidence)
     except (CanvasRouteError, TraceFileError, ValueError) as exc:
         print(f"canvasroute calibrate: {exc}", file=sys.stderr)
         return 2
@@ -133,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"model": model, "provider": provider, "source": source, "rows": len(samples),
             "near_chance": chance, "holdout": args.holdout, "seed": args.seed,
             "target_accuracy": args.target_accuracy, "target_escalation": args.target_escalation,
+            "max_error": args.max_error, "confidence": confidence if args.max_error is not None else None,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "questions": cal.summary()}
     subtitle = f"{model}" + (" (near chance: not the product's accuracy)" if chance else "")
     if not args.no_plots:
@@ -144,19 +170,57 @@ def run(args: argparse.Namespace) -> int:
             print("canvasroute calibrate: matplotlib is not installed; skipping plots", file=sys.stderr)
     save_policy(out, cal.policy, meta)
     _print_summary(cal, model, chance, out, meta.get("plots", []))
+    if args.max_error is not None:
+        _print_guarantees(cal, chance)
     return 0
 
 
 def _print_summary(cal: cm.Calibration, model: str, chance: str | None, out: Path, plots: Sequence[str]) -> None:
+    certifying = any(c.risk is not None for c in cal.questions.values())
     columns = ["question", "rows", "T", "kept", "acc", "ECE before", "ECE after", "threshold", "escalate"]
+    if certifying:
+        columns += ["certified", "errors/passed", "bound"]
     rows = []
     for q, c in cal.questions.items():
         t = c.temperature
         thr = cal.policy.for_question(q).max_normalized_entropy
-        rows.append([q, str(c.rows), f"{t.fitted if t else 1.0:.3f}", "yes" if t and t.accepted else "no",
-                     f"{c.accuracy:.1%}", f"{c.ece_before:.3f}", f"{c.ece_after:.3f}",
-                     f"{thr:.3f}" if thr is not None else "-",
-                     f"{c.check_escalation_rate:.0%}" if c.check_escalation_rate is not None else "-"])
+        row = [q, str(c.rows), f"{t.fitted if t else 1.0:.3f}", "yes" if t and t.accepted else "no",
+               f"{c.accuracy:.1%}", f"{c.ece_before:.3f}", f"{c.ece_after:.3f}",
+               f"{thr:.3f}" if thr is not None else "-",
+               f"{c.check_escalation_rate:.0%}" if c.check_escalation_rate is not None else "-"]
+        if (risk := c.risk) is not None:
+            row += ["yes" if risk.certified else "NO", f"{risk.errors}/{risk.passed}" if risk.certified else "-",
+                    f"error <= {_percent(risk.max_error)} at {_percent(risk.confidence)}"]
+        rows.append(row)
     title = f"model {model}" + (f"  ** {chance}: these figures are not the product's **" if chance else "")
     print_table(title, columns, rows, plain="\n".join([title, *plain_table(columns, rows, indent="")]))
     print(f"wrote {out}" + "".join(f", {out.parent / p}" for p in plots))
+
+
+def _print_guarantees(cal: cm.Calibration, chance: str | None) -> None:
+    """What each certified gate guarantees, and what it does not, in words."""
+    lines = []
+    for q, c in cal.questions.items():
+        risk = c.risk
+        assert risk is not None
+        bound, sure = _percent(risk.max_error), _percent(risk.confidence)
+        if risk.certified:
+            lines.append(f"{q}: certified: with probability at least {sure} over its {risk.rows} check rows, the "
+                         f"answers its gate passes (H/lnK <= {risk.threshold:.3g}) are wrong at most {bound} of the "
+                         f"time; that escalates {_percent(risk.escalation_rate, 3)} of the check rows.")
+        else:
+            more = "; more labelled rows would help" if risk.rows < risk.rows_needed else ""
+            lines.append(f"{q}: NOT certified ({risk.note}). Its gate passes nothing: every answer to {q!r} goes "
+                         "where OutcomePolicy.uncertain says (escalated) rather than claim a bound the rows cannot "
+                         f"support{more}.")
+    lines += ["Questions the rows never asked are not certified either: their gate passes nothing.",
+              "Each bound holds for its question alone, while live reads are drawn like the calibration rows (the "
+              "same model, prompt, engine and traffic); drift breaks it. For Q questions at once, calibrate at "
+              "confidence 1 - (1 - C) / Q."]
+    if chance:
+        lines.append(f"** {chance}: a bound certified on it shows the plumbing, not a real model's quality **")
+    print("\n".join(lines))
+
+
+def _percent(x: float, digits: int = 4) -> str:
+    return f"{x * 100:.{digits}g}%"

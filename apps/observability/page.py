@@ -295,6 +295,38 @@ def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str
             f'{path_shares(d, report.start_ns, report.end_ns, buckets)}</figure></div>{table}</section>')
 
 
+def _guarantees_section(report: Report, index: dict[str, int]) -> str:
+    """Each certified (or uncertified) gate in words, beside what its question did in these traces."""
+    groups: dict[tuple[str, str, str], list[Decision]] = defaultdict(list)
+    for d in report.decisions:
+        if d.gate and _CERTIFIED in d.gate:
+            groups[(d.node, d.question, d.gate)].append(d)
+    if not groups:
+        return ('<section class="card" id="guarantees-section"><p class="muted">No certified gate in these traces '
+                '(<code>canvasroute calibrate --max-error 0.05 --confidence 0.9</code> writes one).</p></section>')
+    rows = []
+    for (node, question, gate), xs in sorted(groups.items()):
+        passed = sum(x.path in ("canvas", "reread") for x in xs)
+        rows.append(f'<tr><td{_nix(index, node)}>{html.escape(node)}</td><td><code>{html.escape(question)}</code></td>'
+                    f'<td>{html.escape(gate)}</td><td class="num">{len(xs)}</td>'
+                    f'<td class="num">{_pct(passed / len(xs))}</td>'
+                    f'<td class="num">{_pct(sum(x.path == "escalated" for x in xs) / len(xs))}</td>'
+                    f'<td>{_causes(xs)}</td></tr>')
+    return ('<section class="card" id="guarantees-section"><p class="muted">A certified gate '
+            '(<code>canvasroute calibrate --max-error</code>) bounds the error rate of the answers it passes, with the '
+            'stated probability over its calibration rows, while live reads are drawn like those rows; an '
+            'uncertified one passes nothing. Its words say the bound and the share of calibration rows it '
+            'escalated: a live share far from that one is a sign the traffic has drifted, and the bound then '
+            'says nothing. Traces carry no gold answers: the live error rate is not measured here.</p>'
+            '<table id="guarantees"><thead><tr><th>node</th><th>question</th><th>gate</th><th class="num">n</th>'
+            '<th class="num">passed</th><th class="num">escalated</th><th>gate not passed</th></tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></section>')
+
+
+_CERTIFIED = "certified: "
+"""In a gate's words (`GatePolicy.gate_text`) when it holds a certificate, certified or not."""
+
+
 def _runs_section(report: Report) -> str:
     """Per run (trace file): what its decisions cost, beside every decision set sent to the target."""
     runs = list(report.runs)
@@ -313,9 +345,13 @@ def _runs_section(report: Report) -> str:
     def hedges(r: RunTotals) -> str:
         return f" ({r.hedges} hedged, {r.hedges_cancelled} cancelled)" if r.hedges else ""
 
+    def replayed(n: int) -> str:
+        return f' <span class="muted">+ {n} replayed</span>' if n else ""
+
     rows = "".join(
         f'<tr data-run="{html.escape(r.source or "spans")}"><td>{html.escape(r.source or "spans")}</td>'
-        f'<td>{html.escape(", ".join(r.models))}</td><td class="num">{r.sets}</td><td class="num">{r.questions}</td>'
+        f'<td>{html.escape(", ".join(r.models))}</td><td class="num">{r.sets}{replayed(r.replayed)}</td>'
+        f'<td class="num">{r.questions}</td>'
         f'<td class="num">{r.reads}</td><td class="num">{count(r.canvas_tokens or None)}</td>'
         f'<td class="num">{secs(r.decide_s)}</td><td class="num">{r.escalated} of {r.questions}</td>'
         f'<td class="num">{r.target_calls} of {r.sets}{hedges(r)}</td><td class="num">{r.calls_saved}</td>'
@@ -333,7 +369,8 @@ def _runs_section(report: Report) -> str:
             "decision sets, the questions escalated (path escalated, any cause), the target calls made and "
             "saved, their tokens and time (decision time: the decision sets end to end); ≈ marks an estimate, "
             "the mean measured target call times the decision "
-            "sets (– when no target call reported it). Canvas reads and their tokens are routing's own cost."
+            "sets (– when no target call reported it). Canvas reads and their tokens are routing's own cost. "
+            "Decision sets a cache replayed (+ N replayed) read nothing and are not counted as saved by routing."
             f"</p>{plumbing}<table id=\"runs\"><thead><tr><th>run</th><th>canvas model</th>"
             '<th class="num">decision sets</th><th class="num">questions</th><th class="num">canvas reads</th>'
             '<th class="num">canvas tokens</th><th class="num">decision time</th><th class="num">escalated</th>'
@@ -441,6 +478,7 @@ generated {_when(time.time_ns())}</div></header>
 <h2>Saved by routing</h2>{_runs_section(report)}
 <h2>The graph</h2>{_graph_section(report, index)}
 <h2>Graph nodes</h2><div class="legend">{legend}</div>{nodes}
+<h2>Guarantees</h2>{_guarantees_section(report, index)}
 <h2>Shadow mode</h2>{_shadow_section(report, index)}
 <h2>Canvas vs escalation agreement</h2>{_agreement_section(report, index)}
 <h2>Latency</h2>{_latency_section(report)}

@@ -140,7 +140,9 @@ class RunTotals:
 
     Measured: decision sets, questions, canvas reads, escalated questions, target calls, their
     tokens and seconds. Estimated (`if_all_to_target_*`): the mean measured target call times the
-    decision sets; None when no target call reported it.
+    decision sets; None when no target call reported it. The figures are the runs' `Totals`: a
+    `DecisionCache` hit (a decide span marked `canvasroute.cache.hit`) decided nothing, so it is
+    counted apart (`replayed`), never as a decision set routing answered without the target.
     """
 
     source: str
@@ -148,7 +150,7 @@ class RunTotals:
     models: dict[str, str] = field(default_factory=dict)
     """Its canvas models, name to provider."""
     sets: int = 0
-    """Decision sets (decide spans, cache hits included)."""
+    """Decision sets decided (decide spans, cache hits left out: `replayed`)."""
     questions: int = 0
     reads: int = 0
     """Canvas reads sent (`canvasroute.canvas_reads` of the decide spans)."""
@@ -164,7 +166,9 @@ class RunTotals:
     canvas_tokens: int = 0
     """Tokens (input + output) of the canvas reads that reported usage: routing's own cost."""
     decide_s: float = 0.0
-    """Seconds of the decision sets, end to end (escalations included)."""
+    """Seconds of the decision sets, end to end (escalations and replays included)."""
+    replayed: int = 0
+    """Decision sets a `DecisionCache` replayed (cache hits): nothing read, nothing escalated."""
     hedges: int = 0
     """Target calls made as hedges beside re-reads (`escalate` spans marked `canvasroute.hedge`)."""
     hedges_cancelled: int = 0
@@ -191,8 +195,8 @@ class RunTotals:
                          self.escalated + other.escalated, self.target_calls + other.target_calls,
                          self.target_tokens + other.target_tokens, self.calls_with_usage + other.calls_with_usage,
                          self.target_s + other.target_s, self.canvas_tokens + other.canvas_tokens,
-                         self.decide_s + other.decide_s, self.hedges + other.hedges,
-                         self.hedges_cancelled + other.hedges_cancelled)
+                         self.decide_s + other.decide_s, self.replayed + other.replayed,
+                         self.hedges + other.hedges, self.hedges_cancelled + other.hedges_cancelled)
 
 
 @dataclass(slots=True)
@@ -308,8 +312,11 @@ def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],
     batches: Counter[str] = Counter()  # canvas reads per decide span, for spans without canvas_reads
     for s in decides:
         run = runs.setdefault(s.source, RunTotals(s.source))
-        run.sets += 1
         run.decide_s += s.duration_s
+        if s.attributes.get(tm.CACHE_HIT) is True:  # a replay decided nothing (`Totals`)
+            run.replayed += 1
+            continue
+        run.sets += 1
         questions = figures[s.span_id].values()
         run.questions += sum("path" in f for f in questions)
         run.escalated += sum(f.get("path") == "escalated" for f in questions)

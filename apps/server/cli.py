@@ -45,6 +45,9 @@ The gate, in one order: the --policy file (its per-question fits included), then
 --max-normalized-entropy and --rereads for every question (fits included), then a
 request's own samples, auto_max and auto_threshold for that request. auto_threshold only
 asks for more reads (re-read above it); whether an answer escalates stays the server's gate.
+A certified gate (`canvasroute calibrate --max-error`) keeps its certificate while the flags
+and a request's keys leave it as it was tested; one they change serves without it (a warning
+at start for flags), and an uncertified gate passes nothing whatever they say.
 
 Outcomes: --on-uncertain escalate|answer, --on-abstain escalate|answer, --on-engine-error
 escalate|raise. A server cannot review (no human lane over HTTP), raise for an uncertain
@@ -272,7 +275,13 @@ def _policy(args: argparse.Namespace) -> Any:
     policy = load_policy(args.policy) if args.policy else GatePolicy()
     flags = {k: v for k, v in (("max_normalized_entropy", args.max_normalized_entropy),
                                ("rereads", args.rereads)) if v is not None}
-    return resolve_gate(policy, flags)
+    served = resolve_gate(policy, flags)
+    if voided := sorted(qid for qid, gate in policy.per_question.items() if gate.certificate is not None
+                        and gate.certificate.certified and served.for_question(qid).certificate is None):
+        log.warning("%s moves the certified gates of %s off what calibrate certified: they serve without their "
+                    "certificates (no bound is claimed for them)",
+                    " and ".join(f"--{k.replace('_', '-')}" for k in flags), ", ".join(voided))
+    return served
 
 
 def _escalation(args: argparse.Namespace) -> Any:

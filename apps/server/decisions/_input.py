@@ -1,5 +1,12 @@
 """`input`: text, or items (messages, tool calls and their outputs) read into langchain-core messages,
-a transcript and the images, each tool output matched to its call."""
+a transcript and the images, each tool output matched to its call.
+
+The transcript is the one the library writes for the same messages (`canvasroute.router._state`:
+`read_state(messages)` is this transcript): `speaker: text` per message (`human`, `ai`, `system`,
+`developer`), a message's parts one line each (`[image N]` for an image, `[refusal] text`), each
+call on a line of its own with its arguments exactly as sent, each output naming its call. The
+messages keep each call as sent (a `function_call` / `custom_tool_call` content block, as
+langchain-openai keeps a Responses API call), so they read back as the same text."""
 
 from __future__ import annotations
 
@@ -99,25 +106,27 @@ class _Input:
         if kind == "function_call":
             arguments = string(required(item, "arguments", path), (*path, "arguments"))
             call = _tool_call(tool, arguments, call_id)
-            block: dict[str, Any] | None = None
-            self.lines.append(f"ai: [call {tool} id={call_id}] {arguments}")
+            block = {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+            line = f"ai: [call {tool} id={call_id}] {arguments}"
         else:
             given = string(required(item, "input", path), (*path, "input"))
             call = {"type": "tool_call", "name": tool, "args": {"__arg1": given}, "id": call_id}
             block = {"type": "custom_tool_call", "call_id": call_id, "name": name, "input": given}
-            self.lines.append(f"ai: [custom call {tool} id={call_id}] {given}")
+            line = f"ai: [custom call {tool} id={call_id}] {given}"
         last = self.messages[-1] if self.messages else None
         if not isinstance(last, AIMessage):  # calls right after an assistant turn belong to it (one AIMessage)
             last = AIMessage(content=[])
             self.messages.append(last)
+        elif not (last.tool_calls or last.invalid_tool_calls or last.text) and self.lines[-1] == "ai: ":
+            self.lines.pop()  # an empty assistant turn before its calls: the calls are the turn
+        self.lines.append(line)
         valid = call["type"] == "tool_call"
         calls = [*(last.tool_calls if valid else last.invalid_tool_calls), call]
-        update: dict[str, Any] = {"tool_calls" if valid else "invalid_tool_calls": calls}
-        if block is not None:
-            content = last.content if isinstance(last.content, list) else (
-                [{"type": "text", "text": last.content}] if last.content else [])
-            update["content"] = [*content, block]
-        self.messages[-1] = last.model_copy(update=update)
+        # the call as sent, in content order, as langchain-openai keeps a Responses API call
+        content = last.content if isinstance(last.content, list) else (
+            [{"type": "text", "text": last.content}] if last.content else [])
+        self.messages[-1] = last.model_copy(update={"tool_calls" if valid else "invalid_tool_calls": calls,
+                                                    "content": [*content, block]})
 
     def output(self, kind: str, item: Mapping[str, Any], path: Path) -> None:
         call_id = string(required(item, "call_id", path), (*path, "call_id"), empty=False)
