@@ -666,6 +666,41 @@ async def test_both_wires_say_an_answer_was_hedged():
     assert 'canvasroute_server_hedges_total{outcome="won"} 2.0' in metrics
 
 
+def test_eval_measures_a_hedged_cascade(tmp_path, monkeypatch, capsys):
+    """`canvasroute eval --hedge-band`: the cascade arm hedges, and its target calls count the hedges."""
+    import contextlib
+    import json
+
+    from langchain_core.messages import AIMessage
+    from langchain_core.runnables import RunnableLambda
+
+    from canvasroute.apps.cli import main
+    from canvasroute.apps.eval import command
+
+    cases = [("refund please", "yes", BORDERLINE), ("it is urgent", "yes", SURE), ("maybe later", "no", BORDERLINE)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps({"state": s, "questions": {"urgent": URGENT.model_dump(mode="json")},
+                                          "gold": {"urgent": g}}) for s, g, _ in cases))
+
+    def rows(read: Any) -> Any:  # every read of a row says the same: a borderline row stays borderline
+        p = next(p for s, _, p in cases if s in read.messages[-1]["content"])
+        return label_rows(engine, {"yes": math.log(p), "no": math.log(1 - p)}, read)
+
+    engine = FunctionEngine(rows)
+
+    @contextlib.contextmanager
+    def target(args: Any) -> Any:
+        yield RunnableLambda(lambda messages: AIMessage(json.dumps({"urgent": "no"})))
+
+    monkeypatch.setattr(command, "open_engine", lambda args: engine)
+    monkeypatch.setattr(command, "open_target", target)
+    assert main(["eval", str(data), "--threshold", "0.8", "--rereads", "1", "--hedge-band", "0.1", "--json",
+                 "--no-plots"]) == 0
+    cascade = json.loads(capsys.readouterr().out)["arms"]["cascade"]
+    assert (cascade["target_calls"], cascade["hedges"], cascade["escalations"]) == (2, 2, 2)
+    assert cascade["paths"] == {"canvas": 1, "escalated": 2}
+
+
 def test_totals_add_up_hedges():
     one = Totals(decisions=1, target_calls=2, hedges=1, hedges_cancelled=1)
     assert (one + one).as_dict()["hedges_cancelled"] == 2
