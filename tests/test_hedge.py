@@ -449,6 +449,29 @@ async def test_a_real_engine_connection_survives_a_cancelled_reread():
             await engine.aclose()
 
 
+@pytest.mark.vllm
+async def test_a_hedged_decision_on_the_real_vllm_server(vllm_url):
+    """The tiny random DiffusionGemma on the real vLLM CPU server (near chance: plumbing only): every
+    read is over the gate and within the band, so the target is asked beside the re-reads; whichever
+    ends first (a tiny model's re-reads are fast), the target answers, once, and the same engine then
+    decides again as usual. (A re-read cut mid-request is the loopback test's: it holds the reply.)"""
+    engine = VLLMServerEngine(vllm_url)
+    target = ScriptedTarget(script=lambda qid, options, text: options[0])
+    gate = GatePolicy(max_normalized_entropy=0.0, rereads=2)  # every read is over the gate, within the band 1.0
+    model = CanvasDecisionModel(engine=engine, policy=gate, escalate_to=Escalation(target, hedge=Hedge(band=1.0)))
+    try:
+        resp = await model.adecide(TICKET, ONE)
+        report = resp.reads["urgent"]
+        assert (report.path, report.hedged, report.cause) == ("escalated", True, "uncertain") and target.calls == 1
+        assert report.reads in (1, 3) and resp.canvas_reads == 3 and resp.diagnostics.hedges == ["won"]
+        assert resp.totals.target_calls == 1
+        again = await CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=None)).adecide(
+            TICKET, ONE)
+        assert again.reads["urgent"].path == "canvas" and again.reads["urgent"].reads == 1
+    finally:
+        await engine.aclose()
+
+
 # -- Hedge, the value ----------------------------------------------------------------------
 
 
