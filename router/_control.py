@@ -22,8 +22,12 @@ canvas is unsure of.
 
 Bounds (anti-windup): `low`/`high` are `-max_offset`/`max_offset`, narrowed so the threshold stays
 within [0, 1], and `high` is 0 for a gate with a `Certificate` unless `loosen_certified`: a
-certified gate is only tightened. An update that would leave the bounds stops at them (it is
-not integrated), so the offset never winds up past what it can apply. An uncertified gate
+certified gate is only tightened, so it never passes an answer its certified threshold would
+not. A gate the controller moved drops its certificate for that decision (as any override does:
+the bound was proved on the certified threshold, and Learn then Test's sequence does not cover
+every stricter one), so its `gate` text claims nothing it was not proved for; held at its
+certified threshold it keeps it. An update that would leave the bounds stops at them (it is not
+integrated), so the offset never winds up past what it can apply. An uncertified gate
 (`certified=False`) passes nothing whatever its threshold: the controller leaves it alone, as it
 does a gate without an entropy threshold.
 
@@ -225,8 +229,8 @@ def steered(request: DecisionRequest, pinned: Mapping[str, float] | None = None)
                 threshold = round(round(threshold / c.resolution) * c.resolution, 10)
         threshold = min(max(threshold, base + low, 0.0), base + high, 1.0)  # rounding never loosens past high
         settings[qid] = ControlSetting(base, threshold, low, high)
-        if threshold != base:
-            changed[qid] = replace(g, per_question={}, max_normalized_entropy=threshold)
+        if threshold != base:  # a moved gate no longer claims its certificate: it was proved on its own threshold
+            changed[qid] = replace(g, per_question={}, max_normalized_entropy=threshold, certificate=None)
     if not changed:
         return replace(request, controlled=settings)
     gate = replace(request.gate, per_question={**request.gate.per_question, **changed})

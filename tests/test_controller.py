@@ -97,7 +97,9 @@ def decisions(model: CanvasDecisionModel, qid: str = "urgent") -> int:
 
 
 def gate_threshold(report: Any) -> float:
-    return float(report.gate.split()[-1])
+    found = re.match(r"H/lnK <= ([0-9.]+)", report.gate)
+    assert found is not None, report.gate
+    return float(found.group(1))
 
 
 async def loosen(model: CanvasDecisionModel, n: int = 10) -> None:
@@ -416,11 +418,12 @@ async def test_a_certified_gate_is_only_ever_tightened_unless_told():
     model = controlled(policy=certified)
     for i in range(20):  # everything escalates: the controller would loosen, the certificate forbids it
         report = (await model.adecide(f"h=0.6 c{i}", {"urgent": URGENT})).reads["urgent"]
-        assert gate_threshold(report) == 0.3
+        assert gate_threshold(report) == 0.3 and "certified" in report.gate  # held at it: it still claims its bound
     assert offset(model) == 0.0, "no windup against the certified bound either"
     for i in range(20):  # nothing escalates: tightening is allowed
         report = (await model.adecide(f"h=0.0 t{i}", {"urgent": URGENT})).reads["urgent"]
     assert gate_threshold(report) < 0.3
+    assert "certified" not in report.gate, "a moved gate does not claim a bound proved on another threshold"
     told = controlled(policy=certified, controller=Controller(target=TARGET, loosen_certified=True))
     for i in range(5):
         report = (await told.adecide(f"h=0.6 l{i}", {"urgent": URGENT})).reads["urgent"]

@@ -53,6 +53,7 @@ QUESTIONS = {"urgent": Noul(instructions="Does the customer need an answer withi
 SHAPES = {"urgent": ((3.0, 7.0), (5.0, 5.0)), "team": ((5.0, 5.0), (3.0, 6.0))}
 """Each question's Beta (a, b) before and after the drift."""
 _TICKET = re.compile(r"ticket (\d+)")
+_GATE = re.compile(r"H/lnK <= ([0-9.]+)")
 
 
 def entropy_probs(h: float, k: int, top: int = 0) -> list[float]:
@@ -175,7 +176,8 @@ async def _run(stream: DriftStream, base: dict[str, float], controller: Controll
             response = await model.adecide(f"ticket {i}", QUESTIONS)
             for qid, report in response.reads.items():
                 escalated[qid][i] = not report.confident
-                thresholds[qid][i] = float((report.gate or "0").split()[-1])
+                found = _GATE.match(report.gate or "")
+                thresholds[qid][i] = float(found.group(1)) if found else math.nan
 
     start = time.perf_counter()
     await asyncio.gather(*(worker(m) for m in models))
