@@ -26,7 +26,17 @@ from langgraph.types import Command, Send
 from prometheus_client.parser import text_string_to_metric_families
 from typing_extensions import TypedDict
 
-from canvasroute.apps.bench.controller import QUESTIONS, DriftStream, entropy_probs, stream_engine
+from canvasroute.apps.bench.controller import (
+    QUESTIONS,
+    DriftStream,
+    entropy_probs,
+    off_windows,
+    reached,
+    run_stream,
+    settled,
+    stream_engine,
+)
+from canvasroute.apps.cli import main
 from canvasroute.apps.server import create_app
 from canvasroute.engine import CanvasRead, EngineUnavailable, FunctionEngine
 from canvasroute.harness import (
@@ -498,3 +508,44 @@ def test_serve_flags_give_the_served_model_its_controller():
         serve.build_model(_args([*base, "--controller-step", "0.05"]))
     with pytest.raises(ValueError, match=r"Controller\.target"):
         serve.build_model(_args([*base, "--target-escalation", "1.5"]))
+
+
+# -- the bench ------------------------------------------------------------------------------------
+
+
+def test_the_bench_figures_mean_what_they_say():
+    on_target = [i % 5 == 0 for i in range(3000)]  # exactly 20 %: in 2 points once the first few decisions are in
+    assert settled(on_target, 1000, TARGET, 500) == 36 and off_windows(on_target, 1500, TARGET, 500) == 0
+    late = [False] * 1000 + [True] * 300 + on_target[1300:]  # 300 escalations after the drift, then 20 %
+    # in 2 points once at most 12 of the burst are left in the 500-window: 1,288 + 499 = 1,787
+    assert settled(late, 1000, TARGET, 500) == 787
+    assert settled([True] * 2000, 1000, TARGET, 500) is None
+    assert reached([0.4] * 1005 + [0.63] * 995, 1000, 0.62) == 5 and reached([0.4] * 2000, 1000, 0.62) is None
+
+
+async def test_four_workers_on_one_store_hold_the_target_after_the_drift_the_bench_runs():
+    """The bench's run at a small size: four concurrent workers, each its own state on one store."""
+    stream = DriftStream(1400, 400, seed=35)
+    base = {qid: stream.quantile(qid, 1 - TARGET, after=False) for qid in QUESTIONS}
+    run = await run_stream(stream, base, Controller(target=TARGET), 4)
+    for qid in QUESTIONS:
+        rate = sum(run.escalated[qid][700:]) / 700
+        assert abs(rate - TARGET) <= 0.02, (qid, rate)
+        assert abs(sum(h > base[qid] for h in stream.entropy[qid][700:]) / 700 - TARGET) > 0.15  # fixed: off
+    assert run.syncs >= 1400 // 4 // 4  # every worker read the others' shares every 4 decisions at least
+
+
+@pytest.mark.slow
+def test_the_bench_section_reports_the_controller_beside_fixed_and_oracle_thresholds(capsys):
+    assert main(["bench", "--quick", "--json", "--only", "controller"]) == 0
+    import json
+
+    section = json.loads(capsys.readouterr().out)["sections"]["controller"]
+    rows = {(r["question"], r["gate"]): r for r in section["rows"]}
+    assert set(rows) == {(q, g) for q in QUESTIONS for g in ("controller", "fixed (base)", "fixed at ideal")}
+    for qid in QUESTIONS:
+        held, fixed = rows[qid, "controller"], rows[qid, "fixed (base)"]
+        assert abs(held["rate after"] - TARGET) <= 0.02 and abs(fixed["rate after"] - TARGET) > 0.15
+        assert held["settled after"] is not None and fixed["settled after"] is None
+        assert held["windows off"] < rows[qid, "fixed at ideal"]["windows off"]
+    assert section["workers"] == 4 and section["store_reads"] > 0

@@ -43,8 +43,8 @@ from canvasroute.router.testing import ScriptedTarget
 
 from .common import Section
 
-__all__ = ["QUESTIONS", "DriftStream", "entropy_probs", "off_windows", "reached", "run_controller", "settled",
-           "stream_engine"]
+__all__ = ["QUESTIONS", "DriftStream", "StreamRun", "entropy_probs", "off_windows", "reached", "run_controller",
+           "run_stream", "settled", "stream_engine"]
 
 QUESTIONS = {"urgent": Noul(instructions="Does the customer need an answer within the hour?"),
              "team": Choice(instructions="Which team owns this ticket?",
@@ -151,14 +151,21 @@ def off_windows(escalated: Sequence[bool], start: int, target: float, window: in
 
 
 @dataclass(slots=True)
-class _Run:
+class StreamRun:
+    """What the workers did with a stream: per question and decision, whether the gate did not
+    pass it and the threshold it was held to."""
+
     escalated: dict[str, list[bool]]
     thresholds: dict[str, list[float]]
     seconds: float
     syncs: int
+    """Reads of the store, over every worker."""
 
 
-async def _run(stream: DriftStream, base: dict[str, float], controller: Controller | None, workers: int) -> _Run:
+async def run_stream(stream: DriftStream, base: dict[str, float], controller: Controller | None,
+                     workers: int) -> StreamRun:
+    """`workers` models on one `InMemoryStore`, each with its own `StoreControllerState` (none
+    without a controller), taking the stream's decisions in turn, concurrently; gated at `base`."""
     store = InMemoryStore()
     models = []
     for _ in range(workers):
@@ -183,7 +190,7 @@ async def _run(stream: DriftStream, base: dict[str, float], controller: Controll
     await asyncio.gather(*(worker(m) for m in models))
     seconds = time.perf_counter() - start
     syncs = sum(m.controller_counters.get("syncs", 0) for m in models)
-    return _Run(escalated, thresholds, seconds, syncs)
+    return StreamRun(escalated, thresholds, seconds, syncs)
 
 
 def run_controller(quick: bool) -> Section:
@@ -195,8 +202,8 @@ def run_controller(quick: bool) -> Section:
                                                        "excess escalations", "threshold", "ideal", "dec/s"])
     stream = DriftStream(n, drift, seed=35)
     base = {qid: stream.quantile(qid, 1 - controller.target, after=False) for qid in QUESTIONS}
-    runs = {"on": asyncio.run(_run(stream, base, controller, workers)),
-            "off": asyncio.run(_run(stream, base, None, workers))}
+    runs = {"on": asyncio.run(run_stream(stream, base, controller, workers)),
+            "off": asyncio.run(run_stream(stream, base, None, workers))}
     for qid in QUESTIONS:
         ideal = stream.quantile(qid, 1 - controller.target, after=True)
         oracle = [h > (ideal if i >= drift else base[qid]) for i, h in enumerate(stream.entropy[qid])]
