@@ -9,10 +9,11 @@ _model       CanvasDecisionModel: builds requests (`request`) and runs them (`ar
 _request     DecisionRequest: state as read, questions, read options, gate, outcomes, escalation, identity
 _questions   the one validator (model, client, server), canvas views of questions, dependencies
 _state       how a state is rendered as text, and its images
-_policy      GatePolicy, OutcomePolicy, Escalation, EscalationBudget; gate overrides; policy files
+_policy      GatePolicy, OutcomePolicy, Escalation, EscalationBudget, Controller; gate overrides; policy files
 _plan        chunks that fit a canvas, one-token labels, prompts, two-read routes, length checks
 _read        samples, per-chunk re-reads, in-group reads, thoughts -> per-question distributions
 _decision    one run: stages, escalation under the budget (_budget), the outcome rules, reports
+_control     the escalation-rate controller: thresholds set at a run's start, outcomes observed at its end
 _escalation  the target call: prompt, structured output, reading the reply
 _types       ReadReport, CanvasResponse, Diagnostics, Tally, Totals: the outcome vocabulary (path, cause, replay)
 _schema      questions from a pydantic model or TypedDict, answers back into it (with_structured_output)
@@ -27,12 +28,15 @@ from typing import Any
 
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
+from ._control import ControllerState, InMemoryControllerState
 from ._escalation import ESCALATION_PROMPT, Asked, Escalated, escalate, target_name
 from ._model import CanvasDecisionModel
 from ._policy import (
     ACTIONS,
     MAX_SAMPLES,
     Certificate,
+    Controller,
+    ControlSetting,
     Escalation,
     EscalationBudget,
     GatePolicy,
@@ -96,6 +100,9 @@ __all__ = [
     "CanvasDecisionModel",
     "CanvasResponse",
     "Certificate",
+    "ControlSetting",
+    "Controller",
+    "ControllerState",
     "DecisionCache",
     "DecisionRequest",
     "Diagnostics",
@@ -105,6 +112,7 @@ __all__ = [
     "GatePolicy",
     "Identity",
     "InMemoryBudgetMeter",
+    "InMemoryControllerState",
     "JsonlSpanExporter",
     "Labelled",
     "OutcomePolicy",

@@ -13,6 +13,8 @@ escalates, takes a declared fallback, or raises; when its escalation fails too, 
 names both and keeps the engine's attempts. Every budget grant that does not become an
 escalation is refunded. Every absorbed fault is logged (WARNING, logger
 `canvasroute.router`), marked on the `decide` span and counted (`canvasroute.faults`).
+An escalation-rate controller (`canvasroute.router._control`) sets the thresholds at the start
+of a run and observes its outcomes at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from canvasroute.engine import (
 )
 
 from . import telemetry as tm
+from ._control import observe, steer
 from ._escalation import Asked, Escalated, Restated, escalate, target_name
 from ._plan import Plan, Planner, Prompt
 from ._questions import QuestionSpec
@@ -76,6 +79,10 @@ class Decision:
 
     async def run(self) -> CanvasResponse:
         start = time.perf_counter()
+        refresh_fault = None
+        if self.request.escalation is not None and self.request.escalation.controller is not None:
+            # the controller's thresholds, once: every stage and the cache key see them
+            self.request, refresh_fault = await steer(self.request)
         request, specs = self.request, self.request.questions.specs
         fault: CanvasRouteError | None = None
         info: EngineInfo | None = None
@@ -105,6 +112,8 @@ class Decision:
             span.set_attribute(tm.CANVAS_READS, run.canvas_reads)
             _note_faults(span, reports, request)
             tm.record_reports(span, reports, latency, model, request.gates, attrs)
+            if request.controlled is not None or refresh_fault is not None:
+                await observe(request, reports, span, refresh_fault)  # once per decision (a cache hit returned)
         response = CanvasResponse.model_validate({
             "model": model,
             "answers": {r.question_id: answer_of(specs[r.question_id], r) for r in reports if r.path != "skipped"},

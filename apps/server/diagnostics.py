@@ -6,7 +6,8 @@ vLLM's gateway requires `diagnostics` in every 200 (its `systemone-openapi.yaml`
 decision's `CanvasResponse.diagnostics` and read reports; canvasroute adds `constrained`,
 `formats`, `canvas_reads` and `ignored` (request keys it did not read), and per question
 its `path`, `cause` (why the gate did not pass it: `uncertain`, `abstained`, `engine_fault`,
-`over_budget`; null when it passed) and `reads`.
+`over_budget`; null when it passed), `reads` and `gate` (the gate it was held to, e.g.
+`H/lnK <= 0.43`: under an escalation-rate controller, the threshold it set for this request).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def diagnostics(resp: Any, parsed: Parsed, engine: str) -> dict[str, Any]:
         "prompt_tokens": diag.prompt_tokens or None,
         "questions": {qid: {"pos": r.slot, "entropy": r.read_entropies, "label_mass": r.label_mass,
                             "argmax_is_label": r.argmax_is_label, "path": r.path, "cause": r.cause,
-                            "reads": r.reads}
+                            "reads": r.reads, "gate": r.gate}
                       for qid, r in answered.items()},
         "constrained": diag.constrained,
         "formats": diag.formats,
