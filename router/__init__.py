@@ -16,7 +16,7 @@ _decision    one run: stages, escalation under the budget (_budget), the outcome
 _escalation  the target call: prompt, structured output, reading the reply
 _types       ReadReport, CanvasResponse, Diagnostics, Tally, Totals: the outcome vocabulary (path, cause, replay)
 _schema      questions from a pydantic model or TypedDict, answers back into it (with_structured_output)
-systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
+systemone    SystemOneDecisionModel, SystemOneResponse: the same answers from any /v1/systemone server
 ```
 
 Public modules beside this surface: `canvasroute.router.telemetry` (span and attribute names,
@@ -76,7 +76,7 @@ from .calibration import (
     expected_calibration_error,
     fit_temperature,
 )
-from .systemone import SystemOneDecisionModel
+from .systemone import SystemOneDecisionModel, SystemOneResponse
 from .telemetry import add_otlp_exporter
 
 __all__ = [
@@ -118,6 +118,7 @@ __all__ = [
     "StateView",
     "StructuredDecision",
     "SystemOneDecisionModel",
+    "SystemOneResponse",
     "Tally",
     "ThoughtReport",
     "Totals",

@@ -14,7 +14,6 @@ taken, and run it whole with `arun`; another `BaseDecisionModel` is asked its st
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -148,18 +147,20 @@ class SystemOneWire(Wire):
         return await self.served.decide(job)
 
     async def reply(self, parsed: Parsed, response: Any, name: str, decision_id: str) -> dict[str, Any]:
+        """System One's `model`, `answers` and `usage`; the gateway's `diagnostics` (its contract
+        requires it on every 200); canvasroute's own figures only in `canvasroute` objects, one per
+        answer and one for the decision."""
         reads: Mapping[str, Any] = getattr(response, "reads", {}) or {}
         usage = response.usage or {}
         return {
-            "id": decision_id,
-            "object": "structured_decision",
-            "created": int(time.time()),
             "model": public_name(response.model or name),
             "answers": {qid: _jev_answer(response.answers[qid], reads.get(qid)) for qid in parsed.questions
                         if qid in response.answers},  # a skipped question has none: diagnostics.skipped says why
             "usage": {"input_tokens": int(usage.get("input_tokens", 0)),
                       "output_tokens": int(usage.get("output_tokens", 0))},
             "diagnostics": diagnostics(response, parsed, await self.served.provider()),
+            "canvasroute": {"decision_id": decision_id, "canvas_reads": getattr(response, "canvas_reads", 0),
+                            "ignored": list(parsed.ignored)},
         }
 
     def error(self, exc: Refusal | DecisionsWireError, request_id: str | None) -> tuple[Response, str]:
@@ -168,11 +169,9 @@ class SystemOneWire(Wire):
 
 
 def _jev_answer(answer: Any, report: Any) -> dict[str, Any]:
+    """An answer in System One's shape (a noul: `noul` alone; a choice and a score: their
+    `probabilities` and `confidence`), with the read report's figures in its `canvasroute` object."""
     out: dict[str, Any] = answer.model_dump(mode="json")
-    if out["type"] == "noul":  # vLLM's gateway also reports these for a noul
-        p = out["noul"]
-        out["probabilities"] = {"yes": p, "no": 1.0 - p}
-        out["confidence"] = max(p, 1.0 - p)
     if report is not None:
         out["canvasroute"] = extension(report)
     return out
