@@ -224,22 +224,50 @@ async def test_answer_shapes_match_vllms_own_gateway(vllm_url, which):
 # -- shapes, extension and errors (FunctionEngine) ----------------------------------------
 
 
+SYSTEM_ONE_KEYS = {"noul": {"type", "noul"}, "choice": {"type", "choice", "probabilities", "confidence"},
+                   "score": {"type", "score", "legend", "probabilities", "confidence"}}
+"""Each answer's fields as System One defines them (TypeSafe's Jev and vLLM's gateway alike)."""
+
+
 async def test_answers_carry_the_jev_fields_and_the_canvasroute_extension():
+    """Issue 34.7: a reply holds System One's fields (`model`, `answers`, `usage`), the gateway's
+    `diagnostics` (its contract requires it), and canvasroute's own figures only under `canvasroute`
+    objects: no top-level `id`/`object`/`created`, no `probabilities`/`confidence` on a noul. A
+    Choice's and a Score's confidence is System One's: `(p - 1/K) / (1 - 1/K)` of the answer."""
     async with client(create_app(function_model())) as http:
         r = await http.post("/v1/systemone", json=BODY)
-    assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"]
     data = r.json()
-    assert data["object"] == "structured_decision" and data["model"] == "function"
+    assert r.status_code == 200 and r.headers["x-request-id"] == data["canvasroute"]["decision_id"]
+    assert set(data) == {"model", "answers", "usage", "diagnostics", "canvasroute"} and data["model"] == "function"
+    assert set(data["canvasroute"]) == {"decision_id", "canvas_reads", "ignored"} and data["canvasroute"]["canvas_reads"]
     assert set(data["usage"]) == {"input_tokens", "output_tokens"}
+    for answer in data["answers"].values():
+        assert set(answer) == SYSTEM_ONE_KEYS[answer["type"]] | {"canvasroute"}
     urgent, team, sev = (data["answers"][q] for q in ("urgent", "team", "sev"))
     assert urgent["type"] == "noul" and urgent["noul"] > 0.99
-    assert urgent["probabilities"] == {"yes": urgent["noul"], "no": pytest.approx(1 - urgent["noul"])}
-    assert team["choice"] == "billing" and team["confidence"] == team["probabilities"]["billing"]
+    assert team["choice"] == "billing" and team["confidence"] == pytest.approx(
+        (team["probabilities"]["billing"] - 1 / 3) / (1 - 1 / 3))
     assert sev["legend"] == {"0": "low", "1": "medium", "2": "high"} and set(sev["probabilities"]) == {"0", "1", "2"}
     assert sev["score"] == pytest.approx(sum(int(k) * p for k, p in sev["probabilities"].items()))
+    assert sev["confidence"] == pytest.approx((sev["probabilities"]["0"] - 1 / 3) / (1 - 1 / 3))
     ext = team["canvasroute"]
     assert ext["path"] == "canvas" and ext["confident"] is True and ext["reads"] == 1
     assert ext["labels"] == ["A", "B", "C"] and 0 <= ext["normalized_entropy"] < 0.1
+    assert ext["confidence"] == team["probabilities"]["billing"]  # the gate's figure: the canvas's top probability
+
+
+async def test_confidence_is_system_ones_on_every_answer():
+    """0 at an even distribution, 1 with all the mass on the answer; the library's answers and
+    the wire agree."""
+    even = function_model(uniform)
+    async with client(create_app(even)) as http:
+        data = (await http.post("/v1/systemone", json=BODY)).json()
+    assert data["answers"]["team"]["confidence"] == pytest.approx(0.0, abs=1e-9)
+    assert data["answers"]["sev"]["confidence"] == pytest.approx(0.0, abs=1e-9)
+    resp = await function_model().adecide(BODY["state"], BODY["questions"])
+    for qid in ("team", "sev"):
+        p = resp.reads[qid].probabilities[resp.reads[qid].answer]
+        assert resp.answers[qid].confidence == pytest.approx((p - 1 / 3) / (1 - 1 / 3))  # type: ignore[union-attr]
 
 
 async def test_health_and_models():
@@ -333,8 +361,9 @@ async def test_a_body_that_is_not_a_json_object_is_400(body):
 
 @pytest.mark.parametrize(("question", "kind"), [
     ({"type": "box", "instructions": "the logo"}, "unsupported_question"),
-    ({"type": "choice", "instructions": "Which?", "criteria": {}}, "invalid_question"),
-    ({"type": "score", "instructions": "How much?", "criteria": ["only one level"]}, "invalid_question"),
+    ({"type": "choice", "instructions": "Which?", "criteria": {}}, "too_few_options"),
+    ({"type": "choice", "instructions": "Which?", "criteria": {"only": None}}, "too_few_options"),
+    ({"type": "score", "instructions": "How much?", "criteria": ["only one level"]}, "too_few_levels"),
 ])
 async def test_unaskable_questions_are_422(question, kind):
     model = function_model()

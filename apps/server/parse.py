@@ -219,9 +219,15 @@ def _check_sizes(state: Any, shaped: dict[str, dict[str, Any]], limits: Limits) 
             raise Refusal(422, "text_too_long", f"question {qid!r}: instructions over {limits.max_text_chars} "
                           "characters", loc=(*where, "instructions"))
         criteria: Any = q.get("criteria")
+        if q["type"] == "choice" and len(criteria) < 2:
+            raise Refusal(422, "too_few_options", f"question {qid!r}: {len(criteria)} option(s); a choice has 2 to "
+                          f"{limits.max_options}", loc=(*where, "criteria"))
         if q["type"] == "choice" and len(criteria) > limits.max_options:
             raise Refusal(422, "too_many_options", f"question {qid!r}: {len(criteria)} options; at most "
                           f"{limits.max_options}", loc=(*where, "criteria"))
+        if q["type"] == "score" and len(criteria) < 2:
+            raise Refusal(422, "too_few_levels", f"question {qid!r}: {len(criteria)} level(s); a score has 2 to "
+                          f"{limits.max_levels}", loc=(*where, "criteria"))
         if q["type"] == "score" and len(criteria) > limits.max_levels:
             raise Refusal(422, "too_many_levels", f"question {qid!r}: {len(criteria)} levels; at most "
                           f"{limits.max_levels}", loc=(*where, "criteria"))
