@@ -42,7 +42,7 @@ from ._policy import (
     save_policy,
 )
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
-from ._read import SlotStats, aggregate, slot_stats
+from ._read import SlotStats, aggregate, slot_stats, system_one_confidence
 from ._request import (
     MAX_STEPS,
     MAX_THINK,
@@ -141,6 +141,7 @@ __all__ = [
     "save_policy",
     "slot_stats",
     "state_images",
+    "system_one_confidence",
     "target_name",
     "validate_questions",
 ]

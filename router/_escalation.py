@@ -453,10 +453,11 @@ def _logprob_distribution(logprobs: Any, spec: QuestionSpec, by_description: boo
     mass = dict.fromkeys(spec.options, 0.0)
     for entry in entries:
         token: str = entry["token"]
-        end, lead, prefix = offset + len(token), text[offset:start], text[start:offset]
-        offset = end
-        if end <= start:
-            continue  # before the value
+        end = offset + len(token)
+        if end <= start:  # before the value
+            offset = end
+            continue
+        lead, prefix, offset = text[offset:start], text[start:offset], end
         for alt in entry.get("top_logprobs") or ():
             other = alt.get("token") if isinstance(alt, Mapping) else None
             if isinstance(other, str) and other != token and other.startswith(lead):

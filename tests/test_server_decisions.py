@@ -234,15 +234,15 @@ def test_a_refusal_downstream_of_a_systemone_target_stays_a_refusal_upstream():
     on A's /v1/decisions; the other questions are B's answers."""
     script = {"urgent": Known(0.8), "team": Known({"billing": 0.3, "technical": 0.7}, confidence=0.6),
               "How severe?": Known({0: 0.2, 1: 0.5, 2: 0.3}), "flag": REFUSE}
-    with DecisionsServer(script, model="big-decider") as big:
-        with run_in_thread(create_app(function_model(uniform, escalate_to=decisions_target(big.url, "big-decider")))
-                           ) as b:
-            jev = SystemOneDecisionModel(Connection(b, retries=0), model="jev-latest")
-            with run_in_thread(create_app(function_model(uniform, escalate_to=jev))) as a:
-                decision = sdk(a).decisions.create(model="function", input=TICKET, questions=QUESTIONS)
-                systemone = httpx.post(f"{a}/v1/systemone", timeout=30, json={"state": TICKET, "questions": {
-                    "flag": {"type": "choice", "instructions": "Flag it?", "criteria": {"yes": None, "no": None}}}})
-                seen = metrics_of(a)
+    with DecisionsServer(script, model="big-decider") as big, \
+            run_in_thread(create_app(function_model(uniform, escalate_to=decisions_target(big.url, "big-decider")))
+                          ) as b:
+        jev = SystemOneDecisionModel(Connection(b, retries=0), model="jev-latest")
+        with run_in_thread(create_app(function_model(uniform, escalate_to=jev))) as a:
+            decision = sdk(a).decisions.create(model="function", input=TICKET, questions=QUESTIONS)
+            systemone = httpx.post(f"{a}/v1/systemone", timeout=30, json={"state": TICKET, "questions": {
+                "flag": {"type": "choice", "instructions": "Flag it?", "criteria": {"yes": None, "no": None}}}})
+            seen = metrics_of(a)
     urgent, team, severity, flag = decision.answers
     figures = [x.model_extra["canvasroute"] for x in decision.answers]  # type: ignore[index]
     assert [(f["path"], f["escalation_model"]) for f in figures[:3]] == [("escalated", "function")] * 3

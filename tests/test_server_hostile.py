@@ -124,8 +124,9 @@ INVALID = {  # a body that fails validation, and the place its detail names
     "a Box": ({"state": "x", "questions": {"q": {"type": "box"}}}, ["body", "questions", "q"]),
     "a dependency cycle": ({"state": "x", "questions": {"a": {**NOUL, "depends_on": ["b"]},
                                                        "b": {**NOUL, "depends_on": ["a"]}}}, ["body"]),
-    "an ask_if answer that is none": ({"state": "x", "questions": {"a": NOUL, "b": {**NOUL, "ask_if": {"a": ["maybe"]}}}},
-                                      ["body", "questions", "b", "ask_if", "a"]),
+    "an ask_if answer that is none": (
+        {"state": "x", "questions": {"a": NOUL, "b": {**NOUL, "ask_if": {"a": ["maybe"]}}}},
+        ["body", "questions", "b", "ask_if", "a"]),
     "samples 0": (_asking(samples=0), ["body", "samples"]),
     "a seed that is a boolean": (_asking(seed=True), ["body", "seed"]),
     "an image that is no image": (_asking(images=["https://example.com/a.png"]), ["body", "images", 0]),

@@ -154,6 +154,10 @@ class ValidationErrorResponse(ErrorResponse):
 class SystemOneNoulAnswer(BaseModel):
     type: Literal["noul"]
     noul: float = Field(ge=0, le=1, description="The probability of yes.")
+    probabilities: dict[str, float] | None = Field(None, description="yes and no (vLLM's field: only for a "
+                                                                     "request using its keys).")
+    confidence: float | None = Field(None, ge=0, le=1, description="System One's |2p - 1| (vLLM's field, as "
+                                                                   "`probabilities`).")
     canvasroute: dict[str, Any] | None = Field(None, description="How it was answered (canvasroute extension).")
 
 
@@ -182,12 +186,20 @@ class SystemOneExtension(BaseModel):
     ignored: list[str] = Field(description="Request keys this server did not read.")
 
 
+SystemOneAnswer = Annotated[SystemOneNoulAnswer | SystemOneChoiceAnswer | SystemOneScoreAnswer,
+                            Field(discriminator="type")]
+
+
 class SystemOneResponse(BaseModel):
     """System One's `model`, `answers`, `usage`; vLLM's gateway's `diagnostics`; canvasroute's own figures
-    only in `canvasroute` objects."""
+    only in `canvasroute` objects. A request that uses a key of vLLM's gateway also gets vLLM's `id`,
+    `object` and `created`, and a noul's `probabilities` and `confidence`."""
 
+    id: str | None = Field(None, description="The decision id (vLLM's field: only for a request using its keys).")
+    object: Literal["structured_decision"] | None = Field(None, description="vLLM's field, as `id`.")
+    created: int | None = Field(None, description="vLLM's field, as `id`.")
     model: str = Field(description="The served model that answered (also when the request named an alias).")
-    answers: dict[str, Annotated[SystemOneNoulAnswer | SystemOneChoiceAnswer | SystemOneScoreAnswer, Field(discriminator="type")]] = Field(
+    answers: dict[str, SystemOneAnswer] = Field(
         description="One answer per asked question; a question that ask_if skipped has none. A question the "
                     "escalation target refused keeps the canvas's answer, named in diagnostics.refused.")
     usage: dict[str, int]
