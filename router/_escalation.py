@@ -29,6 +29,9 @@ invalid reply shown. A failure is an `EscalationError` whose `failure` says what
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import json
 import math
 import re
@@ -371,7 +374,8 @@ def from_reply(name: str, reply: Any, specs: Sequence[QuestionSpec], parsed: Any
             raise ValueError(f"{spec.id!r}: {value!r} is not one of {list(spec.options)}")
         answers[spec.id] = option
         by_description[spec.id] = isinstance(value, str) and value.strip().casefold() != option.casefold()
-    probs = {s.id: _logprob_distribution(logprobs, s, by_description[s.id]) if logprobs else None for s in specs}
+    tokens = _Tokens.of(logprobs) if logprobs else None
+    probs = {s.id: _logprob_distribution(tokens, s, by_description[s.id]) if tokens else None for s in specs}
     for qid, dist in probs.items():  # a distribution that disagrees with the answer was mis-mapped
         if dist and max(dist, key=dist.__getitem__) != answers[qid]:
             probs[qid] = None
@@ -416,7 +420,31 @@ def _match(spec: QuestionSpec, value: Any) -> str | None:
     return described[0] if len(described) == 1 else None
 
 
-def _logprob_distribution(logprobs: Any, spec: QuestionSpec, by_description: bool = False) -> dict[str, float] | None:
+@dataclass(frozen=True, slots=True)
+class _Tokens:
+    """A reply's OpenAI-shaped logprobs, checked once for all its questions."""
+
+    entries: tuple[Mapping[str, Any], ...]
+    """One per token: `token`, `logprob`, `top_logprobs`."""
+    text: str
+    """The tokens' text: the reply as the logprobs spell it."""
+    ends: tuple[int, ...]
+    """Where each token ends in `text`."""
+
+    @classmethod
+    def of(cls, logprobs: Any) -> _Tokens | None:
+        """The logprobs' tokens (None when they are not OpenAI's shape)."""
+        content = logprobs.get("content") if isinstance(logprobs, Mapping) else logprobs
+        if not isinstance(content, Sequence) or not content:
+            return None
+        entries = tuple(content)
+        if not all(isinstance(e, dict) and isinstance(e.get("token"), str) for e in entries):
+            return None
+        return cls(entries, "".join(e["token"] for e in entries), tuple(itertools.accumulate(
+            len(e["token"]) for e in entries)))
+
+
+def _logprob_distribution(tokens: _Tokens, spec: QuestionSpec, by_description: bool = False) -> dict[str, float] | None:
     """The target's distribution over `spec`'s options, read exactly from OpenAI-shaped logprobs.
 
     The reply's tokens (their text is the reply) are walked from where the question's value
@@ -437,39 +465,29 @@ def _logprob_distribution(logprobs: Any, spec: QuestionSpec, by_description: boo
     option no path spells gets 0. None when the value is not in the logprobs or nothing in
     them names an option.
     """
-    content = logprobs.get("content") if isinstance(logprobs, Mapping) else logprobs
-    if not isinstance(content, Sequence) or not content:
-        return None
-    entries: list[Mapping[str, Any]] = [e for e in content
-                                        if isinstance(e, Mapping) and isinstance(e.get("token"), str)]
-    if len(entries) != len(content):
-        return None
-    text = "".join(e["token"] for e in entries)
+    text = tokens.text
     m = re.search(rf'"{re.escape(spec.id)}"\s*:\s*("?)', text)
     if m is None:
         return None
     names = _Spelled.of(spec, by_description, quoted=bool(m.group(1)))
-    start, offset, path = m.end(), 0, 0.0
+    start, path = m.end(), 0.0
     mass = dict.fromkeys(spec.options, 0.0)
-    for entry in entries:
+    first = bisect.bisect_right(tokens.ends, start)  # the first token that reaches past the value's start
+    value = text[start:]
+    for i in range(first, len(tokens.entries)):
+        entry, offset = tokens.entries[i], tokens.ends[i - 1] if i else 0
         token: str = entry["token"]
-        end = offset + len(token)
-        if end <= start:  # before the value
-            offset = end
-            continue
-        lead, prefix, offset = text[offset:start], text[start:offset], end
+        lead, prefix = text[offset:start], text[start:offset]
         for alt in entry.get("top_logprobs") or ():
-            other = alt.get("token") if isinstance(alt, Mapping) else None
+            other = alt.get("token") if isinstance(alt, dict) else None
             if isinstance(other, str) and other != token and other.startswith(lead):
                 option = names.named(prefix + other[len(lead):])
                 if option is not None:
                     mass[option] += math.exp(path + _logprob(alt.get("logprob"), -math.inf))
         path += _logprob(entry.get("logprob"), 0.0)
-        value = prefix + token[len(lead):]
-        if names.ended(value) is not None:  # the chosen path ends the value here
+        if names.ended(prefix + token[len(lead):]) is not None:  # the chosen path ends the value here
+            value = prefix + token[len(lead):]
             break
-    else:
-        value = text[start:]
     option = names.named(value)
     if option is not None:
         mass[option] += math.exp(path)
@@ -482,6 +500,12 @@ def _logprob(value: Any, missing: float) -> float:
     if value is None:
         return missing
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def _json_text(value: str) -> str:
+    """`value` as a JSON string's body writes it (escaped only where JSON must)."""
+    return value if value.isprintable() and '"' not in value and "\\" not in value else (
+        json.dumps(value, ensure_ascii=False)[1:-1])
 
 
 _BARE_END = frozenset(",}] \t\r\n")
@@ -501,13 +525,18 @@ class _Spelled:
 
     @classmethod
     def of(cls, spec: QuestionSpec, by_description: bool, *, quoted: bool) -> _Spelled:
+        return _spelled(spec.kind, spec.options, spec.descriptions, by_description, quoted)
+
+    @classmethod
+    def build(cls, kind: str, options: tuple[str, ...], descriptions: tuple[str, ...], by_description: bool,
+              quoted: bool) -> _Spelled:
         if quoted:
-            pairs = [(d if by_description else o, o) for o, d in zip(spec.options, spec.descriptions, strict=True)]
-            texts = [(json.dumps(s, ensure_ascii=False)[1:-1].strip(), o) for s, o in pairs if s]
-        elif spec.kind == "noul" and not by_description:
+            pairs = [(d if by_description else o, o) for o, d in zip(options, descriptions, strict=True)]
+            texts = [(_json_text(s).strip(), o) for s, o in pairs if s]
+        elif kind == "noul" and not by_description:
             texts = [("true", "yes"), ("false", "no")]
-        elif spec.kind == "score" and not by_description:
-            texts = [(o, o) for o in spec.options]
+        elif kind == "score" and not by_description:
+            texts = [(o, o) for o in options]
         else:
             texts = []
         distinct = {s for s, _ in texts}
@@ -518,15 +547,10 @@ class _Spelled:
         """Where `value` (the text from the value's start) ends the value; None: it goes on."""
         if not self.quoted:
             return next((i for i, c in enumerate(value) if c in _BARE_END), None)
-        i = 0
-        while i < len(value):
-            if value[i] == "\\":
-                i += 2
-            elif value[i] == '"':
-                return i
-            else:
-                i += 1
-        return None
+        i = value.find('"')
+        while i > 0 and (i - len(value[:i].rstrip("\\"))) % 2:  # an escaped quote goes on
+            i = value.find('"', i + 1)
+        return i if i >= 0 else None
 
     def named(self, value: str) -> str | None:
         """The one option the text `value` names: whole and ended, or begun where no other continues."""
@@ -538,6 +562,10 @@ class _Spelled:
         else:
             hits = {o for s, o in self.spellings if s.startswith(text)}
         return hits.pop() if len(hits) == 1 else None
+
+
+_spelled = functools.lru_cache(maxsize=256)(_Spelled.build)
+"""`_Spelled.build`, once per question shape (a reply's questions are read together, and again)."""
 
 
 # -- decision-model targets (OpenAIDecisions, BaseDecisionModel) ---------------------------
