@@ -629,8 +629,8 @@ def test_a_refusal_stays_a_refusal_through_serve_escalate_systemone_on_real_vllm
     figures = {x.name: x.model_extra["canvasroute"] for x in cascaded.answers}  # type: ignore[index]
     for name in ("urgent", "team"):
         assert (figures[name]["path"], figures[name]["escalation_model"]) == ("escalated", "tiny-dgemma"), name
+    assert answers["secret"].type == "refusal"
     assert from_b["answers"]["secret"]["type"] == "noul"  # B's canvas guess, for plain Jev clients ...
     assert from_b["diagnostics"]["refused"]["secret"]  # ... and the refusal, named
-    assert answers["secret"].type == "refusal"
     assert (figures["secret"]["path"], figures["secret"]["escalation_model"]) == ("unsure", "tiny-dgemma")
     assert seen[("canvasroute_server_refusals_total", (("reason", "escalation_refused"),))] == 1

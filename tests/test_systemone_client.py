@@ -357,12 +357,22 @@ async def test_a_refusal_behind_a_systemone_server_is_a_refusal_of_the_canvas_mo
             model = CanvasDecisionModel(engine=upstream_engine, policy=GatePolicy(rereads=0), escalate_to=jev)
             resp = await model.ainvoke({"state": STATE, "questions": {"team": QUESTIONS["team"],
                                                                       "urgent": QUESTIONS["urgent"]}})
+            with run_in_thread(create_app(jev)) as proxy:  # a server fronting the client: no guess to give
+                async with httpx.AsyncClient(timeout=30) as http:
+                    fronted = (await http.post(f"{proxy}/v1/systemone", json={"state": STATE, "questions": {
+                        "team": QUESTIONS["team"].model_dump(mode="json")}})).json()
+                    decided = (await http.post(f"{proxy}/v1/decisions", json={"model": "downstream", "input": STATE,
+                                                                               "questions": [{
+                        "type": "choice", "name": "team", "instructions": "Which team?",
+                        "choices": [{"value": "billing"}, {"value": "tech"}, {"value": "sales"}]}]})).json()
     assert asked.answers == {} and "refused" in asked.refusals["team"]
     team = resp.reads["team"]
     assert (team.path, team.cause, team.escalation_model) == ("unsure", "uncertain", "downstream")
     assert team.refusal is not None and "refused" in team.refusal
     assert team.probabilities == team.canvas_probabilities  # the upstream canvas's answer stands, flagged
     assert isinstance(resp.answers["team"], ChoiceAnswer)
+    assert fronted["answers"] == {} and "refused" in fronted["diagnostics"]["refused"]["team"]
+    assert [a["type"] for a in decided["answers"]] == ["refusal"]
     urgent = resp.reads["urgent"]  # the refused question alone is refused
     assert (urgent.path, urgent.refusal) == ("escalated", None) and urgent.probabilities["yes"] == pytest.approx(0.9)
 
