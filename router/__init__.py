@@ -17,7 +17,7 @@ _control     the escalation-rate controller: thresholds set at a run's start, ou
 _escalation  the target call: prompt, structured output, reading the reply
 _types       ReadReport, CanvasResponse, Diagnostics, Tally, Totals: the outcome vocabulary (path, cause, replay)
 _schema      questions from a pydantic model or TypedDict, answers back into it (with_structured_output)
-systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
+systemone    SystemOneDecisionModel, SystemOneResponse: the same answers from any /v1/systemone server
 ```
 
 Public modules beside this surface: `canvasroute.router.telemetry` (span and attribute names,
@@ -46,7 +46,7 @@ from ._policy import (
     save_policy,
 )
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
-from ._read import SlotStats, aggregate, slot_stats
+from ._read import SlotStats, aggregate, slot_stats, system_one_confidence
 from ._request import (
     MAX_STEPS,
     MAX_THINK,
@@ -80,7 +80,7 @@ from .calibration import (
     expected_calibration_error,
     fit_temperature,
 )
-from .systemone import SystemOneDecisionModel
+from .systemone import SystemOneDecisionModel, SystemOneResponse
 from .telemetry import add_otlp_exporter
 
 __all__ = [
@@ -126,6 +126,7 @@ __all__ = [
     "StateView",
     "StructuredDecision",
     "SystemOneDecisionModel",
+    "SystemOneResponse",
     "Tally",
     "ThoughtReport",
     "Totals",
@@ -148,6 +149,7 @@ __all__ = [
     "save_policy",
     "slot_stats",
     "state_images",
+    "system_one_confidence",
     "target_name",
     "validate_questions",
 ]

@@ -44,7 +44,7 @@ from ._control import observe, steer
 from ._escalation import Asked, Escalated, Restated, escalate, target_name
 from ._plan import Plan, Planner, Prompt
 from ._questions import QuestionSpec
-from ._read import QuestionRead, Reading, SlotStats
+from ._read import QuestionRead, Reading, SlotStats, system_one_confidence
 from ._request import DecisionRequest
 from ._state import check_images
 from ._types import CanvasResponse, Cause, Diagnostics, ReadReport, ThoughtReport
@@ -486,11 +486,12 @@ class DiagnosticsLog:
 
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
-    """The langchain-core answer for one report (validated as one mapping, like the reports)."""
+    """The langchain-core answer for one report (validated as one mapping, like the reports);
+    a Choice's and a Score's `confidence` is System One's (`system_one_confidence`)."""
     probs = report.probabilities
     if spec.kind == "noul":
         return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
-    confidence = min(1.0, max(0.0, probs.get(report.answer or "", 0.0)))
+    confidence = system_one_confidence(probs.get(report.answer or "", 0.0), len(spec.answer_options))
     if spec.kind == "choice":
         return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
                                             "confidence": confidence})
@@ -498,3 +499,4 @@ def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnsw
     return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
                                        "legend": dict(enumerate(spec.question.criteria or ())),
                                        "probabilities": by_level, "confidence": confidence})
+
