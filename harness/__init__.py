@@ -15,6 +15,8 @@
 - `retry_on`: the `RetryPolicy` predicate that retries transient faults only.
 - `StoreBudgetMeter`: escalation budgets counted in a LangGraph store, shared by workers
   (a node whose graph has a store uses one for its model's budget).
+- `StoreControllerState`: an escalation-rate controller's offsets kept in a LangGraph store,
+  shared by workers (a node whose graph has a store uses one for its model's controller).
 
 The applications built on this layer (CLI, server, bench, eval, calibrate, dashboard,
 demo) live above it, in `canvasroute.apps`.
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from ._review import TASK_NAME as DECISION_TASK
     from ._review import ReviewPolicy
     from ._store_budget import StoreBudgetMeter
+    from ._store_control import StoreControllerState
 
 __all__ = [
     "DECISION_EVENT",
@@ -43,6 +46,7 @@ __all__ = [
     "NodeCache",
     "ReviewPolicy",
     "StoreBudgetMeter",
+    "StoreControllerState",
     "decision_node",
     "decision_seed",
     "merge_decisions",
@@ -60,6 +64,7 @@ _LAZY = {
     "NodeCache": "._node_cache",
     "ReviewPolicy": "._review",
     "StoreBudgetMeter": "._store_budget",
+    "StoreControllerState": "._store_control",
     "decision_node": "._node",
     "decision_seed": "._context",
     "merge_decisions": "._records",

@@ -4,7 +4,8 @@ Read once per node (or edge) run from the `RunnableConfig` and LangGraph's `Runt
 (`graph_call`), so the node and the edge adapter build their `DecisionRequest` the same way
 (`GraphCall.request`): the run's model (`Runtime.context.decision_model`), its gate
 (`Runtime.context.gate`, applied over the model's policy for every question), the seed of
-where it runs, the thread, span attributes, and the graph store's budget meter.
+where it runs, the thread, span attributes, and the graph store's budget meter and
+escalation-rate controller state.
 
 Also what a node can tell about the graph running it: a checkpointer (a review lane pauses
 with `interrupt()`, which only a checkpointed graph can resume) and its state keys (a node's
@@ -39,6 +40,7 @@ from canvasroute.router.telemetry import GEN_AI_CONVERSATION_ID, GRAPH_NODE
 
 from ._records import answers_only
 from ._store_budget import store_meter
+from ._store_control import store_controller
 
 Inputs = str | Callable[[Any], Any] | None
 """What a decision reads: None (the graph state, minus the output key), a state key,
@@ -62,7 +64,8 @@ class GraphCall:
     model: CanvasDecisionModel
     """The decision model for this run (`Runtime.context.decision_model` wins)."""
     store: Any
-    """The graph's store (`Runtime.store`), where the model's budget is counted; None: none."""
+    """The graph's store (`Runtime.store`), where the model's budget is counted and its controller's
+    offsets kept; None: none."""
     gate: GatePolicy | Mapping[str, Any] | None
     """The run's gate layer from `Runtime.context.gate` (a policy, or fields over the model's); None: none."""
     attributes: dict[str, str]
@@ -72,11 +75,13 @@ class GraphCall:
                 depends_on: Mapping[str, Any] | None = None, read: Any = None,
                 branch: str | None = None) -> DecisionRequest:
         """The decision this run makes at `site` (a node's or an edge's name): seeded by where it
-        runs, what it asks and reads; the run's gate; the store's budget meter; the branch."""
+        runs, what it asks and reads; the run's gate; the store's budget meter and controller state;
+        the branch."""
         request = self.model.request(decision_state, questions, read=read, depends_on=depends_on, gate=self.gate,
                                      thread_id=self.thread_id, attributes=self.attributes, site=(self.namespace, site))
         if self.store is not None:
             request = request.metered(store_meter(self.model, self.store))
+            request = request.controlled_by(store_controller(self.model, self.store))
         return request if branch is None else replace(request, identity=replace(request.identity, branch=branch))
 
 

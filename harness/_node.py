@@ -53,6 +53,7 @@ from langgraph.types import CachePolicy, Command, RetryPolicy
 
 from canvasroute.engine import CanvasRouteError, DecisionError
 from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions, Totals, read_options
+from canvasroute.router._control import steered
 
 from ._context import (
     GraphCall,
@@ -145,6 +146,7 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         self._branches = BranchKeys()
         self._schema_checked = False
         self._node_cache = False
+        self._pins = Pins()
         if shadow is not None and review is not None:
             raise ValueError("shadow= and review= do not combine: in shadow mode the existing router decides")
         self.shadow = Shadow(shadow, self.destinations) if shadow is not None else None
@@ -193,12 +195,15 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         node's input only, not its config: a run-scoped `Runtime.context` override
         (`decision_model`, `gate`) is not part of the key, so do not combine a node cache with
         per-run overrides. A hit replays the node's `Command` without running it and emits no
-        decide span.
+        decide span. With an escalation-rate controller the key holds its thresholds as this
+        process holds them (`Pins`), and a miss is decided with exactly those.
         """
         questions = self.questions(state) if callable(self.questions) else self.questions
         decision_state = select_inputs(state, self.inputs, self.output_key)
         request = self.model.request(decision_state, questions, read=self.read, depends_on=self.depends_on)
         branch = branch_key(self.branch, state, {}) if self.branch is not None else None
+        if request.escalation is not None and request.escalation.controller is not None:
+            request = self._pins.pin(request, branch)
         blob = json.dumps([self.name, request.key, self.model.model, branch])
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -265,8 +270,12 @@ class DecisionNode(Runnable[Any, Command[Any]]):
                                     "its records need a key of the branch's input",
                                     hint="pass decision_node(..., branch=<a key of the branch's input>)")
             self._branches.claim(call.node, call.checkpoint_id, branch, call.task_id)
-        request = call.request("node", questions, select_inputs(state, self.inputs, self.output_key),
-                               depends_on=self.depends_on, read=self.read, branch=branch)
+        decision_state = select_inputs(state, self.inputs, self.output_key)
+        request = call.request("node", questions, decision_state, depends_on=self.depends_on, read=self.read,
+                               branch=branch)
+        if self._node_cache and request.escalation is not None and request.escalation.controller is not None:
+            keyed = self.model.request(decision_state, questions, read=self.read, depends_on=self.depends_on)
+            request = self._pins.pinned(request, keyed, branch)
         if callable(self.questions):
             self._check(request)
         reviewing = None
@@ -383,6 +392,40 @@ class _Job:
     """What goes to a human in this run (`review_for`; None: nothing)."""
     earlier: Mapping[str, Any]
     """The records in the graph state before this run (read only with `history=`)."""
+
+
+class Pins:
+    """The escalation-rate controller's thresholds a node cache key was computed with, by the
+    key's request (and branch), so the run a miss brings decides with exactly those: LangGraph
+    computes the key before it runs the node, and another decision may move the controller in
+    between. Bounded (`KEEP`); the state is the one the node last ran with (a graph store's)."""
+
+    KEEP = 1024
+
+    def __init__(self) -> None:
+        self._pins: OrderedDict[tuple[str, str | None], dict[str, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.state: Any = None
+        """The controller state of the node's last run (None: the model's own)."""
+
+    def pin(self, request: DecisionRequest, branch: str | None) -> DecisionRequest:
+        """`request` steered as the controller stands now, its thresholds kept for its run."""
+        steered_ = steered(request.controlled_by(self.state))
+        with self._lock:
+            self._pins[request.key, branch] = {qid: s.threshold for qid, s in (steered_.controlled or {}).items()}
+            self._pins.move_to_end((request.key, branch))
+            while len(self._pins) > self.KEEP:
+                self._pins.popitem(last=False)
+        return steered_
+
+    def pinned(self, request: DecisionRequest, keyed: DecisionRequest, branch: str | None) -> DecisionRequest:
+        """`request` (the run's) steered by the thresholds its cache key named (`keyed`: the request
+        `cache_key` made), or left to steer itself when no key was computed for it."""
+        assert request.escalation is not None
+        self.state = request.escalation.controller_state
+        with self._lock:
+            pin = self._pins.get((keyed.key, branch))
+        return request if pin is None else steered(request, pin)
 
 
 def complete(config: RunnableConfig | None) -> RunnableConfig:

@@ -9,15 +9,16 @@ _model       CanvasDecisionModel: builds requests (`request`) and runs them (`ar
 _request     DecisionRequest: state as read, questions, read options, gate, outcomes, escalation, identity
 _questions   the one validator (model, client, server), canvas views of questions, dependencies
 _state       how a state is rendered as text, and its images
-_policy      GatePolicy, OutcomePolicy, Escalation, EscalationBudget, Hedge; gate overrides; policy files
+_policy      GatePolicy, OutcomePolicy, Escalation, EscalationBudget, Controller, Hedge; gate overrides; policy files
 _plan        chunks that fit a canvas, one-token labels, prompts, two-read routes, length checks
 _read        samples, per-chunk re-reads, in-group reads, thoughts -> per-question distributions
 _decision    one run: stages, escalation under the budget (_budget), the outcome rules, reports
+_control     the escalation-rate controller: thresholds set at a run's start, outcomes observed at its end
 _hedge       hedged escalation: a borderline question's target call raced against its re-reads
 _escalation  the target call: prompt, structured output, reading the reply
 _types       ReadReport, CanvasResponse, Diagnostics, Tally, Totals: the outcome vocabulary (path, cause, replay)
 _schema      questions from a pydantic model or TypedDict, answers back into it (with_structured_output)
-systemone    SystemOneDecisionModel: the same answers from any /v1/systemone server
+systemone    SystemOneDecisionModel, SystemOneResponse: the same answers from any /v1/systemone server
 ```
 
 Public modules beside this surface: `canvasroute.router.telemetry` (span and attribute names,
@@ -28,12 +29,15 @@ from typing import Any
 
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
+from ._control import ControllerState, InMemoryControllerState
 from ._escalation import ESCALATION_PROMPT, Asked, Escalated, escalate, target_name
 from ._model import CanvasDecisionModel
 from ._policy import (
     ACTIONS,
     MAX_SAMPLES,
     Certificate,
+    Controller,
+    ControlSetting,
     Escalation,
     EscalationBudget,
     GatePolicy,
@@ -44,7 +48,7 @@ from ._policy import (
     save_policy,
 )
 from ._questions import ABSTAIN, MAX_OPTIONS, QuestionSpec, parse_questions, validate_questions
-from ._read import SlotStats, aggregate, slot_stats
+from ._read import SlotStats, aggregate, slot_stats, system_one_confidence
 from ._request import (
     MAX_STEPS,
     MAX_THINK,
@@ -78,7 +82,7 @@ from .calibration import (
     expected_calibration_error,
     fit_temperature,
 )
-from .systemone import SystemOneDecisionModel
+from .systemone import SystemOneDecisionModel, SystemOneResponse
 from .telemetry import add_otlp_exporter
 
 __all__ = [
@@ -98,6 +102,9 @@ __all__ = [
     "CanvasDecisionModel",
     "CanvasResponse",
     "Certificate",
+    "ControlSetting",
+    "Controller",
+    "ControllerState",
     "DecisionCache",
     "DecisionRequest",
     "Diagnostics",
@@ -108,6 +115,7 @@ __all__ = [
     "Hedge",
     "Identity",
     "InMemoryBudgetMeter",
+    "InMemoryControllerState",
     "JsonlSpanExporter",
     "Labelled",
     "OutcomePolicy",
@@ -121,6 +129,7 @@ __all__ = [
     "StateView",
     "StructuredDecision",
     "SystemOneDecisionModel",
+    "SystemOneResponse",
     "Tally",
     "ThoughtReport",
     "Totals",
@@ -143,6 +152,7 @@ __all__ = [
     "save_policy",
     "slot_stats",
     "state_images",
+    "system_one_confidence",
     "target_name",
     "validate_questions",
 ]

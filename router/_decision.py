@@ -15,6 +15,8 @@ escalation is refunded, except a hedge's that the re-reads beat (`Escalation.hed
 target call beside a borderline question's re-reads, `canvasroute.router._hedge`). Every
 absorbed fault is logged (WARNING, logger `canvasroute.router`), marked on the `decide` span
 and counted (`canvasroute.faults`).
+An escalation-rate controller (`canvasroute.router._control`) sets the thresholds at the start
+of a run and observes its outcomes at the end.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ from canvasroute.engine import (
 )
 
 from . import telemetry as tm
+from ._control import observe, steer
 from ._escalation import Asked, Escalated, Restated, escalate, target_name
 from ._hedge import Hedging, cancel, joined
 from ._plan import Plan, Planner, Prompt
 from ._questions import QuestionSpec
-from ._read import QuestionRead, Reading, SlotStats
+from ._read import QuestionRead, Reading, SlotStats, system_one_confidence
 from ._request import DecisionRequest
 from ._state import check_images
 from ._types import CanvasResponse, Cause, Diagnostics, ReadReport, ThoughtReport
@@ -82,6 +85,10 @@ class Decision:
 
     async def run(self) -> CanvasResponse:
         start = time.perf_counter()
+        refresh_fault = None
+        if self.request.escalation is not None and self.request.escalation.controller is not None:
+            # the controller's thresholds, once: every stage and the cache key see them
+            self.request, refresh_fault = await steer(self.request)
         request, specs = self.request, self.request.questions.specs
         fault: CanvasRouteError | None = None
         info: EngineInfo | None = None
@@ -111,6 +118,8 @@ class Decision:
             span.set_attribute(tm.CANVAS_READS, run.canvas_reads)
             _note_faults(span, reports, request)
             tm.record_reports(span, reports, latency, model, request.gates, attrs)
+            if request.controlled is not None or refresh_fault is not None:
+                await observe(request, reports, span, refresh_fault)  # once per decision (a cache hit returned)
         response = CanvasResponse.model_validate({
             "model": model,
             "answers": {r.question_id: answer_of(specs[r.question_id], r) for r in reports if r.path != "skipped"},
@@ -528,11 +537,12 @@ class DiagnosticsLog:
 
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
-    """The langchain-core answer for one report (validated as one mapping, like the reports)."""
+    """The langchain-core answer for one report (validated as one mapping, like the reports);
+    a Choice's and a Score's `confidence` is System One's (`system_one_confidence`)."""
     probs = report.probabilities
     if spec.kind == "noul":
         return NoulAnswer.model_validate({"type": "noul", "noul": min(1.0, max(0.0, probs.get("yes", 0.0)))})
-    confidence = min(1.0, max(0.0, probs.get(report.answer or "", 0.0)))
+    confidence = system_one_confidence(probs.get(report.answer or "", 0.0), len(spec.answer_options))
     if spec.kind == "choice":
         return ChoiceAnswer.model_validate({"type": "choice", "choice": report.answer, "probabilities": probs,
                                             "confidence": confidence})
@@ -540,3 +550,4 @@ def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnsw
     return ScoreAnswer.model_validate({"type": "score", "score": sum(i * p for i, p in by_level.items()),
                                        "legend": dict(enumerate(spec.question.criteria or ())),
                                        "probabilities": by_level, "confidence": confidence})
+

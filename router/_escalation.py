@@ -17,7 +17,8 @@ variable gets them ahead of the state). Images go with the last human message as
 Replies are read leniently but only into allowed options: an option by name (exactly,
 else stripped, else case-folded when that names one option), by its description when that
 is unambiguous, a bool for a Noul, an int for a Score level. A distribution comes from
-OpenAI-shaped logprobs at the answer's first token when the reply carries them; a
+OpenAI-shaped logprobs when the reply carries them, read per option along the reply's tokens
+(`_logprob_distribution`: an option gets only the mass of a token path that spells it); a
 decision-model target reports its own.
 
 A call is sent once: the target's own client owns transport retries (`ChatOpenAI`'s
@@ -28,6 +29,9 @@ invalid reply shown. A failure is an `EscalationError` whose `failure` says what
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import json
 import math
 import re
@@ -45,6 +49,7 @@ from canvasroute.engine.errors import CanvasRouteError, EngineResponseError, Eng
 
 from ._policy import Escalation, EscalationOutput
 from ._questions import QuestionSpec, option_text, parse_questions
+from ._read import system_one_confidence
 from ._state import state_images
 
 __all__ = ["ESCALATION_PROMPT", "PROMPT_VARIABLES", "Asked", "Escalated", "Restated", "TargetAnswer", "TargetReply",
@@ -369,8 +374,8 @@ def from_reply(name: str, reply: Any, specs: Sequence[QuestionSpec], parsed: Any
             raise ValueError(f"{spec.id!r}: {value!r} is not one of {list(spec.options)}")
         answers[spec.id] = option
         by_description[spec.id] = isinstance(value, str) and value.strip().casefold() != option.casefold()
-    probs = {s.id: _logprob_distribution(logprobs, text, s, by_description[s.id]) if logprobs else None
-             for s in specs}
+    tokens = _Tokens.of(logprobs) if logprobs else None
+    probs = {s.id: _logprob_distribution(tokens, s, by_description[s.id]) if tokens else None for s in specs}
     for qid, dist in probs.items():  # a distribution that disagrees with the answer was mis-mapped
         if dist and max(dist, key=dist.__getitem__) != answers[qid]:
             probs[qid] = None
@@ -415,40 +420,152 @@ def _match(spec: QuestionSpec, value: Any) -> str | None:
     return described[0] if len(described) == 1 else None
 
 
-def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec,
-                          by_description: bool = False) -> dict[str, float] | None:
-    """Distribution over options from OpenAI-shaped logprobs at the answer's first token.
+@dataclass(frozen=True, slots=True)
+class _Tokens:
+    """A reply's OpenAI-shaped logprobs, checked once for all its questions."""
 
-    Approximate: each option takes the best alternative whose text is a prefix of its
-    name (of its description, when the reply named the answer by its description);
-    options sharing a first token share that mass. None when the token is not found.
+    entries: tuple[Mapping[str, Any], ...]
+    """One per token: `token`, `logprob`, `top_logprobs`."""
+    text: str
+    """The tokens' text: the reply as the logprobs spell it."""
+    ends: tuple[int, ...]
+    """Where each token ends in `text`."""
+
+    @classmethod
+    def of(cls, logprobs: Any) -> _Tokens | None:
+        """The logprobs' tokens (None when they are not OpenAI's shape)."""
+        content = logprobs.get("content") if isinstance(logprobs, Mapping) else logprobs
+        if not isinstance(content, Sequence) or not content:
+            return None
+        entries = tuple(content)
+        if not all(isinstance(e, dict) and isinstance(e.get("token"), str) for e in entries):
+            return None
+        return cls(entries, "".join(e["token"] for e in entries), tuple(itertools.accumulate(
+            len(e["token"]) for e in entries)))
+
+
+def _logprob_distribution(tokens: _Tokens, spec: QuestionSpec, by_description: bool = False) -> dict[str, float] | None:
+    """The target's distribution over `spec`'s options, read exactly from OpenAI-shaped logprobs.
+
+    The reply's tokens (their text is the reply) are walked from where the question's value
+    starts (after `"<id>":` and, for a string, its opening quote). At each token, every
+    alternative the target weighed leaves the reply there, with the probability of the chosen
+    tokens so far times its own; the chosen tokens go on, up to the token that ends the value.
+    A path counts for an option only when the text it spells names that one option: it spells
+    the option whole and ends it (the closing quote; for a bare `true` or `10`, a delimiter),
+    or it begins the option where no other option continues it (`crit` of `critical`; never `1`
+    while `10` is an option, or `opt` among `opt0`..`opt79`). Options are spelled by name (by
+    description when the reply named its answer by description), case-folded when that keeps
+    them apart, as the reply is read.
+
+    Normalized over the mass that names an option: the result is the target's distribution
+    given that it names one, as far as its logprobs show. Mass that names no single option (a
+    prefix several options share, text that is no option, structure instead of a value, an
+    alternative outside the reply's `top_logprobs`) is left out, never given to an option: an
+    option no path spells gets 0. None when the value is not in the logprobs or nothing in
+    them names an option.
     """
-    content = logprobs.get("content") if isinstance(logprobs, Mapping) else logprobs
-    if not content:
-        return None
-    m = re.search(rf'"{re.escape(spec.id)}"\s*:\s*"?', text)
+    text = tokens.text
+    m = re.search(rf'"{re.escape(spec.id)}"\s*:\s*("?)', text)
     if m is None:
         return None
-    offset = 0
-    for entry in content:
-        token = entry.get("token", "")
-        if offset + len(token) > m.end() or (offset >= m.end()):
-            alts = {a["token"].strip().strip('"'): a["logprob"] for a in entry.get("top_logprobs") or []}
-            alts.setdefault(token.strip().strip('"'), entry.get("logprob", 0.0))
-            scores = {}
-            for option, desc in zip(spec.options, spec.descriptions, strict=True):
-                name = (desc if by_description else option).casefold()
-                hits = [lp for tok, lp in alts.items() if tok and name and name.startswith(tok.casefold())]
-                scores[option] = max(hits) if hits else None
-            known = [v for v in scores.values() if v is not None]
-            if not known:
-                return None
-            floor = min(known) - 5.0
-            weights = {o: math.exp(v if v is not None else floor) for o, v in scores.items()}
-            total = sum(weights.values())
-            return {o: w / total for o, w in weights.items()}
-        offset += len(token)
-    return None
+    names = _Spelled.of(spec, by_description, quoted=bool(m.group(1)))
+    start, path = m.end(), 0.0
+    mass = dict.fromkeys(spec.options, 0.0)
+    first = bisect.bisect_right(tokens.ends, start)  # the first token that reaches past the value's start
+    value = text[start:]
+    for i in range(first, len(tokens.entries)):
+        entry, offset = tokens.entries[i], tokens.ends[i - 1] if i else 0
+        token: str = entry["token"]
+        lead, prefix = text[offset:start], text[start:offset]
+        for alt in entry.get("top_logprobs") or ():
+            other = alt.get("token") if isinstance(alt, dict) else None
+            if isinstance(other, str) and other != token and other.startswith(lead):
+                option = names.named(prefix + other[len(lead):])
+                if option is not None:
+                    mass[option] += math.exp(path + _logprob(alt.get("logprob"), -math.inf))
+        path += _logprob(entry.get("logprob"), 0.0)
+        if names.ended(prefix + token[len(lead):]) is not None:  # the chosen path ends the value here
+            value = prefix + token[len(lead):]
+            break
+    option = names.named(value)
+    if option is not None:
+        mass[option] += math.exp(path)
+    total = sum(mass.values())
+    return {o: p / total for o, p in mass.items()} if total > 0 and math.isfinite(total) else None
+
+
+def _logprob(value: Any, missing: float) -> float:
+    """A reported logprob (NaN for one that is not a number: the distribution is then unreadable)."""
+    if value is None:
+        return missing
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def _json_text(value: str) -> str:
+    """`value` as a JSON string's body writes it (escaped only where JSON must)."""
+    return value if value.isprintable() and '"' not in value and "\\" not in value else (
+        json.dumps(value, ensure_ascii=False)[1:-1])
+
+
+_BARE_END = frozenset(",}] \t\r\n")
+"""What ends a bare JSON value (a number, `true`, `false`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Spelled:
+    """How a reply's text spells one question's options (`_logprob_distribution`)."""
+
+    spellings: tuple[tuple[str, str], ...]
+    """(text as the reply writes it, normalized; option) pairs."""
+    quoted: bool
+    """Whether the value is a JSON string (else a bare literal)."""
+    fold: bool
+    """Whether spellings are case-folded (when that keeps them apart)."""
+
+    @classmethod
+    def of(cls, spec: QuestionSpec, by_description: bool, *, quoted: bool) -> _Spelled:
+        return _spelled(spec.kind, spec.options, spec.descriptions, by_description, quoted)
+
+    @classmethod
+    def build(cls, kind: str, options: tuple[str, ...], descriptions: tuple[str, ...], by_description: bool,
+              quoted: bool) -> _Spelled:
+        if quoted:
+            pairs = [(d if by_description else o, o) for o, d in zip(options, descriptions, strict=True)]
+            texts = [(_json_text(s).strip(), o) for s, o in pairs if s]
+        elif kind == "noul" and not by_description:
+            texts = [("true", "yes"), ("false", "no")]
+        elif kind == "score" and not by_description:
+            texts = [(o, o) for o in options]
+        else:
+            texts = []
+        distinct = {s for s, _ in texts}
+        fold = len({s.casefold() for s in distinct}) == len(distinct)
+        return cls(tuple((s.casefold() if fold else s, o) for s, o in texts), quoted, fold)
+
+    def ended(self, value: str) -> int | None:
+        """Where `value` (the text from the value's start) ends the value; None: it goes on."""
+        if not self.quoted:
+            return next((i for i, c in enumerate(value) if c in _BARE_END), None)
+        i = value.find('"')
+        while i > 0 and (i - len(value[:i].rstrip("\\"))) % 2:  # an escaped quote goes on
+            i = value.find('"', i + 1)
+        return i if i >= 0 else None
+
+    def named(self, value: str) -> str | None:
+        """The one option the text `value` names: whole and ended, or begun where no other continues."""
+        end = self.ended(value)
+        text = (value[:end].strip() if end is not None else value.lstrip())
+        text = text.casefold() if self.fold else text
+        if end is not None:
+            hits = {o for s, o in self.spellings if s == text}
+        else:
+            hits = {o for s, o in self.spellings if s.startswith(text)}
+        return hits.pop() if len(hits) == 1 else None
+
+
+_spelled = functools.lru_cache(maxsize=256)(_Spelled.build)
+"""`_Spelled.build`, once per question shape (a reply's questions are read together, and again)."""
 
 
 # -- decision-model targets (OpenAIDecisions, BaseDecisionModel) ---------------------------
@@ -457,7 +574,9 @@ def _logprob_distribution(logprobs: Any, text: str, spec: QuestionSpec,
 # any langchain-core `BaseDecisionModel` (canvasroute's `SystemOneDecisionModel` on `/v1/systemone`
 # among them). One call asks every question; each comes back as the target answered it: the
 # option, the target's own distribution over the options (kept, never re-derived from the
-# option), its confidence, or a refusal, which is not an answer.
+# option), its confidence, or a refusal, which is not an answer: an OpenAI Decisions `refusal`
+# answer, a `BaseDecisionModel`'s `ModelRefusalError` (every question), or a question its response
+# names in `refusals` ({id: reason}; `SystemOneResponse`: what a canvasroute server's own target refused).
 #
 # What the target is asked (`DecisionAsk`): the questions in the target's own types (`Noul` ->
 # `Predicate`, `Choice` -> `Choice`, `Score` -> `Score` for `OpenAIDecisions`; langchain-core's
@@ -494,7 +613,8 @@ class TargetAnswer:
     probabilities: Mapping[str, float] | None = None
     """The target's distribution over the question's options, as it reported it."""
     confidence: float | None = None
-    """The target's confidence (a predicate's: the larger of p and 1 - p)."""
+    """The target's confidence (a predicate's or a noul's, which the target does not report: System
+    One's over p and 1 - p, `system_one_confidence`: `|2p - 1|`)."""
     refusal: str | None = None
     """Why the target did not answer (a refusal is not an answer)."""
 
@@ -550,8 +670,11 @@ async def ask_decision_target(target: Any, ask: Asked) -> TargetReply:
     except Exception as exc:
         _reraise_control_flow(exc)
         raise _classified(name, target, exc) from exc
+    named = getattr(response, "refusals", None) if isinstance(target, BaseDecisionModel) else None
+    refused = {q: why for q, why in named.items() if isinstance(why, str)} if isinstance(named, Mapping) else {}
     try:
-        answers = {qid: _read(qid, q, getattr(response, "answers", {}).get(qid), options[qid])
+        answers = {qid: TargetAnswer(answer=None, refusal=str(refused[qid]) or "refused") if qid in refused
+                   else _read(qid, q, getattr(response, "answers", {}).get(qid), options[qid])
                    for qid, q in questions.items()}
     except ValueError as exc:
         raise EscalationError(f"escalation to {name} answered outside the wire (format): {exc}", failure="format",
@@ -676,7 +799,7 @@ def _read(qid: str, q: Noul | Choice | Score, answer: Any, options: Sequence[str
     if isinstance(answer, NoulAnswer) or kind == "predicate":
         p = _probability(answer.noul if isinstance(answer, NoulAnswer) else answer.probability, qid)
         return TargetAnswer(answer="yes" if p >= 0.5 else "no", probabilities={"yes": p, "no": 1.0 - p},
-                            confidence=max(p, 1.0 - p))
+                            confidence=system_one_confidence(max(p, 1.0 - p), 2))
     if kind == "choice":
         choice = answer.choice
         if not isinstance(choice, str) or choice not in options:

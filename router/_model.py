@@ -24,6 +24,7 @@ from canvasroute.engine import CanvasRouteError, DecisionError, Engine, run_sync
 
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
+from ._control import ControllerState, InMemoryControllerState
 from ._decision import Decision
 from ._escalation import check_prompt, is_target, target_name
 from ._plan import Planner
@@ -110,6 +111,9 @@ class CanvasDecisionModel(BaseDecisionModel):
         check_prompt(value.prompt)
         if value.meter is not None and not isinstance(value.meter, BudgetMeter):
             raise ValueError(f"Escalation.meter must implement router.BudgetMeter, not {type(value.meter).__name__}")
+        if value.controller_state is not None and not isinstance(value.controller_state, ControllerState):
+            raise ValueError("Escalation.controller_state must implement router.ControllerState, not "
+                             f"{type(value.controller_state).__name__}")
         return value
 
     def model_post_init(self, context: Any) -> None:
@@ -121,10 +125,13 @@ class CanvasDecisionModel(BaseDecisionModel):
             raise TypeError(f"cache must be a router.DecisionCache, got {type(self.cache).__name__}")
         escalation: Escalation | None = self.escalate_to
         own_meter = escalation is not None and escalation.meter is not None
+        own_state = escalation is not None and escalation.controller_state is not None
         if escalation is not None and escalation.budget is not None and escalation.meter is None:
             escalation = replace(escalation, meter=InMemoryBudgetMeter(escalation.budget))
+        if escalation is not None and escalation.controller is not None and escalation.controller_state is None:
+            escalation = replace(escalation, controller_state=InMemoryControllerState(escalation.controller))
         defaults = Defaults(read=self.read, policy=self.policy, outcomes=self.outcomes, escalation=escalation)
-        self._kept = _Memo(Planner(self.engine), defaults, own_meter)
+        self._kept = _Memo(Planner(self.engine), defaults, own_meter, own_state)
 
     @property
     def _memo(self) -> _Memo:
@@ -154,10 +161,30 @@ class CanvasDecisionModel(BaseDecisionModel):
         escalation = self._memo.defaults.escalation
         if escalation is None or escalation.budget is None or self._memo.own_meter:
             return None
+        return self._scope(escalation, escalation.budget)
+
+    @property
+    def controller_counters(self) -> dict[str, Any]:
+        """The escalation-rate controller's target and, per question, its offset, realised
+        (decayed) rate and decisions (`ControllerState.snapshot`; empty without a controller)."""
+        escalation = self._memo.defaults.escalation
+        state = escalation.controller_state if escalation is not None else None
+        return state.snapshot() if state is not None else {}
+
+    @property
+    def controller_scope(self) -> str | None:
+        """What names this model's controller state in a shared store (`Escalation.name`, else its
+        model name, target and controller), or None without a controller or with a state of its own."""
+        escalation = self._memo.defaults.escalation
+        if escalation is None or escalation.controller is None or self._memo.own_state:
+            return None
+        return self._scope(escalation, escalation.controller)
+
+    def _scope(self, escalation: Escalation, value: Any) -> str:
         if escalation.name:
             return escalation.name
         target = escalation.target
-        blob = json.dumps([self.model, type(target).__qualname__, target_name(target), repr(escalation.budget)])
+        blob = json.dumps([self.model, type(target).__qualname__, target_name(target), repr(value)])
         return f"{self.model}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
     # -- the request ----------------------------------------------------------------------
@@ -322,6 +349,8 @@ class _Memo:
     has a budget and none of its own)."""
     own_meter: bool = False
     """The caller gave the escalation its meter (a graph store does not replace it)."""
+    own_state: bool = False
+    """The caller gave the escalation its controller state (a graph store does not replace it)."""
     served: str | None = None
     """The engine's served model name, once known (for callback tracers)."""
     only: CanvasDecisionModel | None = None

@@ -8,8 +8,9 @@ Three frozen values, one concern each:
   (`uncertain`, `abstained`, `engine_fault`, `over_budget`) from one vocabulary,
   `ACTIONS`: `escalate`, `answer`, `fallback`, `raise`, `review`;
 - `Escalation`: where an escalated question goes (target, output mode, prompt, timeout),
-  what it may spend (`EscalationBudget` and the meter that counts it) and whether a
-  borderline question's target call starts beside its re-reads (`Hedge`).
+  what it may spend (`EscalationBudget` and the meter that counts it), the escalation rate it
+  holds (`Controller` and the state that keeps its offsets) and whether a borderline
+  question's target call starts beside its re-reads (`Hedge`).
 
 A decision's gate is resolved once per question, in one order (`resolve_gate`): the model's
 policy (in code or a policy file, per-question fits included), then each override layer in
@@ -31,9 +32,9 @@ from typing import Any, Literal, Protocol, get_args
 
 from canvasroute.engine import CalibrationError, DecisionError
 
-__all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Certificate", "Escalation", "EscalationBudget", "EscalationOutput",
-           "GatePolicy", "Hedge", "OutcomePolicy", "check_fallbacks", "load_policy", "policy_from_dict",
-           "policy_to_dict", "resolve_gate", "save_policy"]
+__all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Certificate", "ControlSetting", "Controller", "Escalation",
+           "EscalationBudget", "EscalationOutput", "GatePolicy", "Hedge", "OutcomePolicy", "check_fallbacks",
+           "load_policy", "policy_from_dict", "policy_to_dict", "resolve_gate", "save_policy"]
 
 MAX_SAMPLES = 32
 """Reads of one question in a decision, first reads and re-reads each (vLLM's gateway caps samples there too)."""
@@ -442,6 +443,76 @@ class EscalationBudget:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Controller:
+    """An escalation rate to hold: each question's entropy threshold moves online so that the
+    share of its answers the gate does not pass stays at `target` (a set point; a budget is a cap).
+
+    The controller moves `GatePolicy.max_normalized_entropy` by a per-question offset, one
+    bounded step per decision (adaptive conformal inference: `canvasroute.router._control`).
+    It holds a rate, not an error bound; a certified gate it only tightens unless
+    `loosen_certified`. Its state lives outside this value (`Escalation.controller_state`).
+
+    Example:
+        ```python
+        Escalation(ChatOpenAI(model="gemma-3-27b"), controller=Controller(target=0.2))
+        ```
+    """
+
+    target: float
+    """The escalation rate to hold, within (0, 1): the share of a question's answers the gate does
+    not pass (they escalate, or go where the outcome policy sends them)."""
+    step: float = 0.02
+    """The learning rate: each decision moves a question's offset by `step * (escalated - target)`,
+    so by at most `step * max(target, 1 - target)`."""
+    max_offset: float = 0.3
+    """How far the controller may move a threshold either way (and never outside [0, 1])."""
+    loosen_certified: bool = False
+    """Let the controller raise a certified gate's threshold (`GatePolicy.certificate`) past its
+    certified value, which voids the certificate's bound. False: a certified gate only tightens."""
+    resolution: float = 0.01
+    """Effective thresholds are rounded to this grid (the gate's text stays readable, and a
+    decision cache's keys repeat while the controller holds still); 0: not rounded."""
+    decay: float = 0.02
+    """Weight of each decision in the realised rate the controller reports (an exponential moving
+    average: 0.02 weighs about the last 50 decisions). Reported only; the update is `step`'s."""
+    sync_every: int = 4
+    """A shared state (a graph store's) reads the other workers' offsets and writes its own after
+    this many decisions, or `sync_s` seconds, whichever comes first (state in one process: always)."""
+    sync_s: float = 1.0
+    """Seconds at most between two syncs of a shared state (checked when a decision ends)."""
+
+    def __post_init__(self) -> None:
+        checks = (("target", 0.0 < self.target < 1.0, "within (0, 1)"),
+                  ("step", 0.0 < self.step <= 0.5, "within (0, 0.5]"),
+                  ("max_offset", 0.0 <= self.max_offset <= 1.0, "within [0, 1]"),
+                  ("resolution", 0.0 <= self.resolution <= 0.1, "within [0, 0.1]"),
+                  ("decay", 0.0 < self.decay <= 1.0, "within (0, 1]"),
+                  ("sync_s", 0.0 < self.sync_s < math.inf, "a positive number of seconds"))
+        for name, ok, what in checks:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
+                raise ValueError(f"Controller.{name} must be {what}, got {value!r}")
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
+            raise ValueError(f"Controller.sync_every must be an integer >= 1, got {self.sync_every!r}")
+        if not isinstance(self.loosen_certified, bool):
+            raise ValueError(f"Controller.loosen_certified must be a bool, got {self.loosen_certified!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSetting:
+    """What an escalation-rate controller set for one question of one decision (`DecisionRequest.controlled`)."""
+
+    base: float
+    """The gate's own threshold (`max_normalized_entropy`)."""
+    threshold: float
+    """The threshold the decision was gated with."""
+    low: float
+    """The lowest offset this question may take here."""
+    high: float
+    """The highest offset (0 for a certified gate, unless `loosen_certified`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Hedge:
     """Hedged escalation: a borderline question's target call starts beside its re-reads.
 
@@ -524,8 +595,14 @@ class Escalation:
     """The `BudgetMeter` counting `budget` (None: one in this process; a decision node with a
     graph store counts in the store)."""
     name: str | None = None
-    """Names this escalation's budget in a shared store (default: the target's name and the
-    budget), so two models with budgets of their own keep their own counts."""
+    """Names this escalation's budget (and controller) in a shared store (default: the target's
+    name and the budget), so two models with budgets of their own keep their own counts."""
+    controller: Controller | None = None
+    """The escalation rate to hold (`Controller`: a set point, beside the budget's cap; None: the
+    thresholds stay as the gate says)."""
+    controller_state: Any = None
+    """The `ControllerState` keeping the controller's offsets (None: one in this process; a
+    decision node with a graph store keeps them in the store, shared by every worker)."""
     hedge: Hedge | None = None
     """Start the target beside a borderline question's re-reads (`Hedge`; None: re-reads first)."""
 
@@ -538,6 +615,10 @@ class Escalation:
             raise TypeError(f"Escalation.budget must be an EscalationBudget, not {type(self.budget).__name__}")
         if self.meter is not None and self.budget is None:
             raise ValueError("Escalation.meter needs budget= (the caps it counts against)")
+        if self.controller is not None and not isinstance(self.controller, Controller):
+            raise TypeError(f"Escalation.controller must be a Controller, not {type(self.controller).__name__}")
+        if self.controller_state is not None and self.controller is None:
+            raise ValueError("Escalation.controller_state needs controller= (the rate it holds)")
         if self.hedge is not None and not isinstance(self.hedge, Hedge):
             raise TypeError(f"Escalation.hedge must be a Hedge, not {type(self.hedge).__name__}")
 

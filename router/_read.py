@@ -16,7 +16,8 @@ log-probabilities `lp`:
 - `p = softmax(lp[labels] / T)`, the distribution over labels only, at temperature `T`;
 - `label_mass = sum(exp(lp[labels]))`, how much of the model's mass fell on labels;
 - `entropy = -sum(p ln p)` in nats; `normalized_entropy = entropy / ln K` (0 when K = 1);
-- `margin = p(top) - p(second)`; `confidence = p(top)` (for several reads: the mean's).
+- `margin = p(top) - p(second)`; `confidence = p(top)` (for several reads: the mean's), the
+  gate's figure; an answer reports System One's (`system_one_confidence`).
 """
 
 from __future__ import annotations
@@ -391,6 +392,28 @@ class SlotStats:
         put(self, "normalized_entropy", entropy / log(k) if k > 1 else 0.0)
         put(self, "margin", best - max(probs[:top] + probs[top + 1:]) if k > 1 else 1.0)
 
+
+
+def system_one_confidence(p: float, k: int) -> float:
+    """System One's confidence in an answer of probability `p` among `k` options: how far the
+    answer stands above an even guess, `clip((p - 1/k) / (1 - 1/k), 0, 1)`.
+
+    TypeSafe documents a Choice's and a Score's confidence as derived from the distribution, lower
+    the flatter it is; this is the formula its answers follow (read back from them by its
+    clients: docs/wire-format.md §6). canvasroute reports it on the library's answers and on
+    `/v1/systemone`, for a Choice and a Score, and for a yes/no answer where one is reported
+    (`|2p - 1|`). It is 0 at an even distribution and 1 when the answer has all the mass. Not the
+    gate's `SlotStats.confidence` (`ReadReport.confidence`), which is the canvas's top probability.
+
+    Example:
+        ```python
+        system_one_confidence(0.7, 4)   # 0.6
+        system_one_confidence(0.5, 2)   # 0.0
+        ```
+    """
+    if k < 2:
+        return 1.0
+    return min(1.0, max(0.0, (p - 1.0 / k) / (1.0 - 1.0 / k)))
 
 
 def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: float = 1.0) -> SlotStats:

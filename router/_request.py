@@ -36,7 +36,7 @@ from langchain_core.decisions import Choice, Noul, Score
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 
-from ._policy import Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gates
+from ._policy import ControlSetting, Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gates
 from ._questions import Dependencies, QuestionSpec, option_text, parse_depends_on, parse_questions
 from ._state import read_state
 
@@ -252,6 +252,10 @@ class DecisionRequest:
     """`canvas_only`: measure the canvas alone (shadow mode, `canvasroute eval`): nothing
     escalates, every question gets the canvas's best real option (flagged not confident where
     the gate did not pass it), and an engine fault raises."""
+    controlled: Mapping[str, ControlSetting] | None = None
+    """What the escalation-rate controller set, per question it moves (`Escalation.controller`):
+    applied once at the start of the run (`canvasroute.router._control.steer`), its thresholds then
+    in `gate` and `gates`. None: no controller, or not applied yet."""
 
     @cached_property
     def key(self) -> str:
@@ -275,6 +279,12 @@ class DecisionRequest:
         if self.escalation is None or self.escalation.budget is None or meter is None:
             return self
         return replace(self, escalation=replace(self.escalation, meter=meter))
+
+    def controlled_by(self, state: Any) -> DecisionRequest:
+        """This decision with its escalation-rate controller's offsets kept by `state` (e.g. a graph store's)."""
+        if self.escalation is None or self.escalation.controller is None or state is None:
+            return self
+        return replace(self, escalation=replace(self.escalation, controller_state=state))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

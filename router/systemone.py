@@ -21,7 +21,23 @@ from . import telemetry as tm
 from ._questions import validate_questions
 from ._state import wire_state
 
-__all__ = ["SystemOneDecisionModel"]
+__all__ = ["SystemOneDecisionModel", "SystemOneResponse"]
+
+
+class SystemOneResponse(ClassifierResponse):
+    """A `ClassifierResponse` that also names the questions the server refused.
+
+    Example:
+        ```python
+        resp = await jev.ainvoke({"state": ticket, "questions": questions})
+        resp.answers.get("card")   # None: refused, no answer
+        resp.refusals["card"]      # "the escalation target refused it: ..."
+        ```
+    """
+
+    refusals: dict[str, str] = Field(default_factory=dict)
+    """Question id -> why it was refused (a canvasroute server whose escalation target refused it).
+    A refusal is not an answer: a refused question is not in `answers`."""
 
 
 
@@ -33,8 +49,11 @@ class SystemOneDecisionModel(BaseDecisionModel):
     `Timeout`, `Retries`, `Limits`), with a sync path. Retries with exponential backoff and
     jitter on connection errors, timeouts, 408, 429, 5xx and 529 (honouring `Retry-After`),
     and typed errors: transient faults raise `EngineUnavailable` (`EngineOverloaded` for
-    429/503/529, `EngineTimeout`), refusals raise `EngineRequestError` carrying the
-    server's status and message, unreadable answers raise `EngineResponseError`.
+    429/503/529, `EngineTimeout`), a request the server refuses raises `EngineRequestError`
+    carrying its status and message, unreadable answers raise `EngineResponseError`. A
+    question the server answered but would not vouch for (a canvasroute server whose own
+    escalation target refused it) is no answer: the response (`SystemOneResponse`) names it
+    in `refusals`, so a canvas model escalating here keeps it a refusal.
 
     Example:
         ```python
@@ -86,12 +105,12 @@ class SystemOneDecisionModel(BaseDecisionModel):
     async def _aclassify(self, state: Any, questions: dict[str, Any]) -> ClassifierResponse:
         return await self.adecide(state, questions)
 
-    def decide(self, state: Any, questions: Mapping[str, Any]) -> ClassifierResponse:
+    def decide(self, state: Any, questions: Mapping[str, Any]) -> SystemOneResponse:
         """Sync `adecide`."""
         return run_sync(self.adecide(state, questions))
 
-    async def adecide(self, state: Any, questions: Mapping[str, Any]) -> ClassifierResponse:
-        """Send one decision set and return the typed answers."""
+    async def adecide(self, state: Any, questions: Mapping[str, Any]) -> SystemOneResponse:
+        """Send one decision set and return the typed answers (and the questions it refused)."""
         wire_questions = _wire_questions(questions)
         wired, images = _wire_state(state)
         body = {**self.extra_body, "model": self.model, "state": wired, "questions": wire_questions}
@@ -142,32 +161,52 @@ def _wire_state(state: Any) -> tuple[Any, tuple[str, ...]]:
 
 
 def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: str | None,
-           model: str) -> ClassifierResponse:
-    """A `ClassifierResponse` with one answer of the asked type per question the server did
-    not skip (vLLM's gateway answers a skipped question null; canvasroute leaves it out and
-    names it in `diagnostics.skipped`)."""
+           model: str) -> SystemOneResponse:
+    """A `SystemOneResponse` with one answer of the asked type per question the server neither
+    skipped (vLLM's gateway answers a skipped question null; canvasroute leaves it out and names
+    it in `diagnostics.skipped`) nor refused (canvasroute: named in `diagnostics.refused`, and
+    an answer whose `canvasroute` object has a `refusal`, as older canvasroute servers say it)."""
     if not isinstance(data, dict) or not isinstance(data.get("answers"), dict):
         raise EngineResponseError(f"the server answered without an 'answers' object: {str(data)[:200]!r}")
-    diagnostics: dict[str, Any] = data["diagnostics"] if isinstance(data.get("diagnostics"), dict) else {}
-    skipped: dict[str, Any] = diagnostics["skipped"] if isinstance(diagnostics.get("skipped"), dict) else {}
-    answers = {qid: a for qid, a in data["answers"].items() if a is not None}
-    missing = [qid for qid in questions if qid not in answers and qid not in skipped and qid not in data["answers"]]
+    diagnostics = _object(data.get("diagnostics"))
+    skipped, refusals = _object(diagnostics.get("skipped")), _refusals(data["answers"], diagnostics)
+    answers = {qid: a for qid, a in data["answers"].items() if a is not None and qid not in refusals}
+    missing = [qid for qid in questions if qid not in answers and qid not in skipped and qid not in refusals
+               and qid not in data["answers"]]
     if missing:
         raise EngineResponseError(f"the server returned no answer for {missing}")
-    questions = {qid: q for qid, q in questions.items() if qid in answers}
+    asked = {qid: q for qid, q in questions.items() if qid in answers}
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
+    extension = _object(data.get("canvasroute"))
+    decision_id = next((v for v in (extension.get("decision_id"), data.get("id")) if isinstance(v, str)), None)
     try:
-        resp = ClassifierResponse.model_validate({
+        resp = SystemOneResponse.model_validate({
             "model": data.get("model") or model,
-            "answers": {qid: answers[qid] for qid in questions},
+            "answers": {qid: answers[qid] for qid in asked},
             "usage": {k: int(usage.get(k) or 0) for k in ("input_tokens", "output_tokens")} if usage else None,
-            "request_id": request_id or (data.get("id") if isinstance(data.get("id"), str) else None),
+            "request_id": request_id or decision_id,
+            "refusals": {qid: reason for qid, reason in refusals.items() if qid in questions},
         })
     except (ValidationError, TypeError, ValueError) as exc:
         raise EngineResponseError(f"the server's answers do not match the wire: {exc}") from exc
-    for qid, q in questions.items():
+    for qid, q in asked.items():
         got = resp.answers[qid].type
         if got != q["type"]:
             raise EngineResponseError(f"question {qid!r} is a {q['type']}, the server answered a {got}")
     return resp
 
+
+
+def _object(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _refusals(answers: Mapping[str, Any], diagnostics: Mapping[str, Any]) -> dict[str, str]:
+    """Question id -> why the server refused it: `diagnostics.refused` (canvasroute 0.2), else an
+    answer's `canvasroute.refusal` (its escalation target refused: the answer is the canvas's)."""
+    out = {qid: str(why or "refused") for qid, why in _object(diagnostics.get("refused")).items()}
+    for qid, answer in answers.items():
+        why = _object(answer).get("canvasroute")
+        if qid not in out and isinstance(why, dict) and isinstance(why.get("refusal"), str) and why["refusal"]:
+            out[qid] = why["refusal"]
+    return out

@@ -50,10 +50,11 @@ class ScriptedTarget(BaseChatModel):
     the schema is a question: its id and options (the schema's `enum`) go to the script, and the
     reply is a tool call with the answers, its content the same answers as JSON text. Without one
     (`escalation_output="text"`) a mapping script's answers come back as JSON text.
-    A distribution is reported as `response_metadata["logprobs"]` at the answer's first token
-    (OpenAI's shape, as `ChatOpenAI(logprobs=True)` returns it); canvasroute reads it back as a
-    first-token distribution, so options that share a first token share its mass, and in a
-    reply with a distribution an option answered plainly reads as near-certain.
+    A distribution is reported as `response_metadata["logprobs"]` (OpenAI's shape, as
+    `ChatOpenAI(logprobs=True)` returns it): the answer's value is one token that ends it, its
+    alternatives the script's options written the same way, so canvasroute reads the script's
+    distribution back exactly, options that prefix each other (`1`, `10`) included; in a reply
+    with a distribution an option answered plainly reads as certain.
     """
 
     script: Any
@@ -177,23 +178,33 @@ def _questions(tool: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
 
 def _reply(answers: Mapping[str, tuple[Any, Mapping[str, float] | None]]) -> tuple[str, dict[str, Any] | None]:
     """The answers as JSON text, and OpenAI-shaped logprobs over its tokens when one has a
-    distribution: each answer's value is one token whose alternatives are its options."""
-    tokens: list[tuple[str, Mapping[str, float] | None]] = [("{", None)]
+    distribution: each answer's value is one token that ends it (a string's closing quote, or a
+    bare value's delimiter), and its alternatives are its options, written the same way."""
+    tokens: list[tuple[str, Mapping[str, float] | None, str]] = [("{", None, "")]
     for i, (qid, (value, dist)) in enumerate(answers.items()):
-        tokens.append((("" if i == 0 else ", ") + json.dumps(qid) + ": ", None))
-        literal = json.dumps(value)
-        tokens += [('"', None), (literal[1:-1], dist), ('"', None)] if isinstance(value, str) else [(literal, dist)]
-    tokens.append(("}", None))
-    content = "".join(token for token, _ in tokens)
-    if all(dist is None for _, dist in tokens):
+        tokens.append((("" if i == 0 else " ") + json.dumps(qid) + ": ", None, ""))
+        end = "," if i < len(answers) - 1 else "}"
+        if isinstance(value, str):
+            tokens.append(('"', None, ""))
+        tokens.append((_written(value) + end, dist, end))
+    if len(answers) == 0:
+        tokens.append(("}", None, ""))
+    content = "".join(token for token, _, _ in tokens)
+    if all(dist is None for _, dist, _ in tokens):
         return content, None
     entries = []
-    for token, dist in tokens:
-        ranked = sorted(((str(o), _logprob(p)) for o, p in (dist or {}).items()), key=lambda a: -a[1])
+    for token, dist, end in tokens:
+        ranked = sorted(((_written(o) + end, _logprob(p)) for o, p in (dist or {}).items()), key=lambda a: -a[1])
         mine = next((lp for o, lp in ranked if o == token), 0.0)
         entries.append({"token": token, "logprob": mine,
                         "top_logprobs": [{"token": o, "logprob": lp} for o, lp in ranked]})
     return content, {"content": entries}
+
+
+def _written(value: Any) -> str:
+    """A value as the reply writes it from where it starts (a string after its opening quote)."""
+    literal = json.dumps(value)
+    return literal[1:] if isinstance(value, str) else literal
 
 
 def _logprob(p: float) -> float:

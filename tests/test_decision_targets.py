@@ -75,7 +75,8 @@ def ask(questions: dict[str, Any] | None = None, **fields: Any) -> Asked:
 
 
 EXPECTED = {
-    "urgent": TargetAnswer(answer="yes", probabilities={"yes": 0.8, "no": 1.0 - 0.8}, confidence=0.8),
+    "urgent": TargetAnswer(answer="yes", probabilities={"yes": 0.8, "no": 1.0 - 0.8},
+                           confidence=pytest.approx(0.6)),  # System One's |2p - 1|: a predicate reports none
     "team": TargetAnswer(answer="billing", probabilities={"billing": 0.6, "technical": 0.4}, confidence=0.3),
     "severity": TargetAnswer(answer="2", probabilities={"0": 0.1, "1": 0.3, "2": 0.6}, confidence=0.5),
 }
@@ -407,3 +408,49 @@ async def test_a_base_decision_model_target_answers_with_its_distribution(fresh:
     team = (await model.adecide(TICKET, {"team": QUESTIONS["team"]})).reads["team"]
     assert (team.path, team.answer, team.escalation_model) == ("escalated", "technical", "confident")
     assert team.probabilities == {"billing": 0.1, "technical": 0.9} and team.escalation_confidence == 0.9
+
+
+# -- options that prefix each other, on every kind of target (issue 34.1) ------------------------------
+
+PREFIXED: dict[str, Noul | Choice | Score] = {
+    "stars": Score(instructions="How many stars, 0 to 10?", criteria=[f"{n} stars" for n in range(11)]),
+    "pick": Choice(instructions="Which option?", criteria={f"opt{n}": None for n in range(80)}),
+    "flag": Choice(instructions="Which flag?", criteria={"true": None, "True": None, "truest": None}),
+}
+PREFIXED_SCRIPT = {"stars": {1: 0.9, 10: 0.1}, "pick": {"opt12": 0.7, "opt1": 0.2, "opt7": 0.1},
+                   "flag": {"True": 0.5, "true": 0.3, "truest": 0.2}}
+"""What the target says: level 1 at 0.9 beside level 10, opt12 beside opt1 and opt7 (never opt10..opt19 or
+opt70..), and names that differ only in case or by a suffix."""
+
+
+def _target(kind: str, server: DecisionsServer) -> Any:
+    from canvasroute.router.testing import ScriptedTarget
+
+    if kind == "chat":  # a chat model that reports OpenAI-shaped logprobs
+        return ScriptedTarget(script={q: {str(k): p for k, p in d.items()} for q, d in PREFIXED_SCRIPT.items()})
+    if kind == "openai_decisions":
+        return openai_decisions(server, max_retries=0)
+    if kind == "decision_model":
+        return WireDecisionModel(base_url=server.url + "/v1")
+    return SystemOneDecisionModel(Connection(server.url, retries=0), model="jev-latest")
+
+
+@pytest.mark.parametrize("kind", ["chat", "openai_decisions", "decision_model", "systemone"])
+async def test_every_target_kind_keeps_options_that_prefix_each_other_apart(kind: str) -> None:
+    """The escalated answer's distribution is the target's, option by option: `1` is not `10`, `opt1`
+    is not `opt12`, `true` is not `True`, and no option gets mass the target never gave it."""
+    from canvasroute.router import CanvasDecisionModel, GatePolicy
+
+    with DecisionsServer({q: Known(d) for q, d in PREFIXED_SCRIPT.items()}) as server:
+        model = CanvasDecisionModel(engine=unsure_canvas(), policy=GatePolicy(rereads=0),
+                                    escalate_to=_target(kind, server))
+        resp = await model.adecide(TICKET, PREFIXED)
+    for qid, script in PREFIXED_SCRIPT.items():
+        report = resp.reads[qid]
+        wanted = {str(k): p for k, p in script.items()}
+        assert (report.path, report.answer) == ("escalated", max(wanted, key=wanted.__getitem__)), qid
+        assert report.probabilities == pytest.approx({o: wanted.get(o, 0.0) for o in report.probabilities}), qid
+        assert set(report.probabilities) == set(parse_questions({qid: PREFIXED[qid]})[qid].options)
+    stars = resp.answers["stars"]
+    assert isinstance(stars, ScoreAnswer) and stars.probabilities[1] == pytest.approx(0.9)
+    assert stars.probabilities[10] == pytest.approx(0.1) and stars.probabilities[0] == 0.0

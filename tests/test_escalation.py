@@ -289,22 +289,24 @@ def _logprobs(tokens: list[tuple[str, float, dict[str, float]]]) -> dict:
 
 
 async def test_logprobs_become_a_distribution_over_options():
-    # '{"team": "tech"}' tokenized; at the answer's first token the model weighed tech/bill/other
+    # '{"team": "tech"}' tokenized; where the value starts the model weighed tech/bill/other
     lp = _logprobs([('{"', -0.01, {}), ("team", -0.01, {}), ('":', -0.01, {}), (' "', -0.01, {}),
                     ("tech", -0.2, {"tech": -0.2, "bill": -1.8, "sales": -3.0}), ('"}', -0.01, {})])
     chat, _ = fake(AIMessage('{"team": "tech"}', response_metadata={"logprobs": lp}))
     r = (await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))).reads["team"]
-    z = math.exp(-0.2) + math.exp(-1.8)
-    assert r.probabilities == pytest.approx({"tech": math.exp(-0.2) / z, "billing": math.exp(-1.8) / z})
+    # tech: the chosen path up to its closing quote; billing: "bill" begins billing alone; "sales" names no option
+    w = {"tech": math.exp(-0.2 - 0.01), "billing": math.exp(-1.8)}
+    z = sum(w.values())
+    assert r.probabilities == pytest.approx({k: v / z for k, v in w.items()})
     assert r.canvas_probabilities == pytest.approx({"billing": 0.5, "tech": 0.5})
 
 
-async def test_an_option_missing_from_the_alternatives_gets_the_floor():
+async def test_an_option_no_path_spells_gets_no_mass():
     lp = _logprobs([('{"severity": ', -0.01, {}), ('"', -0.01, {}),
                     ("crit", -0.1, {"crit": -0.1, "major": -2.5, "x": -4.0}), ('ical"}', -0.01, {})])
     chat, _ = fake(AIMessage('{"severity": "critical"}', response_metadata={"logprobs": lp}))
     r = (await bounded(canvas_model(chat).adecide(STATE, {"severity": SEVERITY}))).reads["severity"]
-    w = {"0": math.exp(-2.5 - 5.0), "1": math.exp(-2.5), "2": math.exp(-0.1)}  # "minor": floor = min - 5
+    w = {"0": 0.0, "1": math.exp(-2.5), "2": math.exp(-0.1 - 0.01)}  # "minor" never weighed: 0, no floor
     z = sum(w.values())
     assert r.answer == "2" and r.probabilities == pytest.approx({k: v / z for k, v in w.items()})
 
@@ -316,8 +318,8 @@ async def test_an_answer_by_name_is_weighed_against_names_not_descriptions():
                     ('illing"}', -0.01, {})])
     chat, _ = fake(AIMessage('{"team": "billing"}', response_metadata={"logprobs": lp}))
     r = (await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))).reads["team"]
-    z = math.exp(-1.07) + math.exp(-1.26)
-    assert r.probabilities == pytest.approx({"billing": math.exp(-1.07) / z, "tech": math.exp(-1.26) / z})
+    z = math.exp(-1.07 - 0.01) + math.exp(-1.26)
+    assert r.probabilities == pytest.approx({"billing": math.exp(-1.08) / z, "tech": math.exp(-1.26) / z})
 
 
 async def test_a_distribution_that_contradicts_the_answer_is_dropped():
@@ -325,6 +327,66 @@ async def test_a_distribution_that_contradicts_the_answer_is_dropped():
     chat, _ = fake(AIMessage('{"team": "tech"}', response_metadata={"logprobs": lp}))
     r = (await bounded(canvas_model(chat).adecide(STATE, {"team": TEAM}))).reads["team"]
     assert r.answer == "tech" and r.probabilities == {"billing": 0.0, "tech": 1.0}
+
+
+ELEVEN = Score(instructions="How many stars, 0 to 10?", criteria=[f"{n} stars" for n in range(11)])
+EIGHTY = Choice(instructions="Which option?", criteria={f"opt{n}": None for n in range(80)})
+
+
+async def test_options_that_prefix_each_other_are_read_per_option():
+    """Issue 34.1: `1` and `10` shared the mass of a first token `1`, and `opt` gave every `optN`
+    the same mass. A path counts for an option only when it spells it and ends it, or begins it
+    where no other option goes on."""
+    # '{"stars": "10"}' as a BPE tokenizer writes it: " "1", "0", then the closing quote
+    lp = _logprobs([('{"stars":', -0.01, {}), (' "1', -0.1, {' "1': -0.1, ' "2': -3.0, " 1": -4.0}),
+                    ("0", -0.5, {"0": -0.5, '"': -1.0, "1": -2.0}), ('"}', -0.02, {'"': -5.0})])
+    chat, _ = fake(AIMessage('{"stars": "10"}', response_metadata={"logprobs": lp}))
+    r = (await bounded(canvas_model(chat).adecide(STATE, {"stars": ELEVEN}))).reads["stars"]
+    # 10: the chosen path, closed; 1: "1" then the closing quote; 2: begins no other level; " 1" (bare)
+    # and "11" name no level; '"' after "10" closes it too (the same option, another path)
+    w = {"10": math.exp(-0.1 - 0.5 - 0.02) + math.exp(-0.1 - 0.5 - 5.0), "1": math.exp(-0.1 - 1.0),
+         "2": math.exp(-3.0)}
+    z = sum(w.values())
+    assert r.answer == "10" and r.probabilities == pytest.approx({str(n): w.get(str(n), 0.0) / z for n in range(11)})
+    # opt12 written "opt", "12", '"': "1" goes on to opt1 and opt10..opt19, "7" to opt7 and opt70..opt79
+    lp = _logprobs([('{"pick": "', -0.01, {}), ("opt", -0.05, {"opt": -0.05, "option": -4.0}),
+                    ("12", -0.4, {"12": -0.4, "1": -1.5, "7": -2.0, "13": -2.5, '3"': -3.0}), ('"}', -0.01, {})])
+    chat, _ = fake(AIMessage('{"pick": "opt12"}', response_metadata={"logprobs": lp}))
+    r = (await bounded(canvas_model(chat).adecide(STATE, {"pick": EIGHTY}))).reads["pick"]
+    w = {"opt12": math.exp(-0.05 - 0.4 - 0.01), "opt13": math.exp(-0.05 - 2.5), "opt3": math.exp(-0.05 - 3.0)}
+    z = sum(w.values())
+    assert r.probabilities == pytest.approx({f"opt{n}": w.get(f"opt{n}", 0.0) / z for n in range(80)})
+
+
+async def test_a_bare_value_ends_at_its_delimiter():
+    # '{"stars": 1, ...}': a Score level as a JSON number; "1" then "," ends it, "10" is another level
+    lp = _logprobs([('{"stars": ', -0.01, {}), ("1", -0.3, {"1": -0.3, "10": -1.6, "null": -3.0}),
+                    (", ", -0.2, {"0": -1.9}), ('"team": "tech"}', 0.0, {})])
+    chat, _ = fake(AIMessage('{"stars": 1, "team": "tech"}', response_metadata={"logprobs": lp}))
+    r = (await bounded(canvas_model(chat, output="text").adecide(STATE, {"stars": ELEVEN, "team": TEAM}))).reads
+    w = {"1": math.exp(-0.3 - 0.2), "10": math.exp(-1.6) + math.exp(-0.3 - 1.9)}
+    z = sum(w.values())
+    assert r["stars"].answer == "1"
+    assert r["stars"].probabilities == pytest.approx({str(n): w.get(str(n), 0.0) / z for n in range(11)})
+
+
+@pytest.mark.parametrize(("question", "script", "expected"), [
+    (ELEVEN, {"1": 0.9, "10": 0.1}, {"1": 0.9, "10": 0.1}),
+    (ELEVEN, {"10": 0.6, "1": 0.3, "0": 0.1}, {"10": 0.6, "1": 0.3, "0": 0.1}),
+    (EIGHTY, {"opt12": 0.7, "opt1": 0.2, "opt7": 0.1}, {"opt12": 0.7, "opt1": 0.2, "opt7": 0.1}),
+])
+async def test_a_scripted_target_with_options_that_prefix_each_other_reads_back_as_scripted(question, script,
+                                                                                             expected):
+    """Issue 34.1: a Score 0-10 whose target says level 1 at 0.9 comes back as level 1 at 0.9 (it
+    was split with 10), and opt0..opt79 get no mass the target never gave."""
+    from canvasroute.router.testing import ScriptedTarget
+
+    even = FunctionEngine(lambda read: [{i: -math.log(len(read.label_ids)) for i in read.label_ids}] * len(read.slots))
+    model = CanvasDecisionModel(engine=even, policy=GatePolicy(rereads=0),
+                                escalate_to=ScriptedTarget(script={"q": script}))
+    r = (await bounded(model.adecide(STATE, {"q": question}))).reads["q"]
+    assert r.path == "escalated" and r.answer == max(script, key=script.__getitem__)
+    assert r.probabilities == pytest.approx({o: expected.get(o, 0.0) for o in r.probabilities}, abs=1e-9)
 
 
 # -- other targets: Runnables and decision models -------------------------------------------------

@@ -24,7 +24,9 @@ second run), and once more from scratch. Invariants, not examples:
 (h) every gate override reached every question, per-question fits included;
 (i) every absorbed engine fault was logged (WARNING) and marked on its span;
 (j) every read of a thinking decision continued a thought; no agreement is reported over reads
-    that could not differ.
+    that could not differ;
+(k) an escalated answer's distribution is the target's, option by option, with option names
+    that prefix each other (`opt0`, `opt01`, `opt010`; `line 1` beside `line 10`..`line 199`).
 
 Examples are bounded and derandomized (a fixed seed: CI runs the same examples every time);
 `CANVASROUTE_MATRIX_EXAMPLES=500` explores further.
@@ -173,8 +175,12 @@ class Scripted(FunctionEngine):
 
 
 class Target:
-    """An escalation target answering each asked question's first option; or failing. It keeps
+    """An escalation target answering each asked question's first option, with a distribution
+    over its first options (`WEIGHTS`) as OpenAI-shaped logprobs: each value one token with its
+    closing quote, the alternatives the other options written the same way; or failing. It keeps
     what it was shown (the last human message: text and image parts)."""
+
+    WEIGHTS = (0.6, 0.3, 0.1)
 
     def __init__(self, fails: bool, name: str = "target") -> None:
         self.fails, self.calls, self.questions = fails, 0, 0
@@ -191,9 +197,26 @@ class Target:
         self.images.append([p["image_url"]["url"] for p in parts if p.get("type") == "image_url"])
         if self.fails:
             raise ConnectionError("the escalation target is down")
-        asked = dict(re.findall(r'^Question "([^"]+)": .*? Options: "([^"]+)"', text, re.MULTILINE))
+        asked = {qid: re.findall(r'"([^"]*)"(?: \([^)]*\))?(?:, |$)', options) for qid, options in re.findall(
+            r'^Question "([^"]+)": .*? Options: (.*?)\.(?: Fast model\'s probabilities: .*)?$', text, re.MULTILINE)}
         self.questions += len(asked)
-        return AIMessage(json.dumps(asked), usage_metadata={"input_tokens": 7, "output_tokens": 2, "total_tokens": 9})
+        tokens: list[dict[str, Any]] = [{"token": "{", "logprob": 0.0}]
+        for i, (qid, options) in enumerate(asked.items()):
+            tokens.append({"token": ("" if i == 0 else ", ") + json.dumps(qid) + ': "', "logprob": 0.0})
+            alternatives = [{"token": o + '"', "logprob": math.log(p)} for o, p in Target.given(options).items()]
+            tokens.append({"token": options[0] + '"', "logprob": alternatives[0]["logprob"],
+                           "top_logprobs": alternatives})
+        tokens.append({"token": "}", "logprob": 0.0})
+        text = "".join(t["token"] for t in tokens)
+        assert json.loads(text) == {qid: options[0] for qid, options in asked.items()}
+        return AIMessage(text, usage_metadata={"input_tokens": 7, "output_tokens": 2, "total_tokens": 9},
+                         response_metadata={"logprobs": {"content": tokens}})
+
+    @staticmethod
+    def given(options: Any) -> dict[str, float]:
+        """The distribution this target gives a question with these options."""
+        weights = Target.WEIGHTS[:len(options)]
+        return {o: w / sum(weights) for o, w in zip(options, weights, strict=False)}
 
 
 class Faults(logging.Handler):
@@ -228,8 +251,8 @@ def _question(i: int, kind: str) -> Any:
     text = f"Q{i}: question {i}?"
     if kind == "noul":
         return Noul(instructions=text)
-    if kind == "choice":
-        return Choice(instructions=text, criteria={f"opt{i}{c}": None for c in "abc"})
+    if kind == "choice":  # names that prefix each other: a target's mass must stay each one's own
+        return Choice(instructions=text, criteria={f"opt{i}{c}": None for c in ("", "1", "10")})
     if kind == "score":
         return Score(instructions=text, criteria=["low", "mid", "high"])
     return Choice(instructions=text, criteria={f"line {n}": None for n in range(MANY)})
@@ -587,6 +610,8 @@ def check_records(b: Built, r: Run) -> None:
         if path == "escalated":
             assert read["escalation_model"] == "target" and b.target is not None and not b.target.fails
             assert cause in ("uncertain", "abstained", "engine_fault")
+            given = Target.given(b.options[qid])  # (k): the target's distribution, option by option
+            assert read["probabilities"] == pytest.approx({o: given.get(o, 0.0) for o in b.options[qid]}), qid
         elif path == "unsure":
             assert read["crossed"] or cause == "abstained" or cause == "over_budget", read
         elif path == "fallback":

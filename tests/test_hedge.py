@@ -664,6 +664,8 @@ def test_serve_hedge_band_builds_a_hedged_escalation(monkeypatch, capsys):
     monkeypatch.setenv("CANVASROUTE_HEDGE_BAND", "0.2")
     assert serve.build_model(_args(url)).escalate_to.hedge == Hedge(band=0.2)
     monkeypatch.delenv("CANVASROUTE_HEDGE_BAND")
+    both = serve.build_model(_args([*url, "--hedge-band", "0.1", "--target-escalation", "0.2"])).escalate_to
+    assert both.hedge == Hedge(band=0.1) and both.controller.target == 0.2  # one escalation, both on it
     assert serve.run(_args(["--engine-url", "http://127.0.0.1:9", "--hedge-band", "0.1"])) == 2
     assert "--hedge-band needs an escalation target" in capsys.readouterr().err
     assert serve.run(_args([*url, "--hedge-band", "2"])) == 2
@@ -731,7 +733,7 @@ def test_totals_add_up_hedges():
 
 
 def test_the_bench_measures_hedging_beside_no_hedging_on_one_stream(capsys):
-    """`canvasroute bench --quick --json --only hedge` (figure 13): the arms decide the same stream;
+    """`canvasroute bench --quick --json --only hedge` (figure 14): the arms decide the same stream;
     counts, not times, are checked (the times are the figure's)."""
     import json
 

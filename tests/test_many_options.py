@@ -87,7 +87,8 @@ async def check(inner, k: int, winner_index: int) -> None:
         assert r.confidence == pytest.approx(P)
     else:  # two reads: honest probability = p(group) * p(option | group)
         assert r.reads == 2 and engine.batches == [1, 1] and resp.canvas_reads == 2
-        assert r.confidence == pytest.approx(P * P) == resp.answers["q"].confidence
+        assert r.confidence == pytest.approx(P * P)
+        assert resp.answers["q"].confidence == pytest.approx((P * P - 1 / k) / (1 - 1 / k))  # System One's
         group_size = sum(1 for label in r.labels if label.split("/")[0] == r.labels[0].split("/")[0])
         assert r.probabilities["line 0" if winner_index >= group_size else f"line {k - 1}"] == pytest.approx(
             (1 - P) / (len({label.split("/")[0] for label in r.labels}) - 1) / group_size, rel=0.05)

@@ -99,7 +99,7 @@ def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypat
     assert "grade -.-> write;" in drawn and "grade -.-> __end__;" in drawn  # destinations=, END included
     assert loops["spent"].decisions == loops["spent"].reads == attempts  # one confident read per grade
     assert canvasroute.run_totals(loops["events"]).as_tuple()[:-1] == loops["spent"].as_tuple()[:-1]
-    double = next(ns for ns in sessions if "ScriptedTarget" in ns)  # the escalation target's double
+    double = next(ns for ns in sessions if "ScriptedTarget" in ns and "resp" in ns)  # the escalation target's double
     assert double["resp"].reads["team"].path == "escalated" and double["target"].calls == 1
     assert double["resp"].answers["team"].probabilities == pytest.approx({"billing": 0.8, "technical": 0.2})
     assert 'Fast model\'s probabilities: {"billing": 0.5, "technical": 0.5}' in double["target"].prompts[0][-1].text
@@ -110,6 +110,11 @@ def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypat
     assert [(a.name, a.type) for a in served["decision"].answers] == [("refund", "predicate"), ("team", "choice")]
     assert served["team"].model_extra["canvasroute"]["path"] == "canvas"
     assert served["lc"].choices["team"].choice in ("billing", "technical")
+    held = next(ns for ns in sessions if "Controller" in ns)  # the escalation-rate controller after a drift
+    late = held["reads"][200:]
+    assert abs(sum(not r.confident for r in late) / len(late) - 0.2) <= 0.03
+    assert sum(r.normalized_entropy > 0.55 for r in late) / len(late) > 0.3  # what the fixed gate would escalate
+    assert float(held["reads"][-1].gate.removeprefix("H/lnK <= ")) > 0.6  # the threshold the last read was held to
     sure = next(ns for ns in sessions if "sure" in ns)  # the FunctionEngine block
     assert sure["sure"].invoke({"state": "x", "questions": {"team": sure["team"]}}).answers["team"].choice == "billing"
 

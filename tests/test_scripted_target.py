@@ -68,7 +68,7 @@ def test_a_scripted_distribution_becomes_the_escalated_answers_distribution():
     assert resp.answers["severity"].probabilities == pytest.approx({0: 0.2, 1: 0.5, 2: 0.3})
     logprobs = target.invoke("x").response_metadata  # no schema bound: JSON text of the mapping, logprobs beside
     assert logprobs["model_name"] == "scripted" and logprobs["logprobs"]["content"][3]["top_logprobs"][0] == {
-        "token": "billing", "logprob": pytest.approx(math.log(0.7))}
+        "token": 'billing",', "logprob": pytest.approx(math.log(0.7))}  # the value and what ends it: one token
 
 
 def test_a_function_script_gets_each_question_id_its_options_and_the_requests_text():

@@ -95,7 +95,7 @@ def test_typesafe_sdk_gets_typed_answers_from_our_server_on_real_vllm(vllm_url):
     team = result.choices["team"]
     assert team.choice in {"billing", "tech", "sales"} and set(team.probabilities) == {"billing", "tech", "sales"}
     assert sum(team.probabilities.values()) == pytest.approx(1.0)
-    assert team.confidence == max(team.probabilities.values())
+    assert team.confidence == pytest.approx((max(team.probabilities.values()) - 1 / 3) / (1 - 1 / 3))  # System One's
     sev = result.scores["sev"]
     assert sev.legend == {0: "low", 1: "medium", 2: "high"} and set(sev.probabilities) == {0, 1, 2}
     assert sev.score == pytest.approx(sum(i * p for i, p in sev.probabilities.items()))
@@ -197,7 +197,7 @@ async def test_answer_shapes_match_vllms_own_gateway(vllm_url, which):
     """
     url = vllm_url if which == "fixture" else which
     name = (await VLLMServerEngine(url).info()).model
-    body = {**BODY, "model": name}
+    body = {**BODY, "model": name, "instructions": "Support tickets."}  # a key of vLLM's: its fields come back
     theirs = await _gateway(url, body)
     if theirs.status_code == 501:
         assert theirs.json()["error"]["message"] == "The model does not support the structured decision API"
@@ -224,22 +224,68 @@ async def test_answer_shapes_match_vllms_own_gateway(vllm_url, which):
 # -- shapes, extension and errors (FunctionEngine) ----------------------------------------
 
 
+SYSTEM_ONE_KEYS = {"noul": {"type", "noul"}, "choice": {"type", "choice", "probabilities", "confidence"},
+                   "score": {"type", "score", "legend", "probabilities", "confidence"}}
+"""Each answer's fields as System One defines them (TypeSafe's Jev and vLLM's gateway alike)."""
+
+
 async def test_answers_carry_the_jev_fields_and_the_canvasroute_extension():
+    """Issue 34.7: a reply holds System One's fields (`model`, `answers`, `usage`), the gateway's
+    `diagnostics` (its contract requires it), and canvasroute's own figures only under `canvasroute`
+    objects: no top-level `id`/`object`/`created`, no `probabilities`/`confidence` on a noul. A
+    Choice's and a Score's confidence is System One's: `(p - 1/K) / (1 - 1/K)` of the answer."""
     async with client(create_app(function_model())) as http:
         r = await http.post("/v1/systemone", json=BODY)
-    assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"]
     data = r.json()
-    assert data["object"] == "structured_decision" and data["model"] == "function"
+    assert r.status_code == 200 and r.headers["x-request-id"] == data["canvasroute"]["decision_id"]
+    assert set(data) == {"model", "answers", "usage", "diagnostics", "canvasroute"} and data["model"] == "function"
+    assert set(data["canvasroute"]) == {"decision_id", "canvas_reads", "ignored"}
+    assert data["canvasroute"]["canvas_reads"] == 1
     assert set(data["usage"]) == {"input_tokens", "output_tokens"}
+    for answer in data["answers"].values():
+        assert set(answer) == SYSTEM_ONE_KEYS[answer["type"]] | {"canvasroute"}
     urgent, team, sev = (data["answers"][q] for q in ("urgent", "team", "sev"))
     assert urgent["type"] == "noul" and urgent["noul"] > 0.99
-    assert urgent["probabilities"] == {"yes": urgent["noul"], "no": pytest.approx(1 - urgent["noul"])}
-    assert team["choice"] == "billing" and team["confidence"] == team["probabilities"]["billing"]
+    assert team["choice"] == "billing" and team["confidence"] == pytest.approx(
+        (team["probabilities"]["billing"] - 1 / 3) / (1 - 1 / 3))
     assert sev["legend"] == {"0": "low", "1": "medium", "2": "high"} and set(sev["probabilities"]) == {"0", "1", "2"}
     assert sev["score"] == pytest.approx(sum(int(k) * p for k, p in sev["probabilities"].items()))
+    assert sev["confidence"] == pytest.approx((sev["probabilities"]["0"] - 1 / 3) / (1 - 1 / 3))
     ext = team["canvasroute"]
     assert ext["path"] == "canvas" and ext["confident"] is True and ext["reads"] == 1
     assert ext["labels"] == ["A", "B", "C"] and 0 <= ext["normalized_entropy"] < 0.1
+    assert ext["confidence"] == team["probabilities"]["billing"]  # the gate's figure: the canvas's top probability
+
+
+@pytest.mark.parametrize("key", [{"samples": 1}, {"instructions": "Support tickets."}, {"request_id": "r1"},
+                                 {"questions": {**QUESTIONS, "urgent": {**QUESTIONS["urgent"], "alone": True}}}])
+async def test_a_request_using_the_gateways_keys_gets_its_fields_too(key):
+    """vLLM's own /v1/systemone adds `id`, `object`, `created` and a noul's `probabilities` and
+    `confidence`: a client that speaks its keys gets them (the confidence System One's, |2p - 1|)."""
+    async with client(create_app(function_model())) as http:
+        r = await http.post("/v1/systemone", json={**BODY, **key})
+    data = r.json()
+    assert r.status_code == 200, r.text
+    assert (data["id"], data["object"]) == (data["canvasroute"]["decision_id"], "structured_decision")
+    assert isinstance(data["created"], int)
+    urgent = data["answers"]["urgent"]
+    assert urgent["probabilities"] == {"yes": urgent["noul"], "no": pytest.approx(1 - urgent["noul"])}
+    assert urgent["confidence"] == pytest.approx(abs(2 * urgent["noul"] - 1))
+    assert set(data["answers"]["team"]) == SYSTEM_ONE_KEYS["choice"] | {"canvasroute"}
+
+
+async def test_confidence_is_system_ones_on_every_answer():
+    """0 at an even distribution, 1 with all the mass on the answer; the library's answers and
+    the wire agree."""
+    even = function_model(uniform)
+    async with client(create_app(even)) as http:
+        data = (await http.post("/v1/systemone", json=BODY)).json()
+    assert data["answers"]["team"]["confidence"] == pytest.approx(0.0, abs=1e-9)
+    assert data["answers"]["sev"]["confidence"] == pytest.approx(0.0, abs=1e-9)
+    resp = await function_model().adecide(BODY["state"], BODY["questions"])
+    for qid in ("team", "sev"):
+        p = resp.reads[qid].probabilities[resp.reads[qid].answer]
+        assert resp.answers[qid].confidence == pytest.approx((p - 1 / 3) / (1 - 1 / 3))  # type: ignore[union-attr]
 
 
 async def test_health_and_models():
@@ -333,8 +379,9 @@ async def test_a_body_that_is_not_a_json_object_is_400(body):
 
 @pytest.mark.parametrize(("question", "kind"), [
     ({"type": "box", "instructions": "the logo"}, "unsupported_question"),
-    ({"type": "choice", "instructions": "Which?", "criteria": {}}, "invalid_question"),
-    ({"type": "score", "instructions": "How much?", "criteria": ["only one level"]}, "invalid_question"),
+    ({"type": "choice", "instructions": "Which?", "criteria": {}}, "too_few_options"),
+    ({"type": "choice", "instructions": "Which?", "criteria": {"only": None}}, "too_few_options"),
+    ({"type": "score", "instructions": "How much?", "criteria": ["only one level"]}, "too_few_levels"),
 ])
 async def test_unaskable_questions_are_422(question, kind):
     model = function_model()

@@ -37,7 +37,7 @@ from test_server import KEY, _args, _free_port, confident, function_model, unifo
 
 from canvasroute.apps.server import Limits, create_app, run_in_thread
 from canvasroute.apps.server import cli as serve
-from canvasroute.engine import EngineUnavailable, FunctionEngine, VLLMServerEngine
+from canvasroute.engine import Connection, EngineUnavailable, FunctionEngine, VLLMServerEngine
 from canvasroute.router import (
     CanvasDecisionModel,
     Escalation,
@@ -223,6 +223,39 @@ def test_a_question_the_escalation_target_refused_is_a_refusal_the_others_keep_i
     assert sent["input"] == TICKET
     # /v1/systemone has no refusal: the same refused question gets the canvas answer there (path unsure)
     assert systemone.json()["answers"]["flag"]["canvasroute"]["refusal"] == "the target refused to answer"
+    assert seen[("canvasroute_server_refusals_total", (("reason", "escalation_refused"),))] == 1
+
+
+def test_a_refusal_downstream_of_a_systemone_target_stays_a_refusal_upstream():
+    """Issue 34.2: A escalates over /v1/systemone to B (`serve --escalate-systemone`, here its target
+    in a thread), whose own target (a decisions server) refuses `flag`. B answers `flag` with its
+    canvas's guess, the refusal named; A read that guess as B's answer (path escalated). Now A's
+    `flag` is a refusal, as over /v1/decisions: path unsure, the refusal kept, `{"type": "refusal"}`
+    on A's /v1/decisions; the other questions are B's answers."""
+    script = {"urgent": Known(0.8), "team": Known({"billing": 0.3, "technical": 0.7}, confidence=0.6),
+              "How severe?": Known({0: 0.2, 1: 0.5, 2: 0.3}), "flag": REFUSE}
+    with DecisionsServer(script, model="big-decider") as big, \
+            run_in_thread(create_app(function_model(uniform, escalate_to=decisions_target(big.url, "big-decider")))
+                          ) as b:
+        jev = SystemOneDecisionModel(Connection(b, retries=0), model="jev-latest")
+        with run_in_thread(create_app(function_model(uniform, escalate_to=jev))) as a:
+            decision = sdk(a).decisions.create(model="function", input=TICKET, questions=QUESTIONS)
+            systemone = httpx.post(f"{a}/v1/systemone", timeout=30, json={"state": TICKET, "questions": {
+                "flag": {"type": "choice", "instructions": "Flag it?", "criteria": {"yes": None, "no": None}}}})
+            seen = metrics_of(a)
+    urgent, team, severity, flag = decision.answers
+    figures = [x.model_extra["canvasroute"] for x in decision.answers]  # type: ignore[index]
+    assert [(f["path"], f["escalation_model"]) for f in figures[:3]] == [("escalated", "function")] * 3
+    assert urgent.probability == pytest.approx(0.8)  # type: ignore[union-attr]
+    assert [p.probability for p in team.probabilities] == pytest.approx([0.3, 0.7])  # type: ignore[union-attr]
+    assert [p.probability for p in severity.probabilities] == pytest.approx([0.2, 0.5, 0.3])  # type: ignore[union-attr]
+    assert (flag.type, flag.name) == ("refusal", "flag")
+    assert (figures[3]["path"], figures[3]["cause"], figures[3]["escalation_model"]) == (
+        "unsure", "uncertain", "function")  # B refused it
+    assert "the target refused to answer" in figures[3]["refusal"]
+    body = systemone.json()  # A's /v1/systemone: its own canvas answer, the refusal named
+    assert body["answers"]["flag"]["canvasroute"]["path"] == "unsure"
+    assert "the target refused to answer" in body["diagnostics"]["refused"]["flag"]
     assert seen[("canvasroute_server_refusals_total", (("reason", "escalation_refused"),))] == 1
 
 
@@ -571,3 +604,33 @@ def test_a_cascade_of_two_serve_processes_on_real_vllm(vllm_url, tmp_path):
     assert seen[("canvasroute_server_decisions_total", (("cause", "uncertain"), ("path", "escalated")))] == 3
     assert seen[("canvasroute_server_refusals_total", (("reason", "escalation_refused"),))] == 1
     assert json.loads((tmp_path / "b-policy.json").read_text())["policy"]["per_question"]["secret"]
+
+
+@pytest.mark.vllm
+def test_a_refusal_stays_a_refusal_through_serve_escalate_systemone_on_real_vllm(vllm_url, tmp_path):
+    """Issue 34.2, as processes on the real vLLM server: A (a gate nothing passes) escalates to B
+    through `--escalate-systemone`; B passes every question but `secret`, which it escalates to C (a
+    decisions server) that refuses it. A's answers are B's (path escalated); B's refusal, which B's
+    /v1/systemone answers with its canvas's guess, is A's refusal: `{"type": "refusal"}`."""
+    policy = save_policy(tmp_path / "b-policy.json", GatePolicy(max_normalized_entropy=1.0, per_question={
+        "secret": GatePolicy(max_normalized_entropy=0.0)}))
+    questions = [*QUESTIONS[:2], {"type": "predicate", "name": "secret", "instructions": "Is a card number shown?"}]
+    body = {"model": "tiny-dgemma", "input": TICKET, "questions": questions}
+    with DecisionsServer({"secret": REFUSE}, model="big-decider") as c, \
+            serving(["--engine-url", vllm_url, "--policy", str(policy), "--escalate-decisions", f"{c.url}/v1",
+                     "--escalate-model", "big-decider"], tmp_path, "b") as b, \
+            serving(["--engine-url", vllm_url, "--max-normalized-entropy", "0", "--rereads", "0",
+                     "--escalate-systemone", b], tmp_path, "a") as a:
+        cascaded = sdk(a).decisions.create(**body)
+        from_b = httpx.post(f"{b}/v1/systemone", timeout=60, json={"state": TICKET, "questions": {
+            "secret": {"type": "noul", "instructions": "Is a card number shown?"}}}).json()
+        seen = metrics_of(a)
+    answers = {x.name: x for x in cascaded.answers}
+    figures = {x.name: x.model_extra["canvasroute"] for x in cascaded.answers}  # type: ignore[index]
+    for name in ("urgent", "team"):
+        assert (figures[name]["path"], figures[name]["escalation_model"]) == ("escalated", "tiny-dgemma"), name
+    assert answers["secret"].type == "refusal"
+    assert from_b["answers"]["secret"]["type"] == "noul"  # B's canvas guess, for plain Jev clients ...
+    assert from_b["diagnostics"]["refused"]["secret"]  # ... and the refusal, named
+    assert (figures["secret"]["path"], figures["secret"]["escalation_model"]) == ("unsure", "tiny-dgemma")
+    assert seen[("canvasroute_server_refusals_total", (("reason", "escalation_refused"),))] == 1

@@ -3,7 +3,8 @@
 Positive and negative cases for every operation, with and without the key, against a
 uvicorn server whose engine faults on some reads: no 5xx but the 503/504/529 a faulted
 engine explains, JSON on every reply, and no reply carrying the engine's model path, a
-traceback, the key or the request's state text.
+traceback, the key or the request's state text; every `/v1/systemone` reply as the
+description says it (a 200 in System One's shape, a 415 or 422 with its `detail` list).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import requests
 import schemathesis
 from fuzzing import run_cases
 from schemathesis import GenerationMode
+from schemathesis.core.failures import Failure, FailureGroup
+from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from canvasroute.apps.server import create_app, run_in_thread
 from canvasroute.apps.server.limits import Limits
@@ -93,6 +96,11 @@ def test_schemathesis_finds_no_5xx_and_no_leaks():
             state = _state_text(case)
             if state is not None and state in text:
                 problems.append(f"echoed the state: {where}")
+            if case.path == "/v1/systemone":  # the reply this server describes: a 200's shape, a 422's detail list
+                try:
+                    case.validate_response(response, checks=[response_schema_conformance])
+                except (Failure, FailureGroup) as exc:
+                    problems.append(f"schema ({type(exc).__name__}: {str(exc)[:300]}): {where}")
 
         elapsed = run_cases(strategies, REQUESTS, fuzz)
 

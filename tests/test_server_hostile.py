@@ -108,6 +108,48 @@ async def test_null_state_is_422_and_nan_or_infinity_400_with_where(body, status
     assert m.engine.reads == []
 
 
+def _asking(**fields) -> dict:
+    return {"state": "x", "questions": {"q": NOUL}, **fields}
+
+
+INVALID = {  # a body that fails validation, and the place its detail names
+    "a choice of one option": ({"state": "x", "questions": {"q": {"type": "choice", "criteria": {"a": None}}}},
+                               ["body", "questions", "q", "criteria"]),
+    "a choice of no option": ({"state": "x", "questions": {"q": {"type": "choice", "criteria": {}}}},
+                              ["body", "questions", "q", "criteria"]),
+    "a score of one level": ({"state": "x", "questions": {"q": {"type": "score", "criteria": ["only"]}}},
+                             ["body", "questions", "q", "criteria"]),
+    "no questions": ({"state": "x", "questions": {}}, ["body", "questions"]),
+    "an unknown type": ({"state": "x", "questions": {"q": {"type": "bool"}}}, ["body", "questions", "q", "type"]),
+    "a Box": ({"state": "x", "questions": {"q": {"type": "box"}}}, ["body", "questions", "q"]),
+    "a dependency cycle": ({"state": "x", "questions": {"a": {**NOUL, "depends_on": ["b"]},
+                                                       "b": {**NOUL, "depends_on": ["a"]}}}, ["body"]),
+    "an ask_if answer that is none": (
+        {"state": "x", "questions": {"a": NOUL, "b": {**NOUL, "ask_if": {"a": ["maybe"]}}}},
+        ["body", "questions", "b", "ask_if", "a"]),
+    "samples 0": (_asking(samples=0), ["body", "samples"]),
+    "a seed that is a boolean": (_asking(seed=True), ["body", "seed"]),
+    "an image that is no image": (_asking(images=["https://example.com/a.png"]), ["body", "images", 0]),
+    "ask naming nothing asked": (_asking(ask=["zz"]), ["body", "ask"]),
+    "a model not served": (_asking(model="gpt-6-luna"), ["body", "model"]),
+    "chunk_prompt shared": (_asking(chunk_prompt="shared"), ["body", "chunk_prompt"]),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+async def test_every_validation_failure_is_422_with_a_detail_list(case):
+    """Issue 34.7: a body that fails validation answers 422 with FastAPI's `detail` list (each item
+    `loc`, `msg`, `type`), before any read; a one-option Choice was answered 200."""
+    body, loc = INVALID[case]
+    m = model()
+    async with asgi(create_app(m)) as http:
+        r = await http.post("/v1/systemone", json=body)
+    assert r.status_code == 422, r.text
+    (detail,) = r.json()["detail"]
+    assert (detail["loc"], detail["type"]) == (loc, r.json()["error"]["type"]) and detail["msg"]
+    assert m.engine.reads == []
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "image/png"])
 async def test_a_body_that_is_not_json_is_415(content_type):
     m = model()

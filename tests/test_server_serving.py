@@ -106,10 +106,11 @@ def test_the_callers_request_id_is_logged_sent_to_vllm_with_each_read_and_return
             assert _wait(lambda: len(log.records) == 2)
         read_headers = [h for h in vllm.headers if "x-session-id" in h]  # the reads (not /tokenize, /v1/models)
     assert mine.status_code == 200 and mine.headers["x-request-id"] == "caller-req-7"
-    assert mine.json()["id"].startswith("decision-")
+    assert mine.json()["canvasroute"]["decision_id"].startswith("decision-")
     assert len(read_headers) == 2 and read_headers[0]["x-request-id"] == "caller-req-7"
-    assert theirs.status_code == 200 and theirs.headers["x-request-id"] == theirs.json()["id"]  # too long: replaced
-    assert read_headers[1]["x-request-id"] == theirs.json()["id"]
+    theirs_id = theirs.json()["canvasroute"]["decision_id"]
+    assert theirs.status_code == 200 and theirs.headers["x-request-id"] == theirs_id  # too long: replaced
+    assert read_headers[1]["x-request-id"] == theirs_id
     first = log.records[0]
     assert "caller-req-7" in first.getMessage() and first.status == 200
 

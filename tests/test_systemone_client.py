@@ -306,6 +306,77 @@ async def test_a_question_the_server_skipped_has_no_answer(skip):
     assert set(resp.answers) == {"urgent", "team"} and resp.choices["team"].choice == "tech"
 
 
+OLDER = {  # a canvasroute 0.1 server's reply: top-level id, object, created; a noul's probabilities and confidence
+    "id": "decision-1", "object": "structured_decision", "created": 1, "model": "jev-test",
+    "answers": {**ANSWER["answers"], "urgent": {"type": "noul", "noul": 0.8, "probabilities": {"yes": 0.8, "no": 0.2},
+                                                "confidence": 0.8, "canvasroute": {"path": "escalated"}},
+                "team": {**ANSWER["answers"]["team"], "canvasroute": {"path": "unsure", "refusal": "policy"}}},
+    "usage": ANSWER["usage"], "diagnostics": {"skipped": {}},
+}
+
+
+@pytest.mark.parametrize("reply", ["older canvasroute", "canvasroute 0.2", "canvasroute 0.2, no answer"])
+async def test_a_question_the_server_refused_is_a_refusal_not_an_answer(reply):
+    """Issue 34.2: a canvasroute server answers a question its escalation target refused with its
+    canvas's guess, the refusal in the answer's `canvasroute` object (and, since 0.2, in
+    `diagnostics.refused`; a server fronting another decision model has no guess to give). The
+    client read that guess as the server's answer; now it names the question in `refusals`."""
+    body: dict = {"older canvasroute": OLDER,
+                  "canvasroute 0.2": {**ANSWER, "diagnostics": {"refused": {"team": "policy"}},
+                                      "canvasroute": {"decision_id": "decision-2"}},
+                  "canvasroute 0.2, no answer": {**ANSWER, "answers": {
+                      k: v for k, v in ANSWER["answers"].items() if k != "team"},
+                      "diagnostics": {"refused": {"team": "policy"}}}}[reply]
+    resp = await Script(httpx.Response(200, json=body)).client().ainvoke({"state": STATE, "questions": QUESTIONS})
+    assert set(resp.answers) == {"urgent", "sev"} and resp.refusals == {"team": "policy"}
+    assert resp.nouls["urgent"].noul == 0.8 and resp.scores["sev"].probabilities == {0: 0.2, 1: 0.4, 2: 0.4}
+    assert resp.request_id == {"older canvasroute": "decision-1", "canvasroute 0.2": "decision-2"}.get(reply)
+
+
+@pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
+async def test_a_refusal_behind_a_systemone_server_is_a_refusal_of_the_canvas_model_escalating_to_it():
+    """Issue 34.2 at library level: the server's own target (a decisions server) refuses `team`; a
+    canvas model escalating to the server reports `team` refused (path as for any refused
+    escalation: its canvas answer, `unsure`), never the server's canvas guess as an escalated answer."""
+    from decisions_server import REFUSE, DecisionsServer, Known
+    from langchain_core.decisions import ChoiceAnswer
+    from langchain_openai.decisions import OpenAIDecisions
+    from pydantic import SecretStr
+
+    labels = ("yes", "no", "A", "B", "C", "1", "2", "3")
+    engine = FunctionEngine(lambda read: fn(read), model="downstream")
+    fn = rows_for(engine, labels, -2.0)  # uniform: everything escalates
+    upstream_engine = FunctionEngine(lambda read: up(read), model="upstream")
+    up = rows_for(upstream_engine, labels, -2.0)
+    with DecisionsServer({"urgent": Known(0.9), "team": REFUSE}) as big:
+        target = OpenAIDecisions(model="big", api_key=SecretStr("k"), base_url=big.url + "/v1", max_retries=0)
+        downstream = CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0), escalate_to=target)
+        with run_in_thread(create_app(downstream)) as url:
+            jev = SystemOneDecisionModel(Connection(url, retries=0), model="downstream")
+            asked = await jev.ainvoke({"state": STATE, "questions": {"team": QUESTIONS["team"]}})
+            model = CanvasDecisionModel(engine=upstream_engine, policy=GatePolicy(rereads=0), escalate_to=jev)
+            resp = await model.ainvoke({"state": STATE, "questions": {"team": QUESTIONS["team"],
+                                                                      "urgent": QUESTIONS["urgent"]}})
+            with run_in_thread(create_app(jev)) as proxy:  # a server fronting the client: no guess to give
+                async with httpx.AsyncClient(timeout=30) as http:
+                    fronted = (await http.post(f"{proxy}/v1/systemone", json={"state": STATE, "questions": {
+                        "team": QUESTIONS["team"].model_dump(mode="json")}})).json()
+                    decided = (await http.post(f"{proxy}/v1/decisions", json={"model": "downstream", "input": STATE,
+                                                                               "questions": [{
+                        "type": "choice", "name": "team", "instructions": "Which team?",
+                        "choices": [{"value": "billing"}, {"value": "tech"}, {"value": "sales"}]}]})).json()
+    assert asked.answers == {} and "refused" in asked.refusals["team"]
+    team = resp.reads["team"]
+    assert (team.path, team.cause, team.escalation_model) == ("unsure", "uncertain", "downstream")
+    assert team.refusal is not None and "refused" in team.refusal
+    assert team.probabilities == team.canvas_probabilities  # the upstream canvas's answer stands, flagged
+    assert isinstance(resp.answers["team"], ChoiceAnswer)
+    assert fronted["answers"] == {} and "refused" in fronted["diagnostics"]["refused"]["team"]
+    assert [a["type"] for a in decided["answers"]] == ["refusal"]
+    urgent = resp.reads["urgent"]  # the refused question alone is refused
+    assert (urgent.path, urgent.refusal) == ("escalated", None) and urgent.probabilities["yes"] == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize("body", [
     b"not json",
     json.dumps({"model": "jev-test"}).encode(),

@@ -26,7 +26,10 @@ Every figure is a ratio or a distribution measured side by side in one run:
 12. `risk`        the certified gate (`calibrate --max-error`) on a simulated stream with known
                   truth: how often its passed answers' error exceeds the bound, over many
                   calibrations, and the escalation it costs, beside the naive threshold.
-13. `hedge`       hedged escalation vs none on a simulated stream (borderline first reads,
+13. `controller`  the escalation-rate controller on a drifting simulated stream, 4 workers on
+                  one LangGraph store: realised rate against the target before and after the
+                  drift, decisions until it holds +-2 points, beside the same stream without it.
+14. `hedge`       hedged escalation vs none on a simulated stream (borderline first reads,
                   re-reads that settle a known share, lognormal engine and target latencies):
                   p50/p99 of the decisions over the gate and the extra target calls.
 
@@ -50,7 +53,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway", "isolation", "structure", "risk", "hedge")
+            "gateway", "isolation", "structure", "risk", "controller", "hedge")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         "isolation": lambda: _isolation(args.vllm_url, args.quick),
         "structure": lambda: _structure(args.quick),
         "risk": lambda: _risk(args.quick),
+        "controller": lambda: _controller(args.quick),
         "hedge": lambda: _hedge(args.quick),
     }
     start = time.perf_counter()
@@ -180,6 +184,12 @@ def _risk(quick: bool) -> Section:
     from .risk import run_risk
 
     return run_risk(quick)
+
+
+def _controller(quick: bool) -> Section:
+    from .controller import run_controller
+
+    return run_controller(quick)
 
 
 def _hedge(quick: bool) -> Section:

@@ -1,4 +1,4 @@
-"""Figure 13: hedged escalation (`Escalation(hedge=Hedge(...))`) against none, on one simulated stream.
+"""Figure 14: hedged escalation (`Escalation(hedge=Hedge(...))`) against none, on one simulated stream.
 
 The generator (seeded, the same stream for every arm): each decision is one yes/no question about
 its own ticket, read by a `FunctionEngine` whose reads sleep (real `asyncio` sleeps), and escalated
@@ -146,7 +146,7 @@ async def _arms(draws: list[Draw], hedges: dict[str, Hedge | None], rounds: int)
 
 def run_hedge(quick: bool) -> Section:
     n = 120 if quick else 600
-    section = Section("hedge", "13. Hedged escalation vs none on a simulated stream (latency in simulated ms)",
+    section = Section("hedge", "14. Hedged escalation vs none on a simulated stream (latency in simulated ms)",
                       ["engine", "arm", "decisions", "n", "p50 ms", "p99 ms", "target calls", "extra calls",
                        "hedges", "cancelled", "answers changed"])
     groups = ["borderline, escalates", "borderline, re-read settles"]

@@ -200,7 +200,7 @@ def create_app(
         limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
     aliases = tuple(dict.fromkeys(aliases))
     gate = Gate(max_in_flight, max_queue)
-    metrics, drain = Metrics(gate), Drain()
+    metrics, drain = Metrics(gate, canvas), Drain()
     limiter = RateLimit(rate_limit, rate_burst or max(1, round(rate_limit))) if rate_limit else None
     key = api_key.encode() if api_key else None
     started = int(time.time())

@@ -61,6 +61,12 @@ lone surrogates or NaN/Infinity are 400; a null state, an unusable question or f
 --max-questions, --max-options, --max-levels, --max-text-chars or 256-character names is 422;
 a state over --max-state-chars is 413.
 
+Escalation rate: --target-escalation 0.2 holds 20 % of each question's answers escalated: the
+question's entropy threshold moves online (a bounded step per decision, --controller-step), in
+this server's process; a gate a policy file certified (calibrate --max-error) only tightens.
+Each answer's `gate` (diagnostics, the canvasroute object) says the threshold it was held to;
+/metrics shows the controller's offsets and realised rate.
+
 Escalation targets (one of): --escalate-url URL --escalate-model NAME, an OpenAI-compatible
 chat server (its structured output); --escalate-decisions URL --escalate-model NAME, an OpenAI
 Decisions server (its base URL, .../v1: OpenAI, another canvasroute serve; asked through
@@ -118,6 +124,8 @@ _ENV = {
     "escalate_systemone": "CANVASROUTE_ESCALATE_SYSTEMONE",
     "escalate_model": "CANVASROUTE_ESCALATE_MODEL",
     "escalate_api_key": "CANVASROUTE_ESCALATE_API_KEY",
+    "target_escalation": "CANVASROUTE_TARGET_ESCALATION",
+    "controller_step": "CANVASROUTE_CONTROLLER_STEP",
     "hedge_band": "CANVASROUTE_HEDGE_BAND",
     "on_uncertain": "CANVASROUTE_ON_UNCERTAIN",
     "on_abstain": "CANVASROUTE_ON_ABSTAIN",
@@ -200,6 +208,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="escalation model name [CANVASROUTE_ESCALATE_MODEL]")
     esc.add_argument("--escalate-api-key", default=_env("escalate_api_key", "EMPTY"),
                      help="key for the escalation endpoint [CANVASROUTE_ESCALATE_API_KEY]")
+    esc.add_argument("--target-escalation", type=float, metavar="RATE", default=_env("target_escalation"),
+                     help="hold this escalation rate (0..1) per question: an escalation-rate controller moves each "
+                          "question's entropy threshold online (a certified gate only tightens; needs an "
+                          "escalation target) [CANVASROUTE_TARGET_ESCALATION]")
+    esc.add_argument("--controller-step", type=float, metavar="STEP", default=_env("controller_step"),
+                     help="the controller's learning rate: a threshold moves by at most STEP per decision "
+                          "(default 0.02; needs --target-escalation) [CANVASROUTE_CONTROLLER_STEP]")
     esc.add_argument("--hedge-band", type=float, metavar="BAND", default=_env("hedge_band"),
                      help="hedged escalation: a question whose first read is over the gate by at most BAND (on its "
                           "0..1 figures) asks the target beside its re-reads, and the first to settle it answers "
@@ -321,6 +336,21 @@ def _escalation(args: argparse.Namespace) -> Any:
     return ChatOpenAI(model=args.escalate_model, temperature=0, **target.openai_options())
 
 
+def _controlled(args: argparse.Namespace, target: Any) -> Any:
+    """The escalation target with the escalation-rate controller the flags ask for (`Escalation(controller=...)`)."""
+    rate, step = args.target_escalation, args.controller_step
+    if rate is None:
+        if step is not None:
+            raise ValueError("--controller-step needs --target-escalation (the rate the controller holds)")
+        return target
+    if target is None:
+        raise ValueError("--target-escalation needs an escalation target: --escalate-url, --escalate-decisions or "
+                         "--escalate-systemone (the rate is of questions escalated to it)")
+    from canvasroute.router import Controller, Escalation
+
+    return Escalation(target, controller=Controller(target=rate, **({} if step is None else {"step": step})))
+
+
 def build_model(args: argparse.Namespace) -> Any:
     """The `CanvasDecisionModel` the flags describe (its outcomes checked before the engine is built).
 
@@ -331,7 +361,7 @@ def build_model(args: argparse.Namespace) -> Any:
 
     from .outcomes import check_outcomes
 
-    policy, target = _policy(args), _escalation(args)
+    policy, target = _policy(args), _controlled(args, _escalation(args))
     outcomes = OutcomePolicy(uncertain=args.on_uncertain, abstained=args.on_abstain,
                              engine_fault=args.on_engine_error)
     check_outcomes(outcomes, policy, target is not None)
@@ -339,7 +369,8 @@ def build_model(args: argparse.Namespace) -> Any:
         if target is None:
             raise ValueError("--hedge-band needs an escalation target: --escalate-url, --escalate-decisions or "
                              "--escalate-systemone")
-        target = Escalation(target, hedge=Hedge(band=args.hedge_band))
+        escalation = target if isinstance(target, Escalation) else Escalation(target)  # (a controller's, too)
+        target = dataclasses.replace(escalation, hedge=Hedge(band=args.hedge_band))
     return CanvasDecisionModel(engine=_engine(args), policy=policy, escalate_to=target, outcomes=outcomes)
 
 

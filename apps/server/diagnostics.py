@@ -4,9 +4,12 @@ vLLM's gateway requires `diagnostics` in every 200 (its `systemone-openapi.yaml`
 (`steps`, `stages`, `skipped`, `chunks`, `chunk_prompt`, `sequential`, `conditioning`,
 `thought`, `samples`, `timing`, `prompt_tokens`, `questions`, `engine`) come from the
 decision's `CanvasResponse.diagnostics` and read reports; canvasroute adds `constrained`,
-`formats`, `canvas_reads` and `ignored` (request keys it did not read), and per question
-its `path`, `cause` (why the gate did not pass it: `uncertain`, `abstained`, `engine_fault`,
-`over_budget`; null when it passed) and `reads`.
+`formats`, `canvas_reads`, `ignored` (request keys it did not read), `refused` (question id ->
+why the escalation target refused it: that question's answer, when there is one, is the
+canvas's, not vouched for), and per question its `path`, `cause` (why the gate did not pass it:
+`uncertain`, `abstained`, `engine_fault`, `over_budget`; null when it passed), `reads` and `gate`
+(the gate it was held to, e.g. `H/lnK <= 0.43`: under an escalation-rate controller, the threshold
+it set for this request).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ def diagnostics(resp: Any, parsed: Parsed, engine: str) -> dict[str, Any]:
     reads: Mapping[str, Any] = getattr(resp, "reads", None) or {}
     diag = getattr(resp, "diagnostics", None)
     latency = getattr(resp, "latency_s", 0.0)
+    refused = {qid: r.refusal for qid, r in reads.items() if r.refusal is not None}
+    refused |= {qid: why for qid, why in (getattr(resp, "refusals", None) or {}).items() if qid in parsed.questions}
     out: dict[str, Any] = {"engine": engine, "timing": {"total_ms": latency * 1e3,
                                                         "reads": getattr(resp, "canvas_reads", 0)},
-                           "questions": {}, "ignored": list(parsed.ignored)}
+                           "questions": {}, "ignored": list(parsed.ignored), "refused": refused}
     if diag is None:  # a decision model other than a canvas model: only what any model tells
         return out
     answered = {qid: r for qid, r in reads.items() if r.path != "skipped"}
@@ -47,7 +52,7 @@ def diagnostics(resp: Any, parsed: Parsed, engine: str) -> dict[str, Any]:
         "prompt_tokens": diag.prompt_tokens or None,
         "questions": {qid: {"pos": r.slot, "entropy": r.read_entropies, "label_mass": r.label_mass,
                             "argmax_is_label": r.argmax_is_label, "path": r.path, "cause": r.cause,
-                            "reads": r.reads}
+                            "reads": r.reads, "gate": r.gate}
                       for qid, r in answered.items()},
         "constrained": diag.constrained,
         "formats": diag.formats,

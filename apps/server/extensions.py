@@ -26,13 +26,16 @@ from canvasroute.router import MAX_SAMPLES, MAX_STEPS, MAX_THINK
 from .limits import Limits
 from .wire import Refusal, malformed
 
-__all__ = ["GATEWAY_KEYS", "QUESTION_KEYS", "Extensions", "read_extensions"]
+__all__ = ["GATEWAY_KEYS", "QUESTION_KEYS", "VLLM_KEYS", "Extensions", "read_extensions"]
 
 GATEWAY_KEYS = ("instructions", "samples", "auto_max", "auto_threshold", "steps", "think", "ask", "images",
                 "chunk_rows", "chunk_prompt", "sequential")
 """Request keys of vLLM's gateway this server reads (with `model`, `state`, `questions`, `seed`, `thread_id`)."""
 QUESTION_KEYS = ("depends_on", "ask_if", "alone")
 """Question keys of vLLM's gateway this server reads (with `type`, `instructions`, `criteria`)."""
+VLLM_KEYS = ("request_id", "cache_salt", "priority", "chat_template_kwargs")
+"""Request keys of vLLM's own `/v1/systemone` (its structured decisions API) that this server does not
+read: like the gateway keys above, they make a request a gateway client's (`Parsed.gateway`)."""
 AUTO_MAX = 4
 """Reads at most under `samples: "auto"` without `auto_max` (vLLM's gateway's default)."""
 

@@ -15,6 +15,10 @@ their own counts. What it holds:
 | `canvasroute_server_rejections_total` | counter: requests and connections turned away | `reason` (the error `type`) |
 | `canvasroute_server_connections` | gauge: open client connections | |
 | `canvasroute_server_decisions_running`, `..._queued` | gauges, read from the gate at scrape | |
+| `canvasroute_server_controller_target` | gauge: the escalation rate the controller holds (`--target-escalation`) | |
+| `canvasroute_server_controller_rate` | gauge: its realised rate, decayed, over the questions it controls | |
+| `canvasroute_server_controller_offset` | gauge: its threshold offsets over those questions | `stat` (min, mean, max) |
+| `canvasroute_server_controller_questions` | gauge: questions it holds an offset for | |
 
 Decisions: `path` is canvas, reread, escalated, fallback, unsure or skipped; `cause` is
 uncertain, abstained, engine_fault or over_budget (`none` when the gate passed). Refusals:
@@ -61,10 +65,41 @@ class _GateCollector:
                                 value=load["queued"])
 
 
-class Metrics:
-    """The server's metrics in their own registry."""
+class _ControllerCollector:
+    """The served model's escalation-rate controller, read when scraped (question ids stay out of
+    the labels: a client names them, so they would be unbounded)."""
 
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        snap = self.model.controller_counters
+        if not snap:
+            return
+        questions = list((snap.get("questions") or {}).values())
+        yield GaugeMetricFamily("canvasroute_server_controller_target", "Escalation rate the controller holds",
+                                value=snap["target"])
+        yield GaugeMetricFamily("canvasroute_server_controller_questions", "Questions the controller holds an "
+                                "offset for", value=len(questions))
+        decided = sum(q["decisions"] for q in questions)
+        if decided:
+            rate = sum(q["rate"] * q["decisions"] for q in questions) / decided
+            yield GaugeMetricFamily("canvasroute_server_controller_rate", "Realised escalation rate (decayed, "
+                                    "weighted by decisions) over the questions the controller holds", value=rate)
+        if questions:
+            offsets = [q["offset"] for q in questions]
+            family = GaugeMetricFamily("canvasroute_server_controller_offset", "Threshold offsets the controller "
+                                       "holds, over its questions", labels=["stat"])
+            for stat, value in (("min", min(offsets)), ("mean", sum(offsets) / len(offsets)), ("max", max(offsets))):
+                family.add_metric([stat], value)
+            yield family
+
+
+class Metrics:
+    """The server's metrics in their own registry (`model`: the served model, whose escalation-rate
+    controller, if it has one, is read at scrape)."""
+
+    def __init__(self, gate: Gate, model: Any = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("canvasroute_server_requests", "HTTP requests answered",
@@ -86,6 +121,9 @@ class Metrics:
                                   ["reason"], registry=r)
         self.connections = Gauge("canvasroute_server_connections", "Open client connections", registry=r)
         r.register(_GateCollector(gate))
+        escalation = getattr(model, "escalation", None)
+        if escalation is not None and getattr(escalation, "controller", None) is not None:
+            r.register(_ControllerCollector(model))  # the served canvas model's escalation-rate controller
 
     def decided(self, reads: Mapping[str, Any], hedges: Iterable[str] = ()) -> None:
         """Count each question of an answered decision set by its path and cause, and its hedges."""

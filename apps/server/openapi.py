@@ -145,17 +145,68 @@ class ErrorResponse(BaseModel):
     detail: list[ValidationItem] | None = Field(None, description="On 415 and 422: FastAPI's validation list.")
 
 
+class ValidationErrorResponse(ErrorResponse):
+    """A 415 or 422: the error, and FastAPI's validation list, which Jev clients read."""
+
+    detail: list[ValidationItem] = Field(min_length=1, description="Where the body failed: `loc`, `msg`, `type`.")
+
+
+class SystemOneNoulAnswer(BaseModel):
+    type: Literal["noul"]
+    noul: float = Field(ge=0, le=1, description="The probability of yes.")
+    probabilities: dict[str, float] | None = Field(None, description="yes and no (vLLM's field: only for a "
+                                                                     "request using its keys).")
+    confidence: float | None = Field(None, ge=0, le=1, description="System One's |2p - 1| (vLLM's field, as "
+                                                                   "`probabilities`).")
+    canvasroute: dict[str, Any] | None = Field(None, description="How it was answered (canvasroute extension).")
+
+
+class SystemOneChoiceAnswer(BaseModel):
+    type: Literal["choice"]
+    choice: str
+    probabilities: dict[str, float]
+    confidence: float = Field(ge=0, le=1, description="System One's: (p - 1/K) / (1 - 1/K) of the answer, clipped "
+                                                      "to [0, 1] (K options).")
+    canvasroute: dict[str, Any] | None = Field(None, description="How it was answered (canvasroute extension).")
+
+
+class SystemOneScoreAnswer(BaseModel):
+    type: Literal["score"]
+    score: float = Field(description="The expected level, Σ i·p_i (levels from 0).")
+    legend: dict[str, Any]
+    probabilities: dict[str, float]
+    confidence: float = Field(ge=0, le=1, description="System One's: (p - 1/K) / (1 - 1/K) of the most likely "
+                                                      "level, clipped to [0, 1] (K levels).")
+    canvasroute: dict[str, Any] | None = Field(None, description="How it was answered (canvasroute extension).")
+
+
+class SystemOneExtension(BaseModel):
+    decision_id: str = Field(description="The decision's id (the reply's x-request-id when the caller sent none).")
+    canvas_reads: int
+    ignored: list[str] = Field(description="Request keys this server did not read.")
+
+
+SystemOneAnswer = Annotated[SystemOneNoulAnswer | SystemOneChoiceAnswer | SystemOneScoreAnswer,
+                            Field(discriminator="type")]
+
+
 class SystemOneResponse(BaseModel):
-    id: str
-    object: Literal["structured_decision"]
-    created: int
+    """System One's `model`, `answers`, `usage`; vLLM's gateway's `diagnostics`; canvasroute's own figures
+    only in `canvasroute` objects. A request that uses a key of vLLM's gateway also gets vLLM's `id`,
+    `object` and `created`, and a noul's `probabilities` and `confidence`."""
+
+    id: str | None = Field(None, description="The decision id (vLLM's field: only for a request using its keys).")
+    object: Literal["structured_decision"] | None = Field(None, description="vLLM's field, as `id`.")
+    created: int | None = Field(None, description="vLLM's field, as `id`.")
     model: str = Field(description="The served model that answered (also when the request named an alias).")
-    answers: dict[str, dict[str, Any]] = Field(description="One answer per asked question; a question that "
-                                                            "ask_if skipped has none.")
+    answers: dict[str, SystemOneAnswer] = Field(
+        description="One answer per asked question; a question that ask_if skipped has none. A question the "
+                    "escalation target refused keeps the canvas's answer, named in diagnostics.refused.")
     usage: dict[str, int]
     diagnostics: dict[str, Any] = Field(description="How the decision was read, in vLLM's gateway's keys "
                                                     "(stages, skipped, chunks, thought, samples, timing, "
-                                                    "prompt_tokens, questions, ...) and canvasroute's.")
+                                                    "prompt_tokens, questions, ...) and canvasroute's (refused, ...).")
+    canvasroute: SystemOneExtension
 
 
 _ERRORS = {
@@ -187,8 +238,8 @@ _DECISIONS_ERRORS = {
 def openapi(limits: Limits) -> dict[str, Any]:
     """The OpenAPI document for a server with these limits."""
     _, schemas = models_json_schema([(m, "validation") for m in (SystemOneRequest, SystemOneResponse, ErrorResponse,
-                                                                  DecisionsRequest, DecisionsResponse,
-                                                                  DecisionsErrorResponse)],
+                                                                  ValidationErrorResponse, DecisionsRequest,
+                                                                  DecisionsResponse, DecisionsErrorResponse)],
                                     ref_template="#/components/schemas/{model}")
     components = schemas["$defs"]
     request = components["SystemOneRequest"]["properties"]
@@ -213,7 +264,9 @@ def openapi(limits: Limits) -> dict[str, Any]:
                   "description": "an image file part (image/*, or PNG or JPEG bytes), under any name: one that "
                                  "`assets` names is placed there, any other is read with every question"}}}
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-    errors = {code: {"description": text, **error} for code, text in _ERRORS.items()}
+    invalid = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ValidationErrorResponse"}}}}
+    errors = {code: {"description": text, **(invalid if code in ("415", "422") else error)}
+              for code, text in _ERRORS.items()}
     ok = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/SystemOneResponse"}}}}
     plain = {"content": {"application/json": {"schema": {"type": "object"}}}}
     openai_error = {"content": {"application/json": {

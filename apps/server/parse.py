@@ -26,7 +26,7 @@ from canvasroute.engine import DecisionError
 from canvasroute.router import parse_questions
 
 from .assets import place_assets
-from .extensions import GATEWAY_KEYS, QUESTION_KEYS, Extensions, read_extensions, text_of
+from .extensions import GATEWAY_KEYS, QUESTION_KEYS, VLLM_KEYS, Extensions, read_extensions, text_of
 from .limits import Limits
 from .wire import Refusal, from_exception, malformed
 
@@ -54,6 +54,9 @@ class Parsed:
     extensions: Extensions = field(default_factory=Extensions)
     ignored: tuple[str, ...] = ()
     """Keys this server does not read (dotted paths, at most 20)."""
+    gateway: bool = False
+    """Whether the request uses a key of vLLM's gateway (`GATEWAY_KEYS`, `QUESTION_KEYS`, `VLLM_KEYS`):
+    its reply then also carries the fields vLLM's `/v1/systemone` adds to System One's."""
 
 
 class _NonFinite:
@@ -86,6 +89,8 @@ def parse_request(body: bytes, limits: Limits, parts: Sequence[tuple[str, str]] 
     raw = data["questions"]
     if not isinstance(raw, dict) or not raw:
         raise malformed(("questions",), "must be a non-empty object of question id to question")
+    gateway = any(k in data for k in (*GATEWAY_KEYS, *VLLM_KEYS)) or any(
+        isinstance(q, dict) and any(k in q for k in QUESTION_KEYS) for q in raw.values())
     if len(raw) > limits.max_questions:
         raise Refusal(422, "too_many_questions", f"{len(raw)} questions; at most {limits.max_questions} "
                       "per request", loc=("questions",))
@@ -108,7 +113,8 @@ def parse_request(body: bytes, limits: Limits, parts: Sequence[tuple[str, str]] 
         raise from_exception(exc) from exc
     ignored = [k for k in data if k not in _REQUEST_KEYS and k not in _MEDIA_FIELDS]
     ignored += [f"questions.{qid}.{k}" for qid, q in raw.items() for k in q if k not in _QUESTION_KEYS]
-    return Parsed(model, state, questions, seed, thread_id, extensions, tuple(i[:200] for i in ignored[:_MAX_IGNORED]))
+    return Parsed(model, state, questions, seed, thread_id, extensions, tuple(i[:200] for i in ignored[:_MAX_IGNORED]),
+                  gateway)
 
 
 def load_json(body: bytes, limits: Limits) -> Any:
@@ -219,9 +225,15 @@ def _check_sizes(state: Any, shaped: dict[str, dict[str, Any]], limits: Limits) 
             raise Refusal(422, "text_too_long", f"question {qid!r}: instructions over {limits.max_text_chars} "
                           "characters", loc=(*where, "instructions"))
         criteria: Any = q.get("criteria")
+        if q["type"] == "choice" and len(criteria) < 2:
+            raise Refusal(422, "too_few_options", f"question {qid!r}: {len(criteria)} option(s); a choice has 2 to "
+                          f"{limits.max_options}", loc=(*where, "criteria"))
         if q["type"] == "choice" and len(criteria) > limits.max_options:
             raise Refusal(422, "too_many_options", f"question {qid!r}: {len(criteria)} options; at most "
                           f"{limits.max_options}", loc=(*where, "criteria"))
+        if q["type"] == "score" and len(criteria) < 2:
+            raise Refusal(422, "too_few_levels", f"question {qid!r}: {len(criteria)} level(s); a score has 2 to "
+                          f"{limits.max_levels}", loc=(*where, "criteria"))
         if q["type"] == "score" and len(criteria) > limits.max_levels:
             raise Refusal(422, "too_many_levels", f"question {qid!r}: {len(criteria)} levels; at most "
                           f"{limits.max_levels}", loc=(*where, "criteria"))

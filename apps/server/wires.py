@@ -24,7 +24,7 @@ from langchain_core.exceptions import ModelRefusalError
 from starlette.responses import JSONResponse, Response
 
 from canvasroute.engine import DecisionError
-from canvasroute.router import CanvasDecisionModel, DecisionRequest, parse_questions
+from canvasroute.router import CanvasDecisionModel, DecisionRequest, parse_questions, system_one_confidence
 
 from . import decisions
 from .body import request_parts
@@ -43,7 +43,7 @@ model's `{"state", "questions"}`."""
 
 EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "margin", "label_mass", "confidence",
                     "reads", "agreement", "stderr", "crossed", "canvas_probabilities", "labels",
-                    "escalation_model", "escalation_confidence", "refusal", "cause", "error", "hedged")
+                    "escalation_model", "escalation_confidence", "refusal", "cause", "error", "gate", "hedged")
 """A read report's figures in each answer's `canvasroute` object (plain clients ignore it)."""
 
 
@@ -148,18 +148,26 @@ class SystemOneWire(Wire):
         return await self.served.decide(job)
 
     async def reply(self, parsed: Parsed, response: Any, name: str, decision_id: str) -> dict[str, Any]:
+        """System One's `model`, `answers` and `usage`; the gateway's `diagnostics` (its contract
+        requires it on every 200); canvasroute's own figures only in `canvasroute` objects, one per
+        answer and one for the decision. A request that uses the gateway's keys (`Parsed.gateway`)
+        also gets the fields vLLM's `/v1/systemone` adds: `id`, `object`, `created`, and a noul's
+        `probabilities` and `confidence`."""
         reads: Mapping[str, Any] = getattr(response, "reads", {}) or {}
         usage = response.usage or {}
+        vllm = ({"id": decision_id, "object": "structured_decision", "created": int(time.time())}
+                if parsed.gateway else {})
         return {
-            "id": decision_id,
-            "object": "structured_decision",
-            "created": int(time.time()),
+            **vllm,
             "model": public_name(response.model or name),
-            "answers": {qid: _jev_answer(response.answers[qid], reads.get(qid)) for qid in parsed.questions
+            "answers": {qid: _jev_answer(response.answers[qid], reads.get(qid), parsed.gateway)
+                        for qid in parsed.questions
                         if qid in response.answers},  # a skipped question has none: diagnostics.skipped says why
             "usage": {"input_tokens": int(usage.get("input_tokens", 0)),
                       "output_tokens": int(usage.get("output_tokens", 0))},
             "diagnostics": diagnostics(response, parsed, await self.served.provider()),
+            "canvasroute": {"decision_id": decision_id, "canvas_reads": getattr(response, "canvas_reads", 0),
+                            "ignored": list(parsed.ignored)},
         }
 
     def error(self, exc: Refusal | DecisionsWireError, request_id: str | None) -> tuple[Response, str]:
@@ -167,12 +175,15 @@ class SystemOneWire(Wire):
         return refusal.response(request_id), refusal.kind
 
 
-def _jev_answer(answer: Any, report: Any) -> dict[str, Any]:
+def _jev_answer(answer: Any, report: Any, gateway: bool) -> dict[str, Any]:
+    """An answer in System One's shape (a noul: `noul` alone; a choice and a score: their
+    `probabilities` and `confidence`), with the read report's figures in its `canvasroute` object;
+    for a gateway client, a noul's `probabilities` and `confidence` (System One's, `|2p - 1|`) too."""
     out: dict[str, Any] = answer.model_dump(mode="json")
-    if out["type"] == "noul":  # vLLM's gateway also reports these for a noul
+    if gateway and out["type"] == "noul":
         p = out["noul"]
         out["probabilities"] = {"yes": p, "no": 1.0 - p}
-        out["confidence"] = max(p, 1.0 - p)
+        out["confidence"] = system_one_confidence(max(p, 1.0 - p), 2)
     if report is not None:
         out["canvasroute"] = extension(report)
     return out

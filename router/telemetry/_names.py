@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CACHE_HIT",
     "CANVAS_READS",
+    "CONTROLLER_FAULT",
     "DECISION_PREFIX",
     "DECISION_SET",
     "ERROR_TYPE",
@@ -194,6 +195,10 @@ HEDGE_EVENT = "canvasroute.hedge"
 FAULT_MESSAGE = "canvasroute.fault.message"
 FAULT_QUESTIONS = "canvasroute.fault.questions"
 FAULT_PATHS = "canvasroute.fault.paths"
+CONTROLLER_FAULT = "canvasroute.controller.fault"
+"""On a decide span whose escalation-rate controller could not record its outcomes (a shared
+store down): the error type. The decision's answers stand; the fault is logged and counted
+(`canvasroute.controller.faults`)."""
 # metric attributes (low cardinality: developer-defined names only)
 METRIC_PATH = "canvasroute.path"
 METRIC_CAUSE = "canvasroute.cause"

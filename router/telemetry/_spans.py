@@ -23,6 +23,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from ._names import (
+    CONTROLLER_FAULT,
     DECISION_SET,
     ERROR_TYPE,
     ESCALATED_QUESTIONS,
@@ -81,7 +82,7 @@ from ._names import (
 )
 
 __all__ = ["Call", "engine_call", "escalation_call", "genai_attributes", "mark_error", "model_call", "provider_of",
-           "record_fault", "record_hedge", "record_reports", "set_io", "set_usage", "span"]
+           "record_controller_fault", "record_fault", "record_hedge", "record_reports", "set_io", "set_usage", "span"]
 
 # -- providers, looked up lazily -------------------------------------------------------
 
@@ -103,6 +104,9 @@ class _Instruments:
             "canvasroute.faults", unit="{question}", description="Questions an engine fault hit, by what answered")
         self.hedges = meter.create_counter(
             "canvasroute.hedges", unit="{call}", description="Hedged target calls, by how they ended")
+        self.controller_faults = meter.create_counter(
+            "canvasroute.controller.faults", unit="{decision}",
+            description="Decisions whose escalation-rate controller state could not be recorded")
         self.operation_duration = meter.create_histogram(
             "gen_ai.client.operation.duration", unit="s", description="GenAI operation duration")
         self.token_usage = meter.create_histogram(
@@ -499,3 +503,14 @@ def record_fault(s: Span, error: str, questions: Sequence[str], paths: Sequence[
     inst = _instruments()
     if inst is not None:
         inst.faults.add(len(questions), {ERROR_TYPE: kind, METRIC_PATH: ",".join(paths)})
+
+
+def record_controller_fault(s: Span, exc: BaseException) -> None:
+    """An escalation-rate controller state that could not record a decision (its answers stand):
+    the span's `canvasroute.controller.fault` attribute and a point of `canvasroute.controller.faults`."""
+    kind = type(exc).__qualname__
+    if s.is_recording():
+        s.set_attribute(CONTROLLER_FAULT, kind)
+    inst = _instruments()
+    if inst is not None:
+        inst.controller_faults.add(1, {ERROR_TYPE: kind})

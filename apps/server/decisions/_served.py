@@ -78,6 +78,7 @@ def question_results(request: WireRequest, response: Any, *, refuse_unsure: bool
         return {q.id: QuestionResult(refusal=refused) for q in request.questions}
     reads: Mapping[str, Any] = getattr(response, "reads", None) or {}
     answers: Mapping[str, Any] = getattr(response, "answers", None) or {}
+    refusals: Mapping[str, str] = getattr(response, "refusals", None) or {}  # a SystemOneResponse's
     out: dict[str, QuestionResult] = {}
     for q in request.questions:
         report = reads.get(q.id)
@@ -85,6 +86,8 @@ def question_results(request: WireRequest, response: Any, *, refuse_unsure: bool
             out[q.id] = _from_report(report, refuse_unsure)
         elif q.id in answers:
             out[q.id] = _from_answer(answers[q.id])
+        elif q.id in refusals:
+            out[q.id] = QuestionResult(refusal=f"the decision model refused it: {refusals[q.id]}")
         else:
             out[q.id] = QuestionResult(refusal="the decision model gave no answer")
     return out
