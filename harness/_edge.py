@@ -110,7 +110,9 @@ def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, s
     Args:
         model: The decision model (`Runtime.context` overrides apply as for nodes, and a
             graph store counts its budget as a node's would).
-        question: One `Noul`, `Choice` or `Score`.
+        question: One `Noul`, `Choice` or `Score`, or a schema of one field (a pydantic model
+            or TypedDict class: the field is the question, its name the question id, the
+            schema's docstring the instructions unless `read` gives its own).
         path_map: `{option: node}` for every option (explicit, so the drawing shows only
             these targets). Noul options are `yes`/`no`, Score levels `"0"`, `"1"`...
         inputs: What the model reads: None (the whole state), a state key, or a function.

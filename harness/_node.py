@@ -495,8 +495,10 @@ def decision_node(
     Args:
         model: The decision model. `Runtime.context.decision_model` replaces it for a run,
             and `Runtime.context.gate` (a `GatePolicy` or a dict of its fields) its gate.
-        questions: `{question_id: Noul | Choice | Score}`, or a function of the state
-            returning one (e.g. one question per retrieved document).
+        questions: `{question_id: Noul | Choice | Score}`, a function of the state returning
+            one (e.g. one question per retrieved document), or a schema (a pydantic model or
+            TypedDict class, as the LangGraph tutorials write `GradeDocuments`): its fields are the
+            questions, its docstring the node's instructions unless `read` gives its own.
         inputs: What the model reads: None (the graph state minus `output_key`), a state
             key, or a function of the state.
         route: `(question_id, {option: node})` to go where the answer points (every option

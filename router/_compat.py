@@ -35,8 +35,8 @@ from canvasroute.engine._compat import connection_keywords, kept, take, warn_mov
 from ._policy import Escalation, EscalationBudget, GatePolicy, OutcomePolicy
 from ._request import READ_FIELDS, DecisionRequest, Defaults, ReadOptions, read_options
 
-__all__ = ["DECIDE", "MODEL", "SYSTEMONE", "gate_keywords", "gate_layer", "gate_outcomes", "legacy_request", "model_keywords",
-           "outcomes_of", "systemone_keywords"]
+__all__ = ["DECIDE", "MODEL", "SYSTEMONE", "gate_keywords", "gate_layer", "gate_outcomes", "legacy_request",
+           "model_keywords", "outcomes_of", "plain_gate", "systemone_keywords"]
 
 _DEFAULT_OUTCOMES = OutcomePolicy()
 _ESCALATION_DEFAULTS = {f.name: f.default for f in fields(Escalation) if f.name != "target"}

@@ -198,7 +198,7 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     # -- the request ----------------------------------------------------------------------
 
-    def request(self, state: Any, questions: Mapping[str, Any], *,
+    def request(self, state: Any, questions: Mapping[str, Any] | type, *,
                 read: ReadOptions | Mapping[str, Any] | None = None, depends_on: Mapping[str, Any] | None = None,
                 gate: GatePolicy | Mapping[str, Any] | None = None, seed: int | None = None,
                 thread_id: str | None = None, attributes: Mapping[str, Any] | None = None,
@@ -207,7 +207,10 @@ class CanvasDecisionModel(BaseDecisionModel):
 
         Args:
             state: What to decide on: text, messages, or JSON-like values (images as content blocks).
-            questions: `{question_id: Noul | Choice | Score}` (models or their dicts).
+            questions: `{question_id: Noul | Choice | Score}` (models or their dicts), or a schema
+                (a pydantic model or TypedDict class, as `with_structured_output` takes): its fields
+                are the questions (`questions_from_schema`), its docstring the decision's
+                instructions unless `read` gives its own.
             read: How the canvases are read: a `ReadOptions` (taken whole), or a dict of its fields
                 over the model's own `read`.
             depends_on: `{child: (parent, answers)}` or `{child: {parent: answers or None}}`:
@@ -245,13 +248,13 @@ class CanvasDecisionModel(BaseDecisionModel):
         """Sync `arun`."""
         return run_sync(self.arun(request))
 
-    async def adecide(self, state: Any, questions: Mapping[str, Any], **options: Any) -> CanvasResponse:
+    async def adecide(self, state: Any, questions: Mapping[str, Any] | type, **options: Any) -> CanvasResponse:
         """Answer every question about `state`: `arun(request(state, questions, **options))`."""
         if options.keys() <= _OPTIONS:
             return await self.arun(self.request(state, questions, **options))
         return await self.arun(legacy_request(self, state, questions, options, "CanvasDecisionModel.adecide"))
 
-    def decide(self, state: Any, questions: Mapping[str, Any], **options: Any) -> CanvasResponse:
+    def decide(self, state: Any, questions: Mapping[str, Any] | type, **options: Any) -> CanvasResponse:
         """Sync `adecide` (the same keywords as `request`)."""
         if options.keys() <= _OPTIONS:
             return run_sync(self.arun(self.request(state, questions, **options)))

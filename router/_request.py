@@ -323,7 +323,7 @@ class Defaults:
     """The model's parsed question sets."""
 
 
-def build_request(defaults: Defaults, questions: Mapping[str, Any], state: Any, *,
+def build_request(defaults: Defaults, questions: Mapping[str, Any] | type, state: Any, *,
                   depends_on: Mapping[str, Any] | None, read: ReadOptions | Mapping[str, Any] | None,
                   gate: GatePolicy | Mapping[str, Any] | None, seed: int | None, thread_id: str | None,
                   attributes: Mapping[str, Any] | None, site: tuple[str, str] | None) -> DecisionRequest:
