@@ -64,9 +64,9 @@ DECIDE = {
 }
 """The 0.1 keywords of `decide` / `adecide` (and keys of `invoke`'s request) and their 0.2 spelling."""
 
-SYSTEMONE = {"base_url": "the first argument (connection)", "api_key": "", "timeout": "", "max_retries": "",
-             "backoff": "", "max_connections": "", "verify": "", "cert": "", "transport": ""}
-"""`SystemOneDecisionModel`'s 0.1 fields (its transport, now its `Connection`'s)."""
+SYSTEMONE = frozenset(("base_url", "api_key", "timeout", "max_retries", "backoff", "max_connections", "verify", "cert",
+                       "transport"))
+"""`SystemOneDecisionModel`'s 0.1 fields: its transport, now its `Connection`'s (`CONNECTION` says where each went)."""
 
 
 # -- a gate's outcome keywords --------------------------------------------------------------
@@ -299,13 +299,13 @@ def systemone_keywords(connection: Any, kwargs: dict[str, Any]) -> tuple[Any, di
         if connection is not None or "connection" in kwargs:
             raise TypeError("SystemOneDecisionModel: base_url= is the 0.1 name of connection (the first argument); "
                             "give one of them")
-        connection, spelled = kwargs.pop("base_url"), {"base_url": SYSTEMONE["base_url"]}
+        connection, spelled = kwargs.pop("base_url"), {"base_url": "the first argument (connection)"}
     if connection is None:
         connection = kwargs.pop("connection", None)
     if isinstance(connection, str):
         connection = connection.rstrip("/")  # as 0.1 did
     if isinstance(kwargs.get("api_key"), SecretStr):
         kwargs["api_key"] = kwargs["api_key"].get_secret_value()
-    names = SYSTEMONE.keys() - {"base_url"}
-    return connection_keywords("SystemOneDecisionModel", connection, kwargs, names=names, spelled=spelled), kwargs
+    return connection_keywords("SystemOneDecisionModel", connection, kwargs, names=SYSTEMONE - {"base_url"},
+                               spelled=spelled), kwargs
 

@@ -78,7 +78,7 @@ class SystemOneDecisionModel(BaseDecisionModel):
     """Extra top-level request fields (e.g. `{"seed": 7}` for canvasroute servers)."""
 
     def __init__(self, connection: str | Sequence[str] | Connection | None = None, /, **kwargs: Any) -> None:
-        if not SYSTEMONE.keys().isdisjoint(kwargs):  # 0.1's transport fields (base_url=, timeout=, ...), until 0.3.0
+        if not SYSTEMONE.isdisjoint(kwargs):  # 0.1's transport fields (base_url=, timeout=, ...), until 0.3.0
             connection, kwargs = systemone_keywords(connection, kwargs)
         if connection is not None:
             kwargs["connection"] = connection
