@@ -8,11 +8,17 @@ from typing import Any
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 
+from canvasroute.engine import UnsupportedQuestion
+from canvasroute.engine._compat import moved_keywords, renaming
 from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions, read_options
+from canvasroute.router._request import schema_decision
 
 from ._context import GraphCall, Inputs, child_config, graph_call, select_inputs
 from ._node import check_path_map
 from ._records import DECISION_EVENT, aemit, emit, entries, event, trace_route
+
+_READ_OPTIONS = {"read_options": "read"}
+"""0.1's name of `read` (until 0.3.0)."""
 
 
 class DecisionEdge(Runnable[Any, str]):
@@ -21,10 +27,19 @@ class DecisionEdge(Runnable[Any, str]):
     Build it with `route_on(...)`.
     """
 
+    @moved_keywords(_READ_OPTIONS, renaming("DecisionEdge", _READ_OPTIONS))
     def __init__(self, model: CanvasDecisionModel, question: Any, path_map: Mapping[Any, str], *,
                  inputs: Inputs, question_id: str, read: ReadOptions | Mapping[str, Any] | None = None) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
+        if isinstance(question, type):  # a schema of one field: its question, its docstring as instructions
+            asked, read = schema_decision(question, read)
+            if len(asked) != 1:
+                raise UnsupportedQuestion(
+                    f"route_on asks one question, and {question.__name__} has {len(asked)} fields ({', '.join(asked)})",
+                    hint=f"decision_node(model, {question.__name__}, route=(field, {{option: node}})) asks them all")
+            (name, question), = asked.items()
+            question_id = name if question_id == "route" else question_id
         if not isinstance(path_map, Mapping) or not path_map:
             raise TypeError("route_on needs an explicit path_map {option: node}, so the graph draws its real edges")
         if any(not isinstance(k, str) for k in path_map):
@@ -81,6 +96,7 @@ def _input(request: DecisionRequest) -> dict[str, Any]:
     return {"state": request.state.value, "questions": request.questions.asked, "request": request}
 
 
+@moved_keywords(_READ_OPTIONS, renaming("route_on", _READ_OPTIONS))
 def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, str], *,
              inputs: Inputs = None, question_id: str = "route",
              read: ReadOptions | Mapping[str, Any] | None = None) -> DecisionEdge:
@@ -94,7 +110,9 @@ def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, s
     Args:
         model: The decision model (`Runtime.context` overrides apply as for nodes, and a
             graph store counts its budget as a node's would).
-        question: One `Noul`, `Choice` or `Score`.
+        question: One `Noul`, `Choice` or `Score`, or a schema of one field (a pydantic model
+            or TypedDict class: the field is the question, its name the question id, the
+            schema's docstring the instructions unless `read` gives its own).
         path_map: `{option: node}` for every option (explicit, so the drawing shows only
             these targets). Noul options are `yes`/`no`, Score levels `"0"`, `"1"`...
         inputs: What the model reads: None (the whole state), a state key, or a function.

@@ -52,8 +52,10 @@ from langgraph.errors import GraphInterrupt
 from langgraph.types import CachePolicy, Command, RetryPolicy
 
 from canvasroute.engine import CanvasRouteError, DecisionError
+from canvasroute.engine._compat import moved_keywords, renaming
 from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions, Totals, read_options
 from canvasroute.router._control import steered
+from canvasroute.router._request import schema_decision
 
 from ._context import (
     GraphCall,
@@ -92,12 +94,17 @@ MAX_HISTORY = 100
 """Records a node keeps per question with `history=` (the bound)."""
 
 
+_READ_OPTIONS = {"read_options": "read"}
+"""0.1's name of `read` (until 0.3.0)."""
+
+
 class DecisionNode(Runnable[Any, Command[Any]]):
     """A graph node that asks its questions in one canvas read and routes on the answers.
 
     Build it with `decision_node(...)`; see there for the arguments.
     """
 
+    @moved_keywords(_READ_OPTIONS, renaming("DecisionNode", _READ_OPTIONS))
     def __init__(self, model: CanvasDecisionModel, questions: Questions, *, inputs: Inputs, route: Route,
                  output_key: str, name: str | None, review: ReviewPolicy | None,
                  destinations: Sequence[str] | None, shadow: ExistingRouter | None = None,
@@ -105,6 +112,8 @@ class DecisionNode(Runnable[Any, Command[Any]]):
                  read: ReadOptions | Mapping[str, Any] | None = None, history: int = 0) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
+        if isinstance(questions, type):  # a schema (GradeDocuments): its fields, its docstring as instructions
+            questions, read = schema_decision(questions, read)
         if not (callable(questions) or isinstance(questions, Mapping)):
             raise TypeError("questions must be a mapping of id to question, or a function of the state")
         if not (inputs is None or isinstance(inputs, str) or callable(inputs)):
@@ -464,6 +473,7 @@ def _earlier(state: Any, key: str, config: RunnableConfig) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
+@moved_keywords(_READ_OPTIONS, renaming("decision_node", _READ_OPTIONS))
 def decision_node(
     model: CanvasDecisionModel,
     questions: Questions,
@@ -485,8 +495,10 @@ def decision_node(
     Args:
         model: The decision model. `Runtime.context.decision_model` replaces it for a run,
             and `Runtime.context.gate` (a `GatePolicy` or a dict of its fields) its gate.
-        questions: `{question_id: Noul | Choice | Score}`, or a function of the state
-            returning one (e.g. one question per retrieved document).
+        questions: `{question_id: Noul | Choice | Score}`, a function of the state returning
+            one (e.g. one question per retrieved document), or a schema (a pydantic model or
+            TypedDict class, as the LangGraph tutorials write `GradeDocuments`): its fields are the
+            questions, its docstring the node's instructions unless `read` gives its own.
         inputs: What the model reads: None (the graph state minus `output_key`), a state
             key, or a function of the state.
         route: `(question_id, {option: node})` to go where the answer points (every option

@@ -96,8 +96,8 @@ _HINTS = {
     "network": "check the escalation target's URL and that its server is up and answering in time",
     "target": "check the escalation target's model name, API key and quota",
     "raised": "the escalation target's own code raised: see the chained exception",
-    "format": "give the target structured output (escalation_output='auto' on a chat model that has it), "
-              "or a clearer escalation_prompt",
+    "format": "give the target structured output (Escalation(output='auto') on a chat model that has it), "
+              "or a clearer Escalation(prompt=...)",
 }
 
 
@@ -166,7 +166,7 @@ def _runner(target: Any, name: str, specs: Sequence[QuestionSpec], output: Escal
             return target, False  # no structured output: a JSON reply in text
         raise EscalationError(f"escalation to {name}: the target has no structured output for method "
                               f"{output!r} ({exc})", failure="target",
-                              hint="use escalation_output='auto' or 'text'") from exc
+                              hint="use Escalation(output='auto') or Escalation(output='text')") from exc
 
 
 def _unpack(reply: Any) -> tuple[Any, Any, Any]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.decisions import BaseDecisionModel, ClassifierRequest
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 if TYPE_CHECKING:
     from langchain_core.runnables import RunnableConfig
@@ -24,6 +24,7 @@ from canvasroute.engine import CanvasRouteError, DecisionError, Engine, run_sync
 
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
+from ._compat import DECIDE, gate_layer, legacy_request, model_keywords
 from ._control import ControllerState, InMemoryControllerState
 from ._decision import Decision
 from ._escalation import check_prompt, is_target, target_name
@@ -43,6 +44,9 @@ from ._types import CanvasResponse
 
 REQUEST_KEYS = ("read", "depends_on", "gate", "seed", "thread_id", "attributes")
 """The keys a request to `invoke` may carry beyond `state` and `questions` (`CanvasDecisionModel.request`'s)."""
+_OPTIONS = frozenset((*REQUEST_KEYS, "site"))
+"""The keywords of `request` beyond state and questions (`decide` takes them too)."""
+_KEYS = frozenset(REQUEST_KEYS)
 
 
 class CanvasDecisionModel(BaseDecisionModel):
@@ -92,6 +96,11 @@ class CanvasDecisionModel(BaseDecisionModel):
     answered from it without a read (None: every call reads)."""
 
     _kept: _Memo = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return model_keywords(data)  # 0.1's fields (on_engine_error=, budget=, ...), until 0.3.0
 
     @field_validator("read", mode="before")
     @classmethod
@@ -189,7 +198,7 @@ class CanvasDecisionModel(BaseDecisionModel):
 
     # -- the request ----------------------------------------------------------------------
 
-    def request(self, state: Any, questions: Mapping[str, Any], *,
+    def request(self, state: Any, questions: Mapping[str, Any] | type, *,
                 read: ReadOptions | Mapping[str, Any] | None = None, depends_on: Mapping[str, Any] | None = None,
                 gate: GatePolicy | Mapping[str, Any] | None = None, seed: int | None = None,
                 thread_id: str | None = None, attributes: Mapping[str, Any] | None = None,
@@ -198,7 +207,10 @@ class CanvasDecisionModel(BaseDecisionModel):
 
         Args:
             state: What to decide on: text, messages, or JSON-like values (images as content blocks).
-            questions: `{question_id: Noul | Choice | Score}` (models or their dicts).
+            questions: `{question_id: Noul | Choice | Score}` (models or their dicts), or a schema
+                (a pydantic model or TypedDict class, as `with_structured_output` takes): its fields
+                are the questions (`questions_from_schema`), its docstring the decision's
+                instructions unless `read` gives its own.
             read: How the canvases are read: a `ReadOptions` (taken whole), or a dict of its fields
                 over the model's own `read`.
             depends_on: `{child: (parent, answers)}` or `{child: {parent: answers or None}}`:
@@ -215,7 +227,10 @@ class CanvasDecisionModel(BaseDecisionModel):
         Raises:
             DecisionError: a question, dependency, read option or fallback that cannot be used.
         """
-        return build_request(self._memo.defaults, questions, state, depends_on=depends_on, read=read, gate=gate,
+        defaults = self._memo.defaults
+        if gate is not None and type(gate) is not GatePolicy:  # a dict, or a gate holding 0.1 keywords
+            defaults, gate = gate_layer(defaults, gate)
+        return build_request(defaults, questions, state, depends_on=depends_on, read=read, gate=gate,
                              seed=seed, thread_id=thread_id, attributes=attributes, site=site)
 
     # -- the decision ------------------------------------------------------------------
@@ -233,13 +248,17 @@ class CanvasDecisionModel(BaseDecisionModel):
         """Sync `arun`."""
         return run_sync(self.arun(request))
 
-    async def adecide(self, state: Any, questions: Mapping[str, Any], **options: Any) -> CanvasResponse:
+    async def adecide(self, state: Any, questions: Mapping[str, Any] | type, **options: Any) -> CanvasResponse:
         """Answer every question about `state`: `arun(request(state, questions, **options))`."""
-        return await self.arun(self.request(state, questions, **options))
+        if options.keys() <= _OPTIONS:
+            return await self.arun(self.request(state, questions, **options))
+        return await self.arun(legacy_request(self, state, questions, options, "CanvasDecisionModel.adecide"))
 
-    def decide(self, state: Any, questions: Mapping[str, Any], **options: Any) -> CanvasResponse:
+    def decide(self, state: Any, questions: Mapping[str, Any] | type, **options: Any) -> CanvasResponse:
         """Sync `adecide` (the same keywords as `request`)."""
-        return run_sync(self.adecide(state, questions, **options))
+        if options.keys() <= _OPTIONS:
+            return run_sync(self.arun(self.request(state, questions, **options)))
+        return run_sync(self.arun(legacy_request(self, state, questions, options)))
 
     def with_structured_output(self, schema: type, *, include_raw: bool = False,
                                **kwargs: Any) -> StructuredDecision:
@@ -284,14 +303,20 @@ class CanvasDecisionModel(BaseDecisionModel):
         return await self.arun(request if request is not None else self.request(state, questions))
 
     def _classify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
-        token = REQUEST.set(self._from_input(request))
+        built = self._from_input(request)
+        token = REQUEST.set(built)
+        if not isinstance(request["questions"], Mapping):  # a schema: langchain-core reads the questions as a dict
+            request = {**request, "questions": built.questions.asked}
         try:
             return super()._classify_and_record(request)  # type: ignore[return-value]
         finally:
             REQUEST.reset(token)
 
     async def _aclassify_and_record(self, request: ClassifierRequest) -> CanvasResponse:
-        token = REQUEST.set(self._from_input(request))
+        built = self._from_input(request)
+        token = REQUEST.set(built)
+        if not isinstance(request["questions"], Mapping):  # a schema: langchain-core reads the questions as a dict
+            request = {**request, "questions": built.questions.asked}
         try:
             return await super()._aclassify_and_record(request)  # type: ignore[return-value]
         finally:
@@ -305,13 +330,13 @@ class CanvasDecisionModel(BaseDecisionModel):
         prebuilt = value.get("request")
         if isinstance(prebuilt, DecisionRequest):
             return prebuilt
-        if unknown := sorted(set(value) - {"state", "questions", *REQUEST_KEYS}):
-            moved = {"policy": "gate", **dict.fromkeys(("instructions", "alone", "steps", "think", "images"), "read")}
-            hints = [f"{k!r} is now {moved[k]!r}" for k in unknown if k in moved]
+        options = {k: v for k, v in value.items() if k not in ("state", "questions") and v is not None}
+        if options.keys() <= _KEYS:
+            return self.request(value["state"], value["questions"], **options)
+        if unknown := sorted(options.keys() - _KEYS - DECIDE.keys()):
             raise DecisionError(f"a decision request has no key(s) {unknown}; it takes state, questions and "
-                                f"{', '.join(REQUEST_KEYS)}", hint="; ".join(hints) or None)
-        return self.request(value["state"], value["questions"],
-                            **{k: value[k] for k in REQUEST_KEYS if value.get(k) is not None})
+                                f"{', '.join(REQUEST_KEYS)}")
+        return legacy_request(self, value["state"], value["questions"], options, "CanvasDecisionModel.invoke")
 
     # Callback tracers (LangSmith, Langfuse) name the run by `ls_model_name`: the served model,
     # once the engine has said it (the `model` field when set explicitly).

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
 from canvasroute.engine import CalibrationError, DecisionError
+from canvasroute.engine._compat import keep_removed, warn_moved, with_kept
 
 __all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Certificate", "ControlSetting", "Controller", "Escalation",
            "EscalationBudget", "EscalationOutput", "GatePolicy", "Hedge", "OutcomePolicy", "check_fallbacks",
@@ -316,6 +317,13 @@ class GatePolicy:
 
 
 _GATE_FIELDS = frozenset(f.name for f in fields(GatePolicy))
+GATE_REMOVED = {
+    "on_unsure": ("the model's OutcomePolicy(uncertain=...), when it has no escalate_to (with one, 0.1 "
+                  "escalated: leave it out)", ("answer", "fallback", "raise", "review")),
+    "on_abstain": ("the model's OutcomePolicy(abstained=...)", ("escalate", "fallback")),
+}
+"""0.1's outcome keywords of a gate, accepted until 0.3.0 (`canvasroute.router._compat` maps them)."""
+keep_removed(GatePolicy, **GATE_REMOVED)
 
 
 def _changed(gate: GatePolicy, changes: Mapping[str, Any]) -> GatePolicy:
@@ -440,6 +448,10 @@ class EscalationBudget:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.window_s <= 0:
             raise ValueError("window_s must be > 0")
+
+
+keep_removed(EscalationBudget, when_spent=(  # 0.1's, accepted until 0.3.0 (`canvasroute.router._compat` maps it)
+    "the model's OutcomePolicy(over_budget=...) ('keep' is 'answer')", ("keep", "answer", "fallback", "raise")))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -655,8 +667,9 @@ def check_fallbacks(options: Mapping[str, tuple[str, ...]], gates: Mapping[str, 
 # -- the policy file ---------------------------------------------------------------------
 
 POLICY_FORMAT = "canvasroute.policy/1"
-_MOVED_KEYS = {"on_unsure": "uncertain", "on_abstain": "abstained"}
-"""Keys older policy files held, and the `OutcomePolicy` field each became."""
+_MOVED_DEFAULTS = {"on_unsure": "answer", "on_abstain": "escalate"}
+"""Keys 0.1's policy files held (at every level, default or not), and the value that means what
+the 0.2 defaults mean (dropped at load)."""
 
 
 def policy_to_dict(policy: GatePolicy) -> dict[str, Any]:
@@ -671,15 +684,30 @@ def policy_to_dict(policy: GatePolicy) -> dict[str, Any]:
 
 
 def policy_from_dict(data: Mapping[str, Any]) -> GatePolicy:
-    """The inverse of `policy_to_dict`; unknown keys and bad values raise `CalibrationError`."""
+    """The inverse of `policy_to_dict`; unknown keys and bad values raise `CalibrationError`.
+
+    A 0.1 file's `on_unsure` / `on_abstain` keys load until 0.3.0, with a `DeprecationWarning`:
+    at their defaults (what 0.1's `calibrate` wrote) they mean what 0.2's defaults mean and are
+    dropped; other values are kept as `GatePolicy(on_unsure=...)` keeps them, for the model's
+    `OutcomePolicy` (`canvasroute.router._compat`)."""
+    if found := _moved_keys(data):
+        warn_moved("policy file", {key: GATE_REMOVED[key][0] for key in sorted(found)})
+    return _policy_from_dict(data)
+
+
+def _moved_keys(data: Any) -> set[str]:
+    if not isinstance(data, Mapping):
+        return set()
+    inner = data.get("per_question")
+    found = set(data) & _MOVED_DEFAULTS.keys()
+    return found.union(*map(_moved_keys, inner.values())) if isinstance(inner, Mapping) else found
+
+
+def _policy_from_dict(data: Mapping[str, Any]) -> GatePolicy:
     if not isinstance(data, Mapping):
         raise CalibrationError(f"a policy is a JSON object, not {type(data).__name__}")
-    if moved := sorted(set(data) & set(_MOVED_KEYS)):
-        raise CalibrationError(
-            f"policy keys {moved} are no longer part of a policy file: what a question the gate does not pass "
-            "gets is the model's OutcomePolicy (" + ", ".join(f"{k} -> OutcomePolicy.{_MOVED_KEYS[k]}" for k in moved)
-            + ")", hint="remove them from the file and set the outcome where the model is built "
-                        "(canvasroute serve: --on-uncertain, --on-abstain)")
+    moved = {k: data[k] for k in _MOVED_DEFAULTS if k in data and data[k] != _MOVED_DEFAULTS[k]}
+    data = {k: v for k, v in data.items() if k not in _MOVED_DEFAULTS}
     if unknown := set(data) - _GATE_FIELDS:
         raise CalibrationError(f"unknown policy keys {sorted(unknown)}; known: {sorted(_GATE_FIELDS)}")
     values = dict(data)
@@ -691,7 +719,8 @@ def policy_from_dict(data: Mapping[str, Any]) -> GatePolicy:
             if not isinstance(certificate, Mapping):
                 raise CalibrationError("certificate must be a JSON object")
             values["certificate"] = Certificate(**certificate)
-        return GatePolicy(**values, per_question={str(k): policy_from_dict(v) for k, v in per_question.items()})
+        return with_kept(GatePolicy, {**values, "per_question": {str(k): _policy_from_dict(v)
+                                                                 for k, v in per_question.items()}}, moved)
     except CalibrationError:
         raise
     except (TypeError, ValueError) as exc:

@@ -38,10 +38,11 @@ from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 
 from ._policy import ControlSetting, Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gates
 from ._questions import Dependencies, QuestionSpec, option_text, parse_depends_on, parse_questions
+from ._schema import schema_questions
 from ._state import read_state
 
 __all__ = ["MAX_STEPS", "MAX_THINK", "DecisionRequest", "Identity", "QuestionSet", "ReadOptions", "StateView",
-           "read_options"]
+           "read_options", "schema_decision"]
 
 MAX_STEPS = 8
 """Denoising steps one read may take (vLLM's gateway caps `steps` there too)."""
@@ -132,6 +133,27 @@ def read_options(value: ReadOptions | Mapping[str, Any] | None, base: ReadOption
     if "instructions" in values and not isinstance(values["instructions"], str):
         values["instructions"] = option_text(values["instructions"])
     return replace(base, **values) if values else base
+
+
+def schema_decision(schema: type, read: ReadOptions | Mapping[str, Any] | None) -> tuple[
+        dict[str, Any], ReadOptions | Mapping[str, Any] | None]:
+    """A schema (a pydantic model or TypedDict class) given as a decision's questions: its fields'
+    questions (`questions_from_schema`), and `read` with the schema's docstring as the decision's
+    `instructions` unless `read` gives its own (as `with_structured_output` asks it).
+
+    Raises:
+        UnsupportedQuestion: not a schema, or a field with no question form (named).
+    """
+    questions, doc = schema_questions(schema)
+    if not doc:
+        return questions, read
+    if read is None:
+        return questions, {"instructions": doc}
+    if isinstance(read, ReadOptions):
+        return questions, read if read.instructions else replace(read, instructions=doc)
+    if isinstance(read, Mapping) and read.get("instructions") in (None, ""):
+        return questions, {**read, "instructions": doc}
+    return questions, read
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,13 +323,15 @@ class Defaults:
     """The model's parsed question sets."""
 
 
-def build_request(defaults: Defaults, questions: Mapping[str, Any], state: Any, *,
+def build_request(defaults: Defaults, questions: Mapping[str, Any] | type, state: Any, *,
                   depends_on: Mapping[str, Any] | None, read: ReadOptions | Mapping[str, Any] | None,
                   gate: GatePolicy | Mapping[str, Any] | None, seed: int | None, thread_id: str | None,
                   attributes: Mapping[str, Any] | None, site: tuple[str, str] | None) -> DecisionRequest:
     """The request a model makes of `state` and `questions` (`CanvasDecisionModel.request`'s
     arguments), every option checked and resolved once (`seed` None: the default seed, of the
     site when there is one)."""
+    if isinstance(questions, type):  # a schema: its fields are the questions, its docstring the instructions
+        questions, read = schema_decision(questions, read)
     qset = defaults.sets.get(questions, depends_on)
     options = read_options(read, defaults.read)
     if unknown := sorted(options.alone - set(qset.specs)):

@@ -59,7 +59,7 @@ from typing_extensions import ReadOnly, is_typeddict
 
 from canvasroute.engine import DecisionError, UnsupportedQuestion
 
-__all__ = ["StructuredDecision", "answers_to_schema", "questions_from_schema"]
+__all__ = ["StructuredDecision", "answers_to_schema", "questions_from_schema", "schema_questions"]
 
 SUPPORTED = ("a schema field is asked as a question when it is bool, Literal[...] of str or int values "
              "(Literal['yes', 'no'] and Literal[True, False] are yes/no), or an Enum of str or int values")
@@ -78,6 +78,16 @@ def questions_from_schema(schema: type) -> dict[str, Noul | Choice]:
         ```
     """
     return {name: f.question.model_copy(deep=True) for name, f in _form(schema).fields.items()}
+
+
+def schema_questions(schema: type) -> tuple[dict[str, Noul | Choice], str | None]:
+    """`questions_from_schema(schema)` and the schema's docstring (the decision's instructions;
+    None without one): a schema given where questions go (`decide`, `decision_node`, `route_on`).
+
+    Raises:
+        UnsupportedQuestion: as `questions_from_schema`.
+    """
+    return questions_from_schema(schema), _form(schema).instructions
 
 
 def answers_to_schema(schema: type, response: Any) -> Any:

@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from canvasroute.engine import Connection, DecisionError, EngineResponseError, run_sync
 
 from . import telemetry as tm
+from ._compat import SYSTEMONE, systemone_keywords
 from ._questions import validate_questions
 from ._state import wire_state
 
@@ -77,6 +78,8 @@ class SystemOneDecisionModel(BaseDecisionModel):
     """Extra top-level request fields (e.g. `{"seed": 7}` for canvasroute servers)."""
 
     def __init__(self, connection: str | Sequence[str] | Connection | None = None, /, **kwargs: Any) -> None:
+        if not SYSTEMONE.isdisjoint(kwargs):  # 0.1's transport fields (base_url=, timeout=, ...), until 0.3.0
+            connection, kwargs = systemone_keywords(connection, kwargs)
         if connection is not None:
             kwargs["connection"] = connection
         super().__init__(**kwargs)

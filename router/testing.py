@@ -49,7 +49,7 @@ class ScriptedTarget(BaseChatModel):
     With a bound answer schema (the structured-output path canvasroute takes), each property of
     the schema is a question: its id and options (the schema's `enum`) go to the script, and the
     reply is a tool call with the answers, its content the same answers as JSON text. Without one
-    (`escalation_output="text"`) a mapping script's answers come back as JSON text.
+    (`Escalation(target, output="text")`) a mapping script's answers come back as JSON text.
     A distribution is reported as `response_metadata["logprobs"]` (OpenAI's shape, as
     `ChatOpenAI(logprobs=True)` returns it): the answer's value is one token that ends it, its
     alternatives the script's options written the same way, so canvasroute reads the script's

@@ -26,7 +26,11 @@ second run), and once more from scratch. Invariants, not examples:
 (j) every read of a thinking decision continued a thought; no agreement is reported over reads
     that could not differ;
 (k) an escalated answer's distribution is the target's, option by option, with option names
-    that prefix each other (`opt0`, `opt01`, `opt010`; `line 1` beside `line 10`..`line 199`).
+    that prefix each other (`opt0`, `opt01`, `opt010`; `line 1` beside `line 10`..`line 199`);
+(l) a setup written with 0.1's keywords (where 0.1 had them: `on_engine_error`, `fallback`,
+    `budget` with `when_spent`, the gate's `on_unsure` / `on_abstain`, `read_options`) warns, holds
+    every invariant above, and reads the same canvases and takes the same branch as the same setup
+    in 0.2's spelling (its from-scratch run, (d)).
 
 Examples are bounded and derandomized (a fixed seed: CI runs the same examples every time);
 `CANVASROUTE_MATRIX_EXAMPLES=500` explores further.
@@ -34,6 +38,7 @@ Examples are bounded and derandomized (a fixed seed: CI runs the same examples e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -333,6 +338,7 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         "model_cache": draw(st.sampled_from([True, True, False])),
         "node_cache": graph and draw(st.sampled_from([True, True, False])),
         "state": state, "seed": draw(st.none() | st.integers(0, 2**31)),
+        "spelling": draw(st.sampled_from(["0.2", "0.2", "0.1"])),  # (l): 0.1's keywords where 0.1 had them
     }
 
 
@@ -402,35 +408,41 @@ def build(s: dict[str, Any]) -> Built:
         uncertain=s["uncertain"] if fallback or s["uncertain"] != "fallback" else "answer",
         abstained=s["abstained"] if fallback or s["abstained"] != "fallback" else "answer",
         over_budget=s["over_budget"] if fallback or s["over_budget"] != "fallback" else "answer", fallback=fallback)
-    model = CanvasDecisionModel(engine=engine, policy=gate_of(s), outcomes=outcomes,
-                                escalate_to=Escalation(target.runnable, budget=budget) if target else None,
-                                cache=DecisionCache() if s["model_cache"] else None)
+    settings = {"policy": gate_of(s), "outcomes": outcomes,
+                "escalate_to": Escalation(target.runnable, budget=budget) if target else None}
+    with spelled(s):
+        model = CanvasDecisionModel(engine=engine, cache=DecisionCache() if s["model_cache"] else None,
+                                    **(in_0_1(settings, target, budget) if s["spelling"] == "0.1" else settings))
     built = Built(s, engine, target, model, questions, options)
     read = {"instructions": s["instructions"], "alone": s["alone"], "think": s["think"], "isolate": s["isolate"]}
+    node_read = {"read_options" if s["spelling"] == "0.1" else "read": read}
     if not s["graph"]:
         return built
     route = (s["qids"][0], {o: f"lane{n}" for n, o in enumerate(options[s["qids"][0]])})
     builder = StateGraph(GraphState)
     if s["fan_out"]:
-        node = decision_node(model, questions, inputs="doc", depends_on=s["depends"], branch="doc_id", read=read)
+        with spelled(s):
+            node = decision_node(model, questions, inputs="doc", depends_on=s["depends"], branch="doc_id",
+                                 **node_read)
         builder.add_node("grade", node, cache_policy=node.cache_policy() if s["node_cache"] else None)
         builder.add_conditional_edges(START, lambda st_: [Send("grade", {"doc": v, "doc_id": k})
                                                           for k, v in st_["docs"].items()], ["grade"])
         builder.add_edge("grade", END)
     else:
-        node = decision_node(model, questions, inputs="ticket", route=route, depends_on=s["depends"], read=read,
-                             review=ReviewPolicy() if s["review"] else None,
-                             shadow=(lambda state: "lane0") if s["shadow"] else None)
+        with spelled(s):
+            node = decision_node(model, questions, inputs="ticket", route=route, depends_on=s["depends"],
+                                 review=ReviewPolicy() if s["review"] else None,
+                                 shadow=(lambda state: "lane0") if s["shadow"] else None, **node_read)
         builder.add_node("triage", node, cache_policy=node.cache_policy() if s["node_cache"] else None)
         builder.add_edge(START, "triage")
         paths = {o: f"lane{n}" for n, o in enumerate(options[s["qids"][0]])}
         for lane in route[1].values():
             builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
             if s["edge"]:  # the same model again, on an edge: its escalations count in the same store
-                builder.add_conditional_edges(lane, route_on(model, questions[s["qids"][0]], paths,
-                                                             read={**read, "alone": ()},
-                                                             inputs="ticket", question_id="edge"),
-                                              dict.fromkeys(paths, "tail"))
+                with spelled(s):
+                    edge = route_on(model, questions[s["qids"][0]], paths, inputs="ticket", question_id="edge",
+                                    **{k: {**read, "alone": ()} for k in node_read})
+                builder.add_conditional_edges(lane, edge, dict.fromkeys(paths, "tail"))
             else:
                 builder.add_edge(lane, "tail")
         if s["second_model"]:
@@ -451,6 +463,39 @@ def build(s: dict[str, Any]) -> Built:
     built.store = InMemoryStore() if s["budget"] == "store" else None
     built.graph = builder.compile(checkpointer=InMemorySaver(), cache=built.cache, store=built.store)
     return built
+
+
+def spelled(s: dict[str, Any]) -> Any:
+    """Where a 0.1-spelled setup uses 0.1 keywords: each warns (`DeprecationWarning`)."""
+    return pytest.warns(DeprecationWarning) if s["spelling"] == "0.1" else contextlib.nullcontext()
+
+
+def in_0_1(settings: dict[str, Any], target: Any, budget: EscalationBudget | None) -> dict[str, Any]:
+    """A model's settings as 0.1 wrote them where 0.1 had a keyword (`on_engine_error`, `fallback`,
+    `budget` with `when_spent`, the gate's `on_unsure` / `on_abstain`); what 0.1 could not say stays 0.2's."""
+    outcomes: OutcomePolicy = settings["outcomes"]
+    policy = settings["policy"]
+    gate_words = {"on_abstain": outcomes.abstained} if outcomes.abstained != "answer" and policy.abstain else {}
+    if target is None and outcomes.uncertain != "escalate":  # 0.1 asked on_unsure only without a target
+        gate_words["on_unsure"] = outcomes.uncertain
+    policy = dataclasses.replace(policy, **gate_words, per_question={  # 0.1 read them per question
+        q: dataclasses.replace(p, **gate_words) for q, p in policy.per_question.items()})
+    rest = {"uncertain": outcomes.uncertain} if "on_unsure" not in gate_words else {}
+    rest |= {"abstained": outcomes.abstained} if "on_abstain" not in gate_words else {}
+    old: dict[str, Any] = {"policy": policy, "on_engine_error": outcomes.engine_fault}
+    if target is not None:
+        old["escalate_to"] = target.runnable
+        if budget is not None:
+            spent = {"answer": "keep"}.get(outcomes.over_budget, outcomes.over_budget)
+            old["budget"] = EscalationBudget(max_per_window=budget.max_per_window, window_s=budget.window_s,
+                                             when_spent=spent)
+        elif outcomes.over_budget != "answer":
+            rest["over_budget"] = outcomes.over_budget
+    elif outcomes.over_budget != "answer":
+        rest["over_budget"] = outcomes.over_budget
+    if "fallback" in rest.values():  # an outcome 0.1 could not say that needs the options: 0.2's, together
+        return {**old, "outcomes": OutcomePolicy(**rest, fallback=outcomes.fallback)}
+    return {**old, "fallback": dict(outcomes.fallback), "outcomes": OutcomePolicy(**rest)}
 
 
 @dataclasses.dataclass
@@ -651,7 +696,8 @@ def check_cache(b: Built, first: Run, second: Run) -> None:
     bad = [recs for recs in decisions.values() if any(
         rec["read"].get("error") or rec["read"].get("cause") == "over_budget" for rec in recs)]
     if b.s["model_cache"] and not b.s["shadow"] and bad:  # only a decision nothing touched may be a hit
-        assert second.hits <= len(decisions) - len(bad), \
+        edge = 1 if b.s["edge"] else 0  # the route_on edge's decision (the same model, no record of its own)
+        assert second.hits <= len(decisions) - len(bad) + edge, \
             "a faulted or budget-refused decision was replayed by the DecisionCache"
     if b.s["node_cache"] and bad:
         assert second.node_ran, "a faulted or budget-refused decision was replayed by the node cache"
@@ -711,6 +757,7 @@ def test_every_combination_holds(s):
     event(f"{'fan-out' if s['fan_out'] else 'graph' if s['graph'] else 'model'}"
           f"{', two-step question' if 'many' in s['kinds'] else ''}{', think' if s['think'] else ''}")
     note(f"state={s['state']!r}")
+    event(f"spelled in {s['spelling']}'s keywords")
     try:
         b = build(s)
     except CanvasRouteError as exc:  # a combination the node refuses, clearly (review of a depends_on parent)
@@ -731,7 +778,7 @@ def test_every_combination_holds(s):
     check_cache(b, first, second)
     check_budget(b, [first, second])
     # (d): from scratch, the same inputs read the same canvases and take the same branch
-    again = build(s)
+    again = build({**s, "spelling": "0.2"})  # (l): a 0.1-spelled setup decides as its 0.2 spelling does
     replay = run(again, "t1")
     if s["fan_out"]:  # the branches read concurrently: the same reads, in either order; either may raise first
         assert sorted(c for _, c in again.engine.log) == sorted(c for _, c in b.engine.log[:len(again.engine.log)])

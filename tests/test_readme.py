@@ -90,6 +90,8 @@ def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypat
     graders = next(ns for ns in sessions if "retrieval_grader" in ns)  # questions from a schema
     assert graders["graded"].binary_score in ("yes", "no") and graders["routed"]["raw"].canvas_reads == 1
     assert graders["routed"]["parsed"].datasource == graders["routed"]["raw"].reads["datasource"].answer
+    assert graders["grade"].destinations == ("generate", "rewrite")  # a node of the schema itself
+    assert graders["grade"].read.instructions == graders["GradeDocuments"].__doc__.strip()  # its docstring
     loops = next(ns for ns in sessions if "retry_or_stop" in ns)  # a route of the state, history= and run_totals
     attempts, graded = loops["out"]["attempts"], loops["graded"]
     assert 1 < attempts <= loops["MAX_RETRIES"] + 1  # it looped, and stopped after MAX_RETRIES retries at most

@@ -765,9 +765,17 @@ def test_serve_refuses_at_start_an_outcome_it_cannot_honour(tmp_path, monkeypatc
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"format": "canvasroute.policy/1", "policy": {
         "max_normalized_entropy": 0.4, "per_question": {"team": {"on_unsure": "fallback", "on_abstain": "fallback"}}}}))
-    assert serve.run(_args([*url, "--policy", str(old)])) == 2
+    with pytest.warns(DeprecationWarning, match="policy file: on_abstain= is"):  # a 0.1 file: it loads, then
+        assert serve.run(_args([*url, "--policy", str(old)])) == 2  # its outcomes cannot be served
     err = capsys.readouterr().err
     assert "OutcomePolicy.uncertain" in err and "OutcomePolicy.abstained" in err and "--on-uncertain" in err
+    assert "on_unsure='fallback'" in err
+    defaults = tmp_path / "defaults.json"  # what 0.1's calibrate wrote: every key, at its default
+    defaults.write_text(json.dumps({"format": "canvasroute.policy/1", "policy": {
+        "max_normalized_entropy": 0.4, "on_unsure": "answer", "on_abstain": "escalate"}}))
+    with pytest.warns(DeprecationWarning, match="policy file: on_abstain= is"):
+        served = serve.build_model(_args([*url, "--policy", str(defaults)]))
+    assert served.policy == GatePolicy(max_normalized_entropy=0.4) and served.outcomes == OutcomePolicy()
     monkeypatch.setenv("CANVASROUTE_ON_UNCERTAIN", "review")
     assert serve.run(_args(url)) == 2
     assert "OutcomePolicy.uncertain='review' cannot be served over HTTP: there is no human review lane" in \

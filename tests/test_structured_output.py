@@ -8,12 +8,13 @@ the real vLLM CPU server (a random tiny DiffusionGemma: plumbing, not accuracy).
 
 from __future__ import annotations
 
+import json
 import math
 from enum import Enum
 from typing import Annotated, Any, Literal, NotRequired
 
 import pytest
-from conftest import fixed_engine
+from conftest import fixed_engine, label_rows
 from langchain_core.decisions import Choice, ClassifierResponse, Noul, NoulAnswer
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_core.prompts import ChatPromptTemplate
@@ -21,7 +22,8 @@ from langchain_core.tracers.context import collect_runs
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from typing_extensions import TypedDict
 
-from canvasroute.engine import DecisionError, UnsupportedQuestion, VLLMServerEngine
+from canvasroute.engine import DecisionError, FunctionEngine, UnsupportedQuestion, VLLMServerEngine
+from canvasroute.harness import decision_node, route_on
 from canvasroute.router import (
     CanvasDecisionModel,
     GatePolicy,
@@ -163,12 +165,136 @@ def test_a_schema_without_fields_is_refused():
         questions_from_schema(Empty)
 
 
-def test_a_schema_passed_as_questions_is_refused_with_the_way_to_ask_it():
-    for questions in (GradeDocuments, {"grade": GradeDocuments}):
-        with pytest.raises(DecisionError) as caught:
-            canvas().decide("doc", questions)
-        assert "questions_from_schema(schema)" in caught.value.hint
-        assert "model.with_structured_output(schema)" in str(caught.value)
+# -- a schema where questions go -------------------------------------------------------------------
+
+
+def docstring_engine(schema: type) -> FunctionEngine:
+    """Every slot reads its first label when the schema's docstring is in the canvas's prompt, its
+    second when it is not: what a decision answers says whether its instructions reached the read."""
+    doc = schema.__doc__.strip()
+
+    def rows(read):
+        seen = doc in json.dumps(read.messages)
+        first, second = (-0.01, -6.0) if seen else (-6.0, -0.01)
+        return label_rows(engine, {"yes": first, "no": second, "A": first, "B": second}, read)
+
+    engine = FunctionEngine(rows)
+    return engine
+
+
+class Routed(TypedDict):
+    """Route a user query to the most relevant datasource."""
+
+    datasource: Annotated[Literal["vectorstore", "web_search"], "Web search or a vectorstore?"]
+
+
+def figures(response) -> dict[str, Any]:
+    return {q: r.model_dump(exclude={"latency_s"}) for q, r in response.reads.items()}
+
+
+@pytest.mark.parametrize("schema", [GradeDocuments, Routed], ids=["pydantic", "typeddict"])
+async def test_a_schema_given_as_questions_asks_its_fields_with_its_docstring_as_instructions(schema):
+    """`decide`, `adecide`, `request` and `invoke` take the schema itself and ask what the README's
+    spelling asks: `questions_from_schema(schema)` with `read={"instructions": schema.__doc__}`."""
+    model = CanvasDecisionModel(engine=docstring_engine(schema))
+    spelled = model.request("doc", questions_from_schema(schema), read={"instructions": schema.__doc__})
+    assert model.request("doc", schema).key == spelled.key  # the same questions, instructions, seed, gate
+    assert spelled.read.instructions == schema.__doc__.strip()
+    expected = figures(model.decide("doc", questions_from_schema(schema), read={"instructions": schema.__doc__}))
+    assert next(iter(expected.values()))["path"] == "canvas" and next(iter(expected.values()))["answer"] in (
+        "yes", "vectorstore")  # the docstring reached the canvas
+    assert figures(model.decide("doc", schema)) == expected
+    assert figures(await model.adecide("doc", schema)) == expected
+    assert figures(model.invoke({"state": "doc", "questions": schema})) == expected
+    assert figures(await model.ainvoke({"state": "doc", "questions": schema})) == expected
+    # the call's own instructions come instead of the docstring, as a call's read comes over the model's
+    own = model.request("doc", schema, read={"instructions": "Only EU documents."})
+    assert own.read.instructions == "Only EU documents."
+
+
+def test_a_decision_node_takes_a_schema_as_the_tutorials_write_it():
+    from langgraph.graph import END, START, StateGraph
+
+    class State(TypedDict, total=False):
+        question: str
+        decisions: dict[str, Any]
+        went: str
+
+    def graph(questions, **kwargs):
+        model = CanvasDecisionModel(engine=docstring_engine(GradeDocuments))
+        builder = StateGraph(State)
+        builder.add_node("grade", decision_node(model, questions, inputs="question",
+                                                route=("binary_score", {"yes": "use", "no": "rewrite"}), **kwargs))
+        builder.add_node("use", lambda state: {"went": "use"})
+        builder.add_node("rewrite", lambda state: {"went": "rewrite"})
+        builder.add_edge(START, "grade")
+        builder.add_edge("use", END)
+        builder.add_edge("rewrite", END)
+        return builder.compile()
+
+    out = graph(GradeDocuments).invoke({"question": "agent memory"})
+    spelled = graph(questions_from_schema(GradeDocuments), read={"instructions": GradeDocuments.__doc__}).invoke(
+        {"question": "agent memory"})
+    assert out["went"] == spelled["went"] == "use"  # the docstring reached the canvas: yes
+    assert out["decisions"]["binary_score"]["answer"] == "yes"
+    strip = {"timing", "totals"}
+    assert {k: v for k, v in out["decisions"]["binary_score"].items() if k not in strip} == {
+        k: v for k, v in spelled["decisions"]["binary_score"].items() if k not in strip}
+
+
+def test_route_on_takes_a_schema_of_one_field():
+    from langgraph.graph import END, START, StateGraph
+
+    class State(TypedDict, total=False):
+        question: str
+        went: str
+
+    paths = {"vectorstore": "vectorstore", "web_search": "web_search"}
+    edge = route_on(CanvasDecisionModel(engine=docstring_engine(RouteQuery)), RouteQuery, paths, inputs="question")
+    assert (edge.question_id, edge.read.instructions) == ("datasource", RouteQuery.__doc__.strip())
+    builder = StateGraph(State)
+    builder.add_node("start", lambda state: {})
+    builder.add_node("vectorstore", lambda state: {"went": "vectorstore"})
+    builder.add_node("web_search", lambda state: {"went": "web_search"})
+    builder.add_edge(START, "start")
+    builder.add_conditional_edges("start", edge, paths)
+    builder.add_edge("vectorstore", END)
+    builder.add_edge("web_search", END)
+    assert builder.compile().invoke({"question": "agent memory"})["went"] == "vectorstore"  # docstring seen
+
+    class Two(BaseModel):
+        """Two questions."""
+
+        first: bool
+        second: bool
+
+    with pytest.raises(UnsupportedQuestion, match=r"route_on asks one question, and Two has 2 fields") as caught:
+        route_on(canvas(), Two, {"yes": "a", "no": "b"})
+    assert "decision_node(model, Two" in caught.value.hint
+
+
+def test_a_schema_field_with_no_question_form_is_refused_where_the_schema_is_given():
+    class Graded(BaseModel):
+        """Grade it."""
+
+        binary_score: Literal["yes", "no"]
+        reason: str
+
+    model = canvas()
+    for build in (lambda: decision_node(model, Graded), lambda: route_on(model, Graded, {"yes": "a", "no": "b"}),
+                  lambda: model.request("doc", Graded), lambda: model.decide("doc", Graded),
+                  lambda: model.invoke({"state": "doc", "questions": Graded})):
+        with pytest.raises(UnsupportedQuestion, match=r"^Graded\.reason: str has no question form"):
+            build()
+    with pytest.raises(UnsupportedQuestion, match="a schema is a pydantic model or TypedDict class"):
+        decision_node(model, Color)  # a class that is no schema: refused when the node is built, not in the run
+
+
+def test_a_schema_as_one_question_is_refused_with_the_way_to_ask_it():
+    with pytest.raises(DecisionError) as caught:
+        canvas().decide("doc", {"grade": GradeDocuments})
+    assert "questions_from_schema(schema)" in caught.value.hint
+    assert "model.with_structured_output(schema)" in str(caught.value)
 
 
 # -- the way back ---------------------------------------------------------------------------------

@@ -286,8 +286,14 @@ def _policy(args: argparse.Namespace) -> Any:
     """The served gate: the policy file (its per-question fits included), then the gate flags for
     every question, fits included (`resolve_gate`). A request's own keys come last, per request."""
     from canvasroute.router import GatePolicy, load_policy, resolve_gate
+    from canvasroute.router._compat import gate_keywords
 
     policy = load_policy(args.policy) if args.policy else GatePolicy()
+    if moved := gate_keywords(policy):  # a 0.1 file's outcomes: none of them can be served (outcomes.SERVED)
+        fields = {"on_unsure": "OutcomePolicy.uncertain", "on_abstain": "OutcomePolicy.abstained"}
+        raise ValueError(f"policy file {args.policy}: {', '.join(f'{k}={v}' for k, v in moved.items())} (canvasroute "
+                         f"0.1's keys, now {', '.join(fields[k] for k in moved)}) cannot be served: a served model's "
+                         "outcomes are serve's flags (--on-uncertain, --on-abstain); remove the keys from the file")
     flags = {k: v for k, v in (("max_normalized_entropy", args.max_normalized_entropy),
                                ("rereads", args.rereads)) if v is not None}
     served = resolve_gate(policy, flags)

@@ -40,6 +40,7 @@ from transformers import (
     DynamicCache,
 )
 
+from .._compat import TRANSFORMERS, moved_keywords, transformers_keywords
 from .._prompts import EMPTY_CHAT, ChatPrompts, scaffold_prefix, template_kwargs, tokenizer_specials
 from .._types import (
     THOUGHT_SCAFFOLD,
@@ -95,6 +96,7 @@ class TransformersEngine:
         ```
     """
 
+    @moved_keywords(TRANSFORMERS, transformers_keywords)  # 0.1's batching keywords, until 0.3.0
     def __init__(
         self,
         model: Any,

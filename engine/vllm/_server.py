@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
+from .._compat import SERVER_KEYWORDS, moved_keywords, server_keywords
 from .._prompts import EMPTY_CHAT, SPECIAL_CANDIDATES, PromptCache, scaffold_prefix, template_kwargs
 from .._types import THOUGHT_SCAFFOLD, CanvasRead, EngineInfo, Message, ReadResult, Thought, check_rows
 from ..errors import EngineRequestError, EngineResponseError, ImagesUnsupported
@@ -91,6 +92,7 @@ class VLLMServerEngine:
         ```
     """
 
+    @moved_keywords(SERVER_KEYWORDS, server_keywords)  # 0.1's transport keywords, until 0.3.0
     def __init__(self, connection: str | Sequence[str] | Connection, *, model: str | None = None,
                  endpoint: Literal["chat", "completions"] = "chat", canvas_width: int | None = None,
                  max_model_len: int | None = None, vocab_size: int | None = None, enable_thinking: bool = False,
