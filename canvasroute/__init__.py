@@ -76,6 +76,7 @@ if TYPE_CHECKING:
         Escalation,
         EscalationBudget,
         GatePolicy,
+        Hedge,
         JsonlSpanExporter,
         OutcomePolicy,
         ReadOptions,
@@ -101,9 +102,9 @@ _LAYERS = {
     ],
     "router": [
         "CanvasDecisionModel", "CanvasResponse", "Certificate", "Controller", "DecisionCache", "DecisionRequest",
-        "Escalation", "EscalationBudget", "GatePolicy", "JsonlSpanExporter", "OutcomePolicy", "ReadOptions",
-        "ReadReport", "SystemOneDecisionModel", "Tally", "Totals", "add_otlp_exporter", "answers_to_schema",
-        "load_policy", "questions_from_schema", "save_policy",
+        "Escalation", "EscalationBudget", "GatePolicy", "Hedge", "JsonlSpanExporter", "OutcomePolicy",
+        "ReadOptions", "ReadReport", "SystemOneDecisionModel", "Tally", "Totals", "add_otlp_exporter",
+        "answers_to_schema", "load_policy", "questions_from_schema", "save_policy",
     ],
     "harness": [
         "DecisionEdge", "DecisionNode", "NodeCache", "ReviewPolicy", "StoreBudgetMeter", "StoreControllerState",
@@ -142,6 +143,7 @@ __all__ = [
     "FunctionEngine",
     "GatePolicy",
     "GraphSetupError",
+    "Hedge",
     "ImagesUnsupported",
     "InputTooLong",
     "JsonlSpanExporter",

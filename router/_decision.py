@@ -11,8 +11,10 @@ while the budget grants it (engine faults first), else `over_budget` decides; `a
 `fallback`, `raise` or `review`. An engine fault never becomes a cheap answer: it
 escalates, takes a declared fallback, or raises; when its escalation fails too, the error
 names both and keeps the engine's attempts. Every budget grant that does not become an
-escalation is refunded. Every absorbed fault is logged (WARNING, logger
-`canvasroute.router`), marked on the `decide` span and counted (`canvasroute.faults`).
+escalation is refunded, except a hedge's that the re-reads beat (`Escalation.hedge`: a
+target call beside a borderline question's re-reads, `canvasroute.router._hedge`). Every
+absorbed fault is logged (WARNING, logger `canvasroute.router`), marked on the `decide` span
+and counted (`canvasroute.faults`).
 An escalation-rate controller (`canvasroute.router._control`) sets the thresholds at the start
 of a run and observes its outcomes at the end.
 """
@@ -20,11 +22,14 @@ of a run and observes its outcomes at the end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn
 
 from langchain_core.decisions import ChoiceAnswer, NoulAnswer, ScoreAnswer
 
@@ -42,6 +47,7 @@ from canvasroute.engine import (
 from . import telemetry as tm
 from ._control import observe, steer
 from ._escalation import Asked, Escalated, Restated, escalate, target_name
+from ._hedge import Hedging, cancel, joined
 from ._plan import Plan, Planner, Prompt
 from ._questions import QuestionSpec
 from ._read import QuestionRead, Reading, SlotStats, system_one_confidence
@@ -176,8 +182,9 @@ class _Run:
                 restated = deps.restatement(asked, self.answers, specs)
                 prompt = replace(prompt, state_text=prompt.state_text + deps.restated(asked, self.answers, specs,
                                                                                     specials))
-            reads = await self._read(asked, prompt, stage=i)
-            escalated = await self._escalate(reads, restated)
+            async with self._hedging(restated) as hedge:  # (a hedge's call races the re-reads of `_read`)
+                reads = await self._read(asked, prompt, stage=i, hedge=hedge)
+                escalated = await self._escalate(reads, restated, hedge)
             for r in reads.values():
                 asked_if = deps.asked_if(r.spec.id, self.answers) if conditioned else None
                 if i == len(deps.layers) - 1:
@@ -193,7 +200,8 @@ class _Run:
             done[r.spec.id] = self.report(r, escalated, latency, asked_if)
         return [done[qid] for qid in self.decision.request.questions.specs]
 
-    async def _read(self, asked: Sequence[str], prompt: Prompt, *, stage: int) -> dict[str, QuestionRead]:
+    async def _read(self, asked: Sequence[str], prompt: Prompt, *, stage: int,
+                    hedge: Hedging | None = None) -> dict[str, QuestionRead]:
         """One stage's asked questions read and gated (every one failed, on a fault)."""
         decision, request = self.decision, self.decision.request
         fault, info = self.fault, self.info
@@ -218,21 +226,54 @@ class _Run:
             # a later stage's prompt restates its parents' answers: checked again as read
             await decision.planner.check_plan(the_plan, request, info, prompt)
         reading = Reading(request=request, engine=decision.engine, info=info, plan=the_plan, prompt=prompt,
-                          absorbs=decision.absorbs, planner=decision.planner, usage=self.usage)
+                          absorbs=decision.absorbs, planner=decision.planner, usage=self.usage,
+                          race=hedge.race if hedge is not None else None)
         reads = await reading.run()
         self.log.add(asked, reading)
         self.canvas_reads += reading.canvas_reads
         return reads
 
-    async def _escalate(self, reads: Mapping[str, QuestionRead], restated: str) -> Escalated | None:
-        """Escalate what the gate did not pass, as the outcome policy says, under the budget, in one call."""
+    def _hedging(self, restated: str) -> AbstractAsyncContextManager[Hedging | None]:
+        """This stage's hedge (`Escalation.hedge`; `canvasroute.router._hedge`), or none."""
         request = self.decision.request
         escalation = request.escalation
-        if escalation is None or request.mode == "canvas_only":
+        if escalation is None or escalation.hedge is None or request.mode == "canvas_only":
+            return contextlib.nullcontext()
+        return Hedging(hedge=escalation.hedge, escalation=escalation, thread=request.identity.thread_id,
+                       gates=request.gates, ask=partial(self._call, restated=restated, hedge=True),
+                       escalates=lambda r: _cause(r) is not None and _action(request, r) == "escalate",
+                       usage=self.usage, ended=self.log.hedges)
+
+    async def _escalate(self, reads: Mapping[str, QuestionRead], restated: str,
+                        hedge: Hedging | None = None) -> Escalated | None:
+        """Escalate what the gate did not pass, as the outcome policy says, under the budget, in one
+        call; beside a hedge's call in flight, which answers the questions it asked."""
+        request = self.decision.request
+        if request.escalation is None or request.mode == "canvas_only":
             return None
+        if hedge is None or hedge.task is None:
+            return await self._escalate_rest(reads, restated, ())
+        answers = asyncio.create_task(hedge.answers(reads))  # while the stage's other questions are asked
+        try:
+            rest = await self._escalate_rest(reads, restated, hedge.asked)
+        except BaseException:
+            await cancel(answers)  # (the hedge's call itself ends with the hedge)
+            raise
+        try:
+            hedged = await answers
+        except EscalationError as exc:  # (its budget grants are refunded as the hedge ends)
+            _with_fault(exc, [reads[q] for q in hedge.asked])
+        return joined(hedged, rest)
+
+    async def _escalate_rest(self, reads: Mapping[str, QuestionRead], restated: str,
+                             hedged: Sequence[str]) -> Escalated | None:
+        """The stage's own call, for the questions that escalate and no hedge asked."""
+        request = self.decision.request
+        escalation = request.escalation
+        assert escalation is not None
         # engine faults first: under a partial budget they are the ones that cannot keep a canvas answer
-        wanted = sorted((r for r in reads.values() if _cause(r) is not None and _action(request, r) == "escalate"),
-                        key=lambda r: r.error is None)
+        wanted = sorted((r for r in reads.values() if r.spec.id not in hedged and _cause(r) is not None
+                         and _action(request, r) == "escalate"), key=lambda r: r.error is None)
         if not wanted:
             return None
         meter, thread = escalation.meter, request.identity.thread_id
@@ -247,15 +288,7 @@ class _Run:
         except EscalationError as exc:
             if meter is not None and granted:
                 await meter.refund(granted, thread)  # nothing was escalated
-            fault = next((r.fault for r in wanted if r.fault is not None), None)
-            if fault is None:
-                raise
-            raise EscalationError(
-                f"{exc.message}, after the canvas engine failed: {type(fault).__name__}: {fault.message}",
-                failure=exc.failure, attempts=max(exc.attempts, fault.attempts),
-                retryable=exc.retryable or fault.retryable,
-                hint=f"the canvas engine: {fault.hint or 'check it'}; the escalation: {exc.hint or 'check it'}",
-            ) from fault
+            _with_fault(exc, wanted)
         except BaseException:
             if meter is not None and granted:
                 await meter.refund(granted, thread)  # nothing was escalated
@@ -277,9 +310,10 @@ class _Run:
                                            "OutcomePolicy(over_budget='fallback') and a fallback option")
         self.refused.update(r.spec.id for r in spent)
 
-    async def _call(self, wanted: Sequence[QuestionRead], restated: str) -> Escalated:
+    async def _call(self, wanted: Sequence[QuestionRead], restated: str, *, hedge: bool = False) -> Escalated:
         """One call to the target for `wanted`, asked what the canvas had: the state and its images,
-        the instructions, the parents' answers (`restated`, and per question for decision targets)."""
+        the instructions, the parents' answers (`restated`, and per question for decision targets);
+        `hedge`: beside the re-reads (its span says how it ended)."""
         request = self.decision.request
         escalation = request.escalation
         assert escalation is not None
@@ -291,7 +325,8 @@ class _Run:
                       restated=restated, parents={q: p for q, p in parents.items() if p},
                       instructions=request.read.instructions, images=request.state.images, canvas=canvas)
         name = target_name(escalation.target)
-        with tm.escalation_call(escalation.target, name, list(canvas)) as call:
+        self.log.target_calls += not hedge  # (a hedge counts once started: `DiagnosticsLog.build`)
+        with tm.escalation_call(escalation.target, name, list(canvas), hedge=hedge) as call:
             try:
                 result = await asyncio.wait_for(escalate(escalation, asked), escalation.timeout)
             except TimeoutError as exc:
@@ -312,7 +347,7 @@ class _Run:
             question_id=spec.id, kind=spec.kind, labels=list(r.labels), canvas_probabilities=canvas,
             reads=len(r.runs) + r.in_group_reads, error=r.error, latency_s=latency_s, asked_if=asked_if,
             crossed=list(r.crossed), gate=r.gate, slot=r.slot, read_entropies=[run.entropy for run in r.runs],
-            rereadable=r.rereadable, cause=cause,
+            rereadable=r.rereadable, cause=cause, hedged=r.hedged,
         )
         if st is not None:
             base.update(entropy=st.entropy, normalized_entropy=st.normalized_entropy, margin=st.margin,
@@ -368,6 +403,18 @@ class _Run:
                 hint="set escalate_to=, or OutcomePolicy(uncertain='answer' | 'fallback' | 'review')")
         probs = answer_probs(spec, st)
         return _report(base, max(probs, key=probs.__getitem__), probs, "unsure")  # answer and review
+
+
+def _with_fault(exc: EscalationError, wanted: Sequence[QuestionRead]) -> NoReturn:
+    """Raise an escalation's failure; after an engine fault of one of its questions, naming both."""
+    fault = next((r.fault for r in wanted if r.fault is not None), None)
+    if fault is None:
+        raise exc
+    raise EscalationError(
+        f"{exc.message}, after the canvas engine failed: {type(fault).__name__}: {fault.message}",
+        failure=exc.failure, attempts=max(exc.attempts, fault.attempts), retryable=exc.retryable or fault.retryable,
+        hint=f"the canvas engine: {fault.hint or 'check it'}; the escalation: {exc.hint or 'check it'}",
+    ) from fault
 
 
 def _cause(r: QuestionRead) -> Cause | None:
@@ -465,6 +512,9 @@ class DiagnosticsLog:
     formats: list[str] = field(default_factory=list)
     thoughts: list[ThoughtReport] = field(default_factory=list)
     prompt_tokens: int = 0
+    target_calls: int = 0
+    """Calls to the target a stage made for its own questions (hedges are counted in `hedges`)."""
+    hedges: list[str] = field(default_factory=list)
 
     def add(self, asked: Sequence[str], reading: Reading | None) -> None:
         """One stage: its questions and, when it was read (`Reading`), its canvases."""
@@ -482,7 +532,8 @@ class DiagnosticsLog:
         return Diagnostics.model_validate({
             "stages": self.stages, "chunks": self.chunks, "formats": self.formats,
             "conditioning": "restated" if len(self.stages) > 1 else None, "constrained": self.request.constrained,
-            "steps": self.request.read.steps, "thoughts": self.thoughts, "prompt_tokens": self.prompt_tokens})
+            "steps": self.request.read.steps, "thoughts": self.thoughts, "prompt_tokens": self.prompt_tokens,
+            "target_calls": self.target_calls + sum(h != "refused" for h in self.hedges), "hedges": self.hedges})
 
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:

@@ -8,8 +8,9 @@ Three frozen values, one concern each:
   (`uncertain`, `abstained`, `engine_fault`, `over_budget`) from one vocabulary,
   `ACTIONS`: `escalate`, `answer`, `fallback`, `raise`, `review`;
 - `Escalation`: where an escalated question goes (target, output mode, prompt, timeout),
-  what it may spend (`EscalationBudget` and the meter that counts it) and the escalation rate
-  it holds (`Controller` and the state that keeps its offsets).
+  what it may spend (`EscalationBudget` and the meter that counts it), the escalation rate it
+  holds (`Controller` and the state that keeps its offsets) and whether a borderline
+  question's target call starts beside its re-reads (`Hedge`).
 
 A decision's gate is resolved once per question, in one order (`resolve_gate`): the model's
 policy (in code or a policy file, per-question fits included), then each override layer in
@@ -33,8 +34,8 @@ from canvasroute.engine import CalibrationError, DecisionError
 from canvasroute.engine._compat import keep_removed, warn_moved, with_kept
 
 __all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Certificate", "ControlSetting", "Controller", "Escalation",
-           "EscalationBudget", "EscalationOutput", "GatePolicy", "OutcomePolicy", "check_fallbacks", "load_policy",
-           "policy_from_dict", "policy_to_dict", "resolve_gate", "save_policy"]
+           "EscalationBudget", "EscalationOutput", "GatePolicy", "Hedge", "OutcomePolicy", "check_fallbacks",
+           "load_policy", "policy_from_dict", "policy_to_dict", "resolve_gate", "save_policy"]
 
 MAX_SAMPLES = 32
 """Reads of one question in a decision, first reads and re-reads each (vLLM's gateway caps samples there too)."""
@@ -523,6 +524,59 @@ class ControlSetting:
     """The highest offset (0 for a certified gate, unless `loosen_certified`)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hedge:
+    """Hedged escalation: a borderline question's target call starts beside its re-reads.
+
+    A question is borderline when its first read (its `samples`) crossed the gate, and every
+    threshold it crossed by at most `band`, each measured on its own 0..1 figure: normalized
+    entropy over `max_normalized_entropy`; confidence, margin and label mass under
+    `min_confidence`, `min_margin`, `min_label_mass`; entropy over `max_entropy` in units of
+    ln K. A question far over the gate is re-read, then escalated, as without a hedge; so is one
+    that cannot be re-read, a two-read (routed) question, and any question whose uncertain
+    outcome is not `escalate`. Whichever settles a hedged question first answers it: re-reads
+    the gate passes (path `reread`), or the target (path `escalated`); the loser is cancelled.
+    `canvasroute.router._hedge` holds the rules (batching, budgets, faults, traces).
+
+    Example:
+        ```python
+        Escalation(ChatOpenAI(model="gemma-3-27b"), hedge=Hedge(band=0.1))
+        ```
+    """
+
+    band: float = 0.1
+    """How far past its threshold a first read may be and still be borderline (0..1 figures)."""
+    after_s: float = 0.0
+    """Seconds the re-reads run alone before the target starts beside them (0: at once); a
+    question the re-reads settle within it costs no target call (a classic hedged request)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.band <= 1.0:
+            raise ValueError(f"Hedge.band must be within (0, 1], got {self.band}")
+        if not 0.0 <= self.after_s < math.inf:
+            raise ValueError(f"Hedge.after_s must be a finite number of seconds >= 0, got {self.after_s}")
+
+    def borderline(self, gate: GatePolicy, stats: Figures) -> bool:
+        """Whether a read the gate did not pass crossed it by at most `band` on every threshold it crossed."""
+        crossed = gate.crossed(stats)
+        return bool(crossed) and all(_excess(gate, stats, name) <= self.band for name in crossed)
+
+
+def _excess(gate: GatePolicy, stats: Figures, threshold: str) -> float:
+    """How far a read is past one threshold it crossed, on a 0..1 figure (`uncertified`: out of reach)."""
+    if threshold == "max_normalized_entropy":
+        return stats.normalized_entropy - (gate.max_normalized_entropy or 0.0)
+    if threshold == "max_entropy":  # entropy > max_entropy >= 0: K > 1, and entropy / normalized entropy is ln K
+        return (stats.entropy - (gate.max_entropy or 0.0)) * stats.normalized_entropy / stats.entropy
+    if threshold == "min_confidence":
+        return (gate.min_confidence or 0.0) - stats.confidence
+    if threshold == "min_margin":
+        return (gate.min_margin or 0.0) - stats.margin
+    if threshold == "min_label_mass":
+        return (gate.min_label_mass or 0.0) - stats.label_mass
+    return math.inf
+
+
 @dataclass(frozen=True, slots=True)
 class Escalation:
     """Where the questions the gate did not pass go, and what they may spend.
@@ -561,6 +615,8 @@ class Escalation:
     controller_state: Any = None
     """The `ControllerState` keeping the controller's offsets (None: one in this process; a
     decision node with a graph store keeps them in the store, shared by every worker)."""
+    hedge: Hedge | None = None
+    """Start the target beside a borderline question's re-reads (`Hedge`; None: re-reads first)."""
 
     def __post_init__(self) -> None:
         if self.output not in get_args(EscalationOutput):
@@ -575,6 +631,8 @@ class Escalation:
             raise TypeError(f"Escalation.controller must be a Controller, not {type(self.controller).__name__}")
         if self.controller_state is not None and self.controller is None:
             raise ValueError("Escalation.controller_state needs controller= (the rate it holds)")
+        if self.hedge is not None and not isinstance(self.hedge, Hedge):
+            raise TypeError(f"Escalation.hedge must be a Hedge, not {type(self.hedge).__name__}")
 
 
 def check_fallbacks(options: Mapping[str, tuple[str, ...]], gates: Mapping[str, GatePolicy],

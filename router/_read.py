@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from canvasroute.engine import (
@@ -43,10 +44,15 @@ from ._plan import Chunk, Messages, Plan, Planner, Prompt, Route, Slot, messages
 from ._questions import QuestionSpec, unrotate
 
 if TYPE_CHECKING:
+    from ._policy import GatePolicy
     from ._request import DecisionRequest
 
 REREAD_STRIDE = 7919
 """Read k of a canvas uses noise seed `seed + 7919 k` (vLLM's gateway convention)."""
+Race = Callable[[dict[str, "QuestionRead"], list[str], list[str], Callable[[], Coroutine[Any, Any, None]]],
+                Awaitable[None]]
+"""What a stage's re-reads run beside (`Hedging.race`): `race(reads, ids re-read, ids it may hedge,
+the re-reads)`, done when the re-reads are (or were cancelled)."""
 
 
 @dataclass(slots=True)
@@ -78,9 +84,18 @@ class QuestionRead:
     rereadable: bool = True
     """False when another read could not have changed this question's read (a causal readout's
     slot that sees no noisy position), so none was made: not for its samples, not as a re-read."""
+    hedged: bool = False
+    """The target was asked beside this question's re-reads (`Escalation.hedge`)."""
 
     def fail(self, exc: CanvasRouteError) -> None:
         self.error, self.fault = f"{type(exc).__name__}: {exc}", exc
+
+    def gated(self, gate: GatePolicy) -> None:
+        """Hold the read as it stands (`stats`) to its gate: the thresholds it crosses, and whether
+        the abstain label won."""
+        assert self.stats is not None
+        self.crossed = tuple(gate.crossed(self.stats))
+        self.abstained = self.spec.abstain and self.stats.top == len(self.spec.options) - 1
 
 
 def build_canvas(chunk: Chunk, msgs: Messages, info: EngineInfo, seed: int, request: DecisionRequest,
@@ -146,6 +161,8 @@ class Reading:
     """Whether an engine fault is recorded on the questions (True) or raised (False)."""
     planner: Planner
     usage: dict[str, int]
+    race: Race | None = None
+    """The hedged escalation the re-reads race (`Escalation.hedge`; None: re-reads alone)."""
     canvas_reads: int = 0
     sent: list[int] = field(default_factory=list)
     """Reads sent per chunk so far (the next read's index k)."""
@@ -185,7 +202,12 @@ class Reading:
         for qid in fixed.intersection(uncertain):
             del uncertain[qid]
         if uncertain:
-            await self._jobs(self._jobs_for(reads, uncertain), msgs, reads, list(uncertain), "reread", uncertain)
+            rereads = partial(self._jobs, self._jobs_for(reads, uncertain), msgs, reads, list(uncertain), "reread",
+                              uncertain)
+            if self.race is None:
+                await rereads()
+            else:  # a two-read question's first read is not its distribution: never hedged
+                await self.race(reads, list(uncertain), [q for q in uncertain if q not in self.plan.routes], rereads)
         await self._in_group(reads)
         for qid in self.plan.routes:
             if reads[qid].error is not None:  # a group distribution is no distribution over the options
@@ -195,8 +217,6 @@ class Reading:
             policy = gates[qid]
             if r.runs:
                 r.gate = texts.get(id(policy)) or texts.setdefault(id(policy), policy.gate_text)
-            if r.spec.abstain and r.error is None and r.stats is not None:
-                r.abstained = r.stats.top == len(r.spec.options) - 1
         return reads
 
     def _wants_more(self, qid: str, r: QuestionRead) -> bool:
@@ -258,7 +278,7 @@ class Reading:
             r = reads[qid]
             if r.runs and r.error is None:
                 r.stats = aggregate(r.runs)
-                r.crossed = tuple(gates[qid].crossed(r.stats))
+                r.gated(gates[qid])
 
     async def _think(self, msgs: Sequence[Messages], reads: dict[str, QuestionRead],
                      hit: Sequence[str]) -> list[Thought] | None:
@@ -310,7 +330,7 @@ class Reading:
             assert r.stats is not None
             r.stats = combine(r.stats, route, r.stats.top, within)
             r.in_group_reads = 1
-            r.crossed = tuple(gates[qid].crossed(r.stats))
+            r.gated(gates[qid])
 
     async def _read(self, batch: Sequence[CanvasRead], chunks: Sequence[Chunk], kind: str) -> list[list[SlotStats]]:
         """One engine call; returns stats per canvas, in slot order."""

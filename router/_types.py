@@ -70,7 +70,12 @@ class Diagnostics(BaseModel):
     """The thought each chunk's reads continued (`think`), in chunk order."""
     prompt_tokens: int = 0
     """Prompt tokens of the first read (0 when the engine reports none)."""
-
+    target_calls: int = 0
+    """Calls to the escalation target, hedges included (a cancelled one too: it was sent)."""
+    hedges: list[Literal["won", "cancelled", "failed", "refused"]] = Field(default_factory=list)
+    """How each hedge (`Escalation.hedge`) ended: `won` (the target answered), `cancelled` (the
+    re-reads settled its questions first), `failed` (the call failed), `refused` (the budget
+    turned it away: not sent, the questions went the sequential way)."""
 
 
 class ReadReport(BaseModel):
@@ -126,6 +131,9 @@ class ReadReport(BaseModel):
     """The model that answered an escalated question (or refused it: `refusal`)."""
     escalation_confidence: float | None = None
     """The escalation target's own confidence in its answer, when it reports one (decision targets)."""
+    hedged: bool = False
+    """The target was asked beside this question's re-reads (`Escalation.hedge`); `path` says
+    which settled it first: `escalated` (the target) or `reread`."""
     refusal: str | None = None
     """Why the escalation target refused the question: not an answer, so the question went on as
     if nothing could answer it (its cause's action, `escalate` meaning `answer`)."""
@@ -157,7 +165,8 @@ REPLAYS: tuple[str, ...] = get_args(Replay)
 @dataclass(frozen=True, slots=True)
 class Totals:
     """What decisions spent, summed without any SDK: decision sets decided, their questions,
-    canvas reads, distinct canvases (prompts), escalated questions, tokens and seconds.
+    canvas reads, distinct canvases (prompts), escalated questions, target calls (hedges among
+    them), tokens and seconds.
 
     One rule for every path: totals count what was spent where they are reported. A decision
     set decided now counts 1 decision, its questions, the reads and escalations it made, their
@@ -189,6 +198,11 @@ class Totals:
     """Questions the escalation target answered."""
     input_tokens: int = 0
     output_tokens: int = 0
+    target_calls: int = 0
+    """Calls to the escalation target, hedges included (`Diagnostics.target_calls`)."""
+    hedges: int = 0
+    """Hedge calls started beside re-reads (`Escalation.hedge`), and of them cancelled:"""
+    hedges_cancelled: int = 0
     latency_s: float = 0.0
     """Seconds the decision sets took to decide (a replay's lookup is no decision: its
     response's own `latency_s` says how long it took)."""
@@ -200,18 +214,20 @@ class Totals:
             return cls()
         usage: Mapping[str, Any] = response.usage or {}
         diagnostics = response.diagnostics
+        hedges = [h for h in diagnostics.hedges if h != "refused"] if diagnostics is not None else []
         return cls(decisions=1, questions=len(response.reads), reads=response.canvas_reads,
                    canvases=len(diagnostics.chunks) if diagnostics is not None and response.canvas_reads else 0,
                    escalations=sum(r.path == "escalated" for r in response.reads.values()),
                    input_tokens=int(usage.get("input_tokens", 0)), output_tokens=int(usage.get("output_tokens", 0)),
-                   latency_s=response.latency_s)
+                   latency_s=response.latency_s, target_calls=diagnostics.target_calls if diagnostics else 0,
+                   hedges=len(hedges), hedges_cancelled=hedges.count("cancelled"))
 
     def __add__(self, other: Totals) -> Totals:
         return Totals(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
 
     def as_tuple(self) -> tuple[Any, ...]:
         return (self.decisions, self.questions, self.reads, self.canvases, self.escalations, self.input_tokens,
-                self.output_tokens, self.latency_s)
+                self.output_tokens, self.target_calls, self.hedges, self.hedges_cancelled, self.latency_s)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON, the keys of the fields."""
@@ -224,7 +240,7 @@ class Totals:
 
 
 _TOTALS_KEYS = ("decisions", "questions", "reads", "canvases", "escalations", "input_tokens", "output_tokens",
-                "latency_s")
+                "target_calls", "hedges", "hedges_cancelled", "latency_s")
 
 NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
 """What a replay spends (langchain-core records a response's usage on its run)."""

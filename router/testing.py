@@ -5,7 +5,7 @@
 through `with_structured_output(answer schema, include_raw=True)`, a tool call whose arguments
 map each question id to an option. It answers from a script, counts its calls, keeps every
 prompt it was sent, reports a distribution as OpenAI-shaped logprobs when the script gives one,
-and can be told to fail or to answer malformed first.
+and can be told to fail or to answer malformed first, or to answer only when a test says so (`hold`).
 
 Example:
     ```python
@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
@@ -65,6 +65,10 @@ class ScriptedTarget(BaseChatModel):
     raises, the next answers; `["malformed"]`: the first reply is prose, with no tool call or JSON)."""
     model: str = "scripted"
     """The model name the replies report (`response_metadata["model_name"]`)."""
+    hold: Any = None
+    """`async fn(call index)` awaited before an async call answers (None: it answers at once), so a
+    test says when the target answers, e.g. `lambda call: answer_now.wait()` with an `asyncio.Event`;
+    the call is counted (and cancellable) while it waits."""
 
     _prompts: list[list[BaseMessage]] = PrivateAttr(default_factory=list)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
@@ -74,6 +78,13 @@ class ScriptedTarget(BaseChatModel):
     def _check_script(cls, value: Any) -> Any:
         if not (isinstance(value, Mapping) or callable(value)):
             raise ValueError(f"script must be a mapping of question id to answer, or a function, not {value!r}")
+        return value
+
+    @field_validator("hold")
+    @classmethod
+    def _check_hold(cls, value: Any) -> Any:
+        if value is not None and not callable(value):
+            raise ValueError(f"hold must be an async function of the call index, not {value!r}")
         return value
 
     @field_validator("faults")
@@ -105,9 +116,22 @@ class ScriptedTarget(BaseChatModel):
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        return self._reply_to(self._count(messages), messages, kwargs)
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        call = self._count(messages)
+        if self.hold is not None:
+            await self.hold(call)
+        return self._reply_to(call, messages, kwargs)
+
+    def _count(self, messages: list[BaseMessage]) -> int:
+        """Keep a call's messages; its index."""
         with self._lock:
             self._prompts.append(list(messages))
-            call = len(self._prompts) - 1
+            return len(self._prompts) - 1
+
+    def _reply_to(self, call: int, messages: list[BaseMessage], kwargs: Mapping[str, Any]) -> ChatResult:
         fault = self.faults[call] if call < len(self.faults) else None
         if isinstance(fault, BaseException):
             raise fault

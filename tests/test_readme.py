@@ -105,6 +105,9 @@ def test_every_python_block_runs_alone_or_after_the_block_it_continues(monkeypat
     assert double["resp"].reads["team"].path == "escalated" and double["target"].calls == 1
     assert double["resp"].answers["team"].probabilities == pytest.approx({"billing": 0.8, "technical": 0.2})
     assert 'Fast model\'s probabilities: {"billing": 0.5, "technical": 0.5}' in double["target"].prompts[0][-1].text
+    hedged = next(ns for ns in sessions if "slow_target" in ns)  # hedged escalation: each side wins once
+    assert (hedged["resp"].reads["urgent"].path, hedged["resp"].totals.hedges_cancelled) == ("reread", 1)
+    assert hedged["slow"].engine.calls == 2 and hedged["hedge"].target.calls == 1
     served = next(ns for ns in sessions if "decision" in ns and "lc" in ns)  # /v1/decisions, both clients
     assert [(a.name, a.type) for a in served["decision"].answers] == [("refund", "predicate"), ("team", "choice")]
     assert served["team"].model_extra["canvasroute"]["path"] == "canvas"

@@ -90,7 +90,8 @@ async def arun(graph: Any, value: Any, config: Any = None) -> tuple[dict[str, An
 
 
 def spend(totals: Totals) -> tuple[int, ...]:
-    """Everything a run spent but its seconds: decisions, questions, reads, canvases, escalations, tokens."""
+    """Everything a run spent but its seconds: decisions, questions, reads, canvases, escalations, tokens,
+    target calls, hedges and hedges cancelled."""
     return totals.as_tuple()[:-1]
 
 
@@ -111,7 +112,7 @@ def test_a_decision_cache_hit_spent_nothing_and_keeps_what_the_decision_cost():
     again = run_sync(model.adecide("Refund me", OK))
     assert first.reads["ok"].path == again.reads["ok"].path == "escalated"  # how it was decided: unchanged
     assert (first.replayed, first.original) == (None, None)
-    assert spend(first.totals) == (1, 1, 1, 1, 1, first.usage["input_tokens"], first.usage["output_tokens"])
+    assert spend(first.totals) == (1, 1, 1, 1, 1, first.usage["input_tokens"], first.usage["output_tokens"], 1, 0, 0)
     assert again.replayed == "decision_cache" and again.canvas_reads == 0
     assert again.totals == Totals()  # nothing read, nothing escalated, no decision made
     assert again.original == first.totals

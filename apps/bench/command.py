@@ -29,6 +29,9 @@ Every figure is a ratio or a distribution measured side by side in one run:
 13. `controller`  the escalation-rate controller on a drifting simulated stream, 4 workers on
                   one LangGraph store: realised rate against the target before and after the
                   drift, decisions until it holds +-2 points, beside the same stream without it.
+14. `hedge`       hedged escalation vs none on a simulated stream (borderline first reads,
+                  re-reads that settle a known share, lognormal engine and target latencies):
+                  p50/p99 of the decisions over the gate and the extra target calls.
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -50,7 +53,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway", "isolation", "structure", "risk", "controller")
+            "gateway", "isolation", "structure", "risk", "controller", "hedge")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         "structure": lambda: _structure(args.quick),
         "risk": lambda: _risk(args.quick),
         "controller": lambda: _controller(args.quick),
+        "hedge": lambda: _hedge(args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -186,3 +190,9 @@ def _controller(quick: bool) -> Section:
     from .controller import run_controller
 
     return run_controller(quick)
+
+
+def _hedge(quick: bool) -> Section:
+    from .hedge import run_hedge
+
+    return run_hedge(quick)

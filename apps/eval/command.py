@@ -4,11 +4,12 @@ DATA is what `canvasroute calibrate` reads (JSONL of `{state, questions, gold}`,
 BIG-bench task). With an escalation target (`--escalate-url/--escalate-model`,
 `--escalate-systemone`, or `--escalate-embedded` for offline runs) the target and the
 cascade at the gate run too (`gate_of`: the policy file `--policy policy.json` with its
-per-question fits, then `--threshold`/`--rereads` over every question),
-and a sweep of thresholds mixes the measured canvas and target answers. Prints accuracy,
-cost (reads, escalations, target calls, tokens) and latency per arm, and the AUROC of
-normalized entropy for detecting canvas errors; `--json` prints the figures as JSON;
-writes a risk-coverage plot (PNG) unless `--no-plots`.
+per-question fits, then `--threshold`/`--rereads` over every question; `--hedge-band` hedges
+the cascade's escalations, `Escalation(hedge=Hedge(band=...))`), and a sweep of thresholds
+mixes the measured canvas and target answers. Prints accuracy, cost (reads, escalations,
+target calls, hedges, tokens) and latency per arm, and the AUROC of normalized entropy for
+detecting canvas errors; `--json` prints the figures as JSON; writes a risk-coverage plot
+(PNG) unless `--no-plots`.
 
 Example:
     ```bash
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from canvasroute.engine import CanvasRouteError
-from canvasroute.router import Escalation, GatePolicy, load_policy, resolve_gate
+from canvasroute.router import Escalation, GatePolicy, Hedge, load_policy, resolve_gate
 
 from .._console import plain_table, print_table, progress
 from .._engine_options import add_engine_options, open_engine
@@ -79,7 +80,8 @@ async def _measure(args: argparse.Namespace, policy: GatePolicy, target: Any) ->
         info = await engine.info()
         arms = 3 if target is not None else 1
         with progress(len(rows) * arms, f"eval {info.model}") as advance:
-            escalation = Escalation(target, timeout=args.escalate_timeout) if target is not None else None
+            hedge = Hedge(band=args.hedge_band) if args.hedge_band is not None else None
+            escalation = Escalation(target, timeout=args.escalate_timeout, hedge=hedge) if target is not None else None
             ev = await evaluate(engine, rows, policy=policy, target=escalation, concurrency=args.concurrency,
                                 progress=advance)
     finally:

@@ -70,6 +70,8 @@ class Arm:
     escalations: int = 0
     """Questions sent to the target."""
     target_calls: int = 0
+    hedges: int = 0
+    """Of the target calls, hedges started beside re-reads (`Escalation.hedge`)."""
     failures: int = 0
     """Rows whose target call failed (their answers score as wrong)."""
     input_tokens: int = 0
@@ -90,14 +92,15 @@ class Arm:
         self.add(latency, response.usage)
         self.reads += totals.reads
         self.escalations += totals.escalations
-        self.target_calls += bool(totals.escalations)
+        self.target_calls += totals.target_calls
+        self.hedges += totals.hedges
         self.tally += Tally.of(response.reads.values())
 
     def summary(self, correct: int, questions: int) -> dict[str, Any]:
         lat = sorted(self.latencies)
         return {"accuracy": correct / questions if questions else None, "questions": questions,
                 "decisions": self.decisions, "reads": self.reads, "escalations": self.escalations,
-                "target_calls": self.target_calls, "failures": self.failures,
+                "target_calls": self.target_calls, "hedges": self.hedges, "failures": self.failures,
                 "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "latency_mean_s": sum(lat) / len(lat) if lat else None,
                 "latency_p50_s": _quantile(lat, 0.5), "latency_p95_s": _quantile(lat, 0.95),

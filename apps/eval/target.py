@@ -32,6 +32,9 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--escalate-api-key-env", default="CANVASROUTE_ESCALATE_API_KEY", metavar="VAR",
                        help="environment variable holding the target's API key")
     group.add_argument("--escalate-timeout", type=float, default=120.0, help="seconds per target call (default 120)")
+    group.add_argument("--hedge-band", type=float, metavar="BAND",
+                       help="the cascade hedges: a question whose first read is over the gate by at most BAND asks "
+                            "the target beside its re-reads (Escalation(hedge=Hedge(band=BAND)))")
 
 
 def wants_target(args: argparse.Namespace) -> bool:

@@ -23,6 +23,7 @@ from .report import (
     Decision,
     NodeStats,
     Report,
+    RunTotals,
     cause_shares,
     escalation_rate,
     near_chance,
@@ -132,6 +133,17 @@ def _escalation_kpi(tally: Tally, escalated: Tally, kpi_id: str = "") -> str:
     why = ", ".join(f"{CAUSE_WORDS.get(c, c)} {m}" for c, m in escalated.causes.items() if m)
     return _kpi("escalation rate", _pct(escalation_rate(tally) if n else None),
                 f"{k} of {n} questions" + (f" · {html.escape(why)}" if why else ""), kpi_id)
+
+
+def _hedge_kpi(decisions: Sequence[Decision], kpi_id: str = "") -> str:
+    """Questions hedged (`Escalation.hedge`), and which side settled them first ("" when none was)."""
+    hedged = [d for d in decisions if d.hedged]
+    if not hedged:
+        return ""
+    target = sum(d.path == "escalated" for d in hedged)
+    return _kpi("hedged", _pct(len(hedged) / len(decisions)),
+                f"{len(hedged)} of {len(decisions)} questions · target first {target}, re-reads first "
+                f"{sum(d.path == 'reread' for d in hedged)}", kpi_id)
 
 
 def _causes_kpi(tally: Tally, kpi_id: str = "") -> str:
@@ -330,6 +342,9 @@ def _runs_section(report: Report) -> str:
     def secs(value: float | None, *, estimate: bool = False) -> str:
         return "–" if value is None else ("≈ " if estimate else "") + seconds(value)
 
+    def hedges(r: RunTotals) -> str:
+        return f" ({r.hedges} hedged, {r.hedges_cancelled} cancelled)" if r.hedges else ""
+
     def replayed(n: int) -> str:
         return f' <span class="muted">+ {n} replayed</span>' if n else ""
 
@@ -339,7 +354,7 @@ def _runs_section(report: Report) -> str:
         f'<td class="num">{r.questions}</td>'
         f'<td class="num">{r.reads}</td><td class="num">{count(r.canvas_tokens or None)}</td>'
         f'<td class="num">{secs(r.decide_s)}</td><td class="num">{r.escalated} of {r.questions}</td>'
-        f'<td class="num">{r.target_calls} of {r.sets}</td><td class="num">{r.calls_saved}</td>'
+        f'<td class="num">{r.target_calls} of {r.sets}{hedges(r)}</td><td class="num">{r.calls_saved}</td>'
         f'<td class="num">{count(r.target_tokens if r.calls_with_usage else None)}</td>'
         f'<td class="num">{count(r.if_all_to_target_tokens, estimate=True)}</td>'
         f'<td class="num">{secs(r.target_s if r.target_calls else None)}</td>'
@@ -435,6 +450,7 @@ def render(report: Report, *, title: str = "canvasroute decisions", top: int = 2
         _kpi("decision sets", str(len(sets)), f"{plural(len(ds), 'question')} · {plural(len(report.nodes), 'node')}",
              "kpi-sets"),
         _escalation_kpi(tally, report.escalated, "kpi-escalation"),
+        _hedge_kpi(ds, "kpi-hedged"),
         _causes_kpi(tally, "kpi-causes"),
         _gate_kpi(tally, "kpi-gate"),
         _kpi("canvas vs escalation", _pct(sum(votes) / len(votes) if votes else None),

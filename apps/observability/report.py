@@ -65,6 +65,8 @@ class Decision:
     cause: str | None = None
     """Why the gate did not pass it (`uncertain`, `abstained`, `engine_fault`, `over_budget`;
     None: it passed, or nothing was read)."""
+    hedged: bool = False
+    """The target was asked beside its re-reads (`Escalation.hedge`); `path` says which settled it."""
 
     @property
     def agrees(self) -> bool | None:
@@ -167,6 +169,10 @@ class RunTotals:
     """Seconds of the decision sets, end to end (escalations and replays included)."""
     replayed: int = 0
     """Decision sets a `DecisionCache` replayed (cache hits): nothing read, nothing escalated."""
+    hedges: int = 0
+    """Target calls made as hedges beside re-reads (`escalate` spans marked `canvasroute.hedge`)."""
+    hedges_cancelled: int = 0
+    """Hedges cancelled because the re-reads settled their questions first."""
 
     @property
     def calls_saved(self) -> int:
@@ -189,7 +195,8 @@ class RunTotals:
                          self.escalated + other.escalated, self.target_calls + other.target_calls,
                          self.target_tokens + other.target_tokens, self.calls_with_usage + other.calls_with_usage,
                          self.target_s + other.target_s, self.canvas_tokens + other.canvas_tokens,
-                         self.decide_s + other.decide_s, self.replayed + other.replayed)
+                         self.decide_s + other.decide_s, self.replayed + other.replayed,
+                         self.hedges + other.hedges, self.hedges_cancelled + other.hedges_cancelled)
 
 
 @dataclass(slots=True)
@@ -267,7 +274,7 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
                 confidence=_float_or_none(f.get("confidence")), margin=_float_or_none(f.get("margin")),
                 reads=int(f.get("reads") or 0), escalation_model=_str_or_none(f.get("escalation_model")),
                 trace_id=s.trace_id, crossed=tuple(map(str, f.get("crossed") or ())), gate=_str_or_none(f.get("gate")),
-                cause=_str_or_none(f.get("cause"))))
+                cause=_str_or_none(f.get("cause")), hedged=f.get("hedged") is True))
     reads: dict[str, list[float]] = defaultdict(list)
     escalations: list[float] = []
     escalation_models: dict[str, str] = {}
@@ -327,6 +334,8 @@ def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],
         elif s.name.startswith(tm.OPERATION_ESCALATE + " "):
             run.target_calls += 1
             run.target_s += s.duration_s
+            run.hedges += tm.HEDGE in s.attributes
+            run.hedges_cancelled += s.attributes.get(tm.HEDGE) == "cancelled"
             chat = chats.get(s.span_id)
             if chat is not None and tm.GEN_AI_INPUT_TOKENS in chat.attributes:
                 run.target_tokens += _tokens(chat)

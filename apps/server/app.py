@@ -269,7 +269,7 @@ def create_app(
         span.set_attribute(tm.QUESTIONS, len(ids))
         with gate.admission():
             resp, name = await _unless_gone(admitted(wire, parsed, ids, request_id, span), request.receive, drain)
-        metrics.decided(getattr(resp, "reads", None) or {})
+        metrics.decided(getattr(resp, "reads", None) or {}, getattr(getattr(resp, "diagnostics", None), "hedges", ()))
         return await wire.reply(parsed, resp, name, decision_id)
 
     async def admitted(wire: Wire, parsed: Any, ids: Sequence[str], request_id: str,

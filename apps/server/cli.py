@@ -72,7 +72,9 @@ chat server (its structured output); --escalate-decisions URL --escalate-model N
 Decisions server (its base URL, .../v1: OpenAI, another canvasroute serve; asked through
 langchain-openai's OpenAIDecisions, its distributions kept, its refusals not answers);
 --escalate-systemone URL [--escalate-model NAME], a /v1/systemone server (its root URL; model
-default jev-latest).
+default jev-latest). --hedge-band BAND starts the target beside the re-reads of a question
+whose first read is over the gate by at most BAND; each answer's canvasroute object says
+`hedged`.
 
 /v1/decisions (OpenAI Decisions): every request error is 400 with OpenAI's error body
 {"error": {"message", "type", "param", "code"}} naming the field (param questions[3].choices), a
@@ -124,6 +126,7 @@ _ENV = {
     "escalate_api_key": "CANVASROUTE_ESCALATE_API_KEY",
     "target_escalation": "CANVASROUTE_TARGET_ESCALATION",
     "controller_step": "CANVASROUTE_CONTROLLER_STEP",
+    "hedge_band": "CANVASROUTE_HEDGE_BAND",
     "on_uncertain": "CANVASROUTE_ON_UNCERTAIN",
     "on_abstain": "CANVASROUTE_ON_ABSTAIN",
     "on_engine_error": "CANVASROUTE_ON_ENGINE_ERROR",
@@ -212,6 +215,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     esc.add_argument("--controller-step", type=float, metavar="STEP", default=_env("controller_step"),
                      help="the controller's learning rate: a threshold moves by at most STEP per decision "
                           "(default 0.02; needs --target-escalation) [CANVASROUTE_CONTROLLER_STEP]")
+    esc.add_argument("--hedge-band", type=float, metavar="BAND", default=_env("hedge_band"),
+                     help="hedged escalation: a question whose first read is over the gate by at most BAND (on its "
+                          "0..1 figures) asks the target beside its re-reads, and the first to settle it answers "
+                          "(Escalation(hedge=Hedge(band=BAND))); off by default [CANVASROUTE_HEDGE_BAND]")
     outcome.add_argument("--on-engine-error", choices=SERVED["engine_fault"],
                          default=_env("on_engine_error", "escalate"),
                          help="engine faults escalate (when a target is set) or answer 503 (504, 529, 502 by the "
@@ -356,7 +363,7 @@ def build_model(args: argparse.Namespace) -> Any:
     Raises:
         ValueError: a flag or policy file that cannot be served (`outcomes.check_outcomes`).
     """
-    from canvasroute.router import CanvasDecisionModel, OutcomePolicy
+    from canvasroute.router import CanvasDecisionModel, Escalation, Hedge, OutcomePolicy
 
     from .outcomes import check_outcomes
 
@@ -364,6 +371,12 @@ def build_model(args: argparse.Namespace) -> Any:
     outcomes = OutcomePolicy(uncertain=args.on_uncertain, abstained=args.on_abstain,
                              engine_fault=args.on_engine_error)
     check_outcomes(outcomes, policy, target is not None)
+    if args.hedge_band is not None:
+        if target is None:
+            raise ValueError("--hedge-band needs an escalation target: --escalate-url, --escalate-decisions or "
+                             "--escalate-systemone")
+        escalation = target if isinstance(target, Escalation) else Escalation(target)  # (a controller's, too)
+        target = dataclasses.replace(escalation, hedge=Hedge(band=args.hedge_band))
     return CanvasDecisionModel(engine=_engine(args), policy=policy, escalate_to=target, outcomes=outcomes)
 
 

@@ -11,6 +11,7 @@ their own counts. What it holds:
 | `canvasroute_server_queue_wait_seconds` | histogram (admission to a running slot) | |
 | `canvasroute_server_decisions_total` | counter: questions answered | `path`, `cause` (below) |
 | `canvasroute_server_refusals_total` | counter: questions answered `refusal` on `/v1/decisions` | `reason` (below) |
+| `canvasroute_server_hedges_total` | counter: hedged target calls (`--hedge-band`) | `outcome` (below) |
 | `canvasroute_server_rejections_total` | counter: requests and connections turned away | `reason` (the error `type`) |
 | `canvasroute_server_connections` | gauge: open client connections | |
 | `canvasroute_server_decisions_running`, `..._queued` | gauges, read from the gate at scrape | |
@@ -23,7 +24,7 @@ Decisions: `path` is canvas, reread, escalated, fallback, unsure or skipped; `ca
 uncertain, abstained, engine_fault or over_budget (`none` when the gate passed). Refusals:
 `reason` is `escalation_refused` (the target refused it), `unsure` (`--refuse-unsure`),
 `model_refused` (the decision model refused them all) or `no_answer` (another decision model
-left it unanswered).
+left it unanswered). Hedges: `outcome` is won, cancelled, failed or refused (`Diagnostics.hedges`).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class Metrics:
                                  "and why the gate did not pass them", ["path", "cause"], registry=r)
         self.refusals = Counter("canvasroute_server_refusals", "Questions answered with a refusal (/v1/decisions), "
                                 "by why", ["reason"], registry=r)
+        self.hedges = Counter("canvasroute_server_hedges", "Hedged target calls beside re-reads, by how they ended",
+                              ["outcome"], registry=r)
         self.rejections = Counter("canvasroute_server_rejections", "Requests and connections turned away",
                                   ["reason"], registry=r)
         self.connections = Gauge("canvasroute_server_connections", "Open client connections", registry=r)
@@ -122,11 +125,13 @@ class Metrics:
         if escalation is not None and getattr(escalation, "controller", None) is not None:
             r.register(_ControllerCollector(model))  # the served canvas model's escalation-rate controller
 
-    def decided(self, reads: Mapping[str, Any]) -> None:
-        """Count each question of an answered decision set by its path and cause."""
+    def decided(self, reads: Mapping[str, Any], hedges: Iterable[str] = ()) -> None:
+        """Count each question of an answered decision set by its path and cause, and its hedges."""
         for report in reads.values():
             cause = getattr(report, "cause", None)
             self.decisions.labels(str(getattr(report, "path", "unknown")), str(cause or "none")).inc()
+        for outcome in hedges:
+            self.hedges.labels(outcome).inc()
 
     def refused(self, status: int, kind: str) -> None:
         """Count a refusal that turned the request away (see `REJECTED`)."""

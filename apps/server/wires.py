@@ -43,7 +43,7 @@ model's `{"state", "questions"}`."""
 
 EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "margin", "label_mass", "confidence",
                     "reads", "agreement", "stderr", "crossed", "canvas_probabilities", "labels",
-                    "escalation_model", "escalation_confidence", "refusal", "cause", "error", "gate")
+                    "escalation_model", "escalation_confidence", "refusal", "cause", "error", "gate", "hedged")
 """A read report's figures in each answer's `canvasroute` object (plain clients ignore it)."""
 
 

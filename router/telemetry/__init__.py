@@ -9,6 +9,10 @@ decide <model>                      INTERNAL CHAIN  one decision set; per-questi
     └── chat <target model>         CLIENT   LLM    the escalation model's call
 ```
 
+A hedge (`Escalation.hedge`) is an `escalate` span that runs beside the re-reads' `canvas_read`,
+marked `canvasroute.hedge` (`won`, `cancelled`, `failed`); the decide span gets a
+`canvasroute.hedge` event per hedge, and the `canvasroute.hedges` counter a point.
+
 Around them `harness/` writes `route <node>` (where a decision node sent the graph),
 `shadow <node>` (shadow mode: the existing router and a canvas-only `decide` side by side)
 and `graph <name>` (the graph's nodes and edges, for the dashboard's drawing).
@@ -66,6 +70,7 @@ from ._spans import (
     record_content,
     record_controller_fault,
     record_fault,
+    record_hedge,
     record_reports,
     set_io,
     set_usage,
@@ -88,6 +93,7 @@ __all__ = [
     "record_content",
     "record_controller_fault",
     "record_fault",
+    "record_hedge",
     "record_reports",
     "set_io",
     "set_usage",

@@ -30,6 +30,8 @@ __all__ = [
     "GEN_AI_TOKEN_TYPE",
     "GRAPH_NODE",
     "GRAPH_STRUCTURE",
+    "HEDGE",
+    "HEDGE_EVENT",
     "INPUT_MIME",
     "INPUT_VALUE",
     "JSON_MIME",
@@ -145,11 +147,11 @@ QUESTION_KIND = "canvasroute.question.kind"
 DECISION_PREFIX = "canvasroute.decision"
 FIGURES = ("answer", "canvas_answer", "options", "canvas_probabilities", "temperature", "entropy",
            "normalized_entropy", "confidence", "margin", "label_mass", "path", "escalated",
-           "escalation_model", "cause", "reads", "agreement", "crossed", "gate")
+           "escalation_model", "cause", "reads", "agreement", "crossed", "gate", "hedged")
 """Figures recorded per question (`canvas_*`: the canvas read before escalation, with
 `canvas_probabilities` in `options` order, at `temperature`; `crossed`: the thresholds the read
 crossed, absent when it passed; `gate`: `GatePolicy.gate_text`; `path` and `cause`: the outcome
-vocabulary of `ReadReport`)."""
+vocabulary of `ReadReport`; `hedged`: True when the target was asked beside its re-reads)."""
 FIGURE_KEYS = {figure: f"{DECISION_PREFIX}.{figure}" for figure in FIGURES}
 """Figure -> its attribute key on a question event (`canvasroute.decision.entropy`, ...): a fixed set.
 (Trace files written before 0.2 hold them on the span as `canvasroute.decision.<question id>.<figure>`.)"""
@@ -184,6 +186,12 @@ FAULT_EVENT = "canvasroute.fault"
 `canvasroute.fault.message`, `canvasroute.fault.questions`, `canvasroute.fault.paths` (what
 answered instead); the span also carries `canvasroute.fault` = the error type."""
 FAULT = "canvasroute.fault"
+HEDGE = "canvasroute.hedge"
+"""How a hedge (`Escalation.hedge`) ended: `won`, `cancelled`, `failed` or `refused` (the budget turned
+it away), on its `escalate` span (none for `refused`) and on the `canvasroute.hedges` metric points."""
+HEDGE_EVENT = "canvasroute.hedge"
+"""Span event on a decide span for each hedge: `canvasroute.hedge` (how it ended) and
+`canvasroute.escalation.questions` (what it asked)."""
 FAULT_MESSAGE = "canvasroute.fault.message"
 FAULT_QUESTIONS = "canvasroute.fault.questions"
 FAULT_PATHS = "canvasroute.fault.paths"

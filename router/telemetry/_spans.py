@@ -7,6 +7,7 @@ attribute key set stays bounded however many question ids an application uses.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -43,6 +44,8 @@ from ._names import (
     GEN_AI_RESPONSE_MODEL,
     GEN_AI_TOKEN_TYPE,
     GRAPH_NODE,
+    HEDGE,
+    HEDGE_EVENT,
     INPUT_MIME,
     INPUT_VALUE,
     JSON_MIME,
@@ -79,7 +82,7 @@ from ._names import (
 )
 
 __all__ = ["Call", "engine_call", "escalation_call", "genai_attributes", "mark_error", "model_call", "provider_of",
-           "record_controller_fault", "record_fault", "record_reports", "set_io", "set_usage", "span"]
+           "record_controller_fault", "record_fault", "record_hedge", "record_reports", "set_io", "set_usage", "span"]
 
 # -- providers, looked up lazily -------------------------------------------------------
 
@@ -99,6 +102,8 @@ class _Instruments:
             "canvasroute.escalations", unit="{question}", description="Questions escalated to the AR model")
         self.faults = meter.create_counter(
             "canvasroute.faults", unit="{question}", description="Questions an engine fault hit, by what answered")
+        self.hedges = meter.create_counter(
+            "canvasroute.hedges", unit="{call}", description="Hedged target calls, by how they ended")
         self.controller_faults = meter.create_counter(
             "canvasroute.controller.faults", unit="{decision}",
             description="Decisions whose escalation-rate controller state could not be recorded")
@@ -355,16 +360,35 @@ def engine_call(info: Any, batch: Sequence[Any], kind: str, seed: int | None = N
 
 
 @contextmanager
-def escalation_call(target: Any, name: str, question_ids: Sequence[str]) -> Iterator[Call]:
+def escalation_call(target: Any, name: str, question_ids: Sequence[str], *, hedge: bool = False) -> Iterator[Call]:
     """Spans `escalate <model>` (CHAIN) and, under it, `chat <model>` (LLM, GenAI `chat`
-    attributes and metrics) around one escalation call; `Call.usage`/`output` write the chat span."""
+    attributes and metrics) around one escalation call; `Call.usage`/`output` write the chat span.
+
+    A hedge's `escalate` span carries `canvasroute.hedge`: `won` (it answered), `failed`, or
+    `cancelled`, when the re-reads settled its questions first: no fault, so both spans end
+    without an error and the cancellation goes on once they have ended.
+    """
+    cancelled: asyncio.CancelledError | None = None
     with span(f"{OPERATION_ESCALATE} {name}", {ESCALATED_QUESTIONS: ",".join(question_ids)}) as outer:
         set_io(outer, input={"questions": list(question_ids)})
         attrs = {**genai_attributes(OPERATION_CHAT, provider_of(target), name),
                  ESCALATED_QUESTIONS: ",".join(question_ids)}
         with _call(f"{OPERATION_CHAT} {name}", attrs, SpanKind.CLIENT) as call:
             call.outer = outer
-            yield call
+            try:
+                yield call
+            except asyncio.CancelledError as exc:
+                if not hedge:
+                    raise
+                cancelled = exc
+            except BaseException:
+                if hedge:
+                    outer.set_attribute(HEDGE, "failed")
+                raise
+        if hedge:
+            outer.set_attribute(HEDGE, "cancelled" if cancelled is not None else "won")
+    if cancelled is not None:
+        raise cancelled
 
 
 def provider_of(target: Any) -> str:
@@ -429,7 +453,7 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
             "canvas_probabilities": [float(p) for p in canvas.values()] if canvas else None,
             "canvas_answer": max(canvas, key=canvas.__getitem__) if canvas else None,
             "temperature": gates[r.question_id].temperature if gates is not None and canvas else None,
-            "crossed": list(r.crossed) or None, "gate": r.gate,
+            "crossed": list(r.crossed) or None, "gate": r.gate, "hedged": r.hedged or None,
         }
         if recording:
             s.add_event(QUESTION_EVENT, {QUESTION_ID: r.question_id, QUESTION_KIND: r.kind,
@@ -455,6 +479,17 @@ def mark_error(s: Span, exc: BaseException) -> None:
     """Set an error status and `error.type` on a span that handled `exc`."""
     s.set_attribute(ERROR_TYPE, type(exc).__qualname__)
     s.set_status(Status(StatusCode.ERROR, str(exc)))
+
+
+def record_hedge(outcome: str, question_ids: Sequence[str]) -> None:
+    """How one hedge ended: a `canvasroute.hedge` event on the current (decide) span and a point of
+    the `canvasroute.hedges` counter."""
+    s = trace.get_current_span()
+    if s.is_recording():
+        s.add_event(HEDGE_EVENT, {HEDGE: outcome, ESCALATED_QUESTIONS: ",".join(question_ids)})
+    inst = _instruments()
+    if inst is not None:
+        inst.hedges.add(1, {HEDGE: outcome})
 
 
 def record_fault(s: Span, error: str, questions: Sequence[str], paths: Sequence[str]) -> None:
