@@ -31,6 +31,10 @@ second run), and once more from scratch. Invariants, not examples:
     `budget` with `when_spent`, the gate's `on_unsure` / `on_abstain`, `read_options`) warns, holds
     every invariant above, and reads the same canvases and takes the same branch as the same setup
     in 0.2's spelling (its from-scratch run, (d)).
+(m) totals mean what they say: a run's decision events and its records total the same
+    (`run_totals`), a replayed decision (the `DecisionCache`, the `NodeCache`) spent nothing and
+    keeps what it cost as its `original`, and what a run without faults reports as read is what
+    the engine read.
 
 Examples are bounded and derandomized (a fixed seed: CI runs the same examples every time);
 `CANVASROUTE_MATRIX_EXAMPLES=500` explores further.
@@ -75,7 +79,16 @@ from canvasroute.engine import (
     FunctionEngine,
     Thought,
 )
-from canvasroute.harness import DECISION_EVENT, NodeCache, ReviewPolicy, decision_node, merge_decisions, route_on
+from canvasroute.harness import (
+    DECISION_EVENT,
+    REVIEW_EVENT,
+    NodeCache,
+    ReviewPolicy,
+    decision_node,
+    merge_decisions,
+    route_on,
+    run_totals,
+)
 from canvasroute.harness._store_budget import store_meter
 from canvasroute.router import (
     ABSTAIN,
@@ -87,6 +100,7 @@ from canvasroute.router import (
     EscalationBudget,
     GatePolicy,
     OutcomePolicy,
+    Totals,
 )
 
 EXAMPLES = int(os.environ.get("CANVASROUTE_MATRIX_EXAMPLES", "500"))
@@ -514,6 +528,13 @@ class Run:
     """Engine faults raised during the run."""
     logged: int = 0
     """WARNING records of absorbed faults during the run."""
+    totals: tuple[Totals, Totals] | None = None
+    """(m): what the run's decision events and its records total (`run_totals`), or a response's
+    totals twice (no graph)."""
+    reads: int = 0
+    """Canvas reads the engine made during the run (faulted ones included)."""
+    replays: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """(m): the `timing` of every record a cache replayed, or of a replayed response."""
 
 
 def _flat(decisions: Mapping[str, Any] | None, b: Built) -> dict[str, dict[str, Any]] | None:
@@ -537,15 +558,19 @@ def run(b: Built, thread: str) -> Run:
     s = b.s
     read = {"instructions": s["instructions"], "alone": s["alone"], "think": s["think"], "isolate": s["isolate"]}
     gate = {"max_normalized_entropy": s["layer_gate"]} if s["layer"] in ("context", "request") else None
+    reads = len(b.engine.log)
     try:
         hits = b.model.cache.hits if b.model.cache else 0
         if not s["graph"]:
             resp = b.model.decide(s["state"], b.questions, seed=s["seed"], depends_on=s["depends"],
                                   thread_id=thread, read=read, gate=gate)
+            replays = ([{"replayed": resp.replayed, "totals": resp.totals.as_dict(),
+                         "original": resp.original.as_dict() if resp.original else None}] if resp.replayed else [])
             got = Run(records={q: {"path": r.path, "answer": r.answer, "read": r.model_dump(exclude={"latency_s"})}
                                for q, r in resp.reads.items()}, usage=dict(resp.usage), faults=b.engine.faults,
                       hits=b.model.cache.hits - hits if b.model.cache else 0,
-                      logged=len(FAULT_LOG.records) - logged)
+                      logged=len(FAULT_LOG.records) - logged, totals=(resp.totals, resp.totals),
+                      reads=len(b.engine.log) - reads, replays=replays)
             resp.answers.clear()  # a caller editing its response changes no later hit
             resp.reads.clear()
             resp.usage["input_tokens"] = 10**6
@@ -555,13 +580,16 @@ def run(b: Built, thread: str) -> Run:
                       else {"ticket": s["state"]})
         context = {"gate": gate} if gate is not None else None
         events: list[dict[str, Any]] = []
+        reviews: list[dict[str, Any]] = []
+        """The review events (a paused run's read counts there, (m))."""
         out: dict[str, Any] = {}
         for _ in range(4):  # resume every review with another option than the canvas's
             pending: Any = ()
             for mode, chunk in b.graph.stream(value, config, stream_mode=["custom", "values", "updates"],
                                               context=context):
-                if mode == "custom" and chunk.get("type") == DECISION_EVENT and chunk["node"] in ("triage", "grade"):
-                    events.append(chunk)
+                if mode == "custom" and chunk.get("type") in (DECISION_EVENT, REVIEW_EVENT) \
+                        and chunk["node"] in ("triage", "grade"):
+                    (events if chunk["type"] == DECISION_EVENT else reviews).append(chunk)
                 elif mode == "values":
                     out = chunk
                 elif mode == "updates" and "__interrupt__" in chunk:
@@ -575,9 +603,13 @@ def run(b: Built, thread: str) -> Run:
             # a fan-out's branches wait for review each: every interrupt is resumed by its id
             value = Command(resume=overruled(pending[0]) if len(pending) == 1 else {
                 i.id: overruled(i) for i in pending})
-        return Run(records=_flat(out.get("decisions"), b), lane=out.get("lane"), node_ran=bool(events),
+        records = _flat(out.get("decisions"), b)
+        timings = [rec["timing"] for rec in (records or {}).values()]
+        return Run(records=records, lane=out.get("lane"), node_ran=bool(events),
                    faults=b.engine.faults, hits=b.model.cache.hits - hits if b.model.cache else 0,
-                   shadow=events[-1].get("shadow") if events else None, logged=len(FAULT_LOG.records) - logged)
+                   shadow=events[-1].get("shadow") if events else None, logged=len(FAULT_LOG.records) - logged,
+                   totals=(run_totals([*reviews, *events]), run_totals(records or {})), reads=len(b.engine.log) - reads,
+                   replays=[t for t in timings if t.get("replayed") in ("decision_cache", "node_cache")])
     except Exception as exc:  # noqa: BLE001 - judged by check_error
         return Run(error=exc, faults=b.engine.faults, logged=len(FAULT_LOG.records) - logged)
 
@@ -669,6 +701,26 @@ def check_records(b: Built, r: Run) -> None:
             assert (read["reads"] - routed > base) == (path == "reread")  # samples are no re-reads
         if cause == "over_budget":
             assert s["budget"] and path in ("unsure", "fallback")
+
+
+def check_totals(b: Built, r: Run) -> None:
+    """(m): the events and the records total the same; a replay spent nothing and keeps what it
+    cost; a run without faults reports the reads the engine made (a `route_on` edge reads with the
+    same engine but writes no record: its reads are the events' only, and not drawn here)."""
+    if r.error is not None or r.totals is None:
+        return
+    events, records = r.totals
+    assert events == records, (events, records)
+    event(f"totals: {'replayed' if r.replays else 'read'}{', no fault' if not r.faults else ''}")
+    for timing in r.replays:
+        assert Totals.from_dict(timing["totals"]) == Totals(), timing
+        assert timing["original"] is not None and timing["original"]["decisions"] == 1, timing
+    if not r.faults and not b.s["edge"]:
+        assert events.reads == r.reads, (events, r.reads)
+        cached = ("decision_cache", "node_cache")
+        escalated = sum(rec["read"]["path"] == "escalated" for rec in (r.records or {}).values()
+                        if not (r.replays and not b.s["graph"]) and rec.get("timing", {}).get("replayed") not in cached)
+        assert events.escalations == escalated, (events, escalated)
 
 
 def check_escalations(b: Built) -> None:
@@ -774,6 +826,7 @@ def test_every_combination_holds(s):
             event(f"path: {rec['path']}, cause: {rec['read']['cause']}")
         check_error(b, r)
         check_records(b, r)
+        check_totals(b, r)
     check_escalations(b)
     check_cache(b, first, second)
     check_budget(b, [first, second])
