@@ -37,12 +37,15 @@ import time
 import uuid
 import weakref
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from langgraph.store.base import BaseStore, PutOp
 
 from canvasroute.router import EscalationBudget
 
+K = TypeVar("K")
+V = TypeVar("V")
 _PAGE = 10_000
 _ATTEMPTS = 8
 _NO_THREAD = ""
@@ -198,9 +201,24 @@ class StoreBudgetMeter:
         await self.store.abatch(ops)
 
 
-_METERS: weakref.WeakKeyDictionary[Any, dict[tuple[EscalationBudget, str], StoreBudgetMeter]] = \
-    weakref.WeakKeyDictionary()
-_METERS_LOCK = threading.Lock()
+class PerStore(Generic[K, V]):
+    """One value per graph store and key, made on first use (thread-safe); a store's values go
+    with it (weakly keyed). Every worker running the same model shares one meter or controller
+    state this way, and two models with settings of their own keep their own."""
+
+    def __init__(self) -> None:
+        self._values: weakref.WeakKeyDictionary[Any, dict[K, V]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, store: BaseStore, key: K, make: Callable[[], V]) -> V:
+        with self._lock:
+            values = self._values.setdefault(store, {})
+            if key not in values:
+                values[key] = make()
+            return values[key]
+
+
+_METERS: PerStore[tuple[EscalationBudget, str], StoreBudgetMeter] = PerStore()
 
 
 def store_meter(model: Any, store: BaseStore | None) -> StoreBudgetMeter | None:
@@ -215,12 +233,7 @@ def store_meter(model: Any, store: BaseStore | None) -> StoreBudgetMeter | None:
     if store is None or scope is None:
         return None
     budget = model.escalation.budget
-    with _METERS_LOCK:
-        meters = _METERS.setdefault(store, {})
-        key = (budget, scope)
-        if key not in meters:
-            meters[key] = StoreBudgetMeter(store, budget, scope=scope)
-        return meters[key]
+    return _METERS.get(store, (budget, scope), lambda: StoreBudgetMeter(store, budget, scope=scope))
 
 
-__all__ = ["StoreBudgetMeter", "store_meter"]
+__all__ = ["PerStore", "StoreBudgetMeter", "store_meter"]

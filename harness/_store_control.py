@@ -30,7 +30,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +37,8 @@ from langgraph.store.base import BaseStore
 
 from canvasroute.router import Controller, InMemoryControllerState
 from canvasroute.router._control import Observation
+
+from ._store_budget import PerStore
 
 _PAGE = 1000
 
@@ -168,9 +169,7 @@ class StoreControllerState(InMemoryControllerState):
         return {**super().snapshot(), "workers": self.workers, "syncs": self.syncs}
 
 
-_STATES: weakref.WeakKeyDictionary[Any, dict[tuple[Controller, str], StoreControllerState]] = \
-    weakref.WeakKeyDictionary()
-_STATES_LOCK = threading.Lock()
+_STATES: PerStore[tuple[Controller, str], StoreControllerState] = PerStore()
 
 
 def store_controller(model: Any, store: BaseStore | None) -> StoreControllerState | None:
@@ -185,12 +184,7 @@ def store_controller(model: Any, store: BaseStore | None) -> StoreControllerStat
     if store is None or scope is None:
         return None
     controller = model.escalation.controller
-    with _STATES_LOCK:
-        states = _STATES.setdefault(store, {})
-        key = (controller, scope)
-        if key not in states:
-            states[key] = StoreControllerState(store, controller, scope=scope)
-        return states[key]
+    return _STATES.get(store, (controller, scope), lambda: StoreControllerState(store, controller, scope=scope))
 
 
 __all__ = ["StoreControllerState", "store_controller"]
