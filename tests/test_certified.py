@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 import pytest
 from conftest import fresh_tracer_provider, label_rows
+from lanes import LANES, State, lanes
 from langchain_core.decisions import Choice, Noul
 from langgraph.cache.memory import InMemoryCache
 from langgraph.checkpoint.memory import InMemorySaver
@@ -55,7 +56,6 @@ from canvasroute.router.testing import ScriptedTarget
 TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": None})
 URGENT = Noul(instructions="Is it urgent?")
 QUESTIONS = {"team": TEAM, "urgent": URGENT}
-LANES = {"billing": "billing", "tech": "tech"}
 LIVE = {"#sure": 0.01, "#close": 0.05, "#over": 0.08}
 """The canvas's probability of `tech` (B) for `team`, by a tag in the ticket: at the fitted
 temperature `#sure` and `#close` fall under the certified threshold, `#over` above it."""
@@ -102,20 +102,6 @@ def target() -> ScriptedTarget:
     return ScriptedTarget(script={"team": "tech", "urgent": "no"})
 
 
-class State(TypedDict, total=False):
-    ticket: str
-    decisions: Annotated[dict, merge_decisions]
-    lane: str
-
-
-def lanes(node: Any, **compile_kwargs: Any) -> Any:
-    builder = StateGraph(State)
-    builder.add_node("triage", node, cache_policy=compile_kwargs.pop("cache_policy", None))
-    builder.add_edge(START, "triage")
-    for lane in LANES.values():
-        builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
-        builder.add_edge(lane, END)
-    return builder.compile(**compile_kwargs)
 
 
 # -- the math --------------------------------------------------------------------------------

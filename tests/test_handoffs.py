@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Annotated, Any
+from typing import Any
 
 import pytest
 from conftest import fixed_engine
+from lanes import LANES, State, lanes
 from langchain_core.decisions import Choice, Noul
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
@@ -24,10 +25,9 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.store.memory import InMemoryStore
 from langgraph.types import Command, RetryPolicy, Send
-from typing_extensions import TypedDict
 
 from canvasroute.engine import CanvasRead, DecisionError, EngineUnavailable, EscalationError, FunctionEngine, Thought
-from canvasroute.harness import NodeCache, ReviewPolicy, decision_node, merge_decisions, retry_on, route_on
+from canvasroute.harness import NodeCache, ReviewPolicy, decision_node, retry_on, route_on
 from canvasroute.router import (
     CanvasDecisionModel,
     Escalation,
@@ -42,7 +42,6 @@ TEAM = Choice(instructions="Which team?", criteria={"billing": None, "tech": Non
 URGENT = Noul(instructions="Is it urgent?")
 MANY = Choice(instructions="Which product line?", criteria={f"line {i}": None for i in range(200)})
 UNSURE = {"A": -0.69, "B": -0.70, "yes": -0.69, "no": -0.70}
-LANES = {"billing": "billing", "tech": "tech"}
 
 
 class Target:
@@ -59,24 +58,6 @@ class Target:
         return AIMessage(json.dumps({q: self.answers[q] for q in asked}))
 
 
-class State(TypedDict, total=False):
-    ticket: str
-    docs: dict[str, str]
-    doc: str
-    doc_id: str
-    decisions: Annotated[dict, merge_decisions]
-    lane: str
-
-
-def lanes(node: Any, **compile_kwargs: Any) -> Any:
-    """START -> triage (the node) -> billing | tech -> END."""
-    builder = StateGraph(State)
-    builder.add_node("triage", node, cache_policy=compile_kwargs.pop("cache_policy", None))
-    builder.add_edge(START, "triage")
-    for lane in LANES.values():
-        builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
-        builder.add_edge(lane, END)
-    return builder.compile(**compile_kwargs)
 
 
 def thread(name: str) -> dict[str, Any]:
