@@ -3,8 +3,9 @@
 The layout checks read the source (imports as the AST has them); the signature check reads
 the public API (`inspect.signature`); the structure check counts the modules one decision
 runs through (`canvasroute bench --only structure`); the install check builds the wheel,
-installs it into a fresh venv and uses it from a project folder that holds its own
-`router.py`, `engine.py` and `harness.py`, as a user's LangGraph app may (`services`).
+installs it into a fresh venv (a background job, tests/background.py) and uses it from a project
+folder that holds its own `router.py`, `engine.py` and `harness.py`, as a user's LangGraph app may
+(`services`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from background import job
 from conftest import IMPORT_ROOT, LAYERS, ROOT
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -286,10 +288,10 @@ print("ok", engine.ENGINE, harness.HARNESS, type(resp).__module__)
 '''
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv holding the built wheel (and mypy), as a user's project would."""
-    work = tmp_path_factory.mktemp("install")
+@job
+def installed(work: Path) -> Path:
+    """A fresh venv holding the built wheel (and mypy), as a user's project would: built and installed
+    by a background job, beside the suite."""
     dist = work / "dist"
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)],
                            capture_output=True, text=True, timeout=600)
