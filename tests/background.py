@@ -49,6 +49,9 @@ import pytest
 
 JOB_LIMIT_S = 900
 """How long a job may take, counted from its start (it shares two cores with the suite and the vLLM starts)."""
+JOB_HASH_SEED = "0"
+"""A job's PYTHONHASHSEED, unless the suite runs under one: the same job gives the same result every run
+(schemathesis draws through sets of names, so a run's cases, derandomized or not, follow the hash seed)."""
 NICE = ("nice", "-n", "10")
 """The prefix of a background command whose result a test needs only later: it yields the CPU to the test
 being run and to what the next tests wait for (the vLLM servers, which the modules run right after the
@@ -128,9 +131,10 @@ class Job:
         self.folder.mkdir(parents=True)
         self.log = self.folder / "output.log"
         argv = [*NICE, sys.executable, __file__, module, name, str(self.folder)]
+        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", JOB_HASH_SEED)}
         with self.log.open("wb") as log:  # a session of its own: stop() ends whatever it started too
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         env=env, start_new_session=True)
         self.started = time.monotonic()
 
     def result(self) -> Any:

@@ -1,7 +1,7 @@
 """The suite's background work (tests/background.py), run on a small suite of its own in a pytest subprocess.
 
-A job starts at collection only for a selected test, in a process of its own; the modules taking
-none run first; a test gets the job's value, or fails with the job's output; a start registered
+A job starts at collection only for a selected test, in a process of its own (hash seed pinned);
+the modules taking none run first; a test gets the job's value, or fails with the job's output; a start registered
 with `starts_in_background` is handed to its fixture, and stopped at the end when no test took it.
 """
 
@@ -27,7 +27,7 @@ MARKS = Path(os.environ["BACKGROUND_MARKS"])
 @job
 def answer(work: Path) -> dict:
     (MARKS / f"answer-{os.getpid()}").write_text(str(work))
-    return {"pid": os.getpid(), "value": 42}
+    return {"pid": os.getpid(), "value": 42, "hash_seed": os.environ.get("PYTHONHASHSEED")}
 
 
 @job
@@ -73,6 +73,7 @@ def test_never_asks(untaken):
 
 def test_gets_the_value(answer):
     assert answer["value"] == 42 and answer["pid"] != os.getpid()
+    assert answer["hash_seed"] == os.environ.get("PYTHONHASHSEED", "0")  # pinned: the same run every time
 
 
 def test_gets_the_failure(broken):
