@@ -52,7 +52,7 @@ JOB_LIMIT_S = 900
 JOB_HASH_SEED = "0"
 """A job's PYTHONHASHSEED, unless the suite runs under one: the same job gives the same result every run
 (schemathesis draws through sets of names, so a run's cases, derandomized or not, follow the hash seed)."""
-NICE = ("nice", "-n", "10")
+NICE = ("nice", "-n", "19")
 """The prefix of a background command whose result a test needs only later: it yields the CPU to the test
 being run and to what the next tests wait for (the vLLM servers, which the modules run right after the
 first ones take, start at normal priority)."""
@@ -134,7 +134,7 @@ class Job:
         env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", JOB_HASH_SEED)}
         with self.log.open("wb") as log:  # a session of its own: stop() ends whatever it started too
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+                                         env=env, process_group=0)
         self.started = time.monotonic()
 
     def result(self) -> Any:

@@ -246,7 +246,7 @@ class Phoenix:
         self.started = time.monotonic()
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen([*NICE, str(exe), "serve"], cwd=self.work, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, process_group=0)
         self.url = f"http://127.0.0.1:{port}"
 
     def ready(self) -> Phoenix:

@@ -81,7 +81,7 @@ class InProcess:
         with (self.folder / "stdout").open("wb") as out, (self.folder / "stderr").open("wb") as err:
             self.proc = subprocess.Popen([*NICE, str(PYTHON), str(self.folder / "vllm_read.py"), str(TINY_DGEMMA)],
                                          stdin=subprocess.PIPE, stdout=out, stderr=err, env=env, cwd=ROOT,
-                                         text=True, start_new_session=True)
+                                         text=True, process_group=0)
 
     def run(self, spec: dict) -> tuple[int, str, str]:
         """Send the reads; its exit status, stdout and stderr once it is done."""
