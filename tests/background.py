@@ -47,15 +47,16 @@ from typing import Any, Protocol
 
 import pytest
 
-JOB_LIMIT_S = 900
-"""How long a job may take, counted from its start (it shares two cores with the suite and the vLLM starts)."""
+JOB_WAIT_S = 600
+"""How long a test waits for what is left of its job (at low priority the job may have had little CPU before)."""
 JOB_HASH_SEED = "0"
 """A job's PYTHONHASHSEED, unless the suite runs under one: the same job gives the same result every run
 (schemathesis draws through sets of names, so a run's cases, derandomized or not, follow the hash seed)."""
 NICE = ("nice", "-n", "19")
 """The prefix of a background command whose result a test needs only later: it yields the CPU to the test
 being run and to what the next tests wait for (the vLLM servers, which the modules run right after the
-first ones take, start at normal priority)."""
+first ones take, start at normal priority). Such a process keeps the suite's session (its own process
+group): with autogroup scheduling a new session gets a fair share of the CPU whatever its nice."""
 
 
 class Started(Protocol):
@@ -132,7 +133,7 @@ class Job:
         self.log = self.folder / "output.log"
         argv = [*NICE, sys.executable, __file__, module, name, str(self.folder)]
         env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", JOB_HASH_SEED)}
-        with self.log.open("wb") as log:  # a session of its own: stop() ends whatever it started too
+        with self.log.open("wb") as log:  # a process group of its own: stop() ends whatever it started too
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, process_group=0)
         self.started = time.monotonic()
@@ -141,15 +142,16 @@ class Job:
         """Wait for what is left of the run; its return value, or fail the test with its output."""
         asked = time.monotonic()
         try:
-            code: int | None = self.proc.wait(timeout=max(0.0, JOB_LIMIT_S - (asked - self.started)))
+            code: int | None = self.proc.wait(timeout=JOB_WAIT_S)
         except subprocess.TimeoutExpired:
             self.stop()
             code = None
         output = self.log.read_text(errors="replace")
         result = self.folder / "result.pickle"
         if code != 0 or not result.is_file():
-            said = f"ran past its {JOB_LIMIT_S} s" if code is None else f"exited {code}"
-            pytest.fail(f"background job {self.name} {said}; its output:\n{output[-6000:]}", pytrace=False)
+            said = f"was not done {JOB_WAIT_S} s after the test asked" if code is None else f"exited {code}"
+            pytest.fail(f"background job {self.name} {said} ({asked - self.started:.0f} s after its start); "
+                        f"its output:\n{output[-6000:]}", pytrace=False)
         print(f"{output}background job {self.name}: the test waited {time.monotonic() - asked:.1f} s for it")
         return pickle.loads(result.read_bytes())
 

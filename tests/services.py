@@ -31,8 +31,8 @@ from conftest import IMPORT_ROOT, ROOT, _free_port, unavailable
 PYTHON = sys.executable
 PHOENIX_VENV = Path(os.environ.get("CANVASROUTE_PHOENIX_VENV",
                                    Path.home() / ".cache" / "canvasroute" / "phoenix-venv"))
-PHOENIX_START_S = 300
-"""How long Phoenix may take to answer, counted from its start (in the background, beside the vLLM starts)."""
+PHOENIX_WAIT_S = 120
+"""How long the Phoenix fixture waits for it to answer (it starts at low priority, at collection)."""
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -250,11 +250,9 @@ class Phoenix:
         self.url = f"http://127.0.0.1:{port}"
 
     def ready(self) -> Phoenix:
-        """Wait until it answers `/healthz` (asked at least once, up to `PHOENIX_START_S` after its start);
-        it, or the test reports it unavailable."""
-        left = max(5.0, PHOENIX_START_S - (time.monotonic() - self.started))
-        wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200, self.proc, left,
-                 "Phoenix", self.log)
+        """Wait (up to `PHOENIX_WAIT_S`) until it answers `/healthz`; it, or the test reports it unavailable."""
+        wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200, self.proc,
+                 PHOENIX_WAIT_S, "Phoenix", self.log)
         print(f"\n[services] Phoenix ready {time.monotonic() - self.started:.1f}s after its start at {self.url}")
         return self
 
