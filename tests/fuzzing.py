@@ -1,4 +1,12 @@
-"""One deterministic schemathesis run: cases drawn from operation strategies, each handed to a check."""
+"""One deterministic schemathesis run: cases drawn from operation strategies, each handed to a check.
+
+Importing this applies schemathesis's own patches to Hypothesis and hypothesis-jsonschema (speed:
+canonical JSON in Rust, cached reflection), which its pytest plugin and CLI apply but
+`operation.as_strategy` does not: without them a run in a plain process (a background job,
+tests/background.py) draws other cases, and `/v1/decisions`' 300 took 400 s instead of 11. The
+cases also follow the process's hash seed (hypothesis-jsonschema walks sets of names): the
+background jobs pin it (`background.JOB_HASH_SEED`), so each run draws the same cases.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,9 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schemathesis.generation.hypothesis import setup
+
+setup()  # idempotent
 
 
 def run_cases(strategies: Sequence[Any], examples: int, check: Callable[[Any], None]) -> float:

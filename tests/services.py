@@ -8,7 +8,7 @@ does must carry `@pytest.mark.services` (conftest refuses the run otherwise).
 
 Startup costs measured on a shared 2-core box: PostgreSQL 1.5-2 s (initdb with fsync off,
 then start); `langgraph dev` 1.6-3 s (graphs import lazily); Phoenix 14 s idle, 24-37 s
-under load.
+under load, so Phoenix starts in the background at collection (tests/background.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from background import NICE, run_folder, starts_in_background, take
 from conftest import IMPORT_ROOT, ROOT, _free_port, unavailable
 
 PYTHON = sys.executable
 PHOENIX_VENV = Path(os.environ.get("CANVASROUTE_PHOENIX_VENV",
                                    Path.home() / ".cache" / "canvasroute" / "phoenix-venv"))
+PHOENIX_WAIT_S = 120
+"""How long the Phoenix fixture waits for it to answer (it starts at low priority, at collection)."""
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -226,10 +229,35 @@ def langgraph_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LangG
 
 
 class Phoenix:
-    """A running Phoenix: its base URL (UI, REST API and OTLP/HTTP at `/v1/traces`)."""
+    """`phoenix serve` (arize-phoenix, own venv, SQLite in a temporary PHOENIX_WORKING_DIR) on free
+    loopback ports: its base URL (UI, REST API and OTLP/HTTP at `/v1/traces`). Started on construction
+    (at collection, tests/background.py: 14 s idle, 24-37 s on a loaded 2-core box), `ready()` waits."""
 
-    def __init__(self, url: str, startup_s: float) -> None:
-        self.url, self.startup_s = url, startup_s
+    def __init__(self) -> None:
+        exe = PHOENIX_VENV / "bin" / "phoenix"
+        self.work = run_folder() / f"phoenix-{time.monotonic_ns()}"
+        self.work.mkdir(parents=True)
+        port, grpc_port = _free_port(), _free_port()
+        self.log = self.work / "phoenix.log"
+        env = {k: v for k, v in child_env().items() if not k.startswith(("OTEL_", "PHOENIX_"))}
+        env.pop("PYTHONPATH", None)  # its own venv, nothing of ours
+        env.update(PHOENIX_WORKING_DIR=str(self.work), PHOENIX_PORT=str(port), PHOENIX_GRPC_PORT=str(grpc_port),
+                   PHOENIX_HOST="127.0.0.1", PHOENIX_TELEMETRY_ENABLED="false")
+        self.started = time.monotonic()
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([*NICE, str(exe), "serve"], cwd=self.work, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, process_group=0)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def ready(self) -> Phoenix:
+        """Wait (up to `PHOENIX_WAIT_S`) until it answers `/healthz`; it, or the test reports it unavailable."""
+        wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200, self.proc,
+                 PHOENIX_WAIT_S, "Phoenix", self.log)
+        print(f"\n[services] Phoenix ready {time.monotonic() - self.started:.1f}s after its start at {self.url}")
+        return self
+
+    def stop(self) -> None:
+        stop(self.proc)
 
     def spans(self, project: str) -> list[dict]:
         """Every span Phoenix stored for `project`, through its REST API."""
@@ -253,30 +281,22 @@ class Phoenix:
         return r.json()["data"]
 
 
+def _phoenix_installed() -> bool:
+    return (PHOENIX_VENV / "bin" / "phoenix").exists()
+
+
+starts_in_background("phoenix", lambda: Phoenix() if _phoenix_installed() else None)
+
+
 @pytest.fixture(scope="session")
-def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
-    """`phoenix serve` (arize-phoenix, own venv, SQLite in a temporary PHOENIX_WORKING_DIR) on free
-    loopback ports (14 s idle, 24-37 s on a loaded 2-core box)."""
-    exe = PHOENIX_VENV / "bin" / "phoenix"
-    if not exe.exists():
+def phoenix() -> Iterator[Phoenix]:
+    """A running Phoenix (`Phoenix`), started at collection when a selected test takes it."""
+    if not _phoenix_installed():
         unavailable(f"arize-phoenix not installed at {PHOENIX_VENV} (scripts/bootstrap.sh installs it; "
                     "or set CANVASROUTE_PHOENIX_VENV)")
-    work = tmp_path_factory.mktemp("phoenix")
-    port, grpc_port = _free_port(), _free_port()
-    log = work / "phoenix.log"
-    env = {k: v for k, v in child_env().items() if not k.startswith(("OTEL_", "PHOENIX_"))}
-    env.pop("PYTHONPATH", None)  # its own venv, nothing of ours
-    env.update(PHOENIX_WORKING_DIR=str(work), PHOENIX_PORT=str(port), PHOENIX_GRPC_PORT=str(grpc_port),
-               PHOENIX_HOST="127.0.0.1", PHOENIX_TELEMETRY_ENABLED="false")
-    started = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(exe), "serve"], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: httpx.get(f"{url}/healthz", timeout=2).status_code == 200, proc, 120, "Phoenix", log)
-    server = Phoenix(url, time.monotonic() - started)
-    print(f"\n[services] Phoenix ready in {server.startup_s:.1f}s at {url}")
+    started = take("phoenix")
+    server = started if isinstance(started, Phoenix) else Phoenix()
     try:
-        yield server
+        yield server.ready()
     finally:
-        stop(proc)
+        server.stop()

@@ -3,8 +3,9 @@
 The layout checks read the source (imports as the AST has them); the signature check reads
 the public API (`inspect.signature`); the structure check counts the modules one decision
 runs through (`canvasroute bench --only structure`); the install check builds the wheel,
-installs it into a fresh venv and uses it from a project folder that holds its own
-`router.py`, `engine.py` and `harness.py`, as a user's LangGraph app may (`services`).
+installs it into a fresh venv (a background job, tests/background.py) and uses it from a project
+folder that holds its own `router.py`, `engine.py` and `harness.py`, as a user's LangGraph app may
+(`services`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from background import job
 from conftest import IMPORT_ROOT, LAYERS, ROOT
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -217,15 +219,21 @@ def test_errors_report_the_canvasroute_module():
         assert getattr(canvasroute, name).__module__ == "canvasroute.engine.errors"
 
 
-@pytest.mark.slow
-def test_importing_everything_loads_no_generic_top_level_package():
+@job
+def everything_imported(work: Path) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter imports every module of the package and prints the generic top-level names loaded."""
     code = ("import importlib, sys\n"
             f"for m in {sorted(MODULES)!r}:\n"
             "    if not m.endswith('__main__'):\n"
             "        importlib.import_module(m)\n"
             "print(sorted(n for n in sys.modules if n.split('.')[0] in ('engine', 'router', 'harness', 'apps')))")
     env = {**os.environ, "PYTHONPATH": str(ROOT / ".canvasroute" / "import-root")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
+
+
+@pytest.mark.slow
+def test_importing_everything_loads_no_generic_top_level_package(everything_imported):
+    out = everything_imported
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]"
 
@@ -286,10 +294,10 @@ print("ok", engine.ENGINE, harness.HARNESS, type(resp).__module__)
 '''
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv holding the built wheel (and mypy), as a user's project would."""
-    work = tmp_path_factory.mktemp("install")
+@job
+def installed(work: Path) -> Path:
+    """A fresh venv holding the built wheel (and mypy), as a user's project would: built and installed
+    by a background job, beside the suite."""
     dist = work / "dist"
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)],
                            capture_output=True, text=True, timeout=600)

@@ -7,7 +7,8 @@ bound); negative cases get a 4xx. Every reply, whatever the request, must valida
 against the contract's response schema for its status (`response_schema_conformance`):
 a 200 with `model`, `answers`, `usage` and `diagnostics`, an error with `error.message` and
 `error.type`. Over real HTTP, against a uvicorn server on a FunctionEngine (speed: the
-same wire on the real vLLM CPU server is `test_server.py::test_the_gateways_requests_on_real_vllm`).
+same wire on the real vLLM CPU server is `test_server.py::test_the_gateways_requests_on_real_vllm`),
+in a background job (tests/background.py): its own app in its own process, started at collection.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 import schemathesis
+from background import job
 from fuzzing import run_cases
 from gateway_contract import GATEWAY_CONTRACT, STRICTER
 from schemathesis import GenerationMode
@@ -50,8 +54,10 @@ def _model() -> CanvasDecisionModel:
     return CanvasDecisionModel(engine=engine)
 
 
-@pytest.mark.slow
-def test_every_reply_conforms_to_the_gateway_contract_and_every_allowed_request_is_served():
+@job
+def gateway_fuzz(work: Path) -> dict[str, Any]:
+    """Schemathesis on the contract's `POST /v1/systemone` (`REQUESTS` cases, 3 positive to 1 negative), in a
+    process of its own: the (mode, status) pairs seen, the refusals by kind, the problems found."""
     schema = schemathesis.openapi.from_dict(GATEWAY_CONTRACT)
     operation = schema["/v1/systemone"]["POST"]
     strategies = [operation.as_strategy(generation_mode=GenerationMode.POSITIVE)] * 3 + [
@@ -81,8 +87,14 @@ def test_every_reply_conforms_to_the_gateway_contract_and_every_allowed_request_
 
         elapsed = run_cases(strategies, REQUESTS, fuzz)
 
-    print(f"gateway contract: {next(calls)} requests in {elapsed:.1f}s, (mode, status) {dict(sorted(seen.items()))}, "
-          f"refusals {dict(sorted(kinds.items()))}")
+    return {"seen": seen, "kinds": kinds, "problems": problems, "requests": next(calls), "elapsed": elapsed}
+
+
+@pytest.mark.slow
+def test_every_reply_conforms_to_the_gateway_contract_and_every_allowed_request_is_served(gateway_fuzz):
+    seen, kinds, problems = gateway_fuzz["seen"], gateway_fuzz["kinds"], gateway_fuzz["problems"]
+    print(f"gateway contract: {gateway_fuzz['requests']} requests in {gateway_fuzz['elapsed']:.1f}s, "
+          f"(mode, status) {dict(sorted(seen.items()))}, refusals {dict(sorted(kinds.items()))}")
     assert problems == []
     refused = {k.split()[-1] for k in kinds if k.startswith("positive")}
     assert refused <= set(ALLOWED_REFUSALS), refused - set(ALLOWED_REFUSALS)

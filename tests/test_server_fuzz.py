@@ -4,17 +4,22 @@ Positive and negative cases for every operation, with and without the key, again
 uvicorn server whose engine faults on some reads: no 5xx but the 503/504/529 a faulted
 engine explains, JSON on every reply, and no reply carrying the engine's model path, a
 traceback, the key or the request's state text; every `/v1/systemone` reply as the
-description says it (a 200 in System One's shape, a 415 or 422 with its `detail` list).
+description says it (a 200 in System One's shape, a 415 or 422 with its `detail` list). Each run
+is a background job (tests/background.py): its own app in its own process, started at collection;
+the test asserts on what it saw.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 import schemathesis
+from background import job
 from fuzzing import run_cases
 from schemathesis import GenerationMode
 from schemathesis.core.failures import Failure, FailureGroup
@@ -60,8 +65,10 @@ def _state_text(case) -> str | None:
     return None if state in echoed else state  # a question may legitimately quote it back
 
 
-@pytest.mark.slow
-def test_schemathesis_finds_no_5xx_and_no_leaks():
+@job
+def systemone_fuzz(work: Path) -> dict[str, Any]:
+    """Schemathesis on every operation but `/v1/decisions` (`REQUESTS` cases, `/v1/systemone` weighted 8 to 1),
+    in a process of its own: the statuses seen, the problems found, the faults the engine raised."""
     schema = schemathesis.openapi.from_dict(openapi(Limits()))
     strategies = []
     for path, method in (("/v1/systemone", "POST"), ("/v1/models", "GET"), ("/health", "GET"),
@@ -104,20 +111,26 @@ def test_schemathesis_finds_no_5xx_and_no_leaks():
 
         elapsed = run_cases(strategies, REQUESTS, fuzz)
 
+    return {"seen": seen, "problems": problems, "faults": len(faults), "elapsed": elapsed}
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_5xx_and_no_leaks(systemone_fuzz):
+    seen, problems, elapsed = systemone_fuzz["seen"], systemone_fuzz["problems"], systemone_fuzz["elapsed"]
     total = sum(seen.values())
     engine_faults = sum(n for code, n in seen.items() if code in (503, 504, 529))
     print(f"schemathesis: {total} requests in {elapsed:.1f}s, statuses {dict(sorted(seen.items()))}")
     assert problems == []
     assert total >= 1000
-    assert engine_faults <= len(faults)  # every 503/504/529 is a fault the engine really raised
+    assert engine_faults <= systemone_fuzz["faults"]  # every 503/504/529 is a fault the engine really raised
     # each kind of answer was reached (CI saw 41)
     assert seen.get(200, 0) >= 30 and seen.get(401, 0) >= 20 and seen.get(422, 0) >= 20
 
 
-def test_schemathesis_finds_no_5xx_and_no_leaks_on_the_decisions_wire():
-    """`POST /v1/decisions` from the same description: no 5xx but an engine fault's, every error in
-    OpenAI's shape (exactly message, type, param, code) with a status the `openai` SDK maps, every 200
-    a `Decision` the SDK validates strictly, no leaks."""
+@job
+def decisions_fuzz(work: Path) -> dict[str, Any]:
+    """Schemathesis on `POST /v1/decisions` (300 cases), in a process of its own: the statuses seen,
+    the problems found, the faults the engine raised."""
     from openai.types import Decision
 
     schema = schemathesis.openapi.from_dict(openapi(Limits()))
@@ -162,8 +175,16 @@ def test_schemathesis_finds_no_5xx_and_no_leaks_on_the_decisions_wire():
 
         elapsed = run_cases(strategies, 300, fuzz)
 
+    return {"seen": seen, "problems": problems, "faults": len(faults), "elapsed": elapsed}
+
+
+def test_schemathesis_finds_no_5xx_and_no_leaks_on_the_decisions_wire(decisions_fuzz):
+    """`POST /v1/decisions` from the same description: no 5xx but an engine fault's, every error in
+    OpenAI's shape (exactly message, type, param, code) with a status the `openai` SDK maps, every 200
+    a `Decision` the SDK validates strictly, no leaks."""
+    seen, problems, elapsed = decisions_fuzz["seen"], decisions_fuzz["problems"], decisions_fuzz["elapsed"]
     total = sum(seen.values())
     print(f"schemathesis /v1/decisions: {total} requests in {elapsed:.1f}s, statuses {dict(sorted(seen.items()))}")
     assert problems == []
-    assert sum(n for code, n in seen.items() if code in (503, 504, 529)) <= len(faults)
+    assert sum(n for code, n in seen.items() if code in (503, 504, 529)) <= decisions_fuzz["faults"]
     assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10 and seen.get(401, 0) >= 5

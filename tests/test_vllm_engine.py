@@ -2,6 +2,9 @@
 
 vLLM cannot live in the project's venv, so the in-process side runs as a script in the
 vLLM CPU venv (`scripts/vllm_cpu.sh provision`), importing this checkout's `canvasroute.engine`.
+Loading vLLM takes about a minute of one core, so the script starts at collection (a background
+start, tests/background.py) and waits for the reads, which the test sends once the server has
+tokenized them.
 """
 
 from __future__ import annotations
@@ -10,19 +13,23 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import IMPORT_ROOT, unavailable
+from background import NICE, run_folder, starts_in_background, take
+from conftest import CACHE, IMPORT_ROOT, TINY_DGEMMA, unavailable
 
 from canvasroute import engine
 from canvasroute.engine import CanvasRead
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("CANVASROUTE_CACHE", Path.home() / ".cache" / "canvasroute"))
 VENV = Path(os.environ.get("CANVASROUTE_VLLM_VENV", CACHE / "vllm-venv"))
+PYTHON = VENV / "bin" / "python"
 ENV = {  # what scripts/vllm_cpu.sh start sets for vllm-cpu
     "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -32,15 +39,17 @@ SCRIPT = r'''
 import asyncio, dataclasses, json, sys
 from canvasroute.engine import CanvasRead, VLLMEngine
 
-async def main(spec):
-    eng = VLLMEngine(spec["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
+async def main(model):
+    eng = VLLMEngine(model, dtype="float32", enforce_eager=True, max_model_len=1024,
                      diffusion_config={"canvas_length": 32}, limit_mm_per_prompt={"image": 0}, max_logprobs=32)
-    reads = [CanvasRead(messages=tuple(r["messages"]), canvas=tuple(r["canvas"]), slots=tuple(r["slots"]),
-                        label_ids=tuple(r["label_ids"]), constrained=r["constrained"]) for r in spec["reads"]]
     try:
+        info = dataclasses.asdict(await eng.info())  # starts vLLM now: the reads come once the server's are known
+        spec = json.loads(await asyncio.to_thread(sys.stdin.read))
+        reads = [CanvasRead(messages=tuple(r["messages"]), canvas=tuple(r["canvas"]), slots=tuple(r["slots"]),
+                            label_ids=tuple(r["label_ids"]), constrained=r["constrained"]) for r in spec["reads"]]
         results = await eng.read(reads)
         out = {
-            "info": dataclasses.asdict(await eng.info()),
+            "info": info,
             "tokens": await eng.tokenize(spec["text"]),
             "count": await eng.count_prompt(reads[0].messages),
             "rows": [[{str(t): lp for t, lp in row.items()} for row in r.rows] for r in results],
@@ -55,8 +64,56 @@ async def main(spec):
     print("RESULT " + json.dumps(out), flush=True)
 
 if __name__ == "__main__":
-    asyncio.run(main(json.load(sys.stdin)))
+    asyncio.run(main(sys.argv[1]))
 '''
+
+
+class InProcess:
+    """The in-process side: `SCRIPT` in the vLLM CPU venv on the tiny checkpoint, started at collection
+    (tests/background.py) so that vLLM loads beside the suite; `run(spec)` hands it the reads."""
+
+    def __init__(self) -> None:
+        self.folder = run_folder() / f"vllm-in-process-{time.monotonic_ns()}"
+        self.folder.mkdir(parents=True)
+        (self.folder / "vllm_read.py").write_text(SCRIPT)
+        env = {**os.environ, **ENV, "PYTHONPATH": str(IMPORT_ROOT), "VIRTUAL_ENV": str(VENV),
+               "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+        with (self.folder / "stdout").open("wb") as out, (self.folder / "stderr").open("wb") as err:
+            self.proc = subprocess.Popen([*NICE, str(PYTHON), str(self.folder / "vllm_read.py"), str(TINY_DGEMMA)],
+                                         stdin=subprocess.PIPE, stdout=out, stderr=err, env=env, cwd=ROOT,
+                                         text=True, process_group=0)
+
+    def run(self, spec: dict) -> tuple[int, str, str]:
+        """Send the reads; its exit status, stdout and stderr once it is done."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(spec))
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died starting vLLM: its stderr says why
+            pass
+        code = self.proc.wait(timeout=600)
+        return code, (self.folder / "stdout").read_text(), (self.folder / "stderr").read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+starts_in_background("vllm_in_process",
+                     lambda: InProcess() if PYTHON.is_file() and (TINY_DGEMMA / "model.safetensors").exists() else None)
+
+
+@pytest.fixture
+def vllm_in_process(tiny_dgemma_dir: Path) -> Iterator[InProcess]:
+    """`SCRIPT` running in the vLLM CPU venv, vLLM loading or loaded (tests need `@pytest.mark.vllm`)."""
+    need(PYTHON.is_file(), f"no vLLM CPU venv at {VENV} (scripts/vllm_cpu.sh provision)")
+    started = take("vllm_in_process")
+    run = started if isinstance(started, InProcess) else InProcess()
+    try:
+        yield run
+    finally:
+        run.stop()
 
 
 def need(ok: bool, reason: str) -> None:
@@ -84,10 +141,7 @@ async def server_reads(server: engine.VLLMServerEngine) -> list[CanvasRead]:
 
 
 @pytest.mark.vllm
-def test_vllm_engine_rows_equal_the_server(tmp_path, vllm_url, tiny_dgemma_dir):
-    python = VENV / "bin" / "python"
-    need(python.is_file(), f"no vLLM CPU venv at {VENV} (scripts/vllm_cpu.sh provision)")
-
+def test_vllm_engine_rows_equal_the_server(vllm_url, vllm_in_process):
     async def from_server():
         server = engine.VLLMServerEngine(vllm_url)
         try:
@@ -98,17 +152,12 @@ def test_vllm_engine_rows_equal_the_server(tmp_path, vllm_url, tiny_dgemma_dir):
             await server.aclose()
 
     reads, expected, info, tokens, count = asyncio.run(from_server())
-    spec = {"model": str(tiny_dgemma_dir), "text": "<turn|> yes",
+    spec = {"text": "<turn|> yes",
             "reads": [{"messages": [dict(m) for m in r.messages], "canvas": r.canvas, "slots": r.slots,
                        "label_ids": r.label_ids, "constrained": r.constrained} for r in reads]}
-    env = {**os.environ, **ENV, "PYTHONPATH": str(IMPORT_ROOT), "VIRTUAL_ENV": str(VENV),
-           "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-    script = tmp_path / "vllm_read.py"
-    script.write_text(SCRIPT)
-    proc = subprocess.run([str(python), str(script)], input=json.dumps(spec), capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, f"vLLM script failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    code, stdout, stderr = vllm_in_process.run(spec)
+    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert code == 0 and line, f"vLLM script failed ({code}):\n{stderr[-4000:]}"
     got = json.loads(line.removeprefix("RESULT "))
 
     assert (got["info"]["provider"], got["info"]["model"]) == ("vllm", info.model)

@@ -1,22 +1,20 @@
 """The real vLLM CPU servers the suite starts (scripts/vllm_cpu.sh), as session fixtures.
 
 A server takes about 70 s of one core to start, so the suite does not wait for it at first use:
-once collection says which of `vllm_url`, `second_vllm_url` and `spare_vllm` the selected tests
-take, each is started in the background, and the modules that take none of them run first
-(module by module, each module's order kept), while the servers come up. A fixture then waits
-only for what is left of the start. `CANVASROUTE_VLLM_URL` stands in for `vllm_url`; the replica
-and the spare are always the suite's own. conftest loads this module as a plugin; a test that
-takes one of these fixtures must carry `@pytest.mark.vllm`.
+each of `vllm_url`, `second_vllm_url` and `spare_vllm` that a selected test takes is started in
+the background at collection (tests/background.py), and the modules that take none of them run
+first while the servers come up. A fixture then waits only for what is left of the start.
+`CANVASROUTE_VLLM_URL` stands in for `vllm_url`; the replica and the spare are always the suite's
+own. conftest loads this module as a plugin; a test that takes one of these fixtures must carry
+`@pytest.mark.vllm`.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from background import run_folder, starts_in_background, take
 from conftest import ROOT, _free_port, unavailable
 
 SCRIPT = ROOT / "scripts" / "vllm_cpu.sh"
@@ -114,44 +113,23 @@ class VLLMServer:
                 os.kill(pid, signal.SIGKILL)
 
 
-_LOGS = Path(tempfile.mkdtemp(prefix="canvasroute-vllm-"))
-_STARTING: dict[str, VLLMServer] = {}
-"""Fixture name -> its server, started at collection and not yet taken by the fixture."""
+def _start(fixture: str) -> VLLMServer | None:
+    """At collection: the server of `fixture`, unless `CANVASROUTE_VLLM_URL` stands in for it or the
+    venv could not be provisioned (the fixture then says why, in the test)."""
+    if (fixture == "vllm_url" and os.environ.get("CANVASROUTE_VLLM_URL")) or _provision_error() is not None:
+        return None
+    return VLLMServer(run_folder() / f"{fixture}.log")
 
 
-def _takes(item: pytest.Item, fixture: str) -> bool:
-    return fixture in getattr(item, "fixturenames", ())
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules that take no vLLM server run first, so the servers start while they run."""
-    late = {getattr(item, "module", None) for item in items if any(_takes(item, f) for f in FIXTURES)}
-    items.sort(key=lambda item: getattr(item, "module", None) in late)  # stable: each module keeps its order
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start, in the background, the server of each of `FIXTURES` a selected test takes."""
-    if session.config.option.collectonly:
-        return
-    wanted = [f for f in FIXTURES if any(_takes(item, f) for item in session.items)]
-    if os.environ.get("CANVASROUTE_VLLM_URL") and "vllm_url" in wanted:
-        wanted.remove("vllm_url")
-    if wanted and _provision_error() is None:
-        for fixture in wanted:
-            _STARTING[fixture] = VLLMServer(_LOGS / f"{fixture}.log")
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """Stop what was started and never taken (a run cut short, a deselected fixture)."""
-    for server in _STARTING.values():
-        server.stop()
-    _STARTING.clear()
-    shutil.rmtree(_LOGS, ignore_errors=True)
+for _fixture in FIXTURES:
+    starts_in_background(_fixture, functools.partial(_start, _fixture))
 
 
 @contextmanager
 def _server(fixture: str) -> Iterator[VLLMServer]:
-    server = _STARTING.pop(fixture, None) or VLLMServer(_LOGS / f"{fixture}-{time.monotonic_ns()}.log")
+    started = take(fixture)
+    server = started if isinstance(started, VLLMServer) else VLLMServer(
+        run_folder() / f"{fixture}-{time.monotonic_ns()}.log")
     try:
         server.ready()
         yield server

@@ -1,0 +1,207 @@
+"""Slow, self-contained work the suite starts at collection and runs beside the foreground tests.
+
+Some fixtures cost a process of their own and a minute or more of one core: a vLLM server's start,
+a wheel built and installed into a fresh venv, a schemathesis run against an app of its own, a
+server's memory measured over rounds of requests. The suite does not start them when the first
+test asks: once collection says which of them the selected tests take, each is started in the
+background, and the modules that take none of them run first (module by module, each module's
+order kept) while they work. A fixture then waits only for what is left. Work starts only for a
+selected test, so `-m` never starts it for a deselected one (`scripts/test.sh --fast`).
+
+Two ways in: `starts_in_background(fixture, start)` for a fixture that owns a long-lived process
+(tests/vllm_servers.py: the vLLM servers), and `@job` for a function whose return value is the
+fixture: it runs in a fresh interpreter (this file as a script), its value comes back pickled, and
+if it fails, each test taking it fails with its output. Work needed only later (the jobs, Phoenix,
+the in-process vLLM load) runs under `NICE`, so the test being run keeps its core. conftest loads
+this module as a plugin.
+
+Example (in a test module):
+    ```python
+    @job
+    def fuzz_run(work: Path) -> dict[str, int]:  # in a child process, beside the foreground tests
+        return {"requests": 1000}
+
+    def test_the_run(fuzz_run):  # waits for what is left of it
+        assert fuzz_run["requests"] >= 1000
+    ```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+
+JOB_WAIT_S = 600
+"""How long a test waits for what is left of its job (at low priority the job may have had little CPU before)."""
+JOB_HASH_SEED = "0"
+"""A job's PYTHONHASHSEED, unless the suite runs under one: the same job gives the same result every run
+(schemathesis draws through sets of names, so a run's cases, derandomized or not, follow the hash seed)."""
+NICE = ("nice", "-n", "19")
+"""The prefix of a background command whose result a test needs only later: it yields the CPU to the test
+being run and to what the next tests wait for (the vLLM servers, which the modules run right after the
+first ones take, start at normal priority). Such a process keeps the suite's session (its own process
+group): with autogroup scheduling a new session gets a fair share of the CPU whatever its nice."""
+
+
+class Started(Protocol):
+    """What a background start returns: something to stop if no test takes it."""
+
+    def stop(self) -> None: ...
+
+
+_STARTS: dict[str, Callable[[], Started | None]] = {}
+"""Fixture name -> how to start its work (returning None: nothing to start now, the fixture sees to it)."""
+_STARTED: dict[str, Started] = {}
+"""Fixture name -> its work, started at collection and not yet taken by the fixture."""
+
+
+@functools.cache
+def run_folder() -> Path:
+    """This run's folder for background work (logs, each job's folder); removed when the run ends."""
+    return Path(tempfile.mkdtemp(prefix="canvasroute-background-"))
+
+
+def starts_in_background(fixture: str, start: Callable[[], Started | None]) -> None:
+    """Call `start()` at collection when a selected test takes `fixture`; the fixture `take`s what it started."""
+    if fixture in _STARTS:
+        raise pytest.UsageError(f"two background starts for the fixture {fixture!r}")
+    _STARTS[fixture] = start
+
+
+def take(fixture: str) -> Started | None:
+    """The work started at collection for `fixture` (the caller stops it), or None if none was."""
+    return _STARTED.pop(fixture, None)
+
+
+def _takes(item: pytest.Item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules that take no background fixture run first, so the background work runs while they do."""
+    late = {getattr(item, "module", None) for item in items if any(_takes(item, f) for f in _STARTS)}
+    items.sort(key=lambda item: getattr(item, "module", None) in late)  # stable: each module keeps its order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start, in the background, the work of each registered fixture a selected test takes."""
+    if session.config.option.collectonly:
+        return
+    for fixture, start in _STARTS.items():
+        if any(_takes(item, fixture) for item in session.items) and (started := start()) is not None:
+            _STARTED[fixture] = started
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop what was started and never taken (a run cut short, a test that failed before it asked)."""
+    for started in _STARTED.values():
+        started.stop()
+    _STARTED.clear()
+    if run_folder.cache_info().currsize:  # it was made
+        shutil.rmtree(run_folder(), ignore_errors=True)
+
+
+# -- jobs: a function run in a child process, its return value the fixture ---------------------
+
+_JOBS: dict[str, Callable[[Path], Any]] = {}
+"""Job name (its fixture's name) -> the function, as its module defines it."""
+
+
+class Job:
+    """One run of a `@job` function in a fresh interpreter: started on construction, `result()` waits."""
+
+    def __init__(self, name: str, module: str) -> None:
+        self.name, self.folder = name, run_folder() / name
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True)
+        self.log = self.folder / "output.log"
+        argv = [*NICE, sys.executable, __file__, module, name, str(self.folder)]
+        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", JOB_HASH_SEED)}
+        with self.log.open("wb") as log:  # a process group of its own: stop() ends whatever it started too
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, process_group=0)
+        self.started = time.monotonic()
+
+    def result(self) -> Any:
+        """Wait for what is left of the run; its return value, or fail the test with its output."""
+        asked = time.monotonic()
+        try:
+            code: int | None = self.proc.wait(timeout=JOB_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            code = None
+        output = self.log.read_text(errors="replace")
+        result = self.folder / "result.pickle"
+        if code != 0 or not result.is_file():
+            said = f"was not done {JOB_WAIT_S} s after the test asked" if code is None else f"exited {code}"
+            pytest.fail(f"background job {self.name} {said} ({asked - self.started:.0f} s after its start); "
+                        f"its output:\n{output[-6000:]}", pytrace=False)
+        print(f"{output}background job {self.name}: the test waited {time.monotonic() - asked:.1f} s for it")
+        return pickle.loads(result.read_bytes())
+
+    def stop(self) -> None:
+        """SIGKILL the run and everything it started, if it is still going."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def job(function: Callable[[Path], Any]) -> Any:
+    """A session fixture named as `function`, whose value is `function(work)` computed in a child process.
+
+    `work` is a fresh folder of the job's own, kept until the run ends; the value must pickle. The
+    child imports the function's module as the suite does (tests/ on `sys.path`, conftest first, so
+    this checkout's import root), so the function can use the module's helpers; it must not count on
+    anything a fixture or an earlier test set up in the suite's process."""
+    name, module = function.__name__, function.__module__
+    _JOBS[name] = function
+    starts_in_background(name, lambda: Job(name, module))
+
+    @pytest.fixture(scope="session", name=name)
+    def fixture() -> Iterator[Any]:
+        started = take(name)
+        run = started if isinstance(started, Job) else Job(name, module)
+        try:
+            yield run.result()
+        finally:
+            run.stop()
+
+    fixture.__doc__ = function.__doc__
+    return fixture
+
+
+def _main(module: str, name: str, folder: Path) -> None:
+    """In the child: import the module (conftest first: the import root, loopback only), run the job,
+    pickle its value."""
+    conftest = importlib.import_module("conftest")
+    socket.socket.connect = conftest.loopback_only(socket.socket.connect)  # type: ignore[method-assign]
+    importlib.import_module(module)
+    started = time.monotonic()
+    try:
+        value = _JOBS[name](folder)
+    except BaseException:  # noqa: BLE001 - printed for the test that takes it, which fails
+        traceback.print_exc()
+        raise SystemExit(1) from None
+    (folder / "result.pickle").write_bytes(pickle.dumps(value))
+    print(f"background job {name}: {time.monotonic() - started:.1f} s in its own process", flush=True)
+
+
+if __name__ == "__main__":  # the child: tests/ is sys.path[0]; the job's module imports this file as `background`
+    importlib.import_module("background")._main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
