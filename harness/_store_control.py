@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from langgraph.store.base import BaseStore
@@ -103,16 +103,19 @@ class StoreControllerState(InMemoryControllerState):
             else:
                 self._due[what] = -1  # due again at the next decision
 
-    async def refresh(self) -> None:
-        """Read the other workers' shares when due (the start of a decision)."""
-        if not self._take("read"):
+    async def _when_due(self, what: str, work: Callable[[], Awaitable[None]]) -> None:
+        if not self._take(what):
             return
         ok = False
         try:
-            await self._read()
+            await work()
             ok = True
         finally:
-            self._done("read", ok)
+            self._done(what, ok)
+
+    async def refresh(self) -> None:
+        """Read the other workers' shares when due (the start of a decision)."""
+        await self._when_due("read", self._read)
 
     async def observe(self, outcomes: Mapping[str, Observation]) -> None:
         """Record one decision's outcomes here, then write this worker's shares when due."""
@@ -121,14 +124,7 @@ class StoreControllerState(InMemoryControllerState):
             for what in ("read", "write"):
                 if self._due[what] >= 0:
                     self._due[what] += 1
-        if not self._take("write"):
-            return
-        ok = False
-        try:
-            await self._write()
-            ok = True
-        finally:
-            self._done("write", ok)
+        await self._when_due("write", self._write)
 
     async def sync(self) -> None:
         """Write this worker's shares and read every other worker's, now."""

@@ -15,11 +15,12 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Annotated, Any
+from typing import Any
 
 import httpx
 import pytest
 from conftest import fresh_tracer_provider, label_rows, until
+from lanes import State
 from langchain_core.decisions import BaseDecisionModel, Noul
 from langchain_core.exceptions import ModelRefusalError
 from langgraph.cache.memory import InMemoryCache
@@ -28,14 +29,13 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.store.memory import InMemoryStore
 from langgraph.types import Command, Send
 from opentelemetry.trace import StatusCode
-from typing_extensions import TypedDict
 
 from canvasroute import Hedge
 from canvasroute.apps.server import cli as serve
 from canvasroute.apps.server import create_app
 from canvasroute.engine import EngineUnavailable, EscalationError, FunctionEngine, VLLMServerEngine
 from canvasroute.engine.testing import Fault, LoopbackVLLM
-from canvasroute.harness import DECISION_EVENT, NodeCache, ReviewPolicy, decision_node, merge_decisions, route_on
+from canvasroute.harness import DECISION_EVENT, NodeCache, ReviewPolicy, decision_node, route_on
 from canvasroute.harness._store_budget import store_meter
 from canvasroute.router import (
     CanvasDecisionModel,
@@ -526,15 +526,6 @@ async def test_a_cached_hedged_decision_replays_without_target_calls():
     assert (hit.reads["urgent"].path, hit.reads["urgent"].hedged) == ("escalated", True) and target.calls == 1
     assert (first.totals.target_calls, first.totals.hedges) == (1, 1)
     assert (hit.totals.target_calls, hit.totals.hedges, hit.totals.reads) == (0, 0, 0)
-
-
-class State(TypedDict, total=False):
-    ticket: str
-    docs: dict[str, str]
-    doc: str
-    doc_id: str
-    decisions: Annotated[dict, merge_decisions]
-    lane: str
 
 
 def _graph(node: Any, **compile_kwargs: Any) -> Any:
