@@ -37,10 +37,10 @@ import time
 import uuid
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
-from langgraph.store.base import BaseStore, PutOp
+from langgraph.store.base import BaseStore, Item, PutOp
 
 from canvasroute.router import EscalationBudget
 
@@ -168,20 +168,15 @@ class StoreBudgetMeter:
     async def _others(self, ns: tuple[str, ...], mine: list[str], stamp: float, window: float | None,
                       *, sweep: bool) -> list[dict[str, Any]]:
         """Values of every other intent in `ns` (within `window` of `stamp`, when given)."""
-        own, out, stale, offset = set(mine), [], [], 0
-        while True:
-            page = await self.store.asearch(ns, limit=_PAGE, offset=offset)
-            for item in page:
-                if item.key in own:
-                    continue
-                ts = float(item.value.get("ts", 0.0))
-                if window is None or abs(ts - stamp) < window:
-                    out.append(item.value)
-                elif sweep and ts < stamp - 2 * window:
-                    stale.append(item.key)
-            if len(page) < _PAGE:
-                break
-            offset += _PAGE
+        own, out, stale = set(mine), [], []
+        async for item in search_all(self.store, ns):
+            if item.key in own:
+                continue
+            ts = float(item.value.get("ts", 0.0))
+            if window is None or abs(ts - stamp) < window:
+                out.append(item.value)
+            elif sweep and ts < stamp - 2 * window:
+                stale.append(item.key)
         if stale:
             await self.store.abatch([PutOp(ns, key, None) for key in stale])
         return out
@@ -199,6 +194,18 @@ class StoreBudgetMeter:
         if (thread_ns := self._thread_ns(thread)) is not None:
             ops += [PutOp(thread_ns, key, None) for key in keys]
         await self.store.abatch(ops)
+
+
+async def search_all(store: BaseStore, ns: tuple[str, ...]) -> AsyncIterator[Item]:
+    """Every item in `ns`, a page of `_PAGE` at a time."""
+    offset = 0
+    while True:
+        page = await store.asearch(ns, limit=_PAGE, offset=offset)
+        for item in page:
+            yield item
+        if len(page) < _PAGE:
+            return
+        offset += _PAGE
 
 
 class PerStore(Generic[K, V]):

@@ -38,9 +38,7 @@ from langgraph.store.base import BaseStore
 from canvasroute.router import Controller, InMemoryControllerState
 from canvasroute.router._control import Observation
 
-from ._store_budget import PerStore
-
-_PAGE = 1000
+from ._store_budget import PerStore, search_all
 
 
 class StoreControllerState(InMemoryControllerState):
@@ -139,23 +137,15 @@ class StoreControllerState(InMemoryControllerState):
 
     async def _read(self) -> None:
         others: dict[str, float] = {}
-        workers, offset = 1, 0
-        while True:
-            page = await self.store.asearch(self.namespace, limit=_PAGE, offset=offset)
-            for item in page:
-                if item.key == self.worker:
-                    continue
-                workers += 1
-                for qid, value in (item.value.get("questions") or {}).items():
-                    others[qid] = others.get(qid, 0.0) + float(value.get("share", 0.0))
-            if len(page) < _PAGE:
-                break
-            offset += _PAGE
+        workers = 1
+        async for item in search_all(self.store, self.namespace):
+            if item.key == self.worker:
+                continue
+            workers += 1
+            for qid, value in (item.value.get("questions") or {}).items():
+                others[qid] = others.get(qid, 0.0) + float(value.get("share", 0.0))
         with self._lock:
-            for qid, q in self._questions.items():
-                q.others = others.pop(qid, 0.0)
-            for qid, share in others.items():  # questions only other workers have decided so far
-                self._question(qid).others = share
+            self._others = others  # (apart from this worker's own questions: reading never evicts them)
         self.workers = workers
         self.syncs += 1
 

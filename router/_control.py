@@ -103,13 +103,11 @@ class ControllerState(Protocol):
 
 
 class _Question:
-    __slots__ = ("decisions", "mine", "others", "rate")
+    __slots__ = ("decisions", "mine", "rate")
 
     def __init__(self, target: float) -> None:
         self.mine = 0.0
         """This state's share of the offset (all of it, in one process)."""
-        self.others = 0.0
-        """The other workers' shares, as last read (a shared state)."""
         self.rate = target
         self.decisions = 0
 
@@ -129,6 +127,9 @@ class InMemoryControllerState:
             raise TypeError(f"controller must be a Controller, not {type(controller).__name__}")
         self.controller = controller
         self._questions: OrderedDict[str, _Question] = OrderedDict()
+        """This worker's questions, most recently decided last (at most `KEEP`)."""
+        self._others: dict[str, float] = {}
+        """The other workers' shares by question, as last read (a shared state replaces it whole)."""
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -136,8 +137,9 @@ class InMemoryControllerState:
 
     def offsets(self, questions: Iterable[str]) -> dict[str, float]:
         with self._lock:
-            found = self._questions
-            return {qid: (q.mine + q.others if (q := found.get(qid)) is not None else 0.0) for qid in questions}
+            found, others = self._questions, self._others
+            return {qid: (q.mine if (q := found.get(qid)) is not None else 0.0) + others.get(qid, 0.0)
+                    for qid in questions}
 
     async def refresh(self) -> None:
         return None
@@ -151,7 +153,7 @@ class InMemoryControllerState:
         with self._lock:
             for qid, (escalated, low, high) in outcomes.items():
                 q = self._question(qid)
-                view = q.mine + q.others
+                view = q.mine + self._others.get(qid, 0.0)
                 moved = min(max(view + c.step * (float(escalated) - c.target), min(low, view)), max(high, view))
                 q.mine += moved - view
                 q.rate += c.decay * (float(escalated) - q.rate)
@@ -170,10 +172,14 @@ class InMemoryControllerState:
         return q
 
     def snapshot(self) -> dict[str, Any]:
+        target = self.controller.target
         with self._lock:
-            return {"target": self.controller.target,
-                    "questions": {qid: {"offset": q.mine + q.others, "rate": q.rate, "decisions": q.decisions}
-                                  for qid, q in self._questions.items()}}
+            others = self._others
+            questions = {qid: {"offset": share, "rate": target, "decisions": 0}  # only other workers decided them
+                         for qid, share in others.items() if qid not in self._questions}
+            questions.update({qid: {"offset": q.mine + others.get(qid, 0.0), "rate": q.rate, "decisions": q.decisions}
+                              for qid, q in self._questions.items()})
+            return {"target": target, "questions": questions}
 
 
 def controls(gate: GatePolicy) -> bool:
@@ -183,11 +189,13 @@ def controls(gate: GatePolicy) -> bool:
 
 
 async def steer(request: DecisionRequest) -> tuple[DecisionRequest, Exception | None]:
-    """`request` with its controller's effective thresholds (`steered`), the state refreshed first;
-    and the fault that kept a shared state from refreshing (None: none), which `observe` marks
-    and counts: the decision goes on with the offsets as last read (logged here, WARNING)."""
+    """`request` with its controller's effective thresholds (`steered`), the state refreshed first
+    (also for a request already steered, as a node cache's pinned one: the other workers' shares
+    are read all the same); and the fault that kept a shared state from refreshing (None: none),
+    which `observe` marks and counts: the decision goes on with the offsets as last read (logged
+    here, WARNING)."""
     escalation = request.escalation
-    if escalation is None or escalation.controller_state is None or request.controlled is not None:
+    if escalation is None or escalation.controller_state is None or request.mode == "canvas_only":
         return request, None
     fault = None
     try:

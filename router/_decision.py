@@ -108,7 +108,7 @@ class Decision:
         if self.cache is not None and info is not None:
             cache_key = f"{request.key}:{info.model}:{request.constrained}"
             if (hit := self.cache.get(cache_key)) is not None:
-                return _replay(hit, f"decide {model}", attrs, time.perf_counter() - start)
+                return _replay(hit, f"decide {model}", attrs, time.perf_counter() - start, refresh_fault)
             attrs[tm.CACHE_HIT] = False
         with tm.span(f"decide {model}", attrs) as span:
             run = _Run(self, info, fault)
@@ -474,12 +474,16 @@ def replayable(response: CanvasResponse) -> bool:
     return not any(r.error or r.cause == "over_budget" for r in response.reads.values())
 
 
-def _replay(response: CanvasResponse, span_name: str, attrs: dict[str, Any], latency_s: float) -> CanvasResponse:
+def _replay(response: CanvasResponse, span_name: str, attrs: dict[str, Any], latency_s: float,
+            refresh_fault: Exception | None) -> CanvasResponse:
     """A cached response as this call's answer (`CanvasResponse.replay`): a decide span marked
     as a hit, no reads, no escalation, no token usage, and a copy of its own (the stored one is
-    never handed out)."""
+    never handed out). A controller refresh that failed before the hit is marked and counted
+    there (`observe`, which a hit never reaches, would have)."""
     with tm.span(span_name, {**attrs, tm.CACHE_HIT: True}) as span:
         span.set_attribute(tm.CANVAS_READS, 0)
+        if refresh_fault is not None:
+            tm.record_controller_fault(span, refresh_fault)
     return response.replay("decision_cache", latency_s)
 
 
