@@ -23,7 +23,8 @@ the budget refused.
 
 Budget: a hedge takes one grant per question when it starts, all or none (a partial grant is
 given back, and the hedge is `refused`: logged, marked and counted, its questions go the
-sequential way). A hedge the re-reads beat is not refunded: the target was asked and may have
+sequential way; so is a hedge whose meter raised, as a shared store down: the hedge was optional,
+and the sequential escalation meets the meter again only if a question still needs it). A hedge the re-reads beat is not refunded: the target was asked and may have
 done the work, so a budget caps target work, not only answers. A hedge that failed, or whose
 decision raised or was cancelled, is refunded, as any escalation that did not happen.
 
@@ -117,7 +118,7 @@ class Hedging:
                 if task.cancelled():
                     return
             await task
-            if not self._answered() and not any(q not in self.won and self.escalates(reads[q]) for q in self.asked):
+            if not self._answered() and not any(self.escalates(reads[q]) for q in self.asked):
                 await cancel(call)  # the re-reads settled every hedged question first
         finally:
             await cancel(task)
@@ -140,13 +141,17 @@ class Hedging:
         """Take the budget for `hedged` and start the call (False: the budget refused it)."""
         meter, n = self.escalation.meter, len(hedged)
         ids = tuple(r.spec.id for r in hedged)
-        granted = await meter.take(n, self.thread) if meter is not None else n
-        if granted < n:
-            if granted:
+        try:
+            granted = await meter.take(n, self.thread) if meter is not None else n
+            if granted < n and granted:
                 await meter.refund(granted, self.thread)
+            why = f"the escalation budget granted {granted} of {n}"
+        except Exception as exc:  # noqa: BLE001 - a hedge is optional: a meter fault refuses it (logged, counted)
+            granted, why = 0, f"the escalation budget could not be taken ({type(exc).__name__}: {exc})"
+        if granted < n:
             self.outcome = "refused"
-            logger.warning("hedge for question(s) %s refused: the escalation budget granted %d of %d; re-reads first, "
-                           "then the escalation as without a hedge", ", ".join(ids), granted, n)
+            logger.warning("hedge for question(s) %s refused: %s; re-reads first, then the escalation as without a "
+                           "hedge", ", ".join(ids), why)
             self._end(ids)
             return False
         for r in hedged:

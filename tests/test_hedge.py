@@ -43,6 +43,7 @@ from canvasroute.router import (
     Escalation,
     EscalationBudget,
     GatePolicy,
+    InMemoryBudgetMeter,
     OutcomePolicy,
     Totals,
 )
@@ -333,6 +334,22 @@ async def test_a_budget_that_cannot_grant_the_whole_hedge_refuses_it_visibly(spa
     assert event.attributes[tm.HEDGE] == "refused"
     assert not [s for s in escalate_spans(spans) if tm.HEDGE in s.attributes]
     assert model.escalation.meter.snapshot()["granted"] == 1  # the sequential escalation; the partial grant given back
+    assert hedges_counted() == {"refused": 1}
+
+
+async def test_a_meter_that_raises_refuses_the_hedge_and_the_rereads_answer(caplog, hedges_counted):
+    class Down(InMemoryBudgetMeter):
+        async def take(self, n: int, thread: str | None = None) -> int:
+            raise ConnectionError("store down")
+
+    canvas = Canvas(BORDERLINE, SURE)  # the re-read settles it: without the hedge no meter call at all
+    model = hedged(canvas, ScriptedTarget(script={"urgent": "no"}), budget=EscalationBudget(max_per_window=5),
+                   meter=Down(EscalationBudget(max_per_window=5)))
+    with caplog.at_level(logging.WARNING, logger="canvasroute.router"):
+        resp = await model.adecide(TICKET, ONE)
+    assert (resp.reads["urgent"].path, resp.reads["urgent"].hedged) == ("reread", False)
+    assert resp.diagnostics.hedges == ["refused"] and resp.totals.target_calls == 0
+    assert "the escalation budget could not be taken (ConnectionError: store down)" in caplog.text
     assert hedges_counted() == {"refused": 1}
 
 
