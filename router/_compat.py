@@ -166,7 +166,7 @@ def model_keywords(data: Any) -> Any:
     warn_moved("CanvasDecisionModel", {name: MODEL[name] for name in old})
     target = escalate_to.target if isinstance(escalate_to, Escalation) else escalate_to
     moved = {_ESCALATION_FIELDS[name]: value for name, value in old.items() if name in _ESCALATION_FIELDS}
-    if "meter" in moved and "budget" not in moved:
+    if "meter" in moved and "budget" not in moved and budget is None:
         raise ValueError("CanvasDecisionModel: budget_meter needs budget= (the caps it counts against)")
     escalation, spent = None, {}
     if target is not None:

@@ -228,7 +228,8 @@ class CanvasDecisionModel(BaseDecisionModel):
             DecisionError: a question, dependency, read option or fallback that cannot be used.
         """
         defaults = self._memo.defaults
-        if gate is not None and type(gate) is not GatePolicy:  # a dict, or a gate holding 0.1 keywords
+        if gate is not None and (type(gate) is not GatePolicy  # a dict, or a gate holding 0.1 keywords
+                                 or any(type(p) is not GatePolicy for p in gate.per_question.values())):
             defaults, gate = gate_layer(defaults, gate)
         return build_request(defaults, questions, state, depends_on=depends_on, read=read, gate=gate,
                              seed=seed, thread_id=thread_id, attributes=attributes, site=site)

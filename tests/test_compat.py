@@ -199,6 +199,21 @@ def test_a_requests_gate_with_0_1_keywords_is_that_decisions_outcome():
     assert old.outcomes == OutcomePolicy()  # the model's own outcomes are untouched
 
 
+def test_a_requests_gate_with_0_1_keywords_in_a_per_question_policy_is_not_dropped():
+    """0.1 replaced the whole policy per question: one question's own `on_unsure` is an outcome
+    0.2 cannot say for one question, so it is refused as on the model's policy, never ignored."""
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE))
+    with old_spelling("on_unsure="):
+        inner = GatePolicy(on_unsure="raise", rereads=0)
+    with pytest.raises(ValueError, match=r"question 'team': 'raise'.*set OutcomePolicy\(uncertain=...\) on the model"):
+        model.request(TICKET, QUESTIONS, gate=GatePolicy(per_question={"team": inner}))
+    with old_spelling("on_unsure="):
+        same = GatePolicy(on_unsure="answer", rereads=0)  # what every other question does: nothing to refuse
+    built = model.request(TICKET, QUESTIONS, gate=GatePolicy(per_question={"team": same}))
+    new = CanvasDecisionModel(engine=fixed_engine(UNSURE), outcomes=OutcomePolicy(uncertain="answer"))
+    assert built.key == new.request(TICKET, QUESTIONS, gate=GatePolicy(per_question={"team": GatePolicy(rereads=0)})).key
+
+
 # -- CanvasDecisionModel ---------------------------------------------------------------------------
 
 
@@ -255,6 +270,10 @@ def test_the_escalation_settings_are_one_escalation():
     assert same_decision(old, new)["team"]["path"] == "escalated"
     with old_spelling("budget_meter="), pytest.raises(ValueError, match="budget_meter needs budget="):
         CanvasDecisionModel(engine=fixed_engine(SURE), escalate_to=target, budget_meter=meter)
+    with old_spelling("budget_meter="):  # the budget in the 0.2 spelling beside the meter in the 0.1 one
+        mixed = CanvasDecisionModel(engine=fixed_engine(UNSURE), escalate_to=Escalation(
+            target, budget=EscalationBudget(max_per_window=5)), budget_meter=meter)
+    assert mixed.escalation.meter is meter and mixed.escalation.budget == EscalationBudget(max_per_window=5)
 
 
 def test_constrained_is_a_read_option():
