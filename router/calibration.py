@@ -567,7 +567,8 @@ def calibrate(samples: Iterable[Labelled], *, base: GatePolicy | None = None, ho
     if max_error is not None:
         nobody = Certificate(max_error=max_error, confidence=confidence, rows=0, escalation_rate=1.0, certified=False,
                              method=RISK_METHOD)
-        base = replace(base, **_CERTIFIED_GATE, max_normalized_entropy=0.0, certificate=nobody)
+        # every question the rows did not certify passes nothing, those the base policy named too
+        base = replace(base, **_CERTIFIED_GATE, max_normalized_entropy=0.0, certificate=nobody, per_question={})
     policy = replace(base, per_question={**base.per_question, **overrides})
     return Calibration(questions=results, policy=policy, samples=splits)
 

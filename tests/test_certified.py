@@ -207,6 +207,15 @@ def test_calibrate_writes_certified_and_uncertified_gates_that_round_trip(certif
         calibrate(calibration_rows(), max_error=0.0)
 
 
+def test_a_question_an_earlier_policy_named_that_the_rows_never_asked_passes_nothing():
+    earlier = GatePolicy(per_question={"other": GatePolicy(max_normalized_entropy=0.8)})  # recalibrating from it
+    policy = calibrate(calibration_rows(), max_error=0.05, confidence=0.9, base=earlier).policy
+    other = policy.for_question("other")
+    assert other.certificate is not None and not other.certificate.certified
+    assert "uncertified" in other.crossed(slot_stats({0: -0.001, 1: -7.0}, [0, 1]))
+    assert policy.for_question("team").certificate.certified  # what the rows certified stands
+
+
 def test_the_rows_the_test_sees_never_chose_the_score_it_tests():
     """The temperature is fitted and checked on the fit split alone: making every check row wrong
     moves the certificate, not the temperature."""
