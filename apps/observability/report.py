@@ -21,7 +21,7 @@ from canvasroute.router import telemetry as tm
 from .traces import SpanRecord, decision_figures
 
 __all__ = ["CAUSE_WORDS", "PATHS", "Decision", "NodeStats", "Report", "RunTotals", "ShadowStats", "build_report",
-           "cause_shares", "near_chance"]
+           "cause_shares", "near_chance", "replayed_span"]
 
 PATHS = Tally.PATHS
 CAUSE_WORDS = {"uncertain": "uncertain", "abstained": "abstained", "engine_fault": "engine fault",
@@ -83,7 +83,10 @@ class NodeStats:
     name: str
     decisions: list[Decision] = field(default_factory=list)
     set_latencies: list[float] = field(default_factory=list)
-    """Duration of each decision set (decide span) at this node, seconds."""
+    """Duration of each decision set decided at this node (decide spans, cache hits left out:
+    `replayed`), seconds."""
+    replayed: int = 0
+    """Decision sets a `DecisionCache` replayed at this node (`replayed_span`)."""
     errors: int = 0
 
     @property
@@ -230,6 +233,16 @@ class Report:
         return [d for n in self.nodes.values() for d in n.decisions]
 
     @property
+    def set_latencies(self) -> list[float]:
+        """Every node's decision set durations (cache hits left out), seconds."""
+        return [x for n in self.nodes.values() for x in n.set_latencies]
+
+    @property
+    def replayed(self) -> int:
+        """Decision sets a `DecisionCache` replayed, at every node."""
+        return sum(n.replayed for n in self.nodes.values())
+
+    @property
     def tally(self) -> Tally:
         return Tally.of(self.decisions)
 
@@ -248,6 +261,12 @@ def _is_decide(s: SpanRecord) -> bool:
     return s.name.startswith("decide ") and tm.DECISION_SET in s.attributes
 
 
+def replayed_span(s: SpanRecord) -> bool:
+    """Whether a span is a cache hit (`canvasroute.cache.hit`): a replay decided nothing, so every
+    figure counts it apart from the decision sets (`Totals`)."""
+    return s.attributes.get(tm.CACHE_HIT) is True
+
+
 def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Report:
     """Group decide spans by node and collect their child calls."""
     decides = [s for s in spans if _is_decide(s)]
@@ -261,9 +280,12 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
     for s in decides:
         node = str(s.attributes.get(tm.GRAPH_NODE) or s.attributes.get(tm.DECISION_SET))
         stats = nodes.setdefault(node, NodeStats(node))
-        stats.set_latencies.append(s.duration_s)
         stats.errors += s.status == "ERROR"
         models.setdefault(s.name[len("decide "):], "")
+        if replayed_span(s):
+            stats.replayed += 1
+            continue
+        stats.set_latencies.append(s.duration_s)
         for qid, f in sorted(figures[s.span_id].items()):
             if "path" not in f:
                 continue
@@ -313,7 +335,7 @@ def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],
     for s in decides:
         run = runs.setdefault(s.source, RunTotals(s.source))
         run.decide_s += s.duration_s
-        if s.attributes.get(tm.CACHE_HIT) is True:  # a replay decided nothing (`Totals`)
+        if replayed_span(s):
             run.replayed += 1
             continue
         run.sets += 1
@@ -365,7 +387,7 @@ def _graph_figures(spans: Sequence[SpanRecord]) -> dict[str, Any]:
         node = str(a.get(tm.GRAPH_NODE, ""))
         if tm.ROUTE_DESTINATION in a and s.name.startswith(tm.OPERATION_ROUTE + " "):
             routes[(node, str(a[tm.ROUTE_DESTINATION]))] += 1
-        if a.get(tm.CACHE_HIT) is True:
+        if replayed_span(s):
             cache[node or str(a.get(tm.DECISION_SET, ""))] += 1
         if tm.SHADOW_DESTINATION in a:
             st = shadow.setdefault(node, ShadowStats())
