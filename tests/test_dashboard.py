@@ -569,6 +569,31 @@ def test_every_decision_set_figure_counts_cache_hits_apart(tmp_path, capsys):
     assert "2 questions in 2 decision sets (+ 2 replayed)" in capsys.readouterr().out
 
 
+def test_the_mean_target_call_leaves_cancelled_hedges_out():
+    """A hedge cancelled because the re-reads settled its question first still counts as a target
+    call (as `Totals.target_calls` does), but its short time is no target call's time: the mean
+    call and the estimate "if all to target" are taken over completed calls."""
+    canvas = {"urgent": {"path": "reread", "answer": "yes", "kind": "noul"}}
+    escalated = {"urgent": {"path": "escalated", "answer": "no", "kind": "noul"}}
+    decides = [_record(1, "triage", 0, 2.5, escalated), _record(2, "triage", 3, 0.5, canvas),
+               _record(3, "triage", 4, 0.2, canvas)]
+
+    def escalate(span_id, parent, start_s, dur_s, hedge=None):
+        return SpanRecord(name="escalate big", trace_id=f"{parent:032x}", span_id=f"{span_id:016x}",
+                          parent_id=f"{parent:016x}", start_time_ns=int(start_s * 1e9),
+                          end_time_ns=int((start_s + dur_s) * 1e9), attributes={tm.HEDGE: hedge} if hedge else {})
+
+    calls = [escalate(11, 1, 0.1, 2.0), escalate(12, 2, 3.1, 0.1, "cancelled")]
+    (run,) = build_report([*decides, *calls]).runs
+    assert (run.sets, run.target_calls, run.hedges, run.hedges_cancelled) == (3, 2, 1, 1)
+    assert run.target_s == pytest.approx(2.1)  # seconds spent, the cancelled hedge's included
+    assert run.if_all_to_target_s == pytest.approx(2.0 * 3)  # the completed call's 2 s, per set
+    (only,) = build_report([decides[1], calls[1]]).runs
+    assert (only.target_calls, only.if_all_to_target_s) == (1, None)  # no call completed: no estimate
+    both = run + only
+    assert (both.target_calls, both.if_all_to_target_s) == (3, pytest.approx(2.0 * 4))
+
+
 def test_the_runs_panel_counts_each_runs_cost_beside_every_decision_sent_to_the_target(tmp_path, capsys):
     """Issue 30.3: per run (trace file), the decision sets, canvas reads, escalations and target
     tokens, beside what sending every decision set to the target would have cost."""

@@ -373,8 +373,9 @@ def _runs_section(report: Report) -> str:
             "set gone to the escalation target, each would have been one target call: measured here are the "
             "decision sets, the questions escalated (path escalated, any cause), the target calls made and "
             "saved, their tokens and time (decision time: the decision sets end to end); ≈ marks an estimate, "
-            "the mean measured target call times the decision "
-            "sets (– when no target call reported it). Canvas reads and their tokens are routing's own cost. "
+            "the mean measured target call times the decision sets (– when no target call reported it; a "
+            "cancelled hedge is a target call, but its time is left out of the mean). Canvas reads and their "
+            "tokens are routing's own cost. "
             "Decision sets a cache replayed (+ N replayed) read nothing and are not counted as saved by routing."
             f"</p>{plumbing}<table id=\"runs\"><thead><tr><th>run</th><th>canvas model</th>"
             '<th class="num">decision sets</th><th class="num">questions</th><th class="num">canvas reads</th>'

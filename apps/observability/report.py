@@ -143,9 +143,11 @@ class RunTotals:
 
     Measured: decision sets, questions, canvas reads, escalated questions, target calls, their
     tokens and seconds. Estimated (`if_all_to_target_*`): the mean measured target call times the
-    decision sets; None when no target call reported it. The figures are the runs' `Totals`: a
-    `DecisionCache` hit (a decide span marked `canvasroute.cache.hit`) decided nothing, so it is
-    counted apart (`replayed`), never as a decision set routing answered without the target.
+    decision sets; None when no target call reported it (a hedge cancelled before it answered is a
+    target call, as `Totals` counts it, but no measure of one: the mean seconds leave it out). The
+    figures are the runs' `Totals`: a `DecisionCache` hit (a decide span marked
+    `canvasroute.cache.hit`) decided nothing, so it is counted apart (`replayed`), never as a
+    decision set routing answered without the target.
     """
 
     source: str
@@ -160,7 +162,7 @@ class RunTotals:
     escalated: int = 0
     """Questions the escalation target answered (path `escalated`)."""
     target_calls: int = 0
-    """Escalation calls (`escalate` spans under decide spans)."""
+    """Escalation calls (`escalate` spans under decide spans), cancelled hedges included (`Totals`)."""
     target_tokens: int = 0
     """Tokens (input + output) of the target calls that reported usage."""
     calls_with_usage: int = 0
@@ -176,6 +178,8 @@ class RunTotals:
     """Target calls made as hedges beside re-reads (`escalate` spans marked `canvasroute.hedge`)."""
     hedges_cancelled: int = 0
     """Hedges cancelled because the re-reads settled their questions first."""
+    cancelled_s: float = 0.0
+    """Seconds of the cancelled hedges (in `target_s`)."""
 
     @property
     def calls_saved(self) -> int:
@@ -189,8 +193,10 @@ class RunTotals:
 
     @property
     def if_all_to_target_s(self) -> float | None:
-        """Estimated target seconds had every decision set been a target call."""
-        return self.target_s / self.target_calls * self.sets if self.target_calls else None
+        """Estimated target seconds had every decision set been a target call (the mean completed
+        call: cancelled hedges left out)."""
+        completed = self.target_calls - self.hedges_cancelled
+        return (self.target_s - self.cancelled_s) / completed * self.sets if completed else None
 
     def __add__(self, other: RunTotals) -> RunTotals:
         return RunTotals("all runs", {**self.models, **other.models}, self.sets + other.sets,
@@ -199,7 +205,8 @@ class RunTotals:
                          self.target_tokens + other.target_tokens, self.calls_with_usage + other.calls_with_usage,
                          self.target_s + other.target_s, self.canvas_tokens + other.canvas_tokens,
                          self.decide_s + other.decide_s, self.replayed + other.replayed,
-                         self.hedges + other.hedges, self.hedges_cancelled + other.hedges_cancelled)
+                         self.hedges + other.hedges, self.hedges_cancelled + other.hedges_cancelled,
+                         self.cancelled_s + other.cancelled_s)
 
 
 @dataclass(slots=True)
@@ -357,7 +364,9 @@ def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],
             run.target_calls += 1
             run.target_s += s.duration_s
             run.hedges += tm.HEDGE in s.attributes
-            run.hedges_cancelled += s.attributes.get(tm.HEDGE) == "cancelled"
+            if s.attributes.get(tm.HEDGE) == "cancelled":  # a target call (`Totals`), not a call's time
+                run.hedges_cancelled += 1
+                run.cancelled_s += s.duration_s
             chat = chats.get(s.span_id)
             if chat is not None and tm.GEN_AI_INPUT_TOKENS in chat.attributes:
                 run.target_tokens += _tokens(chat)
