@@ -543,6 +543,57 @@ def test_the_runs_panel_counts_cache_hits_apart_as_the_totals_do(tmp_path):
     assert "+ 2 replayed" in row.group(1)
 
 
+def test_every_decision_set_figure_counts_cache_hits_apart(tmp_path, capsys):
+    """The page's decision sets (summary, node, latency table, CLI line) and its decide latencies
+    leave `DecisionCache` hits out, as the runs panel does; the hits show as replayed beside them."""
+    canvas = {"urgent": {"path": "canvas", "answer": "yes", "kind": "noul"}}
+    spans = [_record(1, "triage", 0, 1.0, canvas), _record(2, "triage", 2, 3.0, canvas)]
+    lines = [s.to_json() for s in [*spans, _record(3, "triage", 6, 0.001, {}), _record(4, "triage", 7, 0.001, {})]]
+    for line in lines[2:]:
+        line["attributes"][tm.CACHE_HIT] = True
+    path = tmp_path / "hits.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = build_report(read_spans(path))
+    node, (run,) = report.nodes["triage"], report.runs
+    assert node.set_latencies == pytest.approx([1.0, 3.0]) and node.replayed == 2
+    assert (run.sets, run.replayed) == (len(node.set_latencies), node.replayed)
+    assert report.cache_hits == {"triage": 2}
+    page = render(report)
+    assert re.search(r'id="kpi-sets"><div class="k">decision sets</div><div class="v">2</div>'
+                     r'<div class="s">[^<]*\+ 2 replayed', page)
+    assert re.search(r'id="kpi-latency">.*?<div class="v">2.00 s</div>', page)  # p50 of 1 s and 3 s
+    assert re.search(r'<div class="k">decision sets</div><div class="v">2</div><div class="s">2 questions · '
+                     r'\+ 2 replayed', page)
+    assert re.search(r'<td>decide · triage</td><td class="num">2</td>', page)
+    assert main(["dashboard", str(path), "-o", str(tmp_path / "r.html")]) == 0
+    assert "2 questions in 2 decision sets (+ 2 replayed)" in capsys.readouterr().out
+
+
+def test_the_mean_target_call_leaves_cancelled_hedges_out():
+    """A hedge cancelled because the re-reads settled its question first still counts as a target
+    call (as `Totals.target_calls` does), but its short time is no target call's time: the mean
+    call and the estimate "if all to target" are taken over completed calls."""
+    canvas = {"urgent": {"path": "reread", "answer": "yes", "kind": "noul"}}
+    escalated = {"urgent": {"path": "escalated", "answer": "no", "kind": "noul"}}
+    decides = [_record(1, "triage", 0, 2.5, escalated), _record(2, "triage", 3, 0.5, canvas),
+               _record(3, "triage", 4, 0.2, canvas)]
+
+    def escalate(span_id, parent, start_s, dur_s, hedge=None):
+        return SpanRecord(name="escalate big", trace_id=f"{parent:032x}", span_id=f"{span_id:016x}",
+                          parent_id=f"{parent:016x}", start_time_ns=int(start_s * 1e9),
+                          end_time_ns=int((start_s + dur_s) * 1e9), attributes={tm.HEDGE: hedge} if hedge else {})
+
+    calls = [escalate(11, 1, 0.1, 2.0), escalate(12, 2, 3.1, 0.1, "cancelled")]
+    (run,) = build_report([*decides, *calls]).runs
+    assert (run.sets, run.target_calls, run.hedges, run.hedges_cancelled) == (3, 2, 1, 1)
+    assert run.target_s == pytest.approx(2.1)  # seconds spent, the cancelled hedge's included
+    assert run.if_all_to_target_s == pytest.approx(2.0 * 3)  # the completed call's 2 s, per set
+    (only,) = build_report([decides[1], calls[1]]).runs
+    assert (only.target_calls, only.if_all_to_target_s) == (1, None)  # no call completed: no estimate
+    both = run + only
+    assert (both.target_calls, both.if_all_to_target_s) == (3, pytest.approx(2.0 * 4))
+
+
 def test_the_runs_panel_counts_each_runs_cost_beside_every_decision_sent_to_the_target(tmp_path, capsys):
     """Issue 30.3: per run (trace file), the decision sets, canvas reads, escalations and target
     tokens, beside what sending every decision set to the target would have cost."""

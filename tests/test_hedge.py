@@ -640,13 +640,15 @@ async def test_the_dashboard_shows_hedges_and_who_settled_them(tmp_path):
                     ScriptedTarget(script={"urgent": "no"}, hold=held))
     path = tmp_path / "spans.jsonl"
     with fresh_tracer_provider(JsonlSpanExporter(path), InMemorySpanExporter()):
-        await won.adecide(TICKET, ONE)
-        await beaten.adecide(TICKET, ONE)
+        responses = [await won.adecide(TICKET, ONE), await beaten.adecide(TICKET, ONE)]
     report = build_report(read_spans(path))
     assert [(d.path, d.hedged) for d in sorted(report.decisions, key=lambda d: d.time_ns)] == [
         ("escalated", True), ("reread", True)]
     [run] = report.runs
     assert (run.target_calls, run.hedges, run.hedges_cancelled) == (2, 2, 1)
+    assert run.target_calls == sum(r.totals.target_calls for r in responses)  # the library's count
+    (answered,) = [s for s in read_spans(path) if s.attributes.get(tm.HEDGE) == "won"]
+    assert run.if_all_to_target_s == pytest.approx(answered.duration_s * run.sets)  # the cancelled one left out
     page = render(report)
     assert re.search(r'id="kpi-hedged".*?<div class="v">100%</div>.*?2 of 2 questions · target first 1, '
                      r're-reads first 1', page, re.DOTALL)

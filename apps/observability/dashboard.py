@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     out.write_text(render(report, title=args.title, top=args.top, buckets=args.buckets), encoding="utf-8")
     ds = report.decisions
-    sets = sum(len(n.set_latencies) for n in report.nodes.values())
-    print(f"wrote {out} ({plural(len(ds), 'question')} in {plural(sets, 'decision set')}, "
+    sets, replayed = len(report.set_latencies), report.replayed
+    print(f"wrote {out} ({plural(len(ds), 'question')} in {plural(sets, 'decision set')}"
+          f"{f' (+ {replayed} replayed)' if replayed else ''}, "
           f"{plural(len(report.nodes), 'node')}, model {', '.join(report.models) or 'unknown'})")
     return 0

@@ -164,6 +164,11 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
+def replayed_note(n: int, sep: str = " · ") -> str:
+    """`· + 2 replayed`: decision sets a cache replayed, shown beside the decided ones (none: empty)."""
+    return f"{sep}+ {n} replayed" if n else ""
+
+
 def _when(ns: int, *, date: bool = True) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S" if date else "%H:%M:%S", time.gmtime(ns / 1e9))
     return stamp + f".{(ns // 1_000_000) % 1000:03d}" + (" UTC" if date else "")
@@ -256,7 +261,7 @@ def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str
     agree, escalated = node.agreement
     ents = [x.normalized_entropy for x in d if x.normalized_entropy is not None]
     kpis = "".join([
-        _kpi("decision sets", f"{len(node.set_latencies)}", f"{len(d)} questions"),
+        _kpi("decision sets", f"{len(node.set_latencies)}", f"{len(d)} questions{replayed_note(node.replayed)}"),
         _escalation_kpi(tally, node.escalated),
         _causes_kpi(tally),
         _gate_kpi(tally),
@@ -368,8 +373,9 @@ def _runs_section(report: Report) -> str:
             "set gone to the escalation target, each would have been one target call: measured here are the "
             "decision sets, the questions escalated (path escalated, any cause), the target calls made and "
             "saved, their tokens and time (decision time: the decision sets end to end); ≈ marks an estimate, "
-            "the mean measured target call times the decision "
-            "sets (– when no target call reported it). Canvas reads and their tokens are routing's own cost. "
+            "the mean measured target call times the decision sets (– when no target call reported it; a "
+            "cancelled hedge is a target call, but its time is left out of the mean). Canvas reads and their "
+            "tokens are routing's own cost. "
             "Decision sets a cache replayed (+ N replayed) read nothing and are not counted as saved by routing."
             f"</p>{plumbing}<table id=\"runs\"><thead><tr><th>run</th><th>canvas model</th>"
             '<th class="num">decision sets</th><th class="num">questions</th><th class="num">canvas reads</th>'
@@ -444,11 +450,11 @@ def render(report: Report, *, title: str = "canvasroute decisions", top: int = 2
     tally = report.tally
     paths = tally.paths
     votes = [d.agrees for d in ds if d.agrees is not None]
-    sets = [x for n in report.nodes.values() for x in n.set_latencies]
+    sets = report.set_latencies
     errors = sum(n.errors for n in report.nodes.values())
     kpis = "".join([
-        _kpi("decision sets", str(len(sets)), f"{plural(len(ds), 'question')} · {plural(len(report.nodes), 'node')}",
-             "kpi-sets"),
+        _kpi("decision sets", str(len(sets)), f"{plural(len(ds), 'question')} · {plural(len(report.nodes), 'node')}"
+             f"{replayed_note(report.replayed)}", "kpi-sets"),
         _escalation_kpi(tally, report.escalated, "kpi-escalation"),
         _hedge_kpi(ds, "kpi-hedged"),
         _causes_kpi(tally, "kpi-causes"),

@@ -21,7 +21,7 @@ from canvasroute.router import telemetry as tm
 from .traces import SpanRecord, decision_figures
 
 __all__ = ["CAUSE_WORDS", "PATHS", "Decision", "NodeStats", "Report", "RunTotals", "ShadowStats", "build_report",
-           "cause_shares", "near_chance"]
+           "cause_shares", "near_chance", "replayed_span"]
 
 PATHS = Tally.PATHS
 CAUSE_WORDS = {"uncertain": "uncertain", "abstained": "abstained", "engine_fault": "engine fault",
@@ -83,7 +83,10 @@ class NodeStats:
     name: str
     decisions: list[Decision] = field(default_factory=list)
     set_latencies: list[float] = field(default_factory=list)
-    """Duration of each decision set (decide span) at this node, seconds."""
+    """Duration of each decision set decided at this node (decide spans, cache hits left out:
+    `replayed`), seconds."""
+    replayed: int = 0
+    """Decision sets a `DecisionCache` replayed at this node (`replayed_span`)."""
     errors: int = 0
 
     @property
@@ -140,9 +143,11 @@ class RunTotals:
 
     Measured: decision sets, questions, canvas reads, escalated questions, target calls, their
     tokens and seconds. Estimated (`if_all_to_target_*`): the mean measured target call times the
-    decision sets; None when no target call reported it. The figures are the runs' `Totals`: a
-    `DecisionCache` hit (a decide span marked `canvasroute.cache.hit`) decided nothing, so it is
-    counted apart (`replayed`), never as a decision set routing answered without the target.
+    decision sets; None when no target call reported it (a hedge cancelled before it answered is a
+    target call, as `Totals` counts it, but no measure of one: the mean seconds leave it out). The
+    figures are the runs' `Totals`: a `DecisionCache` hit (a decide span marked
+    `canvasroute.cache.hit`) decided nothing, so it is counted apart (`replayed`), never as a
+    decision set routing answered without the target.
     """
 
     source: str
@@ -157,7 +162,7 @@ class RunTotals:
     escalated: int = 0
     """Questions the escalation target answered (path `escalated`)."""
     target_calls: int = 0
-    """Escalation calls (`escalate` spans under decide spans)."""
+    """Escalation calls (`escalate` spans under decide spans), cancelled hedges included (`Totals`)."""
     target_tokens: int = 0
     """Tokens (input + output) of the target calls that reported usage."""
     calls_with_usage: int = 0
@@ -173,6 +178,8 @@ class RunTotals:
     """Target calls made as hedges beside re-reads (`escalate` spans marked `canvasroute.hedge`)."""
     hedges_cancelled: int = 0
     """Hedges cancelled because the re-reads settled their questions first."""
+    cancelled_s: float = 0.0
+    """Seconds of the cancelled hedges (in `target_s`)."""
 
     @property
     def calls_saved(self) -> int:
@@ -186,8 +193,10 @@ class RunTotals:
 
     @property
     def if_all_to_target_s(self) -> float | None:
-        """Estimated target seconds had every decision set been a target call."""
-        return self.target_s / self.target_calls * self.sets if self.target_calls else None
+        """Estimated target seconds had every decision set been a target call (the mean completed
+        call: cancelled hedges left out)."""
+        completed = self.target_calls - self.hedges_cancelled
+        return (self.target_s - self.cancelled_s) / completed * self.sets if completed else None
 
     def __add__(self, other: RunTotals) -> RunTotals:
         return RunTotals("all runs", {**self.models, **other.models}, self.sets + other.sets,
@@ -196,7 +205,8 @@ class RunTotals:
                          self.target_tokens + other.target_tokens, self.calls_with_usage + other.calls_with_usage,
                          self.target_s + other.target_s, self.canvas_tokens + other.canvas_tokens,
                          self.decide_s + other.decide_s, self.replayed + other.replayed,
-                         self.hedges + other.hedges, self.hedges_cancelled + other.hedges_cancelled)
+                         self.hedges + other.hedges, self.hedges_cancelled + other.hedges_cancelled,
+                         self.cancelled_s + other.cancelled_s)
 
 
 @dataclass(slots=True)
@@ -230,6 +240,16 @@ class Report:
         return [d for n in self.nodes.values() for d in n.decisions]
 
     @property
+    def set_latencies(self) -> list[float]:
+        """Every node's decision set durations (cache hits left out), seconds."""
+        return [x for n in self.nodes.values() for x in n.set_latencies]
+
+    @property
+    def replayed(self) -> int:
+        """Decision sets a `DecisionCache` replayed, at every node."""
+        return sum(n.replayed for n in self.nodes.values())
+
+    @property
     def tally(self) -> Tally:
         return Tally.of(self.decisions)
 
@@ -248,6 +268,12 @@ def _is_decide(s: SpanRecord) -> bool:
     return s.name.startswith("decide ") and tm.DECISION_SET in s.attributes
 
 
+def replayed_span(s: SpanRecord) -> bool:
+    """Whether a span is a cache hit (`canvasroute.cache.hit`): a replay decided nothing, so every
+    figure counts it apart from the decision sets (`Totals`)."""
+    return s.attributes.get(tm.CACHE_HIT) is True
+
+
 def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Report:
     """Group decide spans by node and collect their child calls."""
     decides = [s for s in spans if _is_decide(s)]
@@ -261,9 +287,12 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
     for s in decides:
         node = str(s.attributes.get(tm.GRAPH_NODE) or s.attributes.get(tm.DECISION_SET))
         stats = nodes.setdefault(node, NodeStats(node))
-        stats.set_latencies.append(s.duration_s)
         stats.errors += s.status == "ERROR"
         models.setdefault(s.name[len("decide "):], "")
+        if replayed_span(s):
+            stats.replayed += 1
+            continue
+        stats.set_latencies.append(s.duration_s)
         for qid, f in sorted(figures[s.span_id].items()):
             if "path" not in f:
                 continue
@@ -313,7 +342,7 @@ def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],
     for s in decides:
         run = runs.setdefault(s.source, RunTotals(s.source))
         run.decide_s += s.duration_s
-        if s.attributes.get(tm.CACHE_HIT) is True:  # a replay decided nothing (`Totals`)
+        if replayed_span(s):
             run.replayed += 1
             continue
         run.sets += 1
@@ -335,7 +364,9 @@ def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],
             run.target_calls += 1
             run.target_s += s.duration_s
             run.hedges += tm.HEDGE in s.attributes
-            run.hedges_cancelled += s.attributes.get(tm.HEDGE) == "cancelled"
+            if s.attributes.get(tm.HEDGE) == "cancelled":  # a target call (`Totals`), not a call's time
+                run.hedges_cancelled += 1
+                run.cancelled_s += s.duration_s
             chat = chats.get(s.span_id)
             if chat is not None and tm.GEN_AI_INPUT_TOKENS in chat.attributes:
                 run.target_tokens += _tokens(chat)
@@ -365,7 +396,7 @@ def _graph_figures(spans: Sequence[SpanRecord]) -> dict[str, Any]:
         node = str(a.get(tm.GRAPH_NODE, ""))
         if tm.ROUTE_DESTINATION in a and s.name.startswith(tm.OPERATION_ROUTE + " "):
             routes[(node, str(a[tm.ROUTE_DESTINATION]))] += 1
-        if a.get(tm.CACHE_HIT) is True:
+        if replayed_span(s):
             cache[node or str(a.get(tm.DECISION_SET, ""))] += 1
         if tm.SHADOW_DESTINATION in a:
             st = shadow.setdefault(node, ShadowStats())
