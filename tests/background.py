@@ -29,6 +29,7 @@ Example (in a test module):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import os
@@ -39,11 +40,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import pytest
 
@@ -131,9 +133,10 @@ class Job:
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder.mkdir(parents=True)
         self.log = self.folder / "output.log"
-        argv = [*NICE, sys.executable, __file__, module, name, str(self.folder)]
+        argv = [*NICE, sys.executable, __file__, module, name, str(self.folder), str(os.getpid())]
         env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", JOB_HASH_SEED)}
-        with self.log.open("wb") as log:  # a process group of its own: stop() ends whatever it started too
+        # a process group of its own: stop() ends whatever it started too, and so does the job when this process dies
+        with self.log.open("wb") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, process_group=0)
         self.started = time.monotonic()
@@ -156,11 +159,10 @@ class Job:
         return pickle.loads(result.read_bytes())
 
     def stop(self) -> None:
-        """SIGKILL the run and everything it started, if it is still going."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """SIGKILL the run and everything it started, even when the run itself has exited."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # an empty group (or, macOS, zombies only)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 def job(function: Callable[[Path], Any]) -> Any:
@@ -187,9 +189,42 @@ def job(function: Callable[[Path], Any]) -> Any:
     return fixture
 
 
-def _main(module: str, name: str, folder: Path) -> None:
-    """In the child: import the module (conftest first: the import root, loopback only), run the job,
-    pickle its value."""
+PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal a process gets when its parent (the thread that started it) dies (Linux)."""
+
+
+def _end_group(*_: object) -> None:
+    """SIGKILL this job and everything it started (its process group: `Job` gives it one of its own)."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _end_with(parent: int) -> None:
+    """End this job's process group when `parent` (the suite) dies, even by SIGKILL: SIGTERM on its
+    death (prctl), else a daemon thread that sees this process handed to another parent."""
+    signal.signal(signal.SIGTERM, _end_group)
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+    if libc is None or libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            _end_group()
+
+        threading.Thread(target=watch, name="ends-with-its-parent", daemon=True).start()
+    if os.getppid() != parent:  # it died before prctl
+        _end_group()
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit now, output flushed: a thread the job left running must not hold the exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _main(module: str, name: str, folder: Path, parent: int) -> None:
+    """In the child (ending with `parent`): import the module (conftest first: the import root,
+    loopback only), run the job, pickle its value, exit."""
+    _end_with(parent)
     conftest = importlib.import_module("conftest")
     socket.socket.connect = conftest.loopback_only(socket.socket.connect)  # type: ignore[method-assign]
     importlib.import_module(module)
@@ -198,10 +233,11 @@ def _main(module: str, name: str, folder: Path) -> None:
         value = _JOBS[name](folder)
     except BaseException:  # noqa: BLE001 - printed for the test that takes it, which fails
         traceback.print_exc()
-        raise SystemExit(1) from None
+        _exit(1)
     (folder / "result.pickle").write_bytes(pickle.dumps(value))
-    print(f"background job {name}: {time.monotonic() - started:.1f} s in its own process", flush=True)
+    print(f"background job {name}: {time.monotonic() - started:.1f} s in its own process")
+    _exit(0)
 
 
 if __name__ == "__main__":  # the child: tests/ is sys.path[0]; the job's module imports this file as `background`
-    importlib.import_module("background")._main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    importlib.import_module("background")._main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))

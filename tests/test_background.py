@@ -2,14 +2,23 @@
 
 A job starts at collection only for a selected test, in a process of its own (hash seed pinned);
 the modules taking none run first; a test gets the job's value, or fails with the job's output; a start registered
-with `starts_in_background` is handed to its fixture, and stopped at the end when no test took it.
+with `starts_in_background` is handed to its fixture, and stopped at the end when no test took it. A job's
+processes, run directly (`Job`): `stop()` ends what a job left running after it exited; a job leaving a thread
+running is done when its function is; a job and what it started end when the process that started it is killed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
+import background
 import pytest
 
 pytest_plugins = ("pytester",)
@@ -110,3 +119,139 @@ def test_background_work_starts_for_selected_tests_only_beside_the_others_and_re
     # no test took is stopped at the end of the run
     assert marks[0].startswith("answer-") and marks[1:] == ["service-started", "service-stopped", "untaken-started",
                                                             "untaken-stopped"], marks
+
+
+# -- a job's processes: what it leaves behind, and its parent's death --------------------------
+
+LEAVES = '''
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from background import job
+
+
+def _sleeper():
+    return subprocess.Popen(["sleep", "60"])  # in the job's process group
+
+
+@job
+def leaves_a_child(work: Path) -> int:
+    return _sleeper().pid
+
+
+@job
+def leaves_a_thread(work: Path) -> str:
+    threading.Thread(target=time.sleep, args=(60,)).start()  # not a daemon: it would hold the exit
+    return "done"
+
+
+@job
+def leaves_a_thread_and_fails(work: Path) -> None:
+    threading.Thread(target=time.sleep, args=(60,)).start()
+    raise RuntimeError("boom")
+
+
+@job
+def outlives_its_parent(work: Path) -> None:
+    pids = Path(os.environ["BACKGROUND_MARKS"]) / "pids"
+    (pids.with_suffix(".new")).write_text(f"{os.getpid()} {_sleeper().pid}")
+    pids.with_suffix(".new").replace(pids)
+    time.sleep(60)
+'''
+
+STARTS_A_JOB = '''
+import sys, time
+import background
+background.Job("outlives_its_parent", sys.argv[1])
+time.sleep(60)
+'''
+
+
+@pytest.fixture
+def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The module of LEAVES's jobs, importable by a job's child (and a process starting one)."""
+    (tmp_path / "background_leaves.py").write_text(LEAVES)
+    paths = [str(tmp_path), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+    return "background_leaves"
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, or no such process, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _ended(pids: list[int], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_ends_what_a_job_left_running_after_it_exited(jobs: str) -> None:
+    run = background.Job("leaves_a_child", jobs)
+    child: list[int] = []
+    try:
+        child.append(run.result())  # the job has exited; the sleep it started runs on
+        assert _alive(child[0])
+        run.stop()
+        assert _ended(child, within_s=5), "stop() left the job's child running"
+    finally:
+        run.stop()
+        _kill(child)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "fails"])
+def test_a_job_leaving_a_thread_running_is_done_when_its_function_is(
+        jobs: str, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    monkeypatch.setattr(background, "JOB_WAIT_S", 30)  # not 600 s when it hangs; the thread sleeps 60 s
+    run = background.Job("leaves_a_thread_and_fails" if fails else "leaves_a_thread", jobs)
+    try:
+        if fails:
+            said = r"(?s)leaves_a_thread_and_fails exited 1 .*RuntimeError: boom"
+            with pytest.raises(pytest.fail.Exception, match=said):
+                run.result()
+        else:
+            assert run.result() == "done"
+    finally:
+        run.stop()
+
+
+def test_a_job_ends_with_what_it_started_when_its_parent_is_killed(jobs: str, tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "BACKGROUND_MARKS": str(marks), "TMPDIR": str(tmp_path)}  # its run folder in tmp_path
+    parent = subprocess.Popen([sys.executable, "-c", STARTS_A_JOB, jobs], env=env, stdin=subprocess.DEVNULL)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (marks / "pids").is_file():
+            assert parent.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.05)
+        pids = [int(pid) for pid in (marks / "pids").read_text().split()]  # the job, the sleep it started
+        assert all(_alive(pid) for pid in pids)
+        parent.kill()  # SIGKILL, as a CI timeout ends pytest
+        parent.wait()
+        assert _ended(pids, within_s=5), "the job, or what it started, outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+        if pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pids[0], signal.SIGKILL)
+        _kill(pids)
