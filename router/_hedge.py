@@ -24,9 +24,10 @@ the budget refused.
 Budget: a hedge takes one grant per question when it starts, all or none (a partial grant is
 given back, and the hedge is `refused`: logged, marked and counted, its questions go the
 sequential way; so is a hedge whose meter raised, as a shared store down: the hedge was optional,
-and the sequential escalation meets the meter again only if a question still needs it). A hedge the re-reads beat is not refunded: the target was asked and may have
-done the work, so a budget caps target work, not only answers. A hedge that failed, or whose
-decision raised or was cancelled, is refunded, as any escalation that did not happen.
+and the sequential escalation meets the meter again only if a question still needs it). A hedge
+the re-reads beat is not refunded: the target was asked and may have done the work, so a budget
+caps target work, not only answers. A hedge that failed, or whose decision raised or was
+cancelled, is refunded, as any escalation that did not happen.
 
 Faults: a hedge call that fails while the re-reads settle its questions is absorbed (their
 answers stand): logged (WARNING, logger `canvasroute.router`), its `escalate` span marked

@@ -597,7 +597,7 @@ def _certify(qid: str, rows: list[Labelled], base: GatePolicy, holdout: float, s
         question_id=qid, rows=len(rows), fit_rows=len(fit), check_rows=len(check), temperature=tfit, threshold=None,
         accuracy=accuracy(rows), ece_before=ece(check), ece_after=ece(check, t),
         check_escalation_rate=risk.escalation_rate,
-        check_canvas_accuracy=1.0 - risk.errors / risk.passed if risk.passed else None, risk=risk, note=note)
+        check_canvas_accuracy=None if risk.error_rate is None else 1.0 - risk.error_rate, risk=risk, note=note)
     gate = replace(base, **_CERTIFIED_GATE, temperature=t, max_normalized_entropy=risk.threshold,
                    certificate=risk.certificate(), per_question={})
     return result, (fit, check), gate
