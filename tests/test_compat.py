@@ -211,7 +211,8 @@ def test_a_requests_gate_with_0_1_keywords_in_a_per_question_policy_is_not_dropp
         same = GatePolicy(on_unsure="answer", rereads=0)  # what every other question does: nothing to refuse
     built = model.request(TICKET, QUESTIONS, gate=GatePolicy(per_question={"team": same}))
     new = CanvasDecisionModel(engine=fixed_engine(UNSURE), outcomes=OutcomePolicy(uncertain="answer"))
-    assert built.key == new.request(TICKET, QUESTIONS, gate=GatePolicy(per_question={"team": GatePolicy(rereads=0)})).key
+    plain = GatePolicy(per_question={"team": GatePolicy(rereads=0)})
+    assert built.key == new.request(TICKET, QUESTIONS, gate=plain).key
 
 
 # -- CanvasDecisionModel ---------------------------------------------------------------------------
