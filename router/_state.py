@@ -64,8 +64,8 @@ from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, SystemM
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, ImagesUnsupported, defuse
 
-__all__ = ["MAX_DEPTH", "check_images", "image_digests", "image_url", "read_state", "render_state",
-           "state_images", "wire_state"]
+__all__ = ["MAX_DEPTH", "as_message", "check_images", "image_digests", "image_url", "read_state",
+           "render_state", "state_images", "wire_state"]
 
 MAX_DEPTH = 64
 """Deepest nesting of containers a state may have."""
@@ -112,6 +112,16 @@ def _transcript(messages: Sequence[BaseMessage]) -> tuple[str, tuple[str, ...]]:
 def _text(text: str) -> str:
     """`text` with each lone surrogate as U+FFFD."""
     return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def as_message(value: Any) -> BaseMessage:
+    """A message-like as a state's messages are read: an OpenAI-style message dict by `_from_dict`,
+    anything else (a message, a `(role, text)` pair, a string) as `convert_to_messages` reads it.
+
+    Raises:
+        ValueError, TypeError, KeyError, NotImplementedError: `value` is not a message-like.
+    """
+    return _from_dict(value) if _message_dict(value) else convert_to_messages([value])[0]
 
 
 def _messages(state: Any) -> Sequence[BaseMessage] | None:
