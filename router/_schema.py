@@ -50,7 +50,6 @@ from typing import Annotated, Any, Literal, NotRequired, Required, Union, cast, 
 
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.decisions import BaseDecisionModel, Choice, ChoiceAnswer, ClassifierRequest, Noul, NoulAnswer
-from langchain_core.messages import convert_to_messages
 from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import Runnable, RunnableConfig
 from pydantic import BaseModel, TypeAdapter
@@ -58,6 +57,8 @@ from pydantic.fields import FieldInfo
 from typing_extensions import ReadOnly, is_typeddict
 
 from canvasroute.engine import DecisionError, UnsupportedQuestion
+
+from ._state import as_message
 
 __all__ = ["StructuredDecision", "answers_to_schema", "questions_from_schema", "schema_questions"]
 
@@ -163,13 +164,14 @@ class StructuredDecision(Runnable[Any, Any]):
 
 def as_state(value: Any) -> Any:
     """What a chat model would be given, as a decision's state: a prompt's messages, a list of
-    message-likes as messages; a string, a message or anything else as it is."""
+    message-likes as messages (each as a decision reads it in a state: `as_message`); a string, a
+    message or anything else as it is."""
     if isinstance(value, PromptValue):
         return value.to_messages()
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         try:
-            return convert_to_messages(value)
-        except (ValueError, TypeError, NotImplementedError) as exc:
+            return [as_message(m) for m in value]
+        except (ValueError, TypeError, KeyError, NotImplementedError) as exc:
             raise DecisionError(f"a list input is messages, as a chat model reads it: {exc}",
                                 hint="pass other JSON-like state inside a dict") from exc
     return value

@@ -11,10 +11,11 @@ langchain-openai and `convert_to_messages` read it, a `ChatMessage(role="develop
 `{"role": "developer"}` dict); a message's parts one line each (an image `[image N]`, N
 counting the state's images, a refusal `[refusal] text`); an AI message's tool calls one line
 each, `ai: [call NAME id=ID] ARGS` (a custom tool call `ai: [custom call NAME id=ID] INPUT`),
-in the order its content holds them, the arguments exactly as sent where the message keeps
-them (a Responses API `function_call` block, OpenAI chat `additional_kwargs["tool_calls"]`, a
-streamed chunk's `tool_call_chunks`; else their JSON, as langchain-openai sends them back);
-calls whose arguments did not parse as sent; a tool message names its call,
+every call (without an id or sharing one too), in the order its content holds them, the
+arguments exactly as sent where the message keeps them (a Responses API `function_call` block,
+OpenAI chat `additional_kwargs["tool_calls"]`, a streamed chunk's `tool_call_chunks`; matched by
+id and name, then position; else their JSON, as langchain-openai sends them back); calls whose
+arguments did not parse as sent; a tool message names its call,
 `tool: [NAME id=ID] text`. JSON's rules:
 
 - `datetime`, `date`, `time` as ISO 8601; `timedelta`, `UUID`, `Decimal`, paths as `str()`;
@@ -63,8 +64,8 @@ from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, SystemM
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, ImagesUnsupported, defuse
 
-__all__ = ["MAX_DEPTH", "check_images", "image_digests", "image_url", "read_state", "render_state",
-           "state_images", "wire_state"]
+__all__ = ["MAX_DEPTH", "as_message", "check_images", "image_digests", "image_url", "read_state",
+           "render_state", "state_images", "wire_state"]
 
 MAX_DEPTH = 64
 """Deepest nesting of containers a state may have."""
@@ -94,18 +95,33 @@ def state_images(state: Any) -> tuple[str, ...]:
 def read_state(state: Any) -> tuple[str, tuple[str, ...]]:
     """The state's text (not yet defused: that depends on the engine's tokenizer) and its
     images, in one pass over the state."""
-    images: list[str] = []
     if isinstance(state, str):
-        text = state
-    elif (messages := _messages(state)) is not None:
-        _Walk(images).plain(list(messages), (), 0)
-        count = [0]
-        text = "\n".join(line for m in messages for line in _lines(m, count))
-    else:
-        text = json.dumps(_Walk(images).plain(state, (), 0), ensure_ascii=False)
-    if not text.isascii():
-        text = _SURROGATE.sub("\ufffd", text)
-    return text, tuple(images)
+        return _text(state), ()
+    if (messages := _messages(state)) is not None:
+        return _transcript(messages)
+    images: list[str] = []
+    return _text(json.dumps(_Walk(images).plain(state, (), 0), ensure_ascii=False)), tuple(images)
+
+
+def _transcript(messages: Sequence[BaseMessage]) -> tuple[str, tuple[str, ...]]:
+    """Messages as their transcript and its images (`[image N]` is `images[N-1]`)."""
+    images: list[str] = []
+    return _text("\n".join(line for m in messages for line in _lines(m, images))), tuple(images)
+
+
+def _text(text: str) -> str:
+    """`text` with each lone surrogate as U+FFFD."""
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def as_message(value: Any) -> BaseMessage:
+    """A message-like as a state's messages are read: an OpenAI-style message dict by `_from_dict`,
+    anything else (a message, a `(role, text)` pair, a string) as `convert_to_messages` reads it.
+
+    Raises:
+        ValueError, TypeError, KeyError, NotImplementedError: `value` is not a message-like.
+    """
+    return _from_dict(value) if _message_dict(value) else convert_to_messages([value])[0]
 
 
 def _messages(state: Any) -> Sequence[BaseMessage] | None:
@@ -166,10 +182,10 @@ def _speaker(message: BaseMessage) -> str:
     return message.type
 
 
-def _content_text(message: BaseMessage, images: list[int]) -> str:
+def _content_text(message: BaseMessage, images: list[str]) -> str:
     """A message's text as the OpenAI Decisions wire writes its parts: one line each, text as it is,
-    a refusal as `[refusal] text`, an image as `[image N]` (`images[0]` counts the state's images so
-    far); other blocks (tool calls, reasoning) have no text."""
+    a refusal as `[refusal] text`, an image as `[image N]` (its URL appended to `images`, the
+    state's images so far); other blocks (tool calls, reasoning) have no text."""
     if isinstance(message.content, str):
         return message.content
     parts = []
@@ -183,58 +199,89 @@ def _content_text(message: BaseMessage, images: list[int]) -> str:
             parts.append(f"[refusal] {block['text']}" if refusal else block["text"])
         elif block.get("type") == "refusal" and isinstance(block.get("refusal"), str):
             parts.append(f"[refusal] {block['refusal']}")
-        elif image_url(block) is not None:
-            images[0] += 1
-            parts.append(f"[image {images[0]}]")
+        elif (url := image_url(block)) is not None:
+            images.append(url)
+            parts.append(f"[image {len(images)}]")
     return "\n".join(parts)
 
 
-def _lines(message: BaseMessage, images: list[int]) -> list[str]:
+def _lines(message: BaseMessage, images: list[str]) -> list[str]:
     """A message's transcript lines, as the OpenAI Decisions wire writes the same turn: `speaker:
     text` (`_speaker`, `_content_text`); an AI message's tool calls one line each after its text,
-    if any (`ai: [call NAME id=ID] ARGS`, the arguments as sent: `_sent_arguments`; a custom tool
-    call `ai: [custom call NAME id=ID] INPUT`), in the order its content holds them; a tool
-    message names its call (`tool: [NAME id=ID] text`)."""
+    if any (`_call_lines`); a tool message names its call (`tool: [NAME id=ID] text`)."""
     text = _content_text(message, images)
     if isinstance(message, ToolMessage):
         return [f"tool: [{message.name or 'tool'} id={message.tool_call_id}] {text}"]
     if not isinstance(message, AIMessage) or not (message.tool_calls or message.invalid_tool_calls):
         return [f"{_speaker(message)}: {text}"]
-    sent = _sent_arguments(message)
-    calls: dict[Any, str] = {}
-    for call in message.tool_calls:
-        if (given := sent.get(call["id"])) is not None and given[0] == "custom_tool_call":
-            calls[call["id"]] = f"ai: [custom call {call['name']} id={call['id']}] {given[1]}"
-            continue
-        args = given[1] if given is not None else json.dumps(_Walk(None).plain(call["args"], (), 0),
-                                                             ensure_ascii=False)
-        calls[call["id"]] = f"ai: [call {call['name']} id={call['id']}] {args}"
-    invalid = [f"ai: [call {bad['name']} id={bad['id']}] {bad['args']}" for bad in message.invalid_tool_calls]
-    ordered = [calls.pop(i) for i in sent if i in calls]  # as the content orders them (the wire's order)
-    return [*([f"ai: {text}"] if text else []), *ordered, *calls.values(), *invalid]
+    return [*([f"ai: {text}"] if text else []), *_call_lines(message)]
 
 
-def _sent_arguments(message: AIMessage) -> dict[Any, tuple[str, str]]:
-    """Per tool call id, its kind and its arguments as sent, where the message keeps them: a
-    Responses API `function_call` / `custom_tool_call` block in its content (in content order),
-    OpenAI's chat `additional_kwargs["tool_calls"]`, or a streamed chunk's `tool_call_chunks`."""
-    sent: dict[Any, tuple[str, str]] = {}
-    for block in message.content if isinstance(message.content, list) else ():
-        if isinstance(block, Mapping) and block.get("type") == "function_call" and isinstance(
-                block.get("arguments"), str):
-            sent.setdefault(block.get("call_id"), ("function_call", block["arguments"]))
-        elif isinstance(block, Mapping) and block.get("type") == "custom_tool_call" and isinstance(
-                block.get("input"), str):
-            sent.setdefault(block.get("call_id"), ("custom_tool_call", block["input"]))
+_Sent = tuple[str, Any, Any, str]
+"""A tool call as sent: its kind (`function_call`, `custom_tool_call`), id, name and arguments."""
+
+
+def _call_lines(message: AIMessage) -> list[str]:
+    """Every tool call of `message`, one line each: `ai: [call NAME id=ID] ARGS` (a custom tool call
+    `ai: [custom call NAME id=ID] INPUT`). A call's arguments are those sent (`_sent_calls`) for the
+    first call not yet matched with the same id (None included) and name, so calls without an id or
+    sharing one keep their own, by position; else an invalid call's text, or a valid call's JSON.
+    The calls matched are in the order sent (a message's content order, the wire's), then the rest."""
+    sent = _sent_calls(message)
+    taken = [False] * len(sent)
+    placed: list[tuple[int, str]] = []
+    calls = [*((c, False) for c in message.tool_calls), *((c, True) for c in message.invalid_tool_calls)]
+    for k, (call, invalid) in enumerate(calls):
+        j = next((j for j, (_, i, name, _) in enumerate(sent)
+                  if not taken[j] and i == call["id"] and _same_tool(name, call["name"])), None)
+        if j is not None:
+            taken[j] = True
+        placed.append((len(sent) + k if j is None else j, _call_line(call, invalid, None if j is None else sent[j])))
+    return [line for _, line in sorted(placed, key=lambda p: p[0])]
+
+
+def _call_line(call: Any, invalid: bool, sent: _Sent | None) -> str:
+    """One call's line: its arguments as sent, else an invalid call's text or a valid call's JSON."""
+    if sent is not None:
+        kind, args = sent[0], sent[3]
+    elif invalid:
+        kind, args = "function_call", call["args"]
+    else:
+        kind, args = "function_call", json.dumps(_Walk(None).plain(call["args"], (), 0), ensure_ascii=False)
+    custom = "custom " if kind == "custom_tool_call" else ""
+    return f"ai: [{custom}call {call['name']} id={call['id']}] {args}"
+
+
+def _same_tool(sent: Any, name: Any) -> bool:
+    """Whether a call sent as `sent` (None: unnamed) is the call named `name` (`namespace.name` too)."""
+    return sent is None or sent == name or (isinstance(name, str) and name.endswith(f".{sent}"))
+
+
+def _sent_calls(message: AIMessage) -> list[_Sent]:
+    """The message's tool calls as sent, in order, from the first of these the message keeps:
+    Responses API `function_call` / `custom_tool_call` blocks in its content, OpenAI's chat
+    `additional_kwargs["tool_calls"]`, a streamed chunk's `tool_call_chunks`."""
+    content = message.content if isinstance(message.content, list) else []
+    if blocks := [sent for b in content if (sent := _sent_block(b)) is not None]:
+        return blocks
     raw = message.additional_kwargs.get("tool_calls")
-    for call in raw if isinstance(raw, list) else ():
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
-            sent.setdefault(call.get("id"), ("function_call", function["arguments"]))
-    for chunk in getattr(message, "tool_call_chunks", None) or ():
-        if isinstance(chunk.get("args"), str):
-            sent.setdefault(chunk.get("id"), ("function_call", chunk["args"]))
-    return sent
+    calls = [c for c in raw if isinstance(c, Mapping)] if isinstance(raw, list) else []
+    if chat := [("function_call", c.get("id"), f.get("name"), f["arguments"]) for c in calls
+                if isinstance(f := c.get("function"), Mapping) and isinstance(f.get("arguments"), str)]:
+        return chat
+    return [("function_call", c.get("id"), c.get("name"), c["args"])
+            for c in getattr(message, "tool_call_chunks", None) or () if isinstance(c.get("args"), str)]
+
+
+def _sent_block(block: Any) -> _Sent | None:
+    """A Responses API call content block as sent; None for any other block."""
+    if not isinstance(block, Mapping):
+        return None
+    if block.get("type") == "function_call" and isinstance(block.get("arguments"), str):
+        return "function_call", block.get("call_id"), block.get("name"), block["arguments"]
+    if block.get("type") == "custom_tool_call" and isinstance(block.get("input"), str):
+        return "custom_tool_call", block.get("call_id"), block.get("name"), block["input"]
+    return None
 
 
 def wire_state(state: Any) -> tuple[Any, tuple[str, ...]]:
@@ -245,8 +292,8 @@ def wire_state(state: Any) -> tuple[Any, tuple[str, ...]]:
     messages inside it (whose content becomes their text) beside it."""
     if isinstance(state, str):
         return state, ()
-    if _messages(state) is not None:
-        return read_state(state)
+    if (messages := _messages(state)) is not None:
+        return _transcript(messages)
     beside: list[str] = []
     return _Walk(None, beside).plain(state, (), 0), tuple(beside)
 

@@ -276,6 +276,63 @@ def test_an_assistant_turn_of_calls_only_reads_the_same_with_or_without_an_empty
     assert read_state(empty.state)[0] == empty.text
 
 
+def _chat_call(call_id: str | None, name: str, arguments: str) -> dict[str, Any]:
+    """One call as OpenAI's chat API sends it (arguments as text)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@pytest.mark.parametrize("ids", [(None, None), ("c", "c")])
+def test_every_call_of_a_turn_is_read_without_ids_or_with_a_repeated_id(ids: tuple[Any, Any]) -> None:
+    """Defect: the library kept a turn's calls by call id, so calls without an id (or sharing one)
+    overwrote each other: two calls read as the last one, or with another call's arguments."""
+    first, second = ids
+    parsed = [{"name": "a", "args": {"x": 1}, "id": first}, {"name": "b", "args": {"y": 2}, "id": second}]
+    sent = [_chat_call(first, "a", '{"x" :1}'), _chat_call(second, "b", '{"y" :2}')]
+    assert read_state([AIMessage("", tool_calls=parsed)])[0].splitlines() == [
+        f'ai: [call a id={first}] {{"x": 1}}', f'ai: [call b id={second}] {{"y": 2}}']
+    as_sent = [f'ai: [call a id={first}] {{"x" :1}}', f'ai: [call b id={second}] {{"y" :2}}']
+    kept = AIMessage("", tool_calls=parsed, additional_kwargs={"tool_calls": sent})
+    assert read_state([kept])[0].splitlines() == as_sent
+    assert read_state([{"role": "assistant", "content": "", "tool_calls": sent}])[0].splitlines() == as_sent
+    only_b = AIMessage("", tool_calls=parsed, additional_kwargs={"tool_calls": sent[1:]})  # a's arguments not kept
+    assert sorted(read_state([only_b])[0].splitlines()) == [f'ai: [call a id={first}] {{"x": 1}}', as_sent[1]]
+
+
+def test_a_turn_whose_first_call_did_not_parse_reads_in_the_order_sent_on_the_wire_and_in_the_library() -> None:
+    """Defect: the library wrote a turn's unparsed calls after the others, the wire in the order sent."""
+    wire = parse(body(input=[
+        {"role": "user", "content": "Go."},
+        {"type": "function_call", "call_id": "c1", "name": "broken", "arguments": "{not json"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": '{"a" :1}'},
+    ]))
+    assert wire.text.splitlines() == ["human: Go.", "ai: [call broken id=c1] {not json", 'ai: [call f id=c2] {"a" :1}']
+    assert read_state(wire.state) == (wire.text, wire.images)
+    chat = [{"role": "user", "content": "Go."}, {"role": "assistant", "content": "", "tool_calls": [
+        _chat_call("c1", "broken", "{not json"), _chat_call("c2", "f", '{"a" :1}')]}]
+    assert read_state(chat) == (wire.text, wire.images)
+
+
+def test_deeply_nested_call_arguments_read_as_sent_on_the_wire_and_in_the_library() -> None:
+    """Defect: the wire read arguments nested deeper than the library's `MAX_DEPTH` as sent, while
+    the library refused the same conversation (it walked the parsed arguments it never writes)."""
+    arguments = '{"a": ' + "[" * 70 + "]" * 70 + "}"
+    wire = parse(body(input=[{"role": "user", "content": "Go."},
+                             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments}]))
+    assert wire.text == f"human: Go.\nai: [call f id=c1] {arguments}"
+    assert read_state(wire.state) == (wire.text, wire.images)
+    chat = [{"role": "user", "content": "Go."},
+            {"role": "assistant", "content": "", "tool_calls": [_chat_call("c1", "f", arguments)]}]
+    assert read_state(chat) == (wire.text, wire.images)
+
+
+def test_the_wire_writes_the_librarys_transcript_a_lone_surrogate_included() -> None:
+    """The wire's transcript is the library's (`read_state` of the wire's messages), so a lone
+    surrogate (valid JSON, no UTF-8 text) becomes U+FFFD on both."""
+    wire = parse(body(input=[{"role": "user", "content": "a\ud800b"}]))
+    assert wire.text == "human: a\ufffdb"
+    assert read_state(wire.state) == (wire.text, wire.images)
+
+
 @pytest.mark.parametrize(("items", "param", "code"), [
     ([{"type": "function_call_output", "call_id": "nope", "output": "x"}], "input[0].call_id", "unknown_call_id"),
     ([{"type": "custom_tool_call", "call_id": "c", "name": "t", "input": "x"},

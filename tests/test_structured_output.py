@@ -30,6 +30,7 @@ from canvasroute.router import (
     StructuredDecision,
     answers_to_schema,
     questions_from_schema,
+    render_state,
 )
 
 
@@ -379,6 +380,27 @@ def test_the_supervisor_tutorials_router_takes_its_message_dicts_and_answers_a_d
                                "human: Plot the GDP of France.")
     assert system["content"].startswith("Worker to route to next. If no workers needed, route to FINISH.")
     assert "next?" in system["content"]  # a field without a description is asked by its name
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "refund", "arguments": '{"order" :7}'}}
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Refund order 7."}, {"role": "assistant", "content": "", "tool_calls": [CALL]}],
+    [{"role": "user", "content": "Refund it."},
+     {"role": "assistant", "content": "", "tool_calls": [{**CALL, "function": {"name": "refund", "arguments": "{7"}}]}],
+    [{"role": "developer", "content": "Route it."}, {"role": "assistant", "tool_calls": [CALL]}],
+], ids=["arguments as sent", "arguments that do not parse", "a turn of calls only"])
+def test_structured_output_reads_message_dicts_as_a_decision_reads_them(messages):
+    """Defect: `with_structured_output` converted message dicts its own way: it refused calls whose
+    arguments do not parse and an assistant turn without content, and re-spaced the arguments, where
+    a decision on the same messages reads them (`read_state`)."""
+    model = canvas()
+    assert model.with_structured_output(RouteQuery).invoke(messages) == RouteQuery(datasource="web_search")
+    model.invoke({"state": messages, "questions": {"datasource": questions_from_schema(RouteQuery)["datasource"]}})
+    structured, decided = (read.messages[1]["content"] for read in model.engine.reads)
+    assert structured == decided == render_state(messages)
+    assert "ai: [call refund id=c1] " + messages[-1]["tool_calls"][0]["function"]["arguments"] in decided
 
 
 def test_a_list_that_is_not_messages_is_refused_with_a_hint():

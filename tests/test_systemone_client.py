@@ -140,6 +140,21 @@ async def test_a_messages_images_reach_the_served_read_as_a_local_read_sends_the
         await jev.aclose()
 
 
+def test_a_state_of_message_dicts_is_converted_to_messages_once(monkeypatch):
+    """Defect: `wire_state` converted a state's message dicts to see that they are messages, then
+    `read_state` converted them again, on every call."""
+    from canvasroute.router import _state
+
+    state = [{"role": "user", "content": STATE},
+             {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                   "function": {"name": "refund", "arguments": '{"order" :7}'}}]}]
+    expected = _state.read_state(state)
+    converted, real = [], _state._from_dict
+    monkeypatch.setattr(_state, "_from_dict", lambda value: converted.append(value) or real(value))
+    assert _state.wire_state(state) == expected
+    assert converted == state  # each dict once
+
+
 @pytest.mark.vllm
 async def test_against_our_server_on_real_vllm(vllm_url):
     model = CanvasDecisionModel(engine=VLLMServerEngine(vllm_url), policy=GatePolicy(rereads=0))

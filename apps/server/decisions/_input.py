@@ -1,12 +1,12 @@
 """`input`: text, or items (messages, tool calls and their outputs) read into langchain-core messages,
 a transcript and the images, each tool output matched to its call.
 
-The transcript is the one the library writes for the same messages (`canvasroute.router._state`:
-`read_state(messages)` is this transcript): `speaker: text` per message (`human`, `ai`, `system`,
-`developer`), a message's parts one line each (`[image N]` for an image, `[refusal] text`), each
-call on a line of its own with its arguments exactly as sent, each output naming its call. The
-messages keep each call as sent (a `function_call` / `custom_tool_call` content block, as
-langchain-openai keeps a Responses API call), so they read back as the same text."""
+The transcript and the images are the library's for the messages (`canvasroute.router._state`:
+`read_state(messages)`): `speaker: text` per message (`human`, `ai`, `system`, `developer`), a
+message's parts one line each (`[image N]` for an image, `[refusal] text`), each call on a line of
+its own with its arguments exactly as sent, each output naming its call. The messages keep each
+call as sent (a `function_call` / `custom_tool_call` content block, as langchain-openai keeps a
+Responses API call), so the library writes them as sent, in order."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+
+from canvasroute.router import read_state
 
 from ._fields import Path, array, fail, mapping, missing, one_of, optional, param_of, required, string
 
@@ -31,8 +33,6 @@ _STATUSES = ("in_progress", "completed", "incomplete")
 _PART_TYPES = {"user": ("input_text", "input_image", "input_json"), "developer": ("input_text",),
                "system": ("input_text",), "assistant": ("output_text", "refusal")}
 _OUTPUT_PART_TYPES = ("input_text", "input_image")
-_SPEAKERS = {"user": "human", "assistant": "ai", "system": "system", "developer": "developer"}
-"""Who speaks a message in the transcript (the router's names for message types; developer as itself)."""
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output")
 
 
@@ -42,12 +42,10 @@ def read_input(value: Any, ignored: list[str]) -> tuple[str | tuple[BaseMessage,
 
 
 class _Input:
-    """One pass over `input`: messages, the transcript and the images, calls matched to outputs."""
+    """One pass over `input`: the messages, calls matched to outputs; then their transcript and images."""
 
     def __init__(self, ignored: list[str]) -> None:
         self.ignored = ignored
-        self.images: list[str] = []
-        self.lines: list[str] = []
         self.messages: list[BaseMessage] = []
         self.calls: dict[str, tuple[str, str]] = {}  # call_id -> (item type, tool name)
 
@@ -59,7 +57,7 @@ class _Input:
             fail(("input",), "expected text or at least one item.", "empty_array")
         for i, raw in enumerate(items):
             self.item(mapping(raw, ("input", i)), ("input", i))
-        return tuple(self.messages), "\n".join(self.lines), tuple(self.images)
+        return (tuple(self.messages), *read_state(self.messages))
 
     def item(self, item: Mapping[str, Any], path: Path) -> None:
         kind = item.get("type", "message" if "role" in item else None)
@@ -83,7 +81,7 @@ class _Input:
     def message(self, item: Mapping[str, Any], path: Path) -> None:
         role = one_of(required(item, "role", path), tuple(_PART_TYPES), (*path, "role"))
         phase = optional(item, "phase", ("commentary", "final_answer"), path) if role == "assistant" else None
-        content, text = self.content(required(item, "content", path), _PART_TYPES[role], (*path, "content"))
+        content = self.content(required(item, "content", path), _PART_TYPES[role], (*path, "content"))
         if role == "user":
             self.messages.append(HumanMessage(content=content))
         elif role in ("system", "developer"):
@@ -91,7 +89,6 @@ class _Input:
             self.messages.append(SystemMessage(content=content, additional_kwargs=extra))
         else:
             self.messages.append(AIMessage(content=content, additional_kwargs={"phase": phase} if phase else {}))
-        self.lines.append(f"{_SPEAKERS[role]}: {text}")
 
     def call(self, kind: str, item: Mapping[str, Any], path: Path) -> None:
         call_id = string(required(item, "call_id", path), (*path, "call_id"), empty=False)
@@ -107,19 +104,14 @@ class _Input:
             arguments = string(required(item, "arguments", path), (*path, "arguments"))
             call = _tool_call(tool, arguments, call_id)
             block = {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
-            line = f"ai: [call {tool} id={call_id}] {arguments}"
         else:
             given = string(required(item, "input", path), (*path, "input"))
             call = {"type": "tool_call", "name": tool, "args": {"__arg1": given}, "id": call_id}
             block = {"type": "custom_tool_call", "call_id": call_id, "name": name, "input": given}
-            line = f"ai: [custom call {tool} id={call_id}] {given}"
         last = self.messages[-1] if self.messages else None
         if not isinstance(last, AIMessage):  # calls right after an assistant turn belong to it (one AIMessage)
             last = AIMessage(content=[])
             self.messages.append(last)
-        elif not (last.tool_calls or last.invalid_tool_calls or last.text) and self.lines[-1] == "ai: ":
-            self.lines.pop()  # an empty assistant turn before its calls: the calls are the turn
-        self.lines.append(line)
         valid = call["type"] == "tool_call"
         calls = [*(last.tool_calls if valid else last.invalid_tool_calls), call]
         # the call as sent, in content order, as langchain-openai keeps a Responses API call
@@ -136,18 +128,16 @@ class _Input:
             fail((*path, "call_id"), f"no earlier {wanted} has call id {call_id!r}.", "unknown_call_id")
         if got[0] != wanted:
             fail((*path, "call_id"), f"call id {call_id!r} is a {got[0]}, not a {wanted}.", "unknown_call_id")
-        blocks, text = self.content(required(item, "output", path), _OUTPUT_PART_TYPES, (*path, "output"))
+        blocks = self.content(required(item, "output", path), _OUTPUT_PART_TYPES, (*path, "output"))
         extra = {"type": kind} if kind == "custom_tool_call_output" else {}
         self.messages.append(ToolMessage(content=blocks, tool_call_id=call_id, name=got[1], additional_kwargs=extra))
-        self.lines.append(f"tool: [{got[1]} id={call_id}] {text}")
 
-    def content(self, value: Any, allowed: Sequence[str], path: Path) -> tuple[str | list[Any], str]:
-        """Content as langchain blocks (text as is) and its transcript text."""
+    def content(self, value: Any, allowed: Sequence[str], path: Path) -> str | list[Any]:
+        """Content as langchain blocks (text as is)."""
         if isinstance(value, str):
-            return value, value
+            return value
         parts = array(value, path)
         blocks: list[Any] = []
-        texts: list[str] = []
         for i, raw in enumerate(parts):
             where = (*path, i)
             part = mapping(raw, where)
@@ -155,22 +145,15 @@ class _Input:
             if kind in ("input_text", "output_text"):
                 text = string(required(part, "text", where), (*where, "text"))
                 blocks.append({"type": "text", "text": text})
-                texts.append(text)
             elif kind == "refusal":
                 text = string(required(part, "refusal", where), (*where, "refusal"))
                 blocks.append({"type": "text", "text": text, "extras": {"refusal": True}})
-                texts.append(f"[refusal] {text}")
             elif kind == "input_json":
-                text = json_text(required(part, "data", where), (*where, "data"))
-                blocks.append({"type": "text", "text": text})
-                texts.append(text)
+                blocks.append({"type": "text", "text": json_text(required(part, "data", where), (*where, "data"))})
             else:
-                url = image(part, where)
-                self.images.append(url)
-                blocks.append(image_block(url))
-                texts.append(f"[image {len(self.images)}]")
+                blocks.append(image_block(image(part, where)))
             self.ignored += [param_of((*where, k)) for k in part if k not in _PART_KEYS[kind]]
-        return blocks, "\n".join(texts)
+        return blocks
 
 
 _PART_KEYS = {"input_text": ("type", "text", "prompt_cache_breakpoint"), "output_text": ("type", "text", "annotations"),
