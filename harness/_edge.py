@@ -29,7 +29,7 @@ class DecisionEdge(Runnable[Any, str]):
 
     @moved_keywords(_READ_OPTIONS, renaming("DecisionEdge", _READ_OPTIONS))
     def __init__(self, model: CanvasDecisionModel, question: Any, path_map: Mapping[Any, str], *,
-                 inputs: Inputs, question_id: str, read: ReadOptions | Mapping[str, Any] | None = None) -> None:
+                 inputs: Inputs, question_id: str | None, read: ReadOptions | Mapping[str, Any] | None = None) -> None:
         if not isinstance(model, CanvasDecisionModel):
             raise TypeError(f"model must be a CanvasDecisionModel, not {type(model).__name__}")
         if isinstance(question, type):  # a schema of one field: its question, its docstring as instructions
@@ -39,7 +39,8 @@ class DecisionEdge(Runnable[Any, str]):
                     f"route_on asks one question, and {question.__name__} has {len(asked)} fields ({', '.join(asked)})",
                     hint=f"decision_node(model, {question.__name__}, route=(field, {{option: node}})) asks them all")
             (name, question), = asked.items()
-            question_id = name if question_id == "route" else question_id
+            question_id = name if question_id is None else question_id
+        question_id = "route" if question_id is None else question_id
         if not isinstance(path_map, Mapping) or not path_map:
             raise TypeError("route_on needs an explicit path_map {option: node}, so the graph draws its real edges")
         if any(not isinstance(k, str) for k in path_map):
@@ -98,7 +99,7 @@ def _input(request: DecisionRequest) -> dict[str, Any]:
 
 @moved_keywords(_READ_OPTIONS, renaming("route_on", _READ_OPTIONS))
 def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, str], *,
-             inputs: Inputs = None, question_id: str = "route",
+             inputs: Inputs = None, question_id: str | None = None,
              read: ReadOptions | Mapping[str, Any] | None = None) -> DecisionEdge:
     """A path function for `add_conditional_edges` that routes on one canvas-read question.
 
@@ -116,7 +117,8 @@ def route_on(model: CanvasDecisionModel, question: Any, path_map: Mapping[str, s
         path_map: `{option: node}` for every option (explicit, so the drawing shows only
             these targets). Noul options are `yes`/`no`, Score levels `"0"`, `"1"`...
         inputs: What the model reads: None (the whole state), a state key, or a function.
-        question_id: The question's id in spans and decision events.
+        question_id: The question's id in spans and decision events (default: a schema's
+            field name, else `"route"`).
         read: How the canvas is read (`ReadOptions` or a dict of its fields).
 
     Returns:

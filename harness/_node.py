@@ -181,17 +181,24 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         which a plain LangGraph cache would replay for its TTL. A hit's records are replays
         (`timing.replayed == "node_cache"`): they spent nothing in the run that replayed them.
 
+        A hand-built `CachePolicy(key_func=node.cache_key)` is the same node cache: its first key
+        does what this does.
+
         Raises:
             DecisionError: the node keeps `history=`: a hit would replay the records the node
                 wrote then, their history included, in place of this run's.
         """
+        self._cached()
+        return CachePolicy(key_func=self.cache_key, ttl=ttl)
+
+    def _cached(self) -> None:
+        """Mark the node as run behind a node cache (refused with `history=`)."""
         if self.history:
             raise DecisionError(f"decision node {self.name!r} keeps history= and a node cache would replay the "
                                 "records it wrote when it was cached, their history included",
                                 hint="cache the model's decisions instead, CanvasDecisionModel(cache=DecisionCache()): "
                                      "the node still runs, keeps its history and records each hit as a replay")
         self._node_cache = True
-        return CachePolicy(key_func=self.cache_key, ttl=ttl)
 
     def cache_key(self, state: Any) -> str:
         """The node cache's key for deciding on `state`: a SHA-256 (hex) of the node's name, the
@@ -205,8 +212,14 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         (`decision_model`, `gate`) is not part of the key, so do not combine a node cache with
         per-run overrides. A hit replays the node's `Command` without running it and emits no
         decide span. With an escalation-rate controller the key holds its thresholds as this
-        process holds them (`Pins`), and a miss is decided with exactly those.
+        process holds them (`Pins`), and a miss is decided with those (see `Pins` for concurrent
+        runs of one decision).
+
+        Raises:
+            DecisionError: the node keeps `history=` (as `cache_policy` does).
         """
+        if not self._node_cache:
+            self._cached()
         questions = self.questions(state) if callable(self.questions) else self.questions
         decision_state = select_inputs(state, self.inputs, self.output_key)
         request = self.model.request(decision_state, questions, read=self.read, depends_on=self.depends_on)
@@ -233,8 +246,9 @@ class DecisionNode(Runnable[Any, Command[Any]]):
             done = durable(lambda: self._read(job, config, job.request))
             try:
                 human = self._human(job, done.response)
-            except GraphInterrupt:  # the run pauses for a human: its review event, then the interrupt
-                emit(self._review_event(job, done), config, job.observed)
+            except GraphInterrupt:  # the run pauses for a human: its review event (once), then the interrupt
+                if done.fresh:
+                    emit(self._review_event(job, done), config, job.observed)
                 raise
             command, payload = self._finish(job, input, done.response, human, done)
         emit(payload, config, job.observed)
@@ -256,7 +270,8 @@ class DecisionNode(Runnable[Any, Command[Any]]):
             try:
                 human = self._human(job, done.response)
             except GraphInterrupt:
-                await aemit(self._review_event(job, done), config, job.observed)
+                if done.fresh:
+                    await aemit(self._review_event(job, done), config, job.observed)
                 raise
             command, payload = self._finish(job, input, done.response, human, done)
         await aemit(payload, config, job.observed)
@@ -283,7 +298,8 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         request = call.request("node", questions, decision_state, depends_on=self.depends_on, read=self.read,
                                branch=branch)
         if self._node_cache and request.escalation is not None and request.escalation.controller is not None:
-            keyed = self.model.request(decision_state, questions, read=self.read, depends_on=self.depends_on)
+            keyed = request if call.model is self.model else self.model.request(  # a run's model: the key's request
+                decision_state, questions, read=self.read, depends_on=self.depends_on)
             request = self._pins.pinned(request, keyed, branch)
         if callable(self.questions):
             self._check(request)
@@ -309,7 +325,9 @@ class DecisionNode(Runnable[Any, Command[Any]]):
 
     def _review_event(self, job: _Job, done: Checkpointed) -> dict[str, Any]:
         """The event of a decision set that pauses for a human: what it proposes, and what the
-        run that decided it spent (under the id its records will keep)."""
+        run that decided it spent (under the id its records will keep). Sent only by the run that
+        decided it (`done.fresh`): a run that pauses again on the checkpointed decision (a resume
+        of another fan-out branch, `invoke(None)` on a paused thread) read nothing and sends none."""
         assert job.review is not None
         decided = entries(done.response, {}, done.decision, spent=done.spent)
         return event(REVIEW_EVENT, job.call.node, None, decided, job.request,
@@ -329,8 +347,8 @@ class DecisionNode(Runnable[Any, Command[Any]]):
             decided = entries(response, human or {}, job.call.task_id)
         else:
             decided = entries(response, human or {}, done.decision, spent=done.spent)
-            if not done.fresh:
-                spent = (job.call.task_id or uuid.uuid4().hex, Totals.of(response))
+            if not done.fresh:  # the resume replayed the checkpoint: it spent nothing, under its own id
+                spent = (job.call.task_id or uuid.uuid4().hex, Totals())
         goto = self._goto(decided, state)
         trace_route(job.call.attributes, goto)
         update = {self.output_key: self._written(decided, job.earlier, job.request.identity.branch)}
@@ -403,16 +421,32 @@ class _Job:
     """The records in the graph state before this run (read only with `history=`)."""
 
 
+PinKey = tuple[str, str, str, str, str | None]
+
+
+def pin_key(request: DecisionRequest, branch: str | None) -> PinKey:
+    """What a request decides on, of the parts of its `key` that a graph run's request shares with
+    the one `cache_key` makes of the same model (not the gate layer, the seed of the site, the
+    budget meter or controller state): for one model, two requests with the same pin key have the
+    same `cache_key` request."""
+    qset = request.questions
+    return qset.key, qset.depends.key(), request.read.key(), request.state.digest, branch
+
+
 class Pins:
-    """The escalation-rate controller's thresholds a node cache key was computed with, by the
-    key's request (and branch), so the run a miss brings decides with exactly those: LangGraph
-    computes the key before it runs the node, and another decision may move the controller in
-    between. Bounded (`KEEP`); the state is the one the node last ran with (a graph store's)."""
+    """The escalation-rate controller's thresholds a node cache key was computed with, by what the
+    key's request decides on (`pin_key`: questions, dependencies, read options, state; and branch),
+    so the run a miss brings decides with those: LangGraph computes the key before it runs the
+    node, and another decision may move the controller in between. One pin per decision: when a
+    second key of the same decision (and branch) is computed before the first key's run reads its
+    pin (concurrent runs of one decision), both runs decide with the later key's thresholds, and
+    the first key's cache entry holds a decision made with them. Bounded (`KEEP`); the state is the
+    one the node last ran with (a graph store's); an evicted pin's run steers itself."""
 
     KEEP = 1024
 
     def __init__(self) -> None:
-        self._pins: OrderedDict[tuple[str, str | None], dict[str, float]] = OrderedDict()
+        self._pins: OrderedDict[PinKey, dict[str, float]] = OrderedDict()
         self._lock = threading.Lock()
         self.state: Any = None
         """The controller state of the node's last run (None: the model's own)."""
@@ -420,20 +454,23 @@ class Pins:
     def pin(self, request: DecisionRequest, branch: str | None) -> DecisionRequest:
         """`request` steered as the controller stands now, its thresholds kept for its run."""
         steered_ = steered(request.controlled_by(self.state))
+        key = pin_key(request, branch)
         with self._lock:
-            self._pins[request.key, branch] = {qid: s.threshold for qid, s in (steered_.controlled or {}).items()}
-            self._pins.move_to_end((request.key, branch))
+            self._pins[key] = {qid: s.threshold for qid, s in (steered_.controlled or {}).items()}
+            self._pins.move_to_end(key)
             while len(self._pins) > self.KEEP:
                 self._pins.popitem(last=False)
         return steered_
 
     def pinned(self, request: DecisionRequest, keyed: DecisionRequest, branch: str | None) -> DecisionRequest:
-        """`request` (the run's) steered by the thresholds its cache key named (`keyed`: the request
-        `cache_key` made), or left to steer itself when no key was computed for it."""
+        """`request` (the run's) steered by the thresholds its cache key named (`keyed`: a request
+        deciding on what `cache_key`'s request did, the run's own when the run has the node's
+        model), or left to steer itself when no key was computed for it."""
         assert request.escalation is not None
         self.state = request.escalation.controller_state
+        key = pin_key(keyed, branch)
         with self._lock:
-            pin = self._pins.get((keyed.key, branch))
+            pin = self._pins.get(key)
         return request if pin is None else steered(request, pin)
 
 

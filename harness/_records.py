@@ -12,8 +12,8 @@ Events: one payload per decision set reaches two places, LangGraph's custom stre
 (`astream_events` shows it as `on_custom_event`, named by its `type`; LangSmith and other
 callback tracers record it). Types: `canvasroute.decision` (`DECISION_EVENT`: a decision set
 is final: answers, paths, entropies, where the graph goes, its `tally` and `totals`) and
-`canvasroute.review` (`REVIEW_EVENT`: a decision set waits for a human, sent as the review's
-`interrupt()` pauses the run, with what the paused run spent). The `messages` stream shows no
+`canvasroute.review` (`REVIEW_EVENT`: a decision set waits for a human, sent once, by the run
+that decided it, as the review's `interrupt()` pauses it, with what that run spent). The `messages` stream shows no
 decision: a decision is not a chat message, and the models a decision calls are tagged `nostream`.
 """
 

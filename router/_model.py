@@ -11,7 +11,7 @@ import hashlib
 import json
 from collections.abc import Coroutine, Mapping
 from contextlib import suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.decisions import BaseDecisionModel, ClassifierRequest
@@ -170,7 +170,7 @@ class CanvasDecisionModel(BaseDecisionModel):
         escalation = self._memo.defaults.escalation
         if escalation is None or escalation.budget is None or self._memo.own_meter:
             return None
-        return self._scope(escalation, escalation.budget)
+        return self._scope(escalation, "budget", escalation.budget)
 
     @property
     def controller_counters(self) -> dict[str, Any]:
@@ -187,14 +187,21 @@ class CanvasDecisionModel(BaseDecisionModel):
         escalation = self._memo.defaults.escalation
         if escalation is None or escalation.controller is None or self._memo.own_state:
             return None
-        return self._scope(escalation, escalation.controller)
+        return self._scope(escalation, "controller", escalation.controller)
 
-    def _scope(self, escalation: Escalation, value: Any) -> str:
+    def _scope(self, escalation: Escalation, kind: str, value: Any) -> str:
+        """`escalation.name`, else a hash of the model name, the target and `value` (the budget or
+        controller: `kind`), worked out once per model name and target name (a graph store looks it
+        up on every decision)."""
         if escalation.name:
             return escalation.name
         target = escalation.target
-        blob = json.dumps([self.model, type(target).__qualname__, target_name(target), repr(value)])
-        return f"{self.model}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+        key = (kind, self.model, target_name(target))
+        scope = self._memo.scopes.get(key)
+        if scope is None:
+            blob = json.dumps([self.model, type(target).__qualname__, key[2], repr(value)])
+            scope = self._memo.scopes[key] = f"{self.model}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+        return scope
 
     # -- the request ----------------------------------------------------------------------
 
@@ -381,6 +388,8 @@ class _Memo:
     """The engine's served model name, once known (for callback tracers)."""
     only: CanvasDecisionModel | None = None
     """The model's `canvas_only()` copy, once made."""
+    scopes: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    """`budget_scope` and `controller_scope` by kind, model name and target name, once worked out."""
 
 
 __all__ = ["REQUEST_KEYS", "CanvasDecisionModel", "QuestionSpec"]

@@ -22,7 +22,7 @@ from langgraph.cache.memory import InMemoryCache
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.store.memory import InMemoryStore
-from langgraph.types import Command, Send
+from langgraph.types import CachePolicy, Command, Send
 from prometheus_client.parser import text_string_to_metric_families
 from typing_extensions import TypedDict
 
@@ -38,7 +38,7 @@ from canvasroute.apps.bench.controller import (
 )
 from canvasroute.apps.cli import main
 from canvasroute.apps.server import create_app
-from canvasroute.engine import CanvasRead, EngineUnavailable, FunctionEngine
+from canvasroute.engine import CanvasRead, DecisionError, EngineUnavailable, FunctionEngine
 from canvasroute.harness import (
     NodeCache,
     ReviewPolicy,
@@ -277,6 +277,43 @@ async def test_a_decision_node_in_a_graph_with_a_store_keeps_its_controller_ther
     assert out["decisions"]["urgent"]["read"]["gate"] == f"H/lnK <= {round(0.5 + share, 2):g}"
 
 
+class _Counted:
+    """A policy value that counts how often it is spelled out (`repr`: what a store scope hashes)."""
+
+    reprs = 0
+
+    def __repr__(self) -> str:
+        type(self).reprs += 1
+        return super().__repr__()
+
+
+class CountedController(_Counted, Controller):
+    reprs = 0
+
+
+class CountedBudget(_Counted, EscalationBudget):
+    reprs = 0
+
+
+async def test_a_models_store_scopes_are_worked_out_once_not_on_every_decision():
+    """A graph store finds the model's controller and budget by their scopes: the same names as
+    ever, hashed once per model, however many decisions look them up."""
+    store = InMemoryStore()
+    controller, budget = CountedController(target=TARGET, sync_every=1), CountedBudget(max_per_window=100)
+    model = controlled(0.5, controller=controller, budget=budget)
+    scopes = (model.controller_scope, model.budget_scope)
+    assert None not in scopes and (CountedController.reprs, CountedBudget.reprs) == (1, 1)
+    graph = one_node_graph(decision_node(model, {"urgent": URGENT}, inputs="ticket"), store=store)
+    for i in range(3):
+        assert (await graph.ainvoke({"ticket": f"h=0.9 scope {i}"}))["decisions"]["urgent"]["path"] == "escalated"
+    assert (model.controller_scope, model.budget_scope) == scopes
+    assert (CountedController.reprs, CountedBudget.reprs) == (1, 1)
+    twin = controlled(0.5, controller=controller, budget=budget)  # another worker's model of the same make
+    assert (twin.controller_scope, twin.budget_scope) == scopes
+    assert len(store.search(("canvasroute", "controller", scopes[0]))) == 1
+    assert store.search(("canvasroute", "budget", scopes[1], "window"))
+
+
 async def test_route_on_steers_and_observes_through_the_model():
     model = controlled(0.5)
     builder = StateGraph(Ticket)
@@ -328,6 +365,63 @@ async def test_a_node_cache_key_names_the_thresholds_and_its_miss_is_decided_wit
     command = await node.ainvoke(state)
     assert command.update["decisions"]["urgent"]["read"]["gate"] == "H/lnK <= 0.6"
     assert command.update["decisions"]["urgent"]["path"] == "escalated"
+
+
+@pytest.mark.parametrize("policy", ["cache_policy()", "CachePolicy(key_func=node.cache_key)"])
+async def test_a_hand_built_cache_policy_pins_and_refuses_as_cache_policy_does(policy):
+    """`CachePolicy(key_func=node.cache_key)` is the same node cache as `node.cache_policy()`: the
+    run its key brings decides with the thresholds the key named; a keyless fan-out and history= are refused."""
+    def cached(node: Any) -> Any:
+        return node.cache_policy() if policy == "cache_policy()" else CachePolicy(key_func=node.cache_key)
+
+    model = controlled(0.5, controller=COARSE)
+    node = decision_node(model, {"urgent": URGENT}, inputs="ticket")
+    builder = StateGraph(Ticket)
+    builder.add_node("triage", node, cache_policy=cached(node))
+    builder.add_edge(START, "triage")
+    builder.add_edge("triage", END)
+    graph = builder.compile(cache=NodeCache(InMemoryCache()))
+    assert (await graph.ainvoke({"ticket": "h=0.65 hand"}))["decisions"]["urgent"]["read"]["gate"] == "H/lnK <= 0.5"
+    state = {"ticket": "h=0.65 pinned"}
+    node.cache_key(state)  # as LangGraph computes it before the run; the controller then moves
+    await loosen(model, 5)  # now 0.6
+    command = await node.ainvoke(state)
+    assert command.update["decisions"]["urgent"]["read"]["gate"] == "H/lnK <= 0.5"  # the key's, not 0.6
+    assert command.update["decisions"]["urgent"]["path"] == "escalated"
+    unpinned = await node.ainvoke({"ticket": "h=0.65 no key"})
+    assert unpinned.update["decisions"]["urgent"]["read"]["gate"] == "H/lnK <= 0.6"
+
+    class Fan(TypedDict, total=False):
+        tickets: list[str]
+        ticket: str
+        decisions: Annotated[dict, merge_decisions]
+
+    keyless = decision_node(controlled(0.5), {"urgent": URGENT}, inputs="ticket")
+    fan = StateGraph(Fan)
+    fan.add_node("triage", keyless, cache_policy=cached(keyless))
+    fan.add_conditional_edges(START, lambda s: [Send("triage", {"ticket": t}) for t in s["tickets"]], ["triage"])
+    with pytest.raises(DecisionError, match="node cache and runs in a Send fan-out"):
+        await fan.compile(cache=NodeCache(InMemoryCache())).ainvoke({"tickets": ["h=0.1 a", "h=0.1 b"]})
+    kept = decision_node(controlled(0.5), {"urgent": URGENT}, inputs="ticket", history=2)
+    with pytest.raises(DecisionError, match="history= and a node cache"):
+        cached(kept).key_func({"ticket": "h=0.1 kept"})  # refused by cache_policy(), else at the key
+
+
+async def test_a_node_cache_miss_builds_the_keys_request_and_the_runs_and_no_third(monkeypatch):
+    """The run finds its pin from its own request: it does not build the key's request again."""
+    built = []
+    request = CanvasDecisionModel.request
+
+    def counted(self: CanvasDecisionModel, *args: Any, **kwargs: Any) -> Any:
+        built.append(kwargs.get("site"))
+        return request(self, *args, **kwargs)
+
+    model = controlled(0.5, controller=COARSE)
+    graph = one_node_graph(decision_node(model, {"urgent": URGENT}, inputs="ticket"), cache=NodeCache(InMemoryCache()))
+    monkeypatch.setattr(CanvasDecisionModel, "request", counted)
+    out = await graph.ainvoke({"ticket": "h=0.65 built"})
+    assert out["decisions"]["urgent"]["path"] == "escalated" and decisions(model) == 1
+    assert [site is None for site in built] == [True, False]  # cache_key's request, then the run's
 
 
 # -- budgets, review, fan-out, faults ---------------------------------------------------------------

@@ -274,6 +274,16 @@ def test_route_on_takes_a_schema_of_one_field():
     assert "decision_node(model, Two" in caught.value.hint
 
 
+def test_route_on_keeps_an_explicit_question_id_even_the_default_spelling():
+    """`question_id="route"` given with a schema is the caller's id, not the field's name."""
+    model = CanvasDecisionModel(engine=docstring_engine(RouteQuery))
+    paths = {"vectorstore": "vectorstore", "web_search": "web_search"}
+    assert route_on(model, RouteQuery, paths, question_id="route").question_id == "route"
+    assert route_on(model, RouteQuery, paths, question_id="source").question_id == "source"
+    assert route_on(model, RouteQuery, paths).question_id == "datasource"  # not given: the field's name
+    assert route_on(model, Noul(instructions="Relevant?"), {"yes": "a", "no": "b"}).question_id == "route"
+
+
 def test_a_schema_field_with_no_question_form_is_refused_where_the_schema_is_given():
     class Graded(BaseModel):
         """Grade it."""

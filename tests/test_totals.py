@@ -258,3 +258,53 @@ def test_a_review_checkpointed_before_decision_sets_had_ids_still_resumes_as_a_r
     done = _checkpointed(decided.model_dump(mode="json"), False, 0.01)
     assert done.response.replayed == "checkpoint" and done.response.totals == Totals()
     assert done.spent == done.response.original == decided.totals and done.decision
+
+
+def summed(events: list[dict[str, Any]]) -> Totals:
+    """What a consumer that adds up every event's totals (no dedup by id) sees."""
+    return sum((Totals.from_dict(e["totals"]) for e in events), Totals())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_review_repaused_without_a_resume_sends_no_second_review_event(mode):
+    """`invoke(None)` on a paused thread re-runs the node: its decision comes back from the
+    checkpoint and it pauses again, but the read was reported when it was made, so the events
+    summed as they come total the read once."""
+    engine = fixed_engine(UNSURE)
+    graph = one_node(CanvasDecisionModel(engine=engine, policy=GATE), review=ReviewPolicy(),
+                     checkpointer=InMemorySaver())
+    runner = run if mode == "sync" else lambda *a: run_sync(arun(*a))
+    config = {"configurable": {"thread_id": "repause"}}
+    paused, paused_events = runner(graph, {"ticket": "Refund me"}, config)
+    again, again_events = runner(graph, None, config)
+    assert "__interrupt__" in paused and "__interrupt__" in again and engine.calls == 1
+    assert [e["type"] for e in paused_events] == ["canvasroute.review"] and again_events == []
+    out, events = runner(graph, Command(resume="yes"), config)
+    everything = paused_events + again_events + events
+    assert summed(everything) == run_totals(everything) == run_totals(out["decisions"])
+    assert spend(summed(everything))[:5] == (1, 1, 1, 1, 0)
+
+
+def test_a_fan_out_reviewed_one_branch_at_a_time_reports_each_read_once():
+    """Two `Send` branches pause; resuming one re-runs the other, which pauses again from its
+    checkpointed decision and sends nothing: every event's totals summed equal the records'."""
+    engine = fixed_engine(UNSURE)
+    node = decision_node(CanvasDecisionModel(engine=engine, policy=GATE), OK, inputs="doc", branch="doc_id",
+                         review=ReviewPolicy())
+    builder = StateGraph(State)
+    builder.add_node("grade", node)
+    builder.add_conditional_edges(START, lambda s: [Send("grade", {"doc": t, "doc_id": d})
+                                                    for d, t in s["docs"].items()], ["grade"])
+    builder.add_edge("grade", END)
+    graph = builder.compile(checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": "fan-out review"}}
+    _, everything = run(graph, {"docs": {"faq-2": "Refunds take five days.", "faq-9": "Nine."}}, config)
+    first, second = graph.get_state(config).interrupts
+    _, half_events = run(graph, Command(resume={first.id: "yes"}), config)
+    assert [i.id for i in graph.get_state(config).interrupts] == [second.id]
+    assert [e["type"] for e in half_events] == ["canvasroute.decision"]  # the resumed branch only
+    out, last_events = run(graph, Command(resume={second.id: "no"}), config)
+    everything += half_events + last_events
+    assert engine.calls == 2 and sorted(out["decisions"]["ok"]) == ["faq-2", "faq-9"]
+    assert summed(everything) == run_totals(everything) == run_totals(out["decisions"])
+    assert spend(summed(everything))[:5] == (2, 2, 2, 2, 0)
