@@ -23,7 +23,7 @@ import pytest
 import requests
 import schemathesis
 from background import job
-from fuzzing import run_cases
+from fuzzing import PATIENT, run_cases
 from gateway_contract import GATEWAY_CONTRACT, STRICTER
 from schemathesis import GenerationMode
 from schemathesis.core.failures import Failure, FailureGroup
@@ -68,7 +68,7 @@ def gateway_fuzz(work: Path) -> dict[str, Any]:
     problems: list[str] = []
     calls = itertools.count()
 
-    with run_in_thread(app) as url, requests.Session() as session:
+    with run_in_thread(app, limits=PATIENT) as url, requests.Session() as session:
         def fuzz(case):
             next(calls)
             response = case.call(base_url=url, session=session, timeout=15)

@@ -20,7 +20,7 @@ import pytest
 import requests
 import schemathesis
 from background import job
-from fuzzing import run_cases
+from fuzzing import PATIENT, run_cases
 from schemathesis import GenerationMode
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
@@ -84,7 +84,7 @@ def systemone_fuzz(work: Path) -> dict[str, Any]:
 
     calls = itertools.count()
 
-    with run_in_thread(app) as url, requests.Session() as session:
+    with run_in_thread(app, limits=PATIENT) as url, requests.Session() as session:
         def fuzz(case):
             if next(calls) % 10:  # one in ten keeps whatever authorization the fuzzer made up
                 case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"}
@@ -143,7 +143,7 @@ def decisions_fuzz(work: Path) -> dict[str, Any]:
     problems: list[str] = []
     calls = itertools.count()
 
-    with run_in_thread(app) as url, requests.Session() as session:
+    with run_in_thread(app, limits=PATIENT) as url, requests.Session() as session:
         def fuzz(case):
             n = next(calls)
             if n % 10:
