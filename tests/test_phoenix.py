@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import pytest
@@ -20,7 +21,7 @@ from langchain_core.messages import AIMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from opentelemetry import trace
-from services import Phoenix
+from services import PHOENIX_WAIT_S, Phoenix
 from typing_extensions import TypedDict
 
 from canvasroute.engine import EngineUnavailable, FunctionEngine
@@ -79,13 +80,23 @@ def _run(monkeypatch: pytest.MonkeyPatch, phoenix: Phoenix, project: str, thread
         return format(root.get_span_context().trace_id, "032x")
 
 
-def _spans(phoenix: Phoenix, project: str, trace_id: str, expected: int) -> list[dict]:
-    deadline = time.monotonic() + 30
+def _spans(phoenix: Phoenix, project: str, ready: Callable[[list[dict]], bool]) -> list[dict]:
+    """The project's spans once `ready` holds of them, or as they are after `PHOENIX_WAIT_S` (Phoenix
+    runs at low priority beside the suite: its ingestion may lag the exporter by many seconds)."""
+    deadline = time.monotonic() + PHOENIX_WAIT_S
     while True:
-        spans = [s for s in phoenix.spans(project) if s["context"]["trace_id"] == trace_id]
-        if len(spans) >= expected or time.monotonic() > deadline:
+        spans = phoenix.spans(project)
+        if ready(spans) or time.monotonic() > deadline:
             return spans
         time.sleep(0.3)
+
+
+def _trace(phoenix: Phoenix, project: str, trace_id: str, expected: int) -> list[dict]:
+    """The spans of one trace, once `expected` of them arrived."""
+    def of_trace(spans: list[dict]) -> list[dict]:
+        return [s for s in spans if s["context"]["trace_id"] == trace_id]
+
+    return of_trace(_spans(phoenix, project, lambda spans: len(of_trace(spans)) >= expected))
 
 
 @pytest.mark.services
@@ -93,7 +104,7 @@ def test_a_graph_run_reads_well_in_phoenix(monkeypatch: pytest.MonkeyPatch, phoe
     project, thread = f"canvasroute-{uuid.uuid4().hex[:6]}", f"thread-{uuid.uuid4().hex[:6]}"
     trace_id = _run(monkeypatch, phoenix, project, thread)
     # ticket run > 2 x (decide > canvas_read), the second decide also > escalate > chat
-    spans = _spans(phoenix, project, trace_id, 7)
+    spans = _trace(phoenix, project, trace_id, 7)
     by_name = {s["name"]: s for s in spans}
     assert sorted(by_name) == ["canvas_read fn-phoenix", "chat GenericFakeChatModel", "decide fn-phoenix",
                                "escalate GenericFakeChatModel", "ticket run"] and len(spans) == 7, \
@@ -146,7 +157,7 @@ def test_a_graph_run_reads_well_in_phoenix(monkeypatch: pytest.MonkeyPatch, phoe
 def test_errors_and_recorded_content_in_phoenix(monkeypatch: pytest.MonkeyPatch, phoenix: Phoenix) -> None:
     project, thread = f"canvasroute-{uuid.uuid4().hex[:6]}", f"thread-{uuid.uuid4().hex[:6]}"
     trace_id = _run(monkeypatch, phoenix, project, thread, fail=True, content=True)
-    spans = _spans(phoenix, project, trace_id, 3)
+    spans = _trace(phoenix, project, trace_id, 3)
     by_name = {s["name"]: s for s in spans}
     decide, read = by_name["decide fn-phoenix"], by_name["canvas_read fn-phoenix"]
     assert decide["status_code"] == read["status_code"] == "ERROR"
@@ -174,9 +185,7 @@ def test_demo_exports_to_phoenix_over_standard_otlp_env(vllm_url: str, phoenix: 
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"exporting spans over OTLP to {phoenix.url}" in done.stdout
-    deadline = time.monotonic() + 30
-    while not (spans := phoenix.spans(project)) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    spans = _spans(phoenix, project, lambda spans: sum(s["name"].startswith("decide ") for s in spans) >= 3)
     decides = [s for s in spans if s["name"].startswith("decide ")]
     reads = [s for s in spans if s["name"].startswith("canvas_read ")]
     assert len(decides) == 3, "one decision set per sample ticket"
