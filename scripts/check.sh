@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Lint and types, as CI runs them: `ruff check .` on the repository and `mypy --strict` on the
-# library. mypy runs in the import root (.canvasroute/import-root, built here if missing: pyproject
-# maps the layer folders beneath `canvasroute`) with `-p canvasroute`, so it checks the package
-# as installed. Both run even when the first fails; the exit status is non-zero if either did.
+# library. mypy runs in the import root (src/, where `canvasroute` is the package as the wheel lays
+# it out: scripts/import_root.py) with `-p canvasroute`, so it checks the package as installed. Both run even when the first fails; the exit status is non-zero if either did.
 #   scripts/check.sh            ruff + mypy (uses .venv, else the python3 on PATH)
 #   PYTHON=/path/to/python scripts/check.sh
 set -uo pipefail

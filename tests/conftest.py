@@ -45,7 +45,7 @@ def _load_import_root_script() -> ModuleType:
 
 _IMPORT_ROOT_SCRIPT = _load_import_root_script()
 LAYERS: dict[str, str] = _IMPORT_ROOT_SCRIPT.layers(ROOT)
-"""`canvasroute.<name>` -> its folder in the repository (pyproject.toml's `package-dir`)."""
+"""`canvasroute.<name>` -> its folder at the top of the repository (canvasroute/ links each)."""
 
 
 IMPORT_ROOT: Path = _IMPORT_ROOT_SCRIPT.build(ROOT)

@@ -302,7 +302,7 @@ print(json.dumps([node.cache_key(state), decision_seed("triage", "node", {"team"
 def keys_per_hash_seed(work: Path) -> list[tuple[int, int, str, str]]:
     """`_KEY_SCRIPT` under PYTHONHASHSEED 0 to 3, side by side: (seed, exit status, stdout, stderr) of each."""
     tests = str(ROOT / "tests")
-    procs = {seed: subprocess.Popen([sys.executable, "-c", _KEY_SCRIPT, str(ROOT / ".canvasroute" / "import-root"),
+    procs = {seed: subprocess.Popen([sys.executable, "-c", _KEY_SCRIPT, str(ROOT / "src"),
                                      tests], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env=child_env(PYTHONHASHSEED=str(seed))) for seed in (0, 1, 2, 3)}
     outputs = {seed: proc.communicate(timeout=300) for seed, proc in procs.items()}

@@ -92,8 +92,11 @@ def _room(module: str) -> str | None:
 
 def test_pyproject_maps_every_folder_and_ships_every_package():
     setup = PYPROJECT["tool"]["setuptools"]
-    assert setup["package-dir"] == {"canvasroute": "canvasroute", **{f"canvasroute.{room}": room for room in ORDER}}
-    assert {room: room for room in ORDER} == LAYERS  # the import root (scripts/import_root.py) maps the same
+    assert setup["package-dir"] == {"": "src"}  # a plain path: an editable install static tools can read
+    assert {room: room for room in ORDER} == LAYERS  # the import root (scripts/import_root.py) links the same
+    for room in ORDER:  # canvasroute/ is the whole package: a committed symlink to each layer folder
+        assert (ROOT / "canvasroute" / room).is_symlink() and (ROOT / "canvasroute" / room).resolve() == ROOT / room
+    assert (ROOT / "src" / "canvasroute").resolve() == ROOT / "canvasroute"
     on_disk = {m for m, p in MODULES.items() if p.name == "__init__.py"}
     assert set(setup["packages"]) == on_disk
     assert PYPROJECT["project"]["scripts"]["canvasroute"] == "canvasroute.apps.cli:main"
@@ -227,7 +230,7 @@ def everything_imported(work: Path) -> subprocess.CompletedProcess[str]:
             "    if not m.endswith('__main__'):\n"
             "        importlib.import_module(m)\n"
             "print(sorted(n for n in sys.modules if n.split('.')[0] in ('engine', 'router', 'harness', 'apps')))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / ".canvasroute" / "import-root")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
 
 
@@ -361,3 +364,54 @@ def test_mypy_strict_passes_on_a_typed_user_script(installed, project):
                           "app.py"], cwd=project, capture_output=True, text=True, env=_clean_env(), timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "missing library stubs or py.typed marker" not in run.stdout
+
+
+# -- an editable install, as the README's contributors make it ---------------------------------
+
+USER_TYPES = '''"""What a user's editor and type checker see of canvasroute after `pip install -e`."""
+
+from langchain_core.decisions import Choice
+
+from canvasroute import CanvasDecisionModel, FunctionEngine, GatePolicy
+
+model = CanvasDecisionModel(engine=FunctionEngine(lambda read: []), policy=GatePolicy(max_normalized_entropy=0.5))
+team = Choice(instructions="Which team?", criteria={"billing": None, "technical": None})
+resp = model.invoke({"state": "Refund me", "questions": {"team": team}})
+reveal_type(model)
+reveal_type(resp)
+reveal_type(resp.totals.reads)
+'''
+REVEALED = ("canvasroute.router._model.CanvasDecisionModel", "canvasroute.router._types.CanvasResponse", "int")
+
+
+@job
+def editable(work: Path) -> Path:
+    """A fresh venv with this checkout installed editable (`pip install -e .`), mypy and pyright (its
+    first run fetches the pyright npm package, done here, in the background)."""
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                          "-e", str(ROOT), "mypy", "pyright"], capture_output=True, text=True, timeout=900)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    warm = subprocess.run([str(venv / "bin" / "pyright"), "--version"], capture_output=True, text=True, timeout=600,
+                          env=_clean_env())
+    assert warm.returncode == 0, warm.stdout[-2000:] + warm.stderr[-2000:]
+    return venv
+
+
+@pytest.mark.services
+def test_an_editable_install_shows_mypy_and_pyright_the_real_types(editable, tmp_path):
+    (tmp_path / "user.py").write_text(USER_TYPES)
+    python = str(editable / "bin" / "python")
+    mypy = subprocess.run([python, "-m", "mypy", "--no-incremental", "user.py"], cwd=tmp_path, capture_output=True,
+                          text=True, env=_clean_env(), timeout=600)
+    seen = [line.split("Revealed type is ", 1)[1].strip('"') for line in mypy.stdout.splitlines()
+            if "Revealed type is" in line]
+    assert mypy.returncode == 0 and seen == list(REVEALED), mypy.stdout[-3000:]
+    (tmp_path / "pyrightconfig.json").write_text(json.dumps({"venvPath": str(editable.parent), "venv": editable.name}))
+    pyright = subprocess.run([str(editable / "bin" / "pyright"), "--outputjson", "user.py"], cwd=tmp_path,
+                             capture_output=True, text=True, env=_clean_env(), timeout=600)
+    told = [d["message"] for d in json.loads(pyright.stdout)["generalDiagnostics"] if d["severity"] == "information"]
+    assert told == [f'Type of "{expr}" is "{shown}"' for expr, shown in (
+        ("model", "CanvasDecisionModel"), ("resp", "CanvasResponse"),
+        ("resp.totals.reads", "int"))], pyright.stdout[-3000:]

@@ -194,7 +194,7 @@ async def test_canvasroute_serve_logs_json_with_the_request_id_and_stops_within_
         proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once; the test drives the child by hand
             [sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine-url", vllm.url, "--port", str(port),
              "--log-format", "json", "--shutdown-timeout", "1", "--rereads", "0"],
-            # cwd: not the repository, whose canvasroute/ would shadow the import root
+            # cwd: not the repository (a user runs serve from their own folder)
             cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"
         try:
