@@ -3,7 +3,7 @@
 A `Controller` (on `Escalation(controller=...)`) is a set point, beside the budget's cap. Per
 question it controls, it keeps an offset that moves the gate's `max_normalized_entropy`:
 
-    threshold = clamp(base + offset, 0, 1), rounded to `Controller.resolution`
+    threshold = base + offset, the offset rounded to `Controller.resolution` (the base never is)
     offset   <- clamp(offset + step * (escalated - target), low, high)   after each decision
 
 This is adaptive conformal inference (ACI: Gibbs & Candès, "Adaptive Conformal Inference Under
@@ -27,9 +27,12 @@ not. A gate the controller moved drops its certificate for that decision (as any
 the bound was proved on the certified threshold, and Learn then Test's sequence does not cover
 every stricter one), so its `gate` text claims nothing it was not proved for; held at its
 certified threshold it keeps it. An update that would leave the bounds stops at them (it is not
-integrated), so the offset never winds up past what it can apply. An uncertified gate
-(`certified=False`) passes nothing whatever its threshold: the controller leaves it alone, as it
-does a gate without an entropy threshold.
+integrated), so the offset never winds up past what it can apply. Only the offset is rounded to the
+resolution, never the base: a gate at offset 0 is gated at its own threshold exactly (a calibrated
+0.431518 stays 0.431518, certificate and all), a moved one at the base plus whole grid steps.
+
+An uncertified gate (`certified=False`) passes nothing whatever its threshold: the controller
+leaves it alone, as it does a gate without an entropy threshold.
 
 What counts as escalated: a question the gate did not pass: cause `uncertain` or `abstained`,
 and `over_budget` (the budget refused its escalation, but the gate did not pass it either: the
@@ -232,10 +235,7 @@ def steered(request: DecisionRequest, pinned: Mapping[str, float] | None = None)
         if qid in pinned:
             threshold = pinned[qid]
         else:
-            threshold = base + min(max(offsets.get(qid, 0.0), low), high)
-            if c.resolution:
-                threshold = round(round(threshold / c.resolution) * c.resolution, 10)
-        threshold = min(max(threshold, base + low, 0.0), base + high, 1.0)  # rounding never loosens past high
+            threshold = _threshold(base, offsets.get(qid, 0.0), low, high, c.resolution)
         settings[qid] = ControlSetting(base, threshold, low, high)
         if threshold != base:  # a moved gate no longer claims its certificate: it was proved on its own threshold
             changed[qid] = replace(g, per_question={}, max_normalized_entropy=threshold, certificate=None)
@@ -243,6 +243,16 @@ def steered(request: DecisionRequest, pinned: Mapping[str, float] | None = None)
         return replace(request, controlled=settings)
     gate = replace(request.gate, per_question={**request.gate.per_question, **changed})
     return replace(request, gate=gate, gates={**gates, **changed}, controlled=settings)
+
+
+def _threshold(base: float, offset: float, low: float, high: float, resolution: float) -> float:
+    """The threshold `base` moved by `offset`: the offset clamped to [low, high] and rounded to the
+    `resolution` grid, the base itself never rounded (an offset that rounds to 0 leaves `base`, the
+    very number a certificate was proved on); the rounding never leaves [low, high] either."""
+    step = min(max(offset, low), high)
+    if resolution:
+        step = min(max(round(step / resolution) * resolution, low), high)
+    return base if not step else min(max(round(base + step, 10), 0.0), 1.0)
 
 
 async def observe(request: DecisionRequest, reports: Sequence[ReadReport], span: Any,

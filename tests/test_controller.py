@@ -534,6 +534,26 @@ async def test_a_certified_gate_is_only_ever_tightened_unless_told():
     assert gate_threshold(report) > 0.3
 
 
+@pytest.mark.parametrize("base", [0.7419, 0.431518])  # a calibrated threshold, as `calibrate` writes one
+async def test_a_certified_gate_held_at_offset_zero_keeps_its_exact_threshold_and_its_certificate(base, spans):
+    """The controller moves a threshold by offsets on its grid; it never rounds the base: at offset 0 the
+    gate is the certified one (the same number the certificate was proved on), and says so."""
+    certified = GatePolicy(max_normalized_entropy=base, rereads=0, certificate=CERTIFIED)
+    model = controlled(policy=certified)
+    between = (round(base, 2) + base) / 2  # over the base rounded to the resolution, within the exact base
+    report = (await model.adecide(f"h={between:.6f} exact", {"urgent": URGENT})).reads["urgent"]
+    assert report.gate == certified.gate_text and "(certified: " in report.gate
+    assert (report.path, report.confident) == ("canvas", True), "gated at the exact certified threshold"
+    decide = [s for s in spans.get_finished_spans() if s.name.startswith("decide")][-1]
+    event = next(e for e in decide.events if e.name == tm.QUESTION_EVENT)
+    assert event.attributes[tm.FIGURE_KEYS["gate"]] == certified.gate_text
+    for i in range(20):  # nothing escalates: the controller tightens, by whole steps of its resolution
+        report = (await model.adecide(f"h=0.0 t{i}", {"urgent": URGENT})).reads["urgent"]
+    steps = round((gate_threshold(report) - base) / 0.01)
+    assert steps < 0 and gate_threshold(report) == pytest.approx(base + steps * 0.01)
+    assert "certified" not in report.gate
+
+
 async def test_an_uncertified_gate_stays_escalate_all_and_is_left_alone():
     uncertified = GatePolicy(max_normalized_entropy=0.3, rereads=0,
                              certificate=Certificate(max_error=0.05, confidence=0.9, rows=12, escalation_rate=1.0,
