@@ -37,9 +37,15 @@ leaves it alone, as it does a gate without an entropy threshold.
 What counts as escalated: a question the gate did not pass: cause `uncertain` or `abstained`,
 and `over_budget` (the budget refused its escalation, but the gate did not pass it either: the
 set point is about the gate, the cap about calls, so a spent budget does not wind the controller
-up). What does not count: engine faults (not a gate outcome), skipped questions, decisions that
-raised, cache hits (nothing was gated again) and canvas-only reads (shadow mode, eval: no
-escalation). Every other question is one observation, once per decision.
+up). What does not count: engine faults (not a gate outcome), skipped questions, cache hits
+(nothing was gated again) and canvas-only reads (shadow mode, eval: no escalation). Every other
+question is one observation, once per decision, whatever its action then did: a decision that
+raised its outcome (`OutcomePolicy(over_budget="raise")` past a spent budget, `uncertain="raise"`,
+an escalation that failed for good) is observed for every question it gated before it raised, as
+the same decision answering would be (else only the answers the gate passed reach the controller,
+and a spent budget tightens it). A decision that failed with a fault that may pass by itself (a
+`retryable` error: a target that timed out, an engine that is down) is not: a retry decides it
+again, and is observed then.
 
 When: the effective thresholds are applied to the request once, at the start of its run
 (`steer`: the state refreshed, then a `replace` of the request's gates, so every stage, the
@@ -55,7 +61,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -64,7 +70,6 @@ from ._policy import Controller, ControlSetting, GatePolicy
 
 if TYPE_CHECKING:
     from ._request import DecisionRequest
-    from ._types import ReadReport
 
 __all__ = ["ControllerState", "InMemoryControllerState", "Observation", "controls", "observe", "steer", "steered"]
 
@@ -255,9 +260,10 @@ def _threshold(base: float, offset: float, low: float, high: float, resolution: 
     return base if not step else min(max(round(base + step, 10), 0.0), 1.0)
 
 
-async def observe(request: DecisionRequest, reports: Sequence[ReadReport], span: Any,
+async def observe(request: DecisionRequest, gated: Mapping[str, bool], span: Any,
                   fault: Exception | None = None) -> None:
-    """Feed each controlled question's outcome to the controller's state, once per decision.
+    """Feed each controlled question's outcome to the controller's state, once per decision:
+    `gated` says, per question the decision gated, whether the gate did not pass it.
 
     A state that cannot record it (a shared store down) does not fail the decision, whose answers
     stand: the fault is logged (WARNING), marked on the `decide` span (`canvasroute.controller.fault`)
@@ -269,8 +275,8 @@ async def observe(request: DecisionRequest, reports: Sequence[ReadReport], span:
         tm.record_controller_fault(span, fault)
     if not settings or escalation is None or escalation.controller_state is None:
         return
-    outcomes = {r.question_id: Observation(not r.confident, s.low, s.high) for r in reports
-                if (s := settings.get(r.question_id)) is not None and r.error is None and r.path != "skipped"}
+    outcomes = {qid: Observation(escalated, s.low, s.high) for qid, escalated in gated.items()
+                if (s := settings.get(qid)) is not None}
     if not outcomes:
         return
     try:

@@ -110,16 +110,22 @@ class Decision:
             if (hit := self.cache.get(cache_key)) is not None:
                 return _replay(hit, f"decide {model}", attrs, time.perf_counter() - start, refresh_fault)
             attrs[tm.CACHE_HIT] = False
+        observed = request.controlled is not None or refresh_fault is not None
         with tm.span(f"decide {model}", attrs) as span:
             run = _Run(self, info, fault)
-            await run.stages()
-            latency = time.perf_counter() - start
-            reports = run.finish(latency)
+            try:
+                await run.stages()
+                latency = time.perf_counter() - start
+                reports = run.finish(latency)
+            except CanvasRouteError as exc:  # the gate's outcomes so far are observed, unless a retry decides again
+                if observed:
+                    await observe(request, {} if exc.retryable else run.gated, span, refresh_fault)
+                raise
             span.set_attribute(tm.CANVAS_READS, run.canvas_reads)
             _note_faults(span, reports, request)
             tm.record_reports(span, reports, latency, model, request.gates, attrs)
-            if request.controlled is not None or refresh_fault is not None:
-                await observe(request, reports, span, refresh_fault)  # once per decision (a cache hit returned)
+            if observed:
+                await observe(request, run.gated, span, refresh_fault)  # once per decision (a cache hit returned)
         response = CanvasResponse.model_validate({
             "model": model,
             "answers": {r.question_id: answer_of(specs[r.question_id], r) for r in reports if r.path != "skipped"},
@@ -137,8 +143,8 @@ class Decision:
 class _Run:
     """The mutable part of one decision run: per-stage reads, answers so far, usage."""
 
-    __slots__ = ("answers", "canvas_reads", "checked", "decision", "done", "fault", "info", "last", "log", "prompt",
-                 "refused", "usage")
+    __slots__ = ("answers", "canvas_reads", "checked", "decision", "done", "fault", "gated", "info", "last", "log",
+                 "prompt", "refused", "usage")
 
     def __init__(self, decision: Decision, info: EngineInfo | None, fault: CanvasRouteError | None) -> None:
         self.decision, self.info, self.fault = decision, info, fault
@@ -149,6 +155,9 @@ class _Run:
         self.last: list[tuple[QuestionRead, Escalated | None, dict[str, Any] | None]] = []
         self.refused: set[str] = set()
         """Questions the budget turned away."""
+        self.gated: dict[str, bool] = {}
+        """Each question gated so far (an engine fault or a skip is not), by whether the gate did not
+        pass it: what an escalation-rate controller observes (kept only when one steers the decision)."""
         self.checked: list[Plan] = []
         """Each stage's plan, all of it asked, as the length check made it (none: not checked)."""
         self.log = DiagnosticsLog(decision.request)
@@ -184,6 +193,8 @@ class _Run:
                                                                                     specials))
             async with self._hedging(restated) as hedge:  # (a hedge's call races the re-reads of `_read`)
                 reads = await self._read(asked, prompt, stage=i, hedge=hedge)
+                if request.controlled is not None:  # the gate's outcomes, before any action on them can raise
+                    self.gated.update((q, _cause(r) is not None) for q, r in reads.items() if r.error is None)
                 escalated = await self._escalate(reads, restated, hedge)
             for r in reads.values():
                 asked_if = deps.asked_if(r.spec.id, self.answers) if conditioned else None

@@ -10,6 +10,7 @@ traces and both HTTP wires.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -38,7 +39,15 @@ from canvasroute.apps.bench.controller import (
 )
 from canvasroute.apps.cli import main
 from canvasroute.apps.server import create_app
-from canvasroute.engine import CanvasRead, DecisionError, EngineUnavailable, FunctionEngine
+from canvasroute.engine import (
+    BudgetExhausted,
+    CanvasRead,
+    DecisionError,
+    EngineUnavailable,
+    EscalationError,
+    FunctionEngine,
+    UnsureAnswer,
+)
 from canvasroute.harness import (
     NodeCache,
     ReviewPolicy,
@@ -483,6 +492,38 @@ async def test_engine_faults_do_not_move_the_controller_and_stay_visible(caplog)
     with pytest.raises(EngineUnavailable):
         await raising.adecide("h=0.1 down", {"urgent": URGENT})
     assert decisions(raising) == 0
+
+
+@pytest.mark.parametrize(("raises", "answers"), [
+    (OutcomePolicy(over_budget="raise"), OutcomePolicy(over_budget="answer")),
+    (OutcomePolicy(uncertain="raise"), OutcomePolicy(uncertain="answer")),
+])
+async def test_a_decision_that_raises_its_outcome_is_observed_as_one_that_answers_it(raises, answers):
+    """Issue 40.1: decisions that raised (`over_budget="raise"` past a spent budget) were never observed,
+    so only the answers the gate passed reached the controller and a spent budget tightened the
+    threshold. The gate's outcome is the same whether its action answers or raises: the same steps."""
+    spent = EscalationBudget(max_per_window=0)
+    raising, answering = (controlled(0.3, outcomes=o, budget=spent) for o in (raises, answers))
+    for i in range(10):
+        for h in (0.9, 0.1):  # half over the gate: 50 % escalations against a 20 % target
+            with pytest.raises((BudgetExhausted, UnsureAnswer)) if h == 0.9 else contextlib.nullcontext():
+                await raising.adecide(f"h={h} r{i}", {"urgent": URGENT})
+            await answering.adecide(f"h={h} r{i}", {"urgent": URGENT})
+    assert decisions(raising) == decisions(answering) == 20
+    assert offset(raising) == pytest.approx(offset(answering)) == pytest.approx(10 * 0.02 * (1 - 2 * TARGET))
+
+
+async def test_a_retryable_failure_is_not_observed_its_retry_is():
+    """A fault that may pass by itself (the target timed out) decided nothing: a retry decides it again
+    and is observed then (once), as `Totals` counts a failed attempt as nothing."""
+    flaky = CanvasDecisionModel(engine=h_engine(), policy=GatePolicy(max_normalized_entropy=0.3, rereads=0),
+                                escalate_to=Escalation(ScriptedTarget(script={"urgent": "yes"}, faults=[TimeoutError()]),
+                                                       controller=Controller(target=TARGET)))
+    with pytest.raises(EscalationError) as info:
+        await flaky.adecide("h=0.9 flaky", {"urgent": URGENT})
+    assert info.value.retryable and decisions(flaky) == 0
+    assert (await flaky.adecide("h=0.9 flaky", {"urgent": URGENT})).reads["urgent"].path == "escalated"
+    assert decisions(flaky) == 1
 
 
 class BrokenStore(InMemoryStore):
