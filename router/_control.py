@@ -237,10 +237,7 @@ def steered(request: DecisionRequest, pinned: Mapping[str, float] | None = None)
         low, high = max(-c.max_offset, -base), min(c.max_offset, 1.0 - base)
         if g.certificate is not None and not c.loosen_certified:
             high = min(high, 0.0)
-        if qid in pinned:
-            threshold = pinned[qid]
-        else:
-            threshold = _threshold(base, offsets.get(qid, 0.0), low, high, c.resolution)
+        threshold = pinned[qid] if qid in pinned else _threshold(base, offsets.get(qid, 0.0), low, high, c.resolution)
         settings[qid] = ControlSetting(base, threshold, low, high)
         if threshold != base:  # a moved gate no longer claims its certificate: it was proved on its own threshold
             changed[qid] = replace(g, per_question={}, max_normalized_entropy=threshold, certificate=None)

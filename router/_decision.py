@@ -28,7 +28,6 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any, NoReturn
 
 from langchain_core.decisions import ChoiceAnswer, NoulAnswer, ScoreAnswer
@@ -46,7 +45,7 @@ from canvasroute.engine import (
 
 from . import telemetry as tm
 from ._control import observe, steer
-from ._escalation import Asked, Escalated, Restated, escalate, target_name
+from ._escalation import Asked, Calls, Escalated, Restated, escalate, target_name
 from ._hedge import Hedging, cancel, joined
 from ._plan import Plan, Planner, Prompt
 from ._questions import QuestionSpec
@@ -251,7 +250,7 @@ class _Run:
         if escalation is None or escalation.hedge is None or request.mode == "canvas_only":
             return contextlib.nullcontext()
         return Hedging(hedge=escalation.hedge, escalation=escalation, thread=request.identity.thread_id,
-                       gates=request.gates, ask=partial(self._call, restated=restated, hedge=True),
+                       gates=request.gates, ask=lambda wanted, calls: self._call(wanted, restated, calls),
                        escalates=lambda r: _cause(r) is not None and _action(request, r) == "escalate",
                        usage=self.usage, ended=self.log.hedges)
 
@@ -321,10 +320,11 @@ class _Run:
                                            "OutcomePolicy(over_budget='fallback') and a fallback option")
         self.refused.update(r.spec.id for r in spent)
 
-    async def _call(self, wanted: Sequence[QuestionRead], restated: str, *, hedge: bool = False) -> Escalated:
+    async def _call(self, wanted: Sequence[QuestionRead], restated: str, hedge: Calls | None = None) -> Escalated:
         """One call to the target for `wanted`, asked what the canvas had: the state and its images,
         the instructions, the parents' answers (`restated`, and per question for decision targets);
-        `hedge`: beside the re-reads (its span says how it ended)."""
+        `hedge`: a hedge's, beside the re-reads (its span says how it ended), counted there. The
+        target calls it made (a malformed reply's retry among them) count as they go out."""
         request = self.decision.request
         escalation = request.escalation
         assert escalation is not None
@@ -336,15 +336,20 @@ class _Run:
                       restated=restated, parents={q: p for q, p in parents.items() if p},
                       instructions=request.read.instructions, images=request.state.images, canvas=canvas)
         name = target_name(escalation.target)
-        self.log.target_calls += not hedge  # (a hedge counts once started: `DiagnosticsLog.build`)
-        with tm.escalation_call(escalation.target, name, list(canvas), hedge=hedge) as call:
-            try:
-                result = await asyncio.wait_for(escalate(escalation, asked), escalation.timeout)
-            except TimeoutError as exc:
-                raise EscalationError(f"escalation to {name} timed out after {escalation.timeout}s (network)",
-                                      failure="network", retryable=True) from exc
-            call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
-            call.output({**result.answers, **dict.fromkeys(result.refused)}, result.response_model)
+        calls = hedge if hedge is not None else Calls()
+        try:
+            with tm.escalation_call(escalation.target, name, list(canvas), hedge=hedge is not None,
+                                    calls=calls) as call:
+                try:
+                    result = await asyncio.wait_for(escalate(escalation, asked, calls), escalation.timeout)
+                except TimeoutError as exc:
+                    raise EscalationError(f"escalation to {name} timed out after {escalation.timeout}s (network)",
+                                          failure="network", retryable=True) from exc
+                call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
+                call.output({**result.answers, **dict.fromkeys(result.refused)}, result.response_model)
+        finally:
+            self.log.target_calls += calls.sent
+            self.log.ran_on += calls.ran_on
         return result
 
     def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,
@@ -528,7 +533,9 @@ class DiagnosticsLog:
     thoughts: list[ThoughtReport] = field(default_factory=list)
     prompt_tokens: int = 0
     target_calls: int = 0
-    """Calls to the target a stage made for its own questions (hedges are counted in `hedges`)."""
+    """Calls handed to the target, hedges' and a malformed reply's retry included (`Calls.sent`)."""
+    ran_on: int = 0
+    """Cancelled hedge calls whose sync target's thread ran on (`Calls.ran_on`)."""
     hedges: list[str] = field(default_factory=list)
 
     def add(self, asked: Sequence[str], reading: Reading | None) -> None:
@@ -548,7 +555,7 @@ class DiagnosticsLog:
             "stages": self.stages, "chunks": self.chunks, "formats": self.formats,
             "conditioning": "restated" if len(self.stages) > 1 else None, "constrained": self.request.constrained,
             "steps": self.request.read.steps, "thoughts": self.thoughts, "prompt_tokens": self.prompt_tokens,
-            "target_calls": self.target_calls + sum(h != "refused" for h in self.hedges), "hedges": self.hedges})
+            "target_calls": self.target_calls, "hedges": self.hedges, "hedges_ran_on": self.ran_on})
 
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:

@@ -24,18 +24,27 @@ decision-model target reports its own.
 A call is sent once: the target's own client owns transport retries (`ChatOpenAI`'s
 `max_retries`). Only a reply outside the allowed options is asked again, once, with the
 invalid reply shown. A failure is an `EscalationError` whose `failure` says what failed:
-`network`, `target` or `format`.
+`network`, `target` or `format`. `Calls` counts what went out: each call handed to the target
+(a malformed reply's retry is a second; an escalation cancelled before its first call, none).
+
+A sync target (`runs_in_thread`: langchain runs its sync code in a thread) cannot be cancelled
+once its thread runs: a hedge's call to one runs in `SyncThreads` (bounded, process-wide), where
+a call cancelled after it started is counted (`Calls.ran_on`) and runs to its end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import contextvars
 import functools
 import itertools
 import json
 import math
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +53,7 @@ from langchain_core.exceptions import ModelRefusalError
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.prompts import BasePromptTemplate, ChatPromptTemplate
+from langchain_core.runnables import Runnable, RunnableLambda
 
 from canvasroute.engine.errors import CanvasRouteError, EngineResponseError, EngineUnavailable, EscalationError
 
@@ -52,9 +62,9 @@ from ._questions import QuestionSpec, option_text, parse_questions
 from ._read import system_one_confidence
 from ._state import state_images
 
-__all__ = ["ESCALATION_PROMPT", "PROMPT_VARIABLES", "Asked", "Escalated", "Restated", "TargetAnswer", "TargetReply",
-           "answer_schema", "ask_decision_target", "check_prompt", "escalate", "failure", "is_decision_target",
-           "is_target", "target_name"]
+__all__ = ["ESCALATION_PROMPT", "PROMPT_VARIABLES", "Asked", "Calls", "Escalated", "Restated", "SyncThreads",
+           "TargetAnswer", "TargetReply", "answer_schema", "ask_decision_target", "check_prompt", "escalate", "failure",
+           "is_decision_target", "is_target", "runs_in_thread", "target_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +122,102 @@ def target_name(target: Any) -> str:
     return type(target).__name__
 
 
-async def escalate(escalation: Escalation, asked: Asked) -> Escalated:
+def runs_in_thread(target: Any) -> bool:
+    """Whether `target`'s async path is langchain's default, its sync code in a thread: a chat model
+    without an `_agenerate` of its own, a decision model without `_aclassify`, a `RunnableLambda`
+    over a plain function, a Runnable without `ainvoke`. Such a call cannot be cancelled once it runs."""
+    if isinstance(target, BaseChatModel):
+        return type(target)._agenerate is BaseChatModel._agenerate
+    if isinstance(target, BaseDecisionModel):
+        return type(target)._aclassify is BaseDecisionModel._aclassify
+    if isinstance(target, RunnableLambda):
+        return not hasattr(target, "afunc")
+    return isinstance(target, Runnable) and type(target).ainvoke is Runnable.ainvoke
+
+
+class SyncThreads:
+    """Threads for a sync target's calls that may be cancelled (hedges), at most `size` at once.
+
+    A sync target's call runs in a thread, which no cancellation stops: a call cancelled once it
+    runs goes on to its end (its reply dropped) while the decision has moved on. Here such calls
+    run in a pool of `size` threads; `busy` says when all are taken (calls still running, cancelled
+    ones among them), so a burst of cancelled calls cannot pile up threads: the caller starts no
+    more until one ends. A call cancelled before a thread took it never runs (nothing was sent).
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"SyncThreads needs at least one thread, not {size}")
+        self.size = size
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs = 0
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"SyncThreads(size={self.size}, running={self.running})"
+
+    @property
+    def running(self) -> int:
+        """Calls submitted and not ended (running, or about to)."""
+        return self._jobs
+
+    def busy(self) -> bool:
+        """Whether every thread is taken."""
+        return self._jobs >= self.size
+
+    async def run(self, calls: Calls, fn: Callable[[], Any]) -> Any:
+        """`fn()` in one of the threads, counted in `calls` once a thread took it; cancelled before
+        that, it never runs; after, it runs on (`calls.ran_on`) and this returns at once."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.size, thread_name_prefix="canvasroute-sync-call")
+            self._jobs += 1
+        job: Future[Any] = self._pool.submit(contextvars.copy_context().run, fn)
+        job.add_done_callback(self._ended)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if not job.cancel() and not job.done():
+                calls.ran_on = True  # it runs: no thread can be stopped, it ends by itself
+            raise
+        finally:
+            calls.sent += not job.cancelled()
+
+    def _ended(self, _: Future[Any]) -> None:
+        with self._lock:
+            self._jobs -= 1
+
+
+@dataclass(slots=True)
+class Calls:
+    """The calls one escalation made to its target, counted as they go out."""
+
+    threads: SyncThreads | None = None
+    """Where a sync target's calls run (`runs_in_thread`; a hedge's: bounded, counted when they
+    run on); None: through the target's own async path (`ainvoke`)."""
+    sent: int = 0
+    """Calls handed to the target: its `ainvoke` called, or its thread started (a malformed reply's
+    retry is one more; none when the escalation was cancelled before its first call)."""
+    ran_on: bool = False
+    """A call was cancelled while a sync target's thread ran it: it runs on to its end."""
+
+    async def send(self, target: Any, runnable: Any, value: Any, config: Any) -> Any:
+        """One call of `runnable` (the target, or its structured output) on `value`."""
+        if self.threads is not None and runs_in_thread(target):
+            return await self.threads.run(self, functools.partial(runnable.invoke, value, config=config))
+        self.sent += 1
+        return await runnable.ainvoke(value, config=config)
+
+
+async def escalate(escalation: Escalation, asked: Asked, calls: Calls | None = None) -> Escalated:
     """Answer `asked.specs` with `escalation.target`, one call for all of them (and one more
-    for a malformed reply)."""
+    for a malformed reply), each counted in `calls` as it goes out."""
     target, specs = escalation.target, list(asked.specs)
+    calls = calls if calls is not None else Calls()
     name = target_name(target)
     config: Any = {"tags": ["nostream"]}
     if is_decision_target(target):
-        reply = await ask_decision_target(target, asked)
+        reply = await ask_decision_target(target, asked, calls)
         return Escalated(reply.model, {q: a.answer for q, a in reply.answers.items() if a.answer is not None},
                          {q: dict(a.probabilities) if a.probabilities else None for q, a in reply.answers.items()},
                          dict(reply.usage), reply.model,
@@ -131,7 +229,7 @@ async def escalate(escalation: Escalation, asked: Asked) -> Escalated:
     cause: ValueError | None = None
     for _ in range(2):
         try:
-            reply = await runner.ainvoke(messages, config=config)
+            reply = await calls.send(target, runner, messages, config)
         except Exception as exc:
             _reraise_control_flow(exc)
             raise failure(name, target, exc) from exc
@@ -688,8 +786,8 @@ def is_decision_target(target: Any) -> bool:
     return isinstance(target, BaseDecisionModel) or _is_openai_decisions(target)
 
 
-async def ask_decision_target(target: Any, ask: Asked) -> TargetReply:
-    """Ask `target` every question of `ask` in one call.
+async def ask_decision_target(target: Any, ask: Asked, calls: Calls | None = None) -> TargetReply:
+    """Ask `target` every question of `ask` in one call (counted in `calls` as it goes out).
 
     Raises:
         EscalationError: `failure` `network` (unreachable, timed out), `target` (it answered
@@ -713,7 +811,7 @@ async def ask_decision_target(target: Any, ask: Asked) -> TargetReply:
     else:
         raise TypeError(f"{name} is not a decision model (OpenAIDecisions or a BaseDecisionModel)")
     try:
-        response = await target.ainvoke(request, config={"tags": ["nostream"]})
+        response = await (calls or Calls()).send(target, target, request, {"tags": ["nostream"]})
     except ModelRefusalError as exc:  # a BaseDecisionModel's refusal: every question refused, none answered
         return TargetReply(model=name, answers={qid: TargetAnswer(answer=None, refusal=str(exc) or "refused")
                                                 for qid in questions})

@@ -151,7 +151,8 @@ async def test_a_model_copy_gates_and_escalates_with_its_new_settings_and_counts
     report = (await elsewhere.adecide("y", {"team": TEAM})).reads["team"]
     assert (report.path, report.answer, old.calls, new.calls) == ("escalated", "tech", 1, 1)
     same = original.model_copy(update={"model": "canvas-b"})  # the same escalation: its own meter and state
-    assert (await same.adecide("z", {"team": TEAM})).reads["team"].path == "escalated", "not the original's spent budget"
+    report = (await same.adecide("z", {"team": TEAM})).reads["team"]
+    assert report.path == "escalated", "not the original's spent budget"
     assert original.budget_counters["granted"] == same.budget_counters["granted"] == 1
     assert same.escalation.meter is not original.escalation.meter
     assert same.controller_counters["questions"]["team"]["decisions"] == 1
