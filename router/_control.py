@@ -44,8 +44,9 @@ raised its outcome (`OutcomePolicy(over_budget="raise")` past a spent budget, `u
 an escalation that failed for good) is observed for every question it gated before it raised, as
 the same decision answering would be (else only the answers the gate passed reach the controller,
 and a spent budget tightens it). A decision that failed with a fault that may pass by itself (a
-`retryable` error: a target that timed out, an engine that is down) is not: a retry decides it
-again, and is observed then.
+`retryable` error: a target that timed out, an engine that is down), or with an exception that is
+not canvasroute's (an `interrupt()` inside the target), is not: a retry, or the resume, decides it
+again and is observed then.
 
 When: the effective thresholds are applied to the request once, at the start of its run
 (`steer`: the state refreshed, then a `replace` of the request's gates, so every stage, the

@@ -26,10 +26,10 @@ given back, and the hedge is `refused`: logged, marked and counted, its question
 sequential way; so is a hedge whose meter raised, as a shared store down: the hedge was optional,
 and the sequential escalation meets the meter again only if a question still needs it). A hedge
 the re-reads beat after its call went out is not refunded: the target was asked and may have done
-the work, so a budget caps target work, not only answers. A hedge whose call never went out (the
-re-reads settled it first, or its decision raised, in its stage or a later one, before it was
-sent), that failed, or whose decision raised or was cancelled while it ran, is refunded, as any
-escalation that did not happen: a cancelled hedge never spends a grant a later escalation needs.
+the work, so a budget caps target work, not only answers. A hedge is refunded, as any escalation
+that did not happen, when its call never went out (cancelled first: nothing was asked, so it
+never holds a grant a later escalation, of this decision's later stages or of another decision,
+needs), when it failed, and when its decision raised or was cancelled while it ran.
 
 Sync targets: a target whose async path is its sync code in a thread (`runs_in_thread`: a chat
 model without `_agenerate`, a `RunnableLambda` over a plain function, ...) cannot be cancelled
