@@ -3,7 +3,7 @@
 A `Controller` (on `Escalation(controller=...)`) is a set point, beside the budget's cap. Per
 question it controls, it keeps an offset that moves the gate's `max_normalized_entropy`:
 
-    threshold = clamp(base + offset, 0, 1), rounded to `Controller.resolution`
+    threshold = base + offset, the offset rounded to `Controller.resolution` (the base never is)
     offset   <- clamp(offset + step * (escalated - target), low, high)   after each decision
 
 This is adaptive conformal inference (ACI: Gibbs & Candès, "Adaptive Conformal Inference Under
@@ -27,16 +27,26 @@ not. A gate the controller moved drops its certificate for that decision (as any
 the bound was proved on the certified threshold, and Learn then Test's sequence does not cover
 every stricter one), so its `gate` text claims nothing it was not proved for; held at its
 certified threshold it keeps it. An update that would leave the bounds stops at them (it is not
-integrated), so the offset never winds up past what it can apply. An uncertified gate
-(`certified=False`) passes nothing whatever its threshold: the controller leaves it alone, as it
-does a gate without an entropy threshold.
+integrated), so the offset never winds up past what it can apply. Only the offset is rounded to the
+resolution, never the base: a gate at offset 0 is gated at its own threshold exactly (a calibrated
+0.431518 stays 0.431518, certificate and all), a moved one at the base plus whole grid steps.
+
+An uncertified gate (`certified=False`) passes nothing whatever its threshold: the controller
+leaves it alone, as it does a gate without an entropy threshold.
 
 What counts as escalated: a question the gate did not pass: cause `uncertain` or `abstained`,
 and `over_budget` (the budget refused its escalation, but the gate did not pass it either: the
 set point is about the gate, the cap about calls, so a spent budget does not wind the controller
-up). What does not count: engine faults (not a gate outcome), skipped questions, decisions that
-raised, cache hits (nothing was gated again) and canvas-only reads (shadow mode, eval: no
-escalation). Every other question is one observation, once per decision.
+up). What does not count: engine faults (not a gate outcome), skipped questions, cache hits
+(nothing was gated again) and canvas-only reads (shadow mode, eval: no escalation). Every other
+question is one observation, once per decision, whatever its action then did: a decision that
+raised its outcome (`OutcomePolicy(over_budget="raise")` past a spent budget, `uncertain="raise"`,
+an escalation that failed for good) is observed for every question it gated before it raised, as
+the same decision answering would be (else only the answers the gate passed reach the controller,
+and a spent budget tightens it). A decision that failed with a fault that may pass by itself (a
+`retryable` error: a target that timed out, an engine that is down), or with an exception that is
+not canvasroute's (an `interrupt()` inside the target), is not: a retry, or the resume, decides it
+again and is observed then.
 
 When: the effective thresholds are applied to the request once, at the start of its run
 (`steer`: the state refreshed, then a `replace` of the request's gates, so every stage, the
@@ -52,7 +62,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -61,7 +71,6 @@ from ._policy import Controller, ControlSetting, GatePolicy
 
 if TYPE_CHECKING:
     from ._request import DecisionRequest
-    from ._types import ReadReport
 
 __all__ = ["ControllerState", "InMemoryControllerState", "Observation", "controls", "observe", "steer", "steered"]
 
@@ -229,13 +238,7 @@ def steered(request: DecisionRequest, pinned: Mapping[str, float] | None = None)
         low, high = max(-c.max_offset, -base), min(c.max_offset, 1.0 - base)
         if g.certificate is not None and not c.loosen_certified:
             high = min(high, 0.0)
-        if qid in pinned:
-            threshold = pinned[qid]
-        else:
-            threshold = base + min(max(offsets.get(qid, 0.0), low), high)
-            if c.resolution:
-                threshold = round(round(threshold / c.resolution) * c.resolution, 10)
-        threshold = min(max(threshold, base + low, 0.0), base + high, 1.0)  # rounding never loosens past high
+        threshold = pinned[qid] if qid in pinned else _threshold(base, offsets.get(qid, 0.0), low, high, c.resolution)
         settings[qid] = ControlSetting(base, threshold, low, high)
         if threshold != base:  # a moved gate no longer claims its certificate: it was proved on its own threshold
             changed[qid] = replace(g, per_question={}, max_normalized_entropy=threshold, certificate=None)
@@ -245,9 +248,20 @@ def steered(request: DecisionRequest, pinned: Mapping[str, float] | None = None)
     return replace(request, gate=gate, gates={**gates, **changed}, controlled=settings)
 
 
-async def observe(request: DecisionRequest, reports: Sequence[ReadReport], span: Any,
+def _threshold(base: float, offset: float, low: float, high: float, resolution: float) -> float:
+    """The threshold `base` moved by `offset`: the offset clamped to [low, high] and rounded to the
+    `resolution` grid, the base itself never rounded (an offset that rounds to 0 leaves `base`, the
+    very number a certificate was proved on); the rounding never leaves [low, high] either."""
+    step = min(max(offset, low), high)
+    if resolution:
+        step = min(max(round(step / resolution) * resolution, low), high)
+    return base if not step else min(max(round(base + step, 10), 0.0), 1.0)
+
+
+async def observe(request: DecisionRequest, gated: Mapping[str, bool], span: Any,
                   fault: Exception | None = None) -> None:
-    """Feed each controlled question's outcome to the controller's state, once per decision.
+    """Feed each controlled question's outcome to the controller's state, once per decision:
+    `gated` says, per question the decision gated, whether the gate did not pass it.
 
     A state that cannot record it (a shared store down) does not fail the decision, whose answers
     stand: the fault is logged (WARNING), marked on the `decide` span (`canvasroute.controller.fault`)
@@ -259,8 +273,8 @@ async def observe(request: DecisionRequest, reports: Sequence[ReadReport], span:
         tm.record_controller_fault(span, fault)
     if not settings or escalation is None or escalation.controller_state is None:
         return
-    outcomes = {r.question_id: Observation(not r.confident, s.low, s.high) for r in reports
-                if (s := settings.get(r.question_id)) is not None and r.error is None and r.path != "skipped"}
+    outcomes = {qid: Observation(escalated, s.low, s.high) for qid, escalated in gated.items()
+                if (s := settings.get(qid)) is not None}
     if not outcomes:
         return
     try:

@@ -28,7 +28,6 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any, NoReturn
 
 from langchain_core.decisions import ChoiceAnswer, NoulAnswer, ScoreAnswer
@@ -46,7 +45,7 @@ from canvasroute.engine import (
 
 from . import telemetry as tm
 from ._control import observe, steer
-from ._escalation import Asked, Escalated, Restated, escalate, target_name
+from ._escalation import Asked, Calls, Escalated, Restated, escalate, target_name
 from ._hedge import Hedging, cancel, joined
 from ._plan import Plan, Planner, Prompt
 from ._questions import QuestionSpec
@@ -110,16 +109,22 @@ class Decision:
             if (hit := self.cache.get(cache_key)) is not None:
                 return _replay(hit, f"decide {model}", attrs, time.perf_counter() - start, refresh_fault)
             attrs[tm.CACHE_HIT] = False
+        observed = request.controlled is not None or refresh_fault is not None
         with tm.span(f"decide {model}", attrs) as span:
             run = _Run(self, info, fault)
-            await run.stages()
-            latency = time.perf_counter() - start
-            reports = run.finish(latency)
+            try:
+                await run.stages()
+                latency = time.perf_counter() - start
+                reports = run.finish(latency)
+            except CanvasRouteError as exc:  # the gate's outcomes so far are observed, unless a retry decides again
+                if observed:
+                    await observe(request, {} if exc.retryable else run.gated, span, refresh_fault)
+                raise
             span.set_attribute(tm.CANVAS_READS, run.canvas_reads)
             _note_faults(span, reports, request)
             tm.record_reports(span, reports, latency, model, request.gates, attrs)
-            if request.controlled is not None or refresh_fault is not None:
-                await observe(request, reports, span, refresh_fault)  # once per decision (a cache hit returned)
+            if observed:
+                await observe(request, run.gated, span, refresh_fault)  # once per decision (a cache hit returned)
         response = CanvasResponse.model_validate({
             "model": model,
             "answers": {r.question_id: answer_of(specs[r.question_id], r) for r in reports if r.path != "skipped"},
@@ -137,8 +142,8 @@ class Decision:
 class _Run:
     """The mutable part of one decision run: per-stage reads, answers so far, usage."""
 
-    __slots__ = ("answers", "canvas_reads", "checked", "decision", "done", "fault", "info", "last", "log", "prompt",
-                 "refused", "usage")
+    __slots__ = ("answers", "canvas_reads", "checked", "decision", "done", "fault", "gated", "info", "last", "log",
+                 "prompt", "refused", "usage")
 
     def __init__(self, decision: Decision, info: EngineInfo | None, fault: CanvasRouteError | None) -> None:
         self.decision, self.info, self.fault = decision, info, fault
@@ -149,6 +154,9 @@ class _Run:
         self.last: list[tuple[QuestionRead, Escalated | None, dict[str, Any] | None]] = []
         self.refused: set[str] = set()
         """Questions the budget turned away."""
+        self.gated: dict[str, bool] = {}
+        """Each question gated so far (an engine fault or a skip is not), by whether the gate did not
+        pass it: what an escalation-rate controller observes (kept only when one steers the decision)."""
         self.checked: list[Plan] = []
         """Each stage's plan, all of it asked, as the length check made it (none: not checked)."""
         self.log = DiagnosticsLog(decision.request)
@@ -184,6 +192,8 @@ class _Run:
                                                                                     specials))
             async with self._hedging(restated) as hedge:  # (a hedge's call races the re-reads of `_read`)
                 reads = await self._read(asked, prompt, stage=i, hedge=hedge)
+                if request.controlled is not None:  # the gate's outcomes, before any action on them can raise
+                    self.gated.update((q, _cause(r) is not None) for q, r in reads.items() if r.error is None)
                 escalated = await self._escalate(reads, restated, hedge)
             for r in reads.values():
                 asked_if = deps.asked_if(r.spec.id, self.answers) if conditioned else None
@@ -240,7 +250,7 @@ class _Run:
         if escalation is None or escalation.hedge is None or request.mode == "canvas_only":
             return contextlib.nullcontext()
         return Hedging(hedge=escalation.hedge, escalation=escalation, thread=request.identity.thread_id,
-                       gates=request.gates, ask=partial(self._call, restated=restated, hedge=True),
+                       gates=request.gates, ask=lambda wanted, calls: self._call(wanted, restated, calls),
                        escalates=lambda r: _cause(r) is not None and _action(request, r) == "escalate",
                        usage=self.usage, ended=self.log.hedges)
 
@@ -310,10 +320,11 @@ class _Run:
                                            "OutcomePolicy(over_budget='fallback') and a fallback option")
         self.refused.update(r.spec.id for r in spent)
 
-    async def _call(self, wanted: Sequence[QuestionRead], restated: str, *, hedge: bool = False) -> Escalated:
+    async def _call(self, wanted: Sequence[QuestionRead], restated: str, hedge: Calls | None = None) -> Escalated:
         """One call to the target for `wanted`, asked what the canvas had: the state and its images,
         the instructions, the parents' answers (`restated`, and per question for decision targets);
-        `hedge`: beside the re-reads (its span says how it ended)."""
+        `hedge`: a hedge's, beside the re-reads (its span says how it ended), counted there. The
+        target calls it made (a malformed reply's retry among them) count as they go out."""
         request = self.decision.request
         escalation = request.escalation
         assert escalation is not None
@@ -325,15 +336,20 @@ class _Run:
                       restated=restated, parents={q: p for q, p in parents.items() if p},
                       instructions=request.read.instructions, images=request.state.images, canvas=canvas)
         name = target_name(escalation.target)
-        self.log.target_calls += not hedge  # (a hedge counts once started: `DiagnosticsLog.build`)
-        with tm.escalation_call(escalation.target, name, list(canvas), hedge=hedge) as call:
-            try:
-                result = await asyncio.wait_for(escalate(escalation, asked), escalation.timeout)
-            except TimeoutError as exc:
-                raise EscalationError(f"escalation to {name} timed out after {escalation.timeout}s (network)",
-                                      failure="network", retryable=True) from exc
-            call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
-            call.output({**result.answers, **dict.fromkeys(result.refused)}, result.response_model)
+        calls = hedge if hedge is not None else Calls()
+        try:
+            with tm.escalation_call(escalation.target, name, list(canvas), hedge=hedge is not None,
+                                    calls=calls) as call:
+                try:
+                    result = await asyncio.wait_for(escalate(escalation, asked, calls), escalation.timeout)
+                except TimeoutError as exc:
+                    raise EscalationError(f"escalation to {name} timed out after {escalation.timeout}s (network)",
+                                          failure="network", retryable=True) from exc
+                call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
+                call.output({**result.answers, **dict.fromkeys(result.refused)}, result.response_model)
+        finally:
+            self.log.target_calls += calls.sent
+            self.log.ran_on += calls.ran_on
         return result
 
     def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,
@@ -517,7 +533,9 @@ class DiagnosticsLog:
     thoughts: list[ThoughtReport] = field(default_factory=list)
     prompt_tokens: int = 0
     target_calls: int = 0
-    """Calls to the target a stage made for its own questions (hedges are counted in `hedges`)."""
+    """Calls handed to the target, hedges' and a malformed reply's retry included (`Calls.sent`)."""
+    ran_on: int = 0
+    """Cancelled hedge calls whose sync target's thread ran on (`Calls.ran_on`)."""
     hedges: list[str] = field(default_factory=list)
 
     def add(self, asked: Sequence[str], reading: Reading | None) -> None:
@@ -537,7 +555,7 @@ class DiagnosticsLog:
             "stages": self.stages, "chunks": self.chunks, "formats": self.formats,
             "conditioning": "restated" if len(self.stages) > 1 else None, "constrained": self.request.constrained,
             "steps": self.request.read.steps, "thoughts": self.thoughts, "prompt_tokens": self.prompt_tokens,
-            "target_calls": self.target_calls + sum(h != "refused" for h in self.hedges), "hedges": self.hedges})
+            "target_calls": self.target_calls, "hedges": self.hedges, "hedges_ran_on": self.ran_on})
 
 
 def answer_of(spec: QuestionSpec, report: ReadReport) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:

@@ -24,18 +24,27 @@ decision-model target reports its own.
 A call is sent once: the target's own client owns transport retries (`ChatOpenAI`'s
 `max_retries`). Only a reply outside the allowed options is asked again, once, with the
 invalid reply shown. A failure is an `EscalationError` whose `failure` says what failed:
-`network`, `target` or `format`.
+`network`, `target` or `format`. `Calls` counts what went out: each call handed to the target
+(a malformed reply's retry is a second; an escalation cancelled before its first call, none).
+
+A sync target (`runs_in_thread`: langchain runs its sync code in a thread) cannot be cancelled
+once its thread runs: a hedge's call to one runs in `SyncThreads` (bounded, process-wide), where
+a call cancelled after it started is counted (`Calls.ran_on`) and runs to its end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import contextvars
 import functools
 import itertools
 import json
 import math
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +53,7 @@ from langchain_core.exceptions import ModelRefusalError
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.prompts import BasePromptTemplate, ChatPromptTemplate
+from langchain_core.runnables import Runnable, RunnableLambda
 
 from canvasroute.engine.errors import CanvasRouteError, EngineResponseError, EngineUnavailable, EscalationError
 
@@ -52,9 +62,9 @@ from ._questions import QuestionSpec, option_text, parse_questions
 from ._read import system_one_confidence
 from ._state import state_images
 
-__all__ = ["ESCALATION_PROMPT", "PROMPT_VARIABLES", "Asked", "Escalated", "Restated", "TargetAnswer", "TargetReply",
-           "answer_schema", "ask_decision_target", "check_prompt", "escalate", "failure", "is_decision_target",
-           "is_target", "target_name"]
+__all__ = ["ESCALATION_PROMPT", "PROMPT_VARIABLES", "Asked", "Calls", "Escalated", "Restated", "SyncThreads",
+           "TargetAnswer", "TargetReply", "answer_schema", "ask_decision_target", "check_prompt", "escalate", "failure",
+           "is_decision_target", "is_target", "runs_in_thread", "target_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +122,102 @@ def target_name(target: Any) -> str:
     return type(target).__name__
 
 
-async def escalate(escalation: Escalation, asked: Asked) -> Escalated:
+def runs_in_thread(target: Any) -> bool:
+    """Whether `target`'s async path is langchain's default, its sync code in a thread: a chat model
+    without an `_agenerate` of its own, a decision model without `_aclassify`, a `RunnableLambda`
+    over a plain function, a Runnable without `ainvoke`. Such a call cannot be cancelled once it runs."""
+    if isinstance(target, BaseChatModel):
+        return type(target)._agenerate is BaseChatModel._agenerate
+    if isinstance(target, BaseDecisionModel):
+        return type(target)._aclassify is BaseDecisionModel._aclassify
+    if isinstance(target, RunnableLambda):
+        return not hasattr(target, "afunc")
+    return isinstance(target, Runnable) and type(target).ainvoke is Runnable.ainvoke
+
+
+class SyncThreads:
+    """Threads for a sync target's calls that may be cancelled (hedges), at most `size` at once.
+
+    A sync target's call runs in a thread, which no cancellation stops: a call cancelled once it
+    runs goes on to its end (its reply dropped) while the decision has moved on. Here such calls
+    run in a pool of `size` threads; `busy` says when all are taken (calls still running, cancelled
+    ones among them), so a burst of cancelled calls cannot pile up threads: the caller starts no
+    more until one ends. A call cancelled before a thread took it never runs (nothing was sent).
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"SyncThreads needs at least one thread, not {size}")
+        self.size = size
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs = 0
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"SyncThreads(size={self.size}, running={self.running})"
+
+    @property
+    def running(self) -> int:
+        """Calls submitted and not ended (running, or about to)."""
+        return self._jobs
+
+    def busy(self) -> bool:
+        """Whether every thread is taken."""
+        return self._jobs >= self.size
+
+    async def run(self, calls: Calls, fn: Callable[[], Any]) -> Any:
+        """`fn()` in one of the threads, counted in `calls` once a thread took it; cancelled before
+        that, it never runs; after, it runs on (`calls.ran_on`) and this returns at once."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.size, thread_name_prefix="canvasroute-sync-call")
+            self._jobs += 1
+        job: Future[Any] = self._pool.submit(contextvars.copy_context().run, fn)
+        job.add_done_callback(self._ended)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if not job.cancel() and not job.done():
+                calls.ran_on = True  # it runs: no thread can be stopped, it ends by itself
+            raise
+        finally:
+            calls.sent += not job.cancelled()
+
+    def _ended(self, _: Future[Any]) -> None:
+        with self._lock:
+            self._jobs -= 1
+
+
+@dataclass(slots=True)
+class Calls:
+    """The calls one escalation made to its target, counted as they go out."""
+
+    threads: SyncThreads | None = None
+    """Where a sync target's calls run (`runs_in_thread`; a hedge's: bounded, counted when they
+    run on); None: through the target's own async path (`ainvoke`)."""
+    sent: int = 0
+    """Calls handed to the target: its `ainvoke` called, or its thread started (a malformed reply's
+    retry is one more; none when the escalation was cancelled before its first call)."""
+    ran_on: bool = False
+    """A call was cancelled while a sync target's thread ran it: it runs on to its end."""
+
+    async def send(self, target: Any, runnable: Any, value: Any, config: Any) -> Any:
+        """One call of `runnable` (the target, or its structured output) on `value`."""
+        if self.threads is not None and runs_in_thread(target):
+            return await self.threads.run(self, functools.partial(runnable.invoke, value, config=config))
+        self.sent += 1
+        return await runnable.ainvoke(value, config=config)
+
+
+async def escalate(escalation: Escalation, asked: Asked, calls: Calls | None = None) -> Escalated:
     """Answer `asked.specs` with `escalation.target`, one call for all of them (and one more
-    for a malformed reply)."""
+    for a malformed reply), each counted in `calls` as it goes out."""
     target, specs = escalation.target, list(asked.specs)
+    calls = calls if calls is not None else Calls()
     name = target_name(target)
     config: Any = {"tags": ["nostream"]}
     if is_decision_target(target):
-        reply = await ask_decision_target(target, asked)
+        reply = await ask_decision_target(target, asked, calls)
         return Escalated(reply.model, {q: a.answer for q, a in reply.answers.items() if a.answer is not None},
                          {q: dict(a.probabilities) if a.probabilities else None for q, a in reply.answers.items()},
                          dict(reply.usage), reply.model,
@@ -131,7 +229,7 @@ async def escalate(escalation: Escalation, asked: Asked) -> Escalated:
     cause: ValueError | None = None
     for _ in range(2):
         try:
-            reply = await runner.ainvoke(messages, config=config)
+            reply = await calls.send(target, runner, messages, config)
         except Exception as exc:
             _reraise_control_flow(exc)
             raise failure(name, target, exc) from exc
@@ -422,12 +520,19 @@ def _match(spec: QuestionSpec, value: Any) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class _Tokens:
-    """A reply's OpenAI-shaped logprobs, checked once for all its questions."""
+    """A reply's OpenAI-shaped logprobs, checked once for all its questions, as bytes.
+
+    A token is read as its `bytes` where the logprobs give them (OpenAI's token for part of a
+    character is `bytes:\\xc3`, its bytes the part; vLLM gives a character's earlier tokens as ""
+    and its last token whole), else as its text in UTF-8: what the tokens spell is the reply's
+    bytes, whatever characters they split."""
 
     entries: tuple[Mapping[str, Any], ...]
-    """One per token: `token`, `logprob`, `top_logprobs`."""
-    text: str
-    """The tokens' text: the reply as the logprobs spell it."""
+    """One per token: `token`, `logprob`, `top_logprobs` (and `bytes`)."""
+    spelled: tuple[bytes, ...]
+    """Each token's bytes."""
+    text: bytes
+    """The tokens' bytes: the reply (UTF-8) as the logprobs spell it."""
     ends: tuple[int, ...]
     """Where each token ends in `text`."""
 
@@ -440,14 +545,58 @@ class _Tokens:
         entries = tuple(content)
         if not all(isinstance(e, dict) and isinstance(e.get("token"), str) for e in entries):
             return None
-        return cls(entries, "".join(e["token"] for e in entries), tuple(itertools.accumulate(
-            len(e["token"]) for e in entries)))
+        spelled = tuple(_token_bytes(e) for e in entries)
+        return cls(entries, spelled, b"".join(spelled), tuple(itertools.accumulate(map(len, spelled))))
+
+
+def _token_bytes(entry: Mapping[str, Any]) -> bytes:
+    """A token's (or an alternative's) bytes: its `bytes` where given and well formed, else its text."""
+    given = entry.get("bytes")
+    if isinstance(given, list) and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256
+                                       for b in given):
+        return bytes(given)
+    token = entry.get("token")
+    return token.encode("utf-8", "surrogatepass") if isinstance(token, str) else b""
+
+
+_KEY = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:\s*("?)', re.DOTALL)
+"""A JSON object key, its colon and (for a string value) the value's opening quote."""
+
+
+def _value_start(text: bytes, qid: str) -> re.Match[bytes] | None:
+    """Where `qid`'s value starts in a reply: after the first key that says `qid` in JSON (written
+    as it is, or with escapes: `"cat\\u00e9gorie"` is `catégorie`)."""
+    plain = json.dumps(qid, ensure_ascii=False).encode()
+    for m in _KEY.finditer(text):
+        key = m.group(1)
+        if b'"' + key + b'"' == plain or (b"\\" in key and _json_string(key) == qid):
+            return m
+    return None
+
+
+def _json_string(body: bytes, *, partial: bool = False) -> str | None:
+    """What a JSON string's body (the bytes between its quotes) says (None: not JSON). `partial`:
+    the body as far as it goes, a character or escape it cuts short left out."""
+    if partial:
+        body = _CUT_ESCAPE.sub(rb"\1", body)
+    try:
+        value: str = json.loads(b'"' + body + b'"' if not partial else
+                                b'"' + body.decode("utf-8", "ignore").encode() + b'"', strict=False)
+    except ValueError:
+        return None
+    if partial and value and "\ud800" <= value[-1] <= "\udbff":  # half of a surrogate pair
+        value = value[:-1]
+    return value
+
+
+_CUT_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\(?:u[0-9a-fA-F]{0,3})?$")
+"""An escape a partial string body ends in the middle of (`\\`, `\\u00`), after any whole `\\\\`."""
 
 
 def _logprob_distribution(tokens: _Tokens, spec: QuestionSpec, by_description: bool = False) -> dict[str, float] | None:
     """The target's distribution over `spec`'s options, read exactly from OpenAI-shaped logprobs.
 
-    The reply's tokens (their text is the reply) are walked from where the question's value
+    The reply's tokens (their bytes are the reply) are walked from where the question's value
     starts (after `"<id>":` and, for a string, its opening quote). At each token, every
     alternative the target weighed leaves the reply there, with the probability of the chosen
     tokens so far times its own; the chosen tokens go on, up to the token that ends the value.
@@ -456,31 +605,32 @@ def _logprob_distribution(tokens: _Tokens, spec: QuestionSpec, by_description: b
     or it begins the option where no other option continues it (`crit` of `critical`; never `1`
     while `10` is an option, or `opt` among `opt0`..`opt79`). Options are spelled by name (by
     description when the reply named its answer by description), case-folded when that keeps
-    them apart, as the reply is read.
+    them apart, as the reply is read. Text is what the JSON says: escapes (`\\u00e7`) and
+    characters split across tokens (read as bytes, `_Tokens`) spell what they stand for, and a
+    question id is found the same way.
 
     Normalized over the mass that names an option: the result is the target's distribution
     given that it names one, as far as its logprobs show. Mass that names no single option (a
     prefix several options share, text that is no option, structure instead of a value, an
-    alternative outside the reply's `top_logprobs`) is left out, never given to an option: an
-    option no path spells gets 0. None when the value is not in the logprobs or nothing in
-    them names an option.
+    alternative outside the reply's `top_logprobs`, one whose bytes are not given) is left out,
+    never given to an option: an option no path spells gets 0. None when the value is not in the
+    logprobs or nothing in them names an option.
     """
     text = tokens.text
-    m = re.search(rf'"{re.escape(spec.id)}"\s*:\s*("?)', text)
+    m = _value_start(text, spec.id)
     if m is None:
         return None
-    names = _Spelled.of(spec, by_description, quoted=bool(m.group(1)))
+    names = _Spelled.of(spec, by_description, quoted=bool(m.group(2)))
     start, path = m.end(), 0.0
     mass = dict.fromkeys(spec.options, 0.0)
     first = bisect.bisect_right(tokens.ends, start)  # the first token that reaches past the value's start
     value = text[start:]
     for i in range(first, len(tokens.entries)):
-        entry, offset = tokens.entries[i], tokens.ends[i - 1] if i else 0
-        token: str = entry["token"]
+        entry, token, offset = tokens.entries[i], tokens.spelled[i], tokens.ends[i - 1] if i else 0
         lead, prefix = text[offset:start], text[start:offset]
         for alt in entry.get("top_logprobs") or ():
-            other = alt.get("token") if isinstance(alt, dict) else None
-            if isinstance(other, str) and other != token and other.startswith(lead):
+            other = _token_bytes(alt) if isinstance(alt, dict) else b""
+            if other and other != token and other.startswith(lead):
                 option = names.named(prefix + other[len(lead):])
                 if option is not None:
                     mass[option] += math.exp(path + _logprob(alt.get("logprob"), -math.inf))
@@ -502,13 +652,7 @@ def _logprob(value: Any, missing: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
-def _json_text(value: str) -> str:
-    """`value` as a JSON string's body writes it (escaped only where JSON must)."""
-    return value if value.isprintable() and '"' not in value and "\\" not in value else (
-        json.dumps(value, ensure_ascii=False)[1:-1])
-
-
-_BARE_END = frozenset(",}] \t\r\n")
+_BARE_END = frozenset(b",}] \t\r\n")
 """What ends a bare JSON value (a number, `true`, `false`)."""
 
 
@@ -517,7 +661,7 @@ class _Spelled:
     """How a reply's text spells one question's options (`_logprob_distribution`)."""
 
     spellings: tuple[tuple[str, str], ...]
-    """(text as the reply writes it, normalized; option) pairs."""
+    """(text as the reply's JSON says it, normalized; option) pairs."""
     quoted: bool
     """Whether the value is a JSON string (else a bare literal)."""
     fold: bool
@@ -532,7 +676,7 @@ class _Spelled:
               quoted: bool) -> _Spelled:
         if quoted:
             pairs = [(d if by_description else o, o) for o, d in zip(options, descriptions, strict=True)]
-            texts = [(_json_text(s).strip(), o) for s, o in pairs if s]
+            texts = [(s.strip(), o) for s, o in pairs if s]
         elif kind == "noul" and not by_description:
             texts = [("true", "yes"), ("false", "no")]
         elif kind == "score" and not by_description:
@@ -543,19 +687,23 @@ class _Spelled:
         fold = len({s.casefold() for s in distinct}) == len(distinct)
         return cls(tuple((s.casefold() if fold else s, o) for s, o in texts), quoted, fold)
 
-    def ended(self, value: str) -> int | None:
-        """Where `value` (the text from the value's start) ends the value; None: it goes on."""
+    def ended(self, value: bytes) -> int | None:
+        """Where `value` (the bytes from the value's start) ends the value; None: it goes on."""
         if not self.quoted:
             return next((i for i, c in enumerate(value) if c in _BARE_END), None)
-        i = value.find('"')
-        while i > 0 and (i - len(value[:i].rstrip("\\"))) % 2:  # an escaped quote goes on
-            i = value.find('"', i + 1)
+        i = value.find(b'"')
+        while i > 0 and (i - len(value[:i].rstrip(b"\\"))) % 2:  # an escaped quote goes on
+            i = value.find(b'"', i + 1)
         return i if i >= 0 else None
 
-    def named(self, value: str) -> str | None:
-        """The one option the text `value` names: whole and ended, or begun where no other continues."""
+    def named(self, value: bytes) -> str | None:
+        """The one option the bytes `value` name: whole and ended, or begun where no other continues."""
         end = self.ended(value)
-        text = (value[:end].strip() if end is not None else value.lstrip())
+        body = value[:end] if end is not None else value
+        said = _json_string(body, partial=end is None) if self.quoted else body.decode("utf-8", "ignore")
+        if said is None:
+            return None
+        text = said.strip() if end is not None else said.lstrip()
         text = text.casefold() if self.fold else text
         if end is not None:
             hits = {o for s, o in self.spellings if s == text}
@@ -638,8 +786,8 @@ def is_decision_target(target: Any) -> bool:
     return isinstance(target, BaseDecisionModel) or _is_openai_decisions(target)
 
 
-async def ask_decision_target(target: Any, ask: Asked) -> TargetReply:
-    """Ask `target` every question of `ask` in one call.
+async def ask_decision_target(target: Any, ask: Asked, calls: Calls | None = None) -> TargetReply:
+    """Ask `target` every question of `ask` in one call (counted in `calls` as it goes out).
 
     Raises:
         EscalationError: `failure` `network` (unreachable, timed out), `target` (it answered
@@ -663,7 +811,7 @@ async def ask_decision_target(target: Any, ask: Asked) -> TargetReply:
     else:
         raise TypeError(f"{name} is not a decision model (OpenAIDecisions or a BaseDecisionModel)")
     try:
-        response = await target.ainvoke(request, config={"tags": ["nostream"]})
+        response = await (calls or Calls()).send(target, target, request, {"tags": ["nostream"]})
     except ModelRefusalError as exc:  # a BaseDecisionModel's refusal: every question refused, none answered
         return TargetReply(model=name, answers={qid: TargetAnswer(answer=None, refusal=str(exc) or "refused")
                                                 for qid in questions})

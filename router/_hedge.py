@@ -25,9 +25,20 @@ Budget: a hedge takes one grant per question when it starts, all or none (a part
 given back, and the hedge is `refused`: logged, marked and counted, its questions go the
 sequential way; so is a hedge whose meter raised, as a shared store down: the hedge was optional,
 and the sequential escalation meets the meter again only if a question still needs it). A hedge
-the re-reads beat is not refunded: the target was asked and may have done the work, so a budget
-caps target work, not only answers. A hedge that failed, or whose decision raised or was
-cancelled, is refunded, as any escalation that did not happen.
+the re-reads beat after its call went out is not refunded: the target was asked and may have done
+the work, so a budget caps target work, not only answers. A hedge is refunded, as any escalation
+that did not happen, when its call never went out (cancelled first: nothing was asked, so it
+never holds a grant a later escalation, of this decision's later stages or of another decision,
+needs), when it failed, and when its decision raised or was cancelled while it ran.
+
+Sync targets: a target whose async path is its sync code in a thread (`runs_in_thread`: a chat
+model without `_agenerate`, a `RunnableLambda` over a plain function, ...) cannot be cancelled
+once its thread runs. Its hedge calls run in `SYNC_HEDGES`, at most `SYNC_HEDGE_THREADS` at once
+in this process; a hedge cancelled while its thread runs goes on to its end after the decision
+has returned (its reply dropped, its grant spent): counted (`Diagnostics.hedges_ran_on`,
+`Totals.hedges_ran_on`, the `canvasroute.hedges.ran_on` counter, `canvasroute.hedge.ran_on` on
+its span). While every one of those threads is taken, a sync target's hedge is `refused` (its
+questions go the sequential way), so a burst of cancelled hedges cannot pile up threads.
 
 Faults: a hedge call that fails while the re-reads settle its questions is absorbed (their
 answers stand): logged (WARNING, logger `canvasroute.router`), its `escalate` span marked
@@ -40,7 +51,8 @@ without a hedge; such a question waits for the call when its fault escalates. A 
 Traces and counts: a hedge's `escalate` span carries `canvasroute.hedge` (`won`, `cancelled`,
 `failed`); the decide span a `canvasroute.hedge` event per hedge (`refused` ones too); each
 question's report says `hedged`; `Diagnostics.target_calls` and `.hedges`, `Totals.target_calls`,
-`.hedges` and `.hedges_cancelled` count them.
+`.hedges` and `.hedges_cancelled` count them: a hedge is a target call once its call went out
+(`Calls.sent`; the `escalate` span's `canvasroute.escalation.calls`), a hedge cancelled before, none.
 """
 
 from __future__ import annotations
@@ -55,13 +67,18 @@ from typing import Any, Literal, Self
 from canvasroute.engine import EscalationError
 
 from . import telemetry as tm
-from ._escalation import Escalated, target_name
+from ._escalation import Calls, Escalated, SyncThreads, runs_in_thread, target_name
 from ._policy import Escalation, GatePolicy, Hedge
 from ._read import QuestionRead
 
-__all__ = ["Hedging", "cancel", "joined"]
+__all__ = ["SYNC_HEDGES", "SYNC_HEDGE_THREADS", "Hedging", "cancel", "joined"]
 
 logger = logging.getLogger("canvasroute.router")
+
+SYNC_HEDGE_THREADS = 8
+"""Hedge calls to sync targets that may run at once in this process (cancelled ones running on included)."""
+SYNC_HEDGES = SyncThreads(SYNC_HEDGE_THREADS)
+"""Where every hedge call to a sync target runs (`runs_in_thread`)."""
 
 Outcome = Literal["won", "cancelled", "failed", "refused"]
 
@@ -76,8 +93,8 @@ class Hedging:
     thread: str | None
     """The LangGraph thread its budget grants are counted for."""
     gates: Mapping[str, GatePolicy]
-    ask: Callable[[Sequence[QuestionRead]], Coroutine[Any, Any, Escalated]]
-    """One target call for these questions, marked as a hedge."""
+    ask: Callable[[Sequence[QuestionRead], Calls], Coroutine[Any, Any, Escalated]]
+    """One target call for these questions, marked as a hedge, counted in the `Calls` given."""
     escalates: Callable[[QuestionRead], bool]
     """Whether a read the gate has not passed goes to the target (its cause's action is `escalate`)."""
     usage: dict[str, int]
@@ -87,6 +104,8 @@ class Hedging:
     asked: tuple[str, ...] = ()
     """The questions the hedge call asks (none: no hedge was started)."""
     task: asyncio.Task[Escalated] | None = None
+    calls: Calls = field(default_factory=Calls)
+    """What the call handed the target (none: it was cancelled before it went out)."""
     won: set[str] = field(default_factory=set)
     """Questions the call answered before the re-reads ended."""
     outcome: Outcome | None = None
@@ -142,13 +161,18 @@ class Hedging:
         """Take the budget for `hedged` and start the call (False: the budget refused it)."""
         meter, n = self.escalation.meter, len(hedged)
         ids = tuple(r.spec.id for r in hedged)
-        try:
-            granted = await meter.take(n, self.thread) if meter is not None else n
-            if granted < n and granted:
-                await meter.refund(granted, self.thread)
-            why = f"the escalation budget granted {granted} of {n}"
-        except Exception as exc:  # noqa: BLE001 - a hedge is optional: a meter fault refuses it (logged, counted)
-            granted, why = 0, f"the escalation budget could not be taken ({type(exc).__name__}: {exc})"
+        threads = SYNC_HEDGES if runs_in_thread(self.escalation.target) else None
+        if threads is not None and threads.busy():
+            granted, why = 0, (f"its target is sync and all {threads.size} threads for sync hedge calls are taken "
+                               "(calls that cannot be cancelled, still running)")
+        else:
+            try:
+                granted = await meter.take(n, self.thread) if meter is not None else n
+                if granted < n and granted:
+                    await meter.refund(granted, self.thread)
+                why = f"the escalation budget granted {granted} of {n}"
+            except Exception as exc:  # noqa: BLE001 - a hedge is optional: a meter fault refuses it (logged, counted)
+                granted, why = 0, f"the escalation budget could not be taken ({type(exc).__name__}: {exc})"
         if granted < n:
             self.outcome = "refused"
             logger.warning("hedge for question(s) %s refused: %s; re-reads first, then the escalation as without a "
@@ -157,8 +181,8 @@ class Hedging:
             return False
         for r in hedged:
             r.hedged = True
-        self.asked = ids
-        self.task = asyncio.create_task(self.ask(hedged))
+        self.asked, self.calls = ids, Calls(threads=threads)
+        self.task = asyncio.create_task(self.ask(hedged, self.calls))
         return True
 
     async def answers(self, reads: Mapping[str, QuestionRead]) -> Escalated | None:
@@ -194,8 +218,8 @@ class Hedging:
             for key in ("input_tokens", "output_tokens"):
                 self.usage[key] += call.result().usage.get(key, 0)
         meter = self.escalation.meter
-        if meter is not None and (failure is not None or exc_type is not None):
-            await meter.refund(len(self.asked), self.thread)  # nothing was escalated by it
+        if meter is not None and (failure is not None or exc_type is not None or not self.calls.sent):
+            await meter.refund(len(self.asked), self.thread)  # nothing was escalated by it, or nothing asked
         self._end(self.asked)
         if failure is not None and exc_type is None:
             if not isinstance(failure, EscalationError):

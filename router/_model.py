@@ -7,12 +7,13 @@ The model is the way in: `request()` builds the one frozen `DecisionRequest` a d
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Coroutine, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from langchain_core.decisions import BaseDecisionModel, ClassifierRequest
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -141,6 +142,31 @@ class CanvasDecisionModel(BaseDecisionModel):
             escalation = replace(escalation, controller_state=InMemoryControllerState(escalation.controller))
         defaults = Defaults(read=self.read, policy=self.policy, outcomes=self.outcomes, escalation=escalation)
         self._kept = _Memo(Planner(self.engine), defaults, own_meter, own_state)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy of this model with `update`'s fields changed: the model its fields build.
+
+        pydantic's own copy takes `update` unchecked and keeps what the original derived from its
+        fields at construction; here the fields are validated as the constructor validates them (a
+        bare target becomes an `Escalation`, a `read` dict a `ReadOptions`, a bad value raises) and
+        everything derived is derived again, for the copy: its escalation as decisions use it, with
+        an in-process budget meter and controller state of its own where the model made them (a copy
+        counts its own budget and holds its own rate, as a second model built with the same fields
+        would). A meter or controller state given in `Escalation(meter=..., controller_state=...)`
+        is the caller's and stays shared; to share the original's in-process ones, pass them:
+        `model.model_copy(update={"escalate_to": model.escalation})`. Plans are kept when the engine is.
+
+        Raises:
+            ValueError: a field value the constructor refuses (pydantic's `ValidationError`).
+        """
+        values = {name: getattr(self, name) for name in type(self).model_fields if name not in (update or {})}
+        if deep:
+            values = copy.deepcopy(values)
+        copied = type(self)(**values, **(update or {}))
+        object.__setattr__(copied, "__pydantic_fields_set__", self.model_fields_set | set(update or ()))
+        if copied.engine is self.engine:
+            copied._memo.planner, copied._memo.served = self._memo.planner, self._memo.served
+        return copied
 
     @property
     def _memo(self) -> _Memo:
@@ -292,11 +318,9 @@ class CanvasDecisionModel(BaseDecisionModel):
         fault raises."""
         memo = self._memo
         if memo.only is None:
-            copy = self.model_copy(update={"escalate_to": None, "cache": None})
-            copy.model_post_init(None)
-            copy._memo.defaults = replace(copy._memo.defaults, canvas_only=True)
-            copy._memo.planner = memo.planner  # same engine, same plans (and the same question sets: defaults')
-            memo.only = copy
+            only = self.model_copy(update={"escalate_to": None, "cache": None})  # same engine: same plans
+            only._memo.defaults = replace(only._memo.defaults, canvas_only=True)
+            memo.only = only
         return memo.only
 
     # -- BaseDecisionModel --------------------------------------------------------------

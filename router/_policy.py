@@ -482,8 +482,9 @@ class Controller:
     """Let the controller raise a certified gate's threshold (`GatePolicy.certificate`) past its
     certified value, which voids the certificate's bound. False: a certified gate only tightens."""
     resolution: float = 0.01
-    """Effective thresholds are rounded to this grid (the gate's text stays readable, and a
-    decision cache's keys repeat while the controller holds still); 0: not rounded."""
+    """Offsets are applied in steps of this grid (a decision cache's keys repeat while the
+    controller holds still); the gate's own threshold is never rounded: at offset 0 a gate is
+    gated at exactly its threshold, a certified one keeping its certificate. 0: not rounded."""
     decay: float = 0.02
     """Weight of each decision in the realised rate the controller reports (an exponential moving
     average: 0.02 weighs about the last 50 decisions). Reported only; the update is `step`'s."""

@@ -71,11 +71,15 @@ class Diagnostics(BaseModel):
     prompt_tokens: int = 0
     """Prompt tokens of the first read (0 when the engine reports none)."""
     target_calls: int = 0
-    """Calls to the escalation target, hedges included (a cancelled one too: it was sent)."""
+    """Calls handed to the escalation target: a malformed reply's retry is a second, a hedge
+    cancelled after it was sent is one, a hedge cancelled before it was sent none."""
     hedges: list[Literal["won", "cancelled", "failed", "refused"]] = Field(default_factory=list)
     """How each hedge (`Escalation.hedge`) ended: `won` (the target answered), `cancelled` (the
-    re-reads settled its questions first), `failed` (the call failed), `refused` (the budget
-    turned it away: not sent, the questions went the sequential way)."""
+    re-reads settled its questions first), `failed` (the call failed), `refused` (the budget, or a
+    sync target's busy hedge threads, turned it away: not sent, the questions went the sequential way)."""
+    hedges_ran_on: int = 0
+    """Cancelled hedges whose call to a sync target ran on in its thread (no thread can be
+    cancelled: it ends by itself, its reply dropped; `SyncThreads` bounds how many run at once)."""
 
 
 class ReadReport(BaseModel):
@@ -199,10 +203,14 @@ class Totals:
     input_tokens: int = 0
     output_tokens: int = 0
     target_calls: int = 0
-    """Calls to the escalation target, hedges included (`Diagnostics.target_calls`)."""
+    """Calls handed to the escalation target (`Diagnostics.target_calls`): hedges that were sent
+    and a malformed reply's retry included."""
     hedges: int = 0
-    """Hedge calls started beside re-reads (`Escalation.hedge`), and of them cancelled:"""
+    """Hedges started beside re-reads (`Escalation.hedge`), and of them cancelled:"""
     hedges_cancelled: int = 0
+    hedges_ran_on: int = 0
+    """Cancelled hedges whose sync target's call ran on to its end in a thread
+    (`Diagnostics.hedges_ran_on`)."""
     latency_s: float = 0.0
     """Seconds the decision sets took to decide (a replay's lookup is no decision: its
     response's own `latency_s` says how long it took)."""
@@ -220,14 +228,16 @@ class Totals:
                    escalations=sum(r.path == "escalated" for r in response.reads.values()),
                    input_tokens=int(usage.get("input_tokens", 0)), output_tokens=int(usage.get("output_tokens", 0)),
                    latency_s=response.latency_s, target_calls=diagnostics.target_calls if diagnostics else 0,
-                   hedges=len(hedges), hedges_cancelled=hedges.count("cancelled"))
+                   hedges=len(hedges), hedges_cancelled=hedges.count("cancelled"),
+                   hedges_ran_on=diagnostics.hedges_ran_on if diagnostics else 0)
 
     def __add__(self, other: Totals) -> Totals:
         return Totals(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
 
     def as_tuple(self) -> tuple[Any, ...]:
         return (self.decisions, self.questions, self.reads, self.canvases, self.escalations, self.input_tokens,
-                self.output_tokens, self.target_calls, self.hedges, self.hedges_cancelled, self.latency_s)
+                self.output_tokens, self.target_calls, self.hedges, self.hedges_cancelled, self.hedges_ran_on,
+                self.latency_s)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON, the keys of the fields."""
@@ -240,7 +250,7 @@ class Totals:
 
 
 _TOTALS_KEYS = ("decisions", "questions", "reads", "canvases", "escalations", "input_tokens", "output_tokens",
-                "target_calls", "hedges", "hedges_cancelled", "latency_s")
+                "target_calls", "hedges", "hedges_cancelled", "hedges_ran_on", "latency_s")
 
 NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
 """What a replay spends (langchain-core records a response's usage on its run)."""

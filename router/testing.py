@@ -32,7 +32,7 @@ from langchain_core.runnables import Runnable
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, field_validator
 
-__all__ = ["Answer", "Fault", "Script", "ScriptedTarget"]
+__all__ = ["Answer", "Fault", "Script", "ScriptedTarget", "SyncScriptedTarget"]
 
 Answer = str | bool | int | Mapping[str, float]
 """An option, or a distribution `{option: probability}` (the reply names its most likely option)."""
@@ -167,6 +167,29 @@ class ScriptedTarget(BaseChatModel):
         if isinstance(answer, Mapping):
             return max(answer, key=answer.__getitem__), answer
         return answer, None
+
+
+class SyncScriptedTarget(ScriptedTarget):
+    """A `ScriptedTarget` with no async path of its own, as a sync chat model (one that implements
+    `_generate` only): langchain runs it in a thread, which no cancellation stops.
+    `hold` is then a plain function of the call index, called in that thread before it answers
+    (e.g. `lambda call: release.wait(5)` with a `threading.Event`).
+
+    Example:
+        ```python
+        release = threading.Event()
+        target = SyncScriptedTarget(script={"team": "billing"}, hold=lambda call: release.wait(5))
+        ```
+    """
+
+    _agenerate = BaseChatModel._agenerate  # langchain's default: `_generate` in a thread
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        call = self._count(messages)
+        if self.hold is not None:
+            self.hold(call)
+        return self._reply_to(call, messages, kwargs)
 
 
 def _questions(tool: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:

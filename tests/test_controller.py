@@ -10,6 +10,7 @@ traces and both HTTP wires.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -38,7 +39,15 @@ from canvasroute.apps.bench.controller import (
 )
 from canvasroute.apps.cli import main
 from canvasroute.apps.server import create_app
-from canvasroute.engine import CanvasRead, DecisionError, EngineUnavailable, FunctionEngine
+from canvasroute.engine import (
+    BudgetExhausted,
+    CanvasRead,
+    DecisionError,
+    EngineUnavailable,
+    EscalationError,
+    FunctionEngine,
+    UnsureAnswer,
+)
 from canvasroute.harness import (
     NodeCache,
     ReviewPolicy,
@@ -485,6 +494,38 @@ async def test_engine_faults_do_not_move_the_controller_and_stay_visible(caplog)
     assert decisions(raising) == 0
 
 
+@pytest.mark.parametrize(("raises", "answers"), [
+    (OutcomePolicy(over_budget="raise"), OutcomePolicy(over_budget="answer")),
+    (OutcomePolicy(uncertain="raise"), OutcomePolicy(uncertain="answer")),
+])
+async def test_a_decision_that_raises_its_outcome_is_observed_as_one_that_answers_it(raises, answers):
+    """Issue 40.1: decisions that raised (`over_budget="raise"` past a spent budget) were never observed,
+    so only the answers the gate passed reached the controller and a spent budget tightened the
+    threshold. The gate's outcome is the same whether its action answers or raises: the same steps."""
+    spent = EscalationBudget(max_per_window=0)
+    raising, answering = (controlled(0.3, outcomes=o, budget=spent) for o in (raises, answers))
+    for i in range(10):
+        for h in (0.9, 0.1):  # half over the gate: 50 % escalations against a 20 % target
+            with pytest.raises((BudgetExhausted, UnsureAnswer)) if h == 0.9 else contextlib.nullcontext():
+                await raising.adecide(f"h={h} r{i}", {"urgent": URGENT})
+            await answering.adecide(f"h={h} r{i}", {"urgent": URGENT})
+    assert decisions(raising) == decisions(answering) == 20
+    assert offset(raising) == pytest.approx(offset(answering)) == pytest.approx(10 * 0.02 * (1 - 2 * TARGET))
+
+
+async def test_a_retryable_failure_is_not_observed_its_retry_is():
+    """A fault that may pass by itself (the target timed out) decided nothing: a retry decides it again
+    and is observed then (once), as `Totals` counts a failed attempt as nothing."""
+    slow = ScriptedTarget(script={"urgent": "yes"}, faults=[TimeoutError()])
+    flaky = CanvasDecisionModel(engine=h_engine(), policy=GatePolicy(max_normalized_entropy=0.3, rereads=0),
+                                escalate_to=Escalation(slow, controller=Controller(target=TARGET)))
+    with pytest.raises(EscalationError) as info:
+        await flaky.adecide("h=0.9 flaky", {"urgent": URGENT})
+    assert info.value.retryable and decisions(flaky) == 0
+    assert (await flaky.adecide("h=0.9 flaky", {"urgent": URGENT})).reads["urgent"].path == "escalated"
+    assert decisions(flaky) == 1
+
+
 class BrokenStore(InMemoryStore):
     """A store whose every call fails, as a database that went away."""
 
@@ -532,6 +573,26 @@ async def test_a_certified_gate_is_only_ever_tightened_unless_told():
     for i in range(5):
         report = (await told.adecide(f"h=0.6 l{i}", {"urgent": URGENT})).reads["urgent"]
     assert gate_threshold(report) > 0.3
+
+
+@pytest.mark.parametrize("base", [0.7419, 0.431518])  # a calibrated threshold, as `calibrate` writes one
+async def test_a_certified_gate_held_at_offset_zero_keeps_its_exact_threshold_and_its_certificate(base, spans):
+    """The controller moves a threshold by offsets on its grid; it never rounds the base: at offset 0 the
+    gate is the certified one (the same number the certificate was proved on), and says so."""
+    certified = GatePolicy(max_normalized_entropy=base, rereads=0, certificate=CERTIFIED)
+    model = controlled(policy=certified)
+    between = (round(base, 2) + base) / 2  # over the base rounded to the resolution, within the exact base
+    report = (await model.adecide(f"h={between:.6f} exact", {"urgent": URGENT})).reads["urgent"]
+    assert report.gate == certified.gate_text and "(certified: " in report.gate
+    assert (report.path, report.confident) == ("canvas", True), "gated at the exact certified threshold"
+    decide = [s for s in spans.get_finished_spans() if s.name.startswith("decide")][-1]
+    event = next(e for e in decide.events if e.name == tm.QUESTION_EVENT)
+    assert event.attributes[tm.FIGURE_KEYS["gate"]] == certified.gate_text
+    for i in range(20):  # nothing escalates: the controller tightens, by whole steps of its resolution
+        report = (await model.adecide(f"h=0.0 t{i}", {"urgent": URGENT})).reads["urgent"]
+    steps = round((gate_threshold(report) - base) / 0.01)
+    assert steps < 0 and gate_threshold(report) == pytest.approx(base + steps * 0.01)
+    assert "certified" not in report.gate
 
 
 async def test_an_uncertified_gate_stays_escalate_all_and_is_left_alone():

@@ -126,3 +126,40 @@ def test_one_question_validator_for_model_client_and_server():
             _wire_questions(bad)
         with pytest.raises(error):
             router.parse_questions(bad)
+
+
+# -- model_copy ------------------------------------------------------------------------------------
+
+
+async def test_a_model_copy_gates_and_escalates_with_its_new_settings_and_counts_its_own_budget():
+    """Issue 40.1: `model_copy(update=...)` reported the new policy and target but gated and escalated
+    with the old ones, through the original's budget meter and controller state. A copy is the model
+    its fields build: validated, derived again, with its own in-process meter and controller state."""
+    from canvasroute.router import Controller, Escalation
+    from canvasroute.router.testing import ScriptedTarget
+
+    old, new = ScriptedTarget(script={"team": "billing"}), ScriptedTarget(script={"team": "tech"})
+    original = CanvasDecisionModel(engine=FunctionEngine(uncertain), policy=GatePolicy(rereads=0),
+                                   escalate_to=Escalation(old, budget=EscalationBudget(max_per_window=1),
+                                                          controller=Controller(target=0.2)))
+    assert (await original.adecide("spent", {"team": TEAM})).reads["team"].path == "escalated"
+    lenient = original.model_copy(update={"policy": GatePolicy(max_normalized_entropy=1.0, rereads=0)})
+    report = (await lenient.adecide("x", {"team": TEAM})).reads["team"]
+    assert (report.path, report.gate) == ("canvas", "H/lnK <= 1"), "gated with the copy's policy"
+    elsewhere = original.model_copy(update={"escalate_to": new})  # a bare target, wrapped as the constructor does
+    assert isinstance(elsewhere.escalate_to, Escalation) and elsewhere.escalation.target is new
+    report = (await elsewhere.adecide("y", {"team": TEAM})).reads["team"]
+    assert (report.path, report.answer, old.calls, new.calls) == ("escalated", "tech", 1, 1)
+    same = original.model_copy(update={"model": "canvas-b"})  # the same escalation: its own meter and state
+    report = (await same.adecide("z", {"team": TEAM})).reads["team"]
+    assert report.path == "escalated", "not the original's spent budget"
+    assert original.budget_counters["granted"] == same.budget_counters["granted"] == 1
+    assert same.escalation.meter is not original.escalation.meter
+    assert same.controller_counters["questions"]["team"]["decisions"] == 1
+    assert original.controller_counters["questions"]["team"]["decisions"] == 1
+    shared = original.model_copy(update={"escalate_to": original.escalation})  # said so: the original's own
+    assert shared.escalation.meter is original.escalation.meter and shared.budget_scope is None
+    with pytest.raises(ValueError, match="escalate_to"):
+        original.model_copy(update={"escalate_to": 42})
+    assert original.model_copy(update={"read": {"constrained": False}}).read.constrained is False
+    assert original.model_copy().model_fields_set == original.model_fields_set

@@ -389,6 +389,66 @@ async def test_a_scripted_target_with_options_that_prefix_each_other_reads_back_
     assert r.probabilities == pytest.approx({o: expected.get(o, 0.0) for o in r.probabilities}, abs=1e-9)
 
 
+LANGUE = Choice(instructions="Which language is the ticket in?",
+                criteria={"english": None, "français": None, "español": None})
+
+
+async def test_options_and_question_ids_that_are_not_ascii_keep_their_mass():
+    """Issue 40.1: `{"english": 0.6, "français": 0.4}` came back `{english: 1.0, français: 0.0}`: a
+    reply writes `français` as `fran\\u00e7ais` (JSON's escape, as `json.dumps` does) and a question id
+    `catégorie` too; the reader compares what the JSON says, not how it is spelled."""
+    from canvasroute.router.testing import ScriptedTarget
+
+    even = FunctionEngine(lambda read: [{i: -math.log(len(read.label_ids)) for i in read.label_ids}] * len(read.slots))
+    target = ScriptedTarget(script={"langue": {"english": 0.6, "français": 0.4},
+                                    "catégorie": {"billing": 0.3, "tech": 0.7}})
+    model = CanvasDecisionModel(engine=even, policy=GatePolicy(rereads=0), escalate_to=target)
+    resp = await bounded(model.adecide(STATE, {"langue": LANGUE, "catégorie": TEAM}))
+    langue, categorie = resp.reads["langue"], resp.reads["catégorie"]
+    assert langue.path == "escalated" and langue.answer == "english"
+    assert langue.probabilities == pytest.approx({"english": 0.6, "français": 0.4, "español": 0.0})
+    assert resp.answers["langue"].confidence < 1.0
+    assert categorie.probabilities == pytest.approx({"billing": 0.3, "tech": 0.7})
+
+
+def _byte_logprobs(tokens: list[tuple[str, bytes, float, list[tuple[str, bytes, float]]]]) -> dict:
+    """OpenAI-shaped logprobs with each token's `bytes`: (token, bytes, logprob, alternatives)."""
+    return {"content": [{"token": t, "bytes": list(b), "logprob": lp,
+                         "top_logprobs": [{"token": a, "bytes": list(ab), "logprob": v} for a, ab, v in alts]}
+                        for t, b, lp, alts in tokens]}
+
+
+C3, A9, A7 = b"\xc3", b"\xa9", b"\xa7"  # é is C3 A9, ç is C3 A7 in UTF-8
+SPLIT = {  # '{"catégorie": "français"}' as each server writes a character split across tokens
+    # OpenAI: a token that is part of a character is "bytes:\\x.." and its `bytes` are its own
+    "openai": [('{"cat', b'{"cat', 0.0, []), ("bytes:\\xc3", C3, 0.0, []), ("bytes:\\xa9", A9, 0.0, []),
+               ('gorie": "', b'gorie": "', 0.0, []),
+               ("fran", b"fran", math.log(0.7), [("fran", b"fran", math.log(0.7)), ("eng", b"eng", math.log(0.2)),
+                                                  ("esp", b"esp", math.log(0.1))]),
+               ("bytes:\\xc3", C3, 0.0, [("bytes:\\xc3", C3, 0.0)]), ("bytes:\\xa7", A7, 0.0, []),
+               ('ais"}', b'ais"}', 0.0, [])],
+    # vLLM: the tokens before a character's last are "" (no bytes), the last carries it whole
+    "vllm": [('{"cat', b'{"cat', 0.0, []), ("", b"", 0.0, [("", b"", 0.0)]), ("é", C3 + A9, 0.0, []),
+             ('gorie": "', b'gorie": "', 0.0, []),
+             ("fran", b"fran", math.log(0.7), [("fran", b"fran", math.log(0.7)), ("eng", b"eng", math.log(0.2)),
+                                                ("esp", b"esp", math.log(0.1))]),
+             ("", b"", 0.0, [("", b"", 0.0), ("", b"", -3.0)]), ("ç", C3 + A7, 0.0, []), ('ais"}', b'ais"}', 0.0, [])],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SPLIT))
+async def test_a_character_split_across_tokens_is_read_from_their_bytes(shape):
+    """Non-ASCII names are split across tokens in OpenAI-shaped logprobs; the reply's text is read
+    from each token's `bytes` where given (OpenAI's "bytes:\\xc3" tokens, vLLM's empty ones)."""
+    lp = _byte_logprobs(SPLIT[shape])
+    text = b"".join(bytes(e["bytes"]) for e in lp["content"]).decode()
+    assert text == '{"catégorie": "français"}'
+    chat, _ = fake(AIMessage(text, response_metadata={"logprobs": lp}))
+    r = (await bounded(canvas_model(chat, output="text").adecide(STATE, {"catégorie": LANGUE}))).reads["catégorie"]
+    assert r.answer == "français"
+    assert r.probabilities == pytest.approx({"english": 0.2, "français": 0.7, "español": 0.1})
+
+
 # -- other targets: Runnables and decision models -------------------------------------------------
 
 

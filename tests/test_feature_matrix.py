@@ -33,8 +33,9 @@ second run), and once more from scratch. Invariants, not examples:
     in 0.2's spelling (its from-scratch run, (d)).
 (m) totals mean what they say: a run's decision events and its records total the same
     (`run_totals`), a replayed decision (the `DecisionCache`, the `NodeCache`) spent nothing and
-    keeps what it cost as its `original`, and what a run without faults reports as read is what
-    the engine read.
+    keeps what it cost as its `original`, what a run without faults reports as read is what
+    the engine read, and its target calls are the calls the target counted (a target whose
+    first reply is prose is asked again: two calls).
 
 Examples are bounded and derandomized (a fixed seed: CI runs the same examples every time);
 `CANVASROUTE_MATRIX_EXAMPLES=500` explores further.
@@ -201,21 +202,26 @@ class Target:
 
     WEIGHTS = (0.6, 0.3, 0.1)
 
-    def __init__(self, fails: bool, name: str = "target") -> None:
-        self.fails, self.calls, self.questions = fails, 0, 0
+    def __init__(self, fails: bool, name: str = "target", *, malformed: bool = False) -> None:
+        self.fails, self.malformed, self.calls, self.questions = fails, malformed, 0, 0
         self.texts: list[str] = []
         self.images: list[list[str]] = []
         self.runnable = RunnableLambda(self._reply, name=name)
 
     def _reply(self, msgs: Any) -> AIMessage:
         self.calls += 1
-        content = msgs[-1].content
+        last = msgs[-1].content
+        retry = isinstance(last, str) and last.startswith("That reply was invalid")  # the request: 2 messages back
+        content = msgs[-3 if retry else -1].content
         parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
         text = "".join(p["text"] for p in parts if p.get("type") == "text")
-        self.texts.append(text)
-        self.images.append([p["image_url"]["url"] for p in parts if p.get("type") == "image_url"])
+        if not retry:
+            self.texts.append(text)
+            self.images.append([p["image_url"]["url"] for p in parts if p.get("type") == "image_url"])
         if self.fails:
             raise ConnectionError("the escalation target is down")
+        if self.malformed and not retry:  # prose first: the escalation asks again, a second call
+            return AIMessage("I am not sure which options fit.")
         asked = {qid: re.findall(r'"([^"]*)"(?: \([^)]*\))?(?:, |$)', options) for qid, options in re.findall(
             r'^Question "([^"]+)": .*? Options: (.*?)\.(?: Fast model\'s probabilities: .*)?$', text, re.MULTILINE)}
         self.questions += len(asked)
@@ -353,6 +359,7 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         "node_cache": graph and draw(st.sampled_from([True, True, False])),
         "state": state, "seed": draw(st.none() | st.integers(0, 2**31)),
         "spelling": draw(st.sampled_from(["0.2", "0.2", "0.1"])),  # (l): 0.1's keywords where 0.1 had them
+        "malformed": draw(st.sampled_from([False, False, True])),  # (m): the target's first reply is prose
     }
 
 
@@ -414,7 +421,7 @@ def build(s: dict[str, Any]) -> Built:
     options = {q: _options(k, questions[q]) for q, k in zip(s["qids"], s["kinds"], strict=True)}
     engine = Scripted(s["moods"], s["fault"], s["fault_type"], s["max_model_len"], s["causal"])
     engine.thinking = bool(s["think"])
-    target = Target(s["target"] == "fails") if s["target"] else None
+    target = Target(s["target"] == "fails", malformed=s["malformed"]) if s["target"] else None
     budget = EscalationBudget(max_per_window=s["per_window"], window_s=3600) if s["budget"] else None
     fallback = {q: o[0] for q, o in options.items()} if s["fallback"] else {}
     outcomes = OutcomePolicy(
@@ -535,6 +542,8 @@ class Run:
     """Canvas reads the engine made during the run (faulted ones included)."""
     replays: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """(m): the `timing` of every record a cache replayed, or of a replayed response."""
+    calls: int = 0
+    """(m): calls the escalation target itself counted during the run."""
 
 
 def _flat(decisions: Mapping[str, Any] | None, b: Built) -> dict[str, dict[str, Any]] | None:
@@ -559,6 +568,7 @@ def run(b: Built, thread: str) -> Run:
     read = {"instructions": s["instructions"], "alone": s["alone"], "think": s["think"], "isolate": s["isolate"]}
     gate = {"max_normalized_entropy": s["layer_gate"]} if s["layer"] in ("context", "request") else None
     reads = len(b.engine.log)
+    calls = b.target.calls if b.target is not None else 0
     try:
         hits = b.model.cache.hits if b.model.cache else 0
         if not s["graph"]:
@@ -570,7 +580,8 @@ def run(b: Built, thread: str) -> Run:
                                for q, r in resp.reads.items()}, usage=dict(resp.usage), faults=b.engine.faults,
                       hits=b.model.cache.hits - hits if b.model.cache else 0,
                       logged=len(FAULT_LOG.records) - logged, totals=(resp.totals, resp.totals),
-                      reads=len(b.engine.log) - reads, replays=replays)
+                      reads=len(b.engine.log) - reads, replays=replays,
+                      calls=(b.target.calls if b.target is not None else 0) - calls)
             resp.answers.clear()  # a caller editing its response changes no later hit
             resp.reads.clear()
             resp.usage["input_tokens"] = 10**6
@@ -609,7 +620,8 @@ def run(b: Built, thread: str) -> Run:
                    faults=b.engine.faults, hits=b.model.cache.hits - hits if b.model.cache else 0,
                    shadow=events[-1].get("shadow") if events else None, logged=len(FAULT_LOG.records) - logged,
                    totals=(run_totals([*reviews, *events]), run_totals(records or {})), reads=len(b.engine.log) - reads,
-                   replays=[t for t in timings if t.get("replayed") in ("decision_cache", "node_cache")])
+                   replays=[t for t in timings if t.get("replayed") in ("decision_cache", "node_cache")],
+                   calls=(b.target.calls if b.target is not None else 0) - calls)
     except Exception as exc:  # noqa: BLE001 - judged by check_error
         return Run(error=exc, faults=b.engine.faults, logged=len(FAULT_LOG.records) - logged)
 
@@ -715,6 +727,10 @@ def check_totals(b: Built, r: Run) -> None:
     for timing in r.replays:
         assert Totals.from_dict(timing["totals"]) == Totals(), timing
         assert timing["original"] is not None and timing["original"]["decisions"] == 1, timing
+    if not b.s["edge"]:  # (a route_on edge asks the same target, in no record)
+        assert events.target_calls == r.calls, ("target calls: the totals' against the target's own", events, r.calls)
+        if r.calls:
+            event(f"target calls: {'asked again after prose' if b.s['malformed'] else 'answered at once'}")
     if not r.faults and not b.s["edge"]:
         assert events.reads == r.reads, (events, r.reads)
         cached = ("decision_cache", "node_cache")

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import re
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -23,21 +24,30 @@ from conftest import fresh_tracer_provider, label_rows, until
 from lanes import State
 from langchain_core.decisions import BaseDecisionModel, Noul
 from langchain_core.exceptions import ModelRefusalError
+from langchain_core.prompts import ChatPromptTemplate
 from langgraph.cache.memory import InMemoryCache
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.store.memory import InMemoryStore
 from langgraph.types import Command, Send
 from opentelemetry.trace import StatusCode
+from pydantic import PrivateAttr
 
 from canvasroute import Hedge
 from canvasroute.apps.server import cli as serve
 from canvasroute.apps.server import create_app
-from canvasroute.engine import EngineUnavailable, EscalationError, FunctionEngine, VLLMServerEngine
+from canvasroute.engine import (
+    EngineResponseError,
+    EngineUnavailable,
+    EscalationError,
+    FunctionEngine,
+    VLLMServerEngine,
+)
 from canvasroute.engine.testing import Fault, LoopbackVLLM
 from canvasroute.harness import DECISION_EVENT, NodeCache, ReviewPolicy, decision_node, route_on
 from canvasroute.harness._store_budget import store_meter
 from canvasroute.router import (
+    ESCALATION_PROMPT,
     CanvasDecisionModel,
     DecisionCache,
     Escalation,
@@ -120,8 +130,9 @@ def hedged(canvas: Canvas, target: Any, *, gate: GatePolicy = GATE, **escalation
 
 
 @pytest.fixture
-def hedges_counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], dict[str, int]]]:
-    """The `canvasroute.hedges` counter's points by outcome, from a real SDK meter provider of this test's own."""
+def hedges_counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., dict[str, int]]]:
+    """The `canvasroute.hedges` counter's points by outcome (or another counter's, by the same
+    attribute: "" when it has none), from a real SDK meter provider of this test's own."""
     from opentelemetry import metrics
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -133,11 +144,10 @@ def hedges_counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], dic
     monkeypatch.setattr(metrics, "get_meter_provider", lambda: provider)
     monkeypatch.delitem(_spans._cache, "meter", raising=False)
 
-    def counted() -> dict[str, int]:
+    def counted(name: str = "canvasroute.hedges") -> dict[str, int]:
         data = reader.get_metrics_data()
-        return {p.attributes[tm.HEDGE]: p.value for rm in (data.resource_metrics if data else ())
-                for sm in rm.scope_metrics for m in sm.metrics if m.name == "canvasroute.hedges"
-                for p in m.data.data_points}
+        return {(p.attributes or {}).get(tm.HEDGE, ""): p.value for rm in (data.resource_metrics if data else ())
+                for sm in rm.scope_metrics for m in sm.metrics if m.name == name for p in m.data.data_points}
 
     yield counted
     _spans._cache.pop("meter", None)
@@ -364,6 +374,133 @@ async def test_a_hedge_is_counted_against_the_budget_of_later_escalations():
                           budget=EscalationBudget(max_per_window=1), meter=model.escalation.meter).adecide(TICKET, ONE)
     assert second.diagnostics.hedges == ["refused"]
     assert (second.reads["urgent"].path, second.reads["urgent"].cause) == ("unsure", "over_budget")
+
+
+class StalledPrompt(ChatPromptTemplate):
+    """The default escalation prompt, whose first formatting waits until it is cancelled: the first
+    call (a hedge's) never goes out to the target; every later one does."""
+
+    _stalled: bool = PrivateAttr(default=False)
+
+    async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
+        if not self._stalled:
+            self._stalled = True
+            await never()
+        return await super().ainvoke(input, config, **kwargs)
+
+
+def stalled() -> StalledPrompt:
+    return StalledPrompt.from_messages(ESCALATION_PROMPT.messages)
+
+
+async def test_a_hedge_the_rereads_beat_before_its_call_went_out_is_no_call_and_is_refunded(spans):
+    """Issue 40.1: a hedge cancelled before it reached the target was counted as a call and kept its
+    grant, so cancelled hedges spent a small budget and later real escalations were refused."""
+    canvas = Canvas(BORDERLINE, SURE)  # the re-read settles while the hedge's call is still being written
+    target = ScriptedTarget(script={"urgent": "no"})
+    model = hedged(canvas, target, budget=EscalationBudget(max_per_window=1), prompt=stalled())
+    resp = await model.adecide(TICKET, ONE)
+    assert (resp.reads["urgent"].path, resp.diagnostics.hedges, target.calls) == ("reread", ["cancelled"], 0)
+    assert (resp.totals.target_calls, resp.totals.hedges, resp.totals.hedges_cancelled) == (0, 1, 1)
+    assert model.escalation.meter.snapshot() == {"granted": 0, "refused": 0, "refunded": 1, "in_window": 0}
+    [escalate] = escalate_spans(spans)
+    assert (escalate.attributes[tm.HEDGE], escalate.attributes[tm.TARGET_CALLS]) == ("cancelled", 0)
+    later = await hedged(Canvas(FAR, FAR), target, meter=model.escalation.meter,
+                         budget=EscalationBudget(max_per_window=1)).adecide(TICKET + " Again.", ONE)
+    assert later.reads["urgent"].path == "escalated", "the budget the cancelled hedge took was given back"
+    assert (target.calls, later.totals.target_calls) == (1, 1)
+
+
+class Staged:
+    """A FunctionEngine double for a two-stage decision (`refund` asked after `urgent`): `urgent`'s first
+    read is borderline and its re-read settles it; `refund` is far over the gate, or its read fails."""
+
+    def __init__(self, refund_fault: Exception | None = None) -> None:
+        self.refund_fault = refund_fault
+        self.firsts: dict[str, tuple[int, ...]] = {}
+        self.engine = FunctionEngine(self.rows, model="canvas")
+
+    async def rows(self, read: Any) -> Any:
+        reread = self.firsts.setdefault(repr(read.messages), read.canvas) != read.canvas
+        refund = REFUND.instructions in read.messages[0]["content"]
+        if refund and self.refund_fault is not None:
+            raise self.refund_fault
+        p = FAR if refund else SURE if reread else BORDERLINE
+        return [label_rows(self.engine, {"yes": math.log(p), "no": math.log(1 - p)}, read)[0]] * len(read.slots)
+
+
+async def test_a_stage_hedge_that_never_went_out_gives_its_grant_to_a_later_stage():
+    """Issue 40.1, with `depends_on`: the stage-0 hedge the re-reads beat before it was sent held the only
+    grant, so the stage-1 question that needed it was refused (and `over_budget="raise"` raised)."""
+    staged = Staged()
+    target = ScriptedTarget(script={"urgent": "no", "refund": "yes"})
+    model = CanvasDecisionModel(engine=staged.engine, policy=GATE, read={"isolate": "none"},
+                                outcomes=OutcomePolicy(over_budget="raise"),
+                                escalate_to=Escalation(target, hedge=Hedge(band=0.1), prompt=stalled(),
+                                                       budget=EscalationBudget(max_per_window=1)))
+    resp = await model.adecide(TICKET, TWO, depends_on={"refund": ("urgent", ["yes"])})
+    assert {q: r.path for q, r in resp.reads.items()} == {"urgent": "reread", "refund": "escalated"}
+    assert (resp.totals.target_calls, resp.totals.hedges_cancelled, target.calls) == (1, 1, 1)
+    assert model.escalation.meter.snapshot()["granted"] == 1 and model.escalation.meter.snapshot()["refunded"] == 1
+
+
+async def test_a_hedge_that_never_went_out_is_refunded_when_a_later_stage_raises():
+    staged = Staged(refund_fault=EngineResponseError("garbled answer"))
+    model = CanvasDecisionModel(engine=staged.engine, policy=GATE, read={"isolate": "none"},
+                                outcomes=OutcomePolicy(engine_fault="raise"),
+                                escalate_to=Escalation(ScriptedTarget(script={"urgent": "no"}), hedge=Hedge(band=0.1),
+                                                       prompt=stalled(), budget=EscalationBudget(max_per_window=1)))
+    with pytest.raises(EngineResponseError):
+        await model.adecide(TICKET, TWO, depends_on={"refund": ("urgent", ["yes"])})
+    assert model.escalation.meter.snapshot() == {"granted": 0, "refused": 0, "refunded": 1, "in_window": 0}
+
+
+# -- a sync target --------------------------------------------------------------------------------
+
+
+async def test_a_sync_targets_cancelled_hedge_runs_on_is_counted_and_its_threads_are_bounded(
+        monkeypatch, spans, caplog, hedges_counted):
+    """Issue 40.1: a sync target runs in a thread that no cancellation stops, so a hedge the re-reads beat
+    runs on to its end after the decision returned: it is counted (`hedges_ran_on`, a metric, its span)
+    and bounded (at most `SYNC_HEDGE_THREADS` at once; a hedge that finds them taken is refused)."""
+    from canvasroute.router import _hedge
+    from canvasroute.router._escalation import SyncThreads
+    from canvasroute.router.testing import SyncScriptedTarget
+
+    threads = SyncThreads(2)
+    monkeypatch.setattr(_hedge, "SYNC_HEDGES", threads)
+    arrived = [threading.Event() for _ in range(4)]
+    release = threading.Event()
+
+    def hold(call: int) -> None:  # in the target's thread: it answers once the test says so
+        arrived[call].set()
+        release.wait(10)
+
+    target = SyncScriptedTarget(script={"urgent": "no"}, hold=hold)
+
+    def model(k: int | None) -> CanvasDecisionModel:  # the re-read settles once the target's call k runs
+        wait = None if k is None else (lambda: until(arrived[k].is_set))
+        return hedged(Canvas(BORDERLINE, SURE, before=wait), target, budget=EscalationBudget(max_per_window=10))
+
+    for k in range(2):
+        resp = await model(k).adecide(f"{TICKET} ({k})", ONE)
+        assert (resp.reads["urgent"].path, resp.diagnostics.hedges) == ("reread", ["cancelled"])
+        totals = resp.totals
+        assert (totals.target_calls, totals.hedges_cancelled, totals.hedges_ran_on) == (1, 1, 1)
+        assert threads.running == k + 1, "the thread runs on after the decision returned"
+    assert all(s.attributes.get(tm.HEDGE_RAN_ON) is True for s in escalate_spans(spans))
+    with caplog.at_level(logging.WARNING, logger="canvasroute.router"):
+        busy = model(None)
+        resp = await busy.adecide(f"{TICKET} (2)", ONE)  # both threads taken: not hedged, the re-reads settle it
+    assert (resp.reads["urgent"].path, resp.diagnostics.hedges, target.calls) == ("reread", ["refused"], 2)
+    assert busy.escalation.meter.snapshot()["granted"] == 0
+    assert "all 2 threads for sync hedge calls are taken" in caplog.text
+    release.set()
+    await until(lambda: threads.running == 0, what="the cancelled calls ended by themselves")
+    resp = await hedged(Canvas(BORDERLINE, SURE, before=never), target).adecide(f"{TICKET} (3)", ONE)
+    assert (resp.diagnostics.hedges, resp.totals.hedges_ran_on, target.calls) == (["won"], 0, 3), "threads free again"
+    assert hedges_counted() == {"cancelled": 2, "refused": 1, "won": 1}
+    assert hedges_counted("canvasroute.hedges.ran_on") == {"": 2}
 
 
 # -- faults --------------------------------------------------------------------------------
@@ -758,9 +895,10 @@ def test_the_bench_measures_hedging_beside_no_hedging_on_one_stream(capsys):
         assert arms[:2] == ["no hedge", "Hedge(band=0.1)"] and arms[2].startswith("Hedge(band=0.1, after_s=")
         off, on, later = (rows[(arm, over)] for arm in arms)
         settled = rows[("Hedge(band=0.1)", "borderline, re-read settles")]
-        # every borderline question was hedged; those the re-read settled cost one extra call each
+        # every borderline question was hedged; those the re-read settled cost one extra call each once the
+        # hedge's call went out (one the re-read beat before it was sent is no call: issue 40.1)
         assert on["hedges"] == rows[("Hedge(band=0.1)", "borderline, escalates")]["n"] + settled["n"]
-        assert on["extra calls"] == settled["n"] > 0 and 0 < on["cancelled"] <= settled["n"]
+        assert 0 < on["extra calls"] <= settled["n"] and 0 < on["cancelled"] <= settled["n"]
         assert (off["hedges"], off["extra calls"]) == (0, 0) and 0 <= later["extra calls"] <= on["extra calls"]
     assert all(row["p50 ms"] <= row["p99 ms"] for row in section["rows"])
     assert section["generator"]["gate"] == "H/lnK <= 0.8"

@@ -91,7 +91,7 @@ async def arun(graph: Any, value: Any, config: Any = None) -> tuple[dict[str, An
 
 def spend(totals: Totals) -> tuple[int, ...]:
     """Everything a run spent but its seconds: decisions, questions, reads, canvases, escalations, tokens,
-    target calls, hedges and hedges cancelled."""
+    target calls, hedges, hedges cancelled and hedges that ran on."""
     return totals.as_tuple()[:-1]
 
 
@@ -112,7 +112,7 @@ def test_a_decision_cache_hit_spent_nothing_and_keeps_what_the_decision_cost():
     again = run_sync(model.adecide("Refund me", OK))
     assert first.reads["ok"].path == again.reads["ok"].path == "escalated"  # how it was decided: unchanged
     assert (first.replayed, first.original) == (None, None)
-    assert spend(first.totals) == (1, 1, 1, 1, 1, first.usage["input_tokens"], first.usage["output_tokens"], 1, 0, 0)
+    assert spend(first.totals) == (1, 1, 1, 1, 1, first.usage["input_tokens"], first.usage["output_tokens"], 1, 0, 0, 0)
     assert again.replayed == "decision_cache" and again.canvas_reads == 0
     assert again.totals == Totals()  # nothing read, nothing escalated, no decision made
     assert again.original == first.totals
@@ -308,3 +308,24 @@ def test_a_fan_out_reviewed_one_branch_at_a_time_reports_each_read_once():
     assert engine.calls == 2 and sorted(out["decisions"]["ok"]) == ["faq-2", "faq-9"]
     assert summed(everything) == run_totals(everything) == run_totals(out["decisions"])
     assert spend(summed(everything))[:5] == (2, 2, 2, 2, 0)
+
+
+@pytest.mark.parametrize("output", ["auto", "text"])
+def test_a_malformed_reply_asked_again_is_two_target_calls_in_totals_records_and_traces(output, spans):
+    """Issue 40.1: `Totals.target_calls` said 1 when a malformed reply was asked again (two calls to the
+    target). Every call handed to the target counts: in the response, the graph's events and records,
+    and the `escalate` span (`canvasroute.escalation.calls`) the trace report sums."""
+    from canvasroute.apps.observability.report import build_report
+    from canvasroute.apps.observability.traces import span_record
+    from canvasroute.router import Escalation
+    from canvasroute.router import telemetry as tm
+
+    target = ScriptedTarget(script={"ok": "yes"}, faults=["malformed"])  # the first reply is prose
+    model = CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GATE, escalate_to=Escalation(target, output=output))
+    resp = model.decide("Refund me", OK)
+    assert (resp.reads["ok"].path, target.calls, resp.totals.target_calls) == ("escalated", 2, 2)
+    out, events = run(one_node(model), {"ticket": "Refund me, again"})  # answered at once: one call
+    assert run_totals(events).target_calls == run_totals(out["decisions"]).target_calls == target.calls - 2 == 1
+    finished = [span_record(s) for s in spans.get_finished_spans()]
+    assert [s.attributes[tm.TARGET_CALLS] for s in finished if s.name.startswith("escalate ")] == [2, 1]
+    assert sum(r.target_calls for r in build_report(finished).runs) == target.calls == 3

@@ -188,7 +188,8 @@ def run_hedge(quick: bool) -> Section:
         "generator)",
         f"latencies lognormal: engine read median as shown (sigma 0.25), target call median {TARGET_MS:g} ms "
         "(sigma 0.5), real asyncio sleeps; engine and target with unlimited capacity (no queueing)",
-        "extra calls: target calls beyond the no-hedge arm's (a hedge the re-reads beat was still sent); "
+        "extra calls: target calls beyond the no-hedge arm's (a hedge the re-reads beat after its call went out; "
+        "one they beat before it was sent is no call); "
         "answers changed: decisions whose answer differs from the no-hedge arm's (a borderline question the "
         "target answered first though its re-read would have settled it)",
         "a simulation of the library's race, not of a model: it says what hedging trades (latency of escalated "

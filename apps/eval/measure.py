@@ -44,6 +44,7 @@ from canvasroute.router import (
     resolve_gate,
     target_name,
 )
+from canvasroute.router._escalation import Calls
 
 from ..calibration.rows import Row, check_rows, gold_index
 from .metrics import Item
@@ -154,10 +155,11 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
     async def ask(n: int, request: DecisionRequest) -> None:
         async with slots:
             start = time.perf_counter()
-            got = await ask_target(request)
+            calls = Calls()
+            got = await ask_target(request, calls=calls)
             alone.add(time.perf_counter() - start, got.usage if got is not None else None)
             alone.failures += got is None
-            alone.target_calls += 1
+            alone.target_calls += calls.sent  # (a malformed reply asked again: two, as the cascade counts)
             alone.escalations += len(request.questions.specs)
         for qid in rows[n].gold:
             if (n, qid) in items and got is not None:
@@ -189,10 +191,12 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
     return Evaluation(list(items.values()), canvas, alone, cascade, target_name(escalation.target))
 
 
-async def ask_target(request: DecisionRequest, escalation: Escalation | None = None) -> Escalated | None:
+async def ask_target(request: DecisionRequest, escalation: Escalation | None = None, *,
+                     calls: Calls | None = None) -> Escalated | None:
     """The escalation target's answers to a request on its own (no canvas hint), within its
     timeout; None when it failed (an `EscalationError` or a timeout: its answers then score as
-    wrong, never as an answer). `escalation`: the request's own unless given."""
+    wrong, never as an answer). `escalation`: the request's own unless given; `calls` counts
+    the calls it handed the target."""
     escalation = escalation or request.escalation
     if escalation is None:
         raise ValueError("ask_target needs a request with an escalation (escalate_to=), or escalation=")
@@ -200,7 +204,7 @@ async def ask_target(request: DecisionRequest, escalation: Escalation | None = N
     asked = Asked(specs=tuple(request.questions.specs.values()), state=state.value, text=state.text,
                   instructions=request.read.instructions, images=state.images)
     try:
-        return await asyncio.wait_for(escalate(escalation, asked), escalation.timeout)
+        return await asyncio.wait_for(escalate(escalation, asked, calls), escalation.timeout)
     except (EscalationError, TimeoutError):
         return None
 

@@ -162,7 +162,9 @@ class RunTotals:
     escalated: int = 0
     """Questions the escalation target answered (path `escalated`)."""
     target_calls: int = 0
-    """Escalation calls (`escalate` spans under decide spans), cancelled hedges included (`Totals`)."""
+    """Calls to the target, as `Totals` counts them: each `escalate` span's `canvasroute.escalation.calls`
+    (a malformed reply's retry is a second; a hedge cancelled before it was sent, none; a span
+    without it, one)."""
     target_tokens: int = 0
     """Tokens (input + output) of the target calls that reported usage."""
     calls_with_usage: int = 0
@@ -180,6 +182,8 @@ class RunTotals:
     """Hedges cancelled because the re-reads settled their questions first."""
     cancelled_s: float = 0.0
     """Seconds of the cancelled hedges (in `target_s`)."""
+    cancelled_calls: int = 0
+    """Target calls of the cancelled hedges (in `target_calls`; a hedge cancelled before it was sent made none)."""
 
     @property
     def calls_saved(self) -> int:
@@ -195,7 +199,7 @@ class RunTotals:
     def if_all_to_target_s(self) -> float | None:
         """Estimated target seconds had every decision set been a target call (the mean completed
         call: cancelled hedges left out)."""
-        completed = self.target_calls - self.hedges_cancelled
+        completed = self.target_calls - self.cancelled_calls
         return (self.target_s - self.cancelled_s) / completed * self.sets if completed else None
 
     def __add__(self, other: RunTotals) -> RunTotals:
@@ -206,7 +210,7 @@ class RunTotals:
                          self.target_s + other.target_s, self.canvas_tokens + other.canvas_tokens,
                          self.decide_s + other.decide_s, self.replayed + other.replayed,
                          self.hedges + other.hedges, self.hedges_cancelled + other.hedges_cancelled,
-                         self.cancelled_s + other.cancelled_s)
+                         self.cancelled_s + other.cancelled_s, self.cancelled_calls + other.cancelled_calls)
 
 
 @dataclass(slots=True)
@@ -361,11 +365,14 @@ def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],
             run.models.setdefault(str(s.attributes.get(tm.GEN_AI_MODEL) or parent.name[len("decide "):]),
                                   str(s.attributes.get(tm.GEN_AI_PROVIDER) or s.attributes.get(tm.GEN_AI_SYSTEM) or ""))
         elif s.name.startswith(tm.OPERATION_ESCALATE + " "):
-            run.target_calls += 1
+            made = s.attributes.get(tm.TARGET_CALLS)  # (a trace written before it was recorded: one call)
+            calls = made if isinstance(made, int) and not isinstance(made, bool) else 1
+            run.target_calls += calls
             run.target_s += s.duration_s
             run.hedges += tm.HEDGE in s.attributes
-            if s.attributes.get(tm.HEDGE) == "cancelled":  # a target call (`Totals`), not a call's time
+            if s.attributes.get(tm.HEDGE) == "cancelled":  # its calls are target calls (`Totals`), not a call's time
                 run.hedges_cancelled += 1
+                run.cancelled_calls += calls
                 run.cancelled_s += s.duration_s
             chat = chats.get(s.span_id)
             if chat is not None and tm.GEN_AI_INPUT_TOKENS in chat.attributes:

@@ -32,6 +32,7 @@ __all__ = [
     "GRAPH_STRUCTURE",
     "HEDGE",
     "HEDGE_EVENT",
+    "HEDGE_RAN_ON",
     "INPUT_MIME",
     "INPUT_VALUE",
     "JSON_MIME",
@@ -78,6 +79,7 @@ __all__ = [
     "SHADOW_ROUTER_LATENCY",
     "SHADOW_WOULD_ESCALATE",
     "STATE_CONTENT",
+    "TARGET_CALLS",
 ]
 
 # -- GenAI semantic conventions ---------------------------------------------------------
@@ -189,6 +191,12 @@ FAULT = "canvasroute.fault"
 HEDGE = "canvasroute.hedge"
 """How a hedge (`Escalation.hedge`) ended: `won`, `cancelled`, `failed` or `refused` (the budget turned
 it away), on its `escalate` span (none for `refused`) and on the `canvasroute.hedges` metric points."""
+HEDGE_RAN_ON = "canvasroute.hedge.ran_on"
+"""True on a cancelled hedge's `escalate` span when its sync target's call ran on in its thread (a
+thread cannot be cancelled); the `canvasroute.hedges.ran_on` counter has a point for each."""
+TARGET_CALLS = "canvasroute.escalation.calls"
+"""On an `escalate` span: the calls it handed the target (a malformed reply's retry is a second; a
+hedge cancelled before its call went out, 0)."""
 HEDGE_EVENT = "canvasroute.hedge"
 """Span event on a decide span for each hedge: `canvasroute.hedge` (how it ended) and
 `canvasroute.escalation.questions` (what it asked)."""

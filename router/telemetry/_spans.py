@@ -46,6 +46,7 @@ from ._names import (
     GRAPH_NODE,
     HEDGE,
     HEDGE_EVENT,
+    HEDGE_RAN_ON,
     INPUT_MIME,
     INPUT_VALUE,
     JSON_MIME,
@@ -79,6 +80,7 @@ from ._names import (
     SERVER_PORT,
     SESSION_ID,
     STATE_CONTENT,
+    TARGET_CALLS,
 )
 
 __all__ = ["Call", "engine_call", "escalation_call", "genai_attributes", "mark_error", "model_call", "provider_of",
@@ -104,6 +106,9 @@ class _Instruments:
             "canvasroute.faults", unit="{question}", description="Questions an engine fault hit, by what answered")
         self.hedges = meter.create_counter(
             "canvasroute.hedges", unit="{call}", description="Hedged target calls, by how they ended")
+        self.hedges_ran_on = meter.create_counter(
+            "canvasroute.hedges.ran_on", unit="{call}",
+            description="Cancelled hedge calls to a sync target that ran on to their end in a thread")
         self.controller_faults = meter.create_counter(
             "canvasroute.controller.faults", unit="{decision}",
             description="Decisions whose escalation-rate controller state could not be recorded")
@@ -360,35 +365,53 @@ def engine_call(info: Any, batch: Sequence[Any], kind: str, seed: int | None = N
 
 
 @contextmanager
-def escalation_call(target: Any, name: str, question_ids: Sequence[str], *, hedge: bool = False) -> Iterator[Call]:
+def escalation_call(target: Any, name: str, question_ids: Sequence[str], *, hedge: bool = False,
+                    calls: Any = None) -> Iterator[Call]:
     """Spans `escalate <model>` (CHAIN) and, under it, `chat <model>` (LLM, GenAI `chat`
     attributes and metrics) around one escalation call; `Call.usage`/`output` write the chat span.
+    `calls` (a `Calls`): what went out, written when the call ends (`canvasroute.escalation.calls`).
 
     A hedge's `escalate` span carries `canvasroute.hedge`: `won` (it answered), `failed`, or
     `cancelled`, when the re-reads settled its questions first: no fault, so both spans end
-    without an error and the cancellation goes on once they have ended.
+    without an error and the cancellation goes on once they have ended. A cancelled one whose
+    sync target ran on in its thread also carries `canvasroute.hedge.ran_on` and is counted
+    (`canvasroute.hedges.ran_on`).
     """
     cancelled: asyncio.CancelledError | None = None
     with span(f"{OPERATION_ESCALATE} {name}", {ESCALATED_QUESTIONS: ",".join(question_ids)}) as outer:
         set_io(outer, input={"questions": list(question_ids)})
         attrs = {**genai_attributes(OPERATION_CHAT, provider_of(target), name),
                  ESCALATED_QUESTIONS: ",".join(question_ids)}
-        with _call(f"{OPERATION_CHAT} {name}", attrs, SpanKind.CLIENT) as call:
-            call.outer = outer
-            try:
-                yield call
-            except asyncio.CancelledError as exc:
-                if not hedge:
+        try:
+            with _call(f"{OPERATION_CHAT} {name}", attrs, SpanKind.CLIENT) as call:
+                call.outer = outer
+                try:
+                    yield call
+                except asyncio.CancelledError as exc:
+                    if not hedge:
+                        raise
+                    cancelled = exc
+                except BaseException:
+                    if hedge:
+                        outer.set_attribute(HEDGE, "failed")
                     raise
-                cancelled = exc
-            except BaseException:
-                if hedge:
-                    outer.set_attribute(HEDGE, "failed")
-                raise
-        if hedge:
-            outer.set_attribute(HEDGE, "cancelled" if cancelled is not None else "won")
+            if hedge:
+                outer.set_attribute(HEDGE, "cancelled" if cancelled is not None else "won")
+        finally:
+            if calls is not None:
+                _calls_made(outer, calls)
     if cancelled is not None:
         raise cancelled
+
+
+def _calls_made(outer: Span, calls: Any) -> None:
+    """What one escalation handed its target, on its `escalate` span (and a ran-on hedge counted)."""
+    outer.set_attribute(TARGET_CALLS, calls.sent)
+    if calls.ran_on:
+        outer.set_attribute(HEDGE_RAN_ON, True)
+        inst = _instruments()
+        if inst is not None:
+            inst.hedges_ran_on.add(1)
 
 
 def provider_of(target: Any) -> str:
