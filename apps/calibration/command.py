@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from canvasroute.engine import CalibrationError, CanvasRouteError, TraceFileError
+from canvasroute.engine import CalibrationError, CanvasRouteError, ExtraMissing, TraceFileError
 from canvasroute.router import (
     CanvasDecisionModel,
     Escalation,
@@ -166,8 +166,10 @@ def run(args: argparse.Namespace) -> int:
             plots = [plot_reliability(cal, out.with_suffix(".reliability.png"), subtitle),
                      plot_escalation(cal, out.with_suffix(".escalation.png"), subtitle, measured, target_label)]
             meta["plots"] = [p.name for p in plots]
-        except ImportError:
-            print("canvasroute calibrate: matplotlib is not installed; skipping plots", file=sys.stderr)
+        except ExtraMissing as exc:
+            print(f"canvasroute calibrate: {exc.message}; the policy is written without the plots (--no-plots "
+                  "skips them quietly)\n"
+                  f"  hint: {exc.hint}", file=sys.stderr)
     save_policy(out, cal.policy, meta)
     _print_summary(cal, model, chance, out, meta.get("plots", []))
     if args.max_error is not None:

@@ -40,6 +40,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from canvasroute.engine._extras import require_extra
+
+    # every extra this run needs, before it prints or loads anything
+    require_extra("otel", "tracing", ("opentelemetry.sdk",))
+    if not args.engine_url:
+        require_extra("local", "the embedded engine (SmolLM2-135M)", ("torch", "transformers"),
+                      note="or point the demo at a vLLM server: --engine-url http://HOST:8000")
+    if args.escalate_url:
+        require_extra("openai", "escalation to --escalate-url")
+
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor

@@ -27,14 +27,17 @@ import sys
 import warnings
 from typing import Any
 
-from .limits import Limits
+from canvasroute.engine._extras import require_extra
+
+from .limits import ConnectionLimits, Limits
 from .outcomes import SERVED
-from .serving import ConnectionLimits
 
 __all__ = ["build_app", "build_model", "configure", "run"]
 
 _EPILOG = """\
-Every flag also reads the environment variable named in its help.
+Needs the [serve] extra (starlette, uvicorn, prometheus-client): pip install 'canvasroute[serve]'
+(and [openai] for --escalate-url or --escalate-decisions). Every flag also reads the environment
+variable named in its help.
 
 Requests and replies follow vLLM's gateway (its systemone-openapi.yaml): its request keys
 (samples, instructions, steps, think, ask, images or a multipart upload; per question
@@ -330,6 +333,7 @@ def _escalation(args: argparse.Namespace) -> Any:
     if not args.escalate_model:
         raise ValueError(f"escalation to {named[0]} needs --escalate-model")
     target = Connection(args.escalate_decisions or args.escalate_url, api_key=key or "EMPTY", timeout=60, retries=2)
+    require_extra("openai", f"escalation to {named[0]}")
     if args.escalate_decisions:
         from langchain_core._api import LangChainBetaWarning
         from langchain_openai.decisions import OpenAIDecisions
@@ -381,7 +385,12 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 def build_app(args: argparse.Namespace) -> Any:
-    """The ASGI app the flags describe (what `run` serves)."""
+    """The ASGI app the flags describe (what `run` serves).
+
+    Raises:
+        ExtraMissing: the `[serve]` extra (starlette, uvicorn, prometheus-client) is not installed.
+    """
+    require_extra("serve", "the server")
     from .app import JEV_ALIASES, create_app
 
     limits = dataclasses.replace(Limits(), **{name: getattr(args, name) for name in _LIMIT_FLAGS})
@@ -402,7 +411,8 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(args)
     except (ValueError, ImportError) as exc:
         hint = getattr(exc, "hint", None)
-        print(f"canvasroute serve: {exc}" + (f"\n  hint: {hint}" if hint else ""), file=sys.stderr)
+        print(f"canvasroute serve: {getattr(exc, 'message', exc)}" + (f"\n  hint: {hint}" if hint else ""),
+              file=sys.stderr)
         return 2
     logging.config.dictConfig(logging_config)
     auth = "bearer key required" if args.api_key else "no key (open)"
