@@ -60,14 +60,14 @@ holding outcomes (on_unsure, on_abstain: they are these flags now).
 
 Checked before a request takes a slot or reaches the engine: the body must arrive within
 --body-timeout (else 408) and fit --max-body-bytes (413); bad JSON, nesting over 32 levels,
-lone surrogates or NaN/Infinity are 400; a null state, an unusable question or field, over
---max-questions, --max-options, --max-levels, --max-text-chars or 256-character names is 422;
-a state over --max-state-chars is 413.
+lone surrogates, NaN/Infinity, a null state, an unusable question or field, over
+--max-questions, --max-options, --max-levels, --max-text-chars or 256-character names is 422
+(on /v1/decisions, 400); a state over --max-state-chars is 413.
 
 Escalation rate: --target-escalation 0.2 holds 20 % of each question's answers escalated: the
 question's entropy threshold moves online (a bounded step per decision, --controller-step), in
 this server's process; a gate a policy file certified (calibrate --max-error) only tightens.
-Each answer's `gate` (diagnostics, the canvasroute object) says the threshold it was held to;
+Each answer's `gate` (diagnostics, the x_canvasroute object) says the threshold it was held to;
 /metrics shows the controller's offsets and realised rate.
 
 Escalation targets (one of): --escalate-url URL --escalate-model NAME, an OpenAI-compatible
@@ -76,7 +76,7 @@ Decisions server (its base URL, .../v1: OpenAI, another canvasroute serve; asked
 langchain-openai's OpenAIDecisions, its distributions kept, its refusals not answers);
 --escalate-systemone URL [--escalate-model NAME], a /v1/systemone server (its root URL; model
 default jev-latest). --hedge-band BAND starts the target beside the re-reads of a question
-whose first read is over the gate by at most BAND; each answer's canvasroute object says
+whose first read is over the gate by at most BAND; each answer's x_canvasroute object says
 `hedged`.
 
 /v1/decisions (OpenAI Decisions): every request error is 400 with OpenAI's error body
@@ -86,12 +86,12 @@ refused is answered {"type": "refusal"}; with --refuse-unsure, so is one the gat
 that nothing answered instead (path unsure); by default it gets the canvas's best option, as on
 /v1/systemone.
 
-Status codes: 400 malformed body; 401 bad key; 408 slow body; 413 too large; 415 not
-application/json or multipart/form-data; 422 a field, question, feature or model that cannot
-be used (jev-latest is always served); 429 over --rate-limit or the escalation budget; 502 the
-engine or the escalation model refused or answered garbage; 503 the engine is unreachable;
-504 the engine did not answer within --request-timeout; 529 at capacity (--max-in-flight
-running + --max-queue waiting) or the engine shed load. Error bodies are
+Status codes (/v1/systemone): 401 bad key; 408 slow body; 413 too large; 415 not
+application/json or multipart/form-data; 422 a body that is not JSON, a field, question,
+feature or model that cannot be used (jev-latest is always served); 429 over --rate-limit
+or the escalation budget; 502 the engine or the escalation model refused or answered garbage;
+503 the engine is unreachable; 504 the engine did not answer within --request-timeout; 529 at
+capacity (--max-in-flight running + --max-queue waiting) or the engine shed load. Error bodies are
 {"error": {"type", "message", "code", "param"}}; 415/422 add FastAPI's "detail" list.
 The API description is at GET /openapi.json.
 
