@@ -42,6 +42,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from canvasroute.engine._extras import require_extra
 
+    if bool(args.escalate_url) != bool(args.escalate_model):
+        print("canvasroute demo: --escalate-url and --escalate-model go together", file=sys.stderr)
+        return 2
     # every extra this run needs, before it prints or loads anything
     require_extra("otel", "tracing", ("opentelemetry.sdk",))
     if not args.engine_url:
@@ -73,9 +76,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"exporting spans over OTLP to {endpoint}")
     trace.set_tracer_provider(provider)
 
-    if bool(args.escalate_url) != bool(args.escalate_model):
-        print("canvasroute demo: --escalate-url and --escalate-model go together", file=sys.stderr)
-        return 2
     where = args.engine_url or "the embedded engine (SmolLM2-135M-Instruct, CPU)"
     print(f"canvasroute demo: support-ticket triage on {where}")
     if not args.engine_url:
