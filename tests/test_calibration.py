@@ -394,3 +394,16 @@ def test_calibrate_says_how_many_rows_a_certificate_needs(tmp_path, p_engine, ca
     rows = _p_rows(tmp_path, [(0.97, "yes")] * 100)
     assert main(["calibrate", rows, "--no-plots", "--max-error", "0.05", "-o", str(tmp_path / "p.json")]) == 0
     assert "target not met" not in capsys.readouterr().err  # 100 such rows do certify it
+
+
+def test_calibrate_says_when_the_check_rows_miss_the_target_the_fit_rows_met(tmp_path, p_engine, capsys):
+    """The fit rows are all right, the check rows all wrong: the threshold meets 90 % where it was
+    fitted and not where it was checked, and the command says so (with the bound it could certify)."""
+    fit, _ = cm.split(list(range(8)), 0.5, 0)  # the positions calibrate's seeded split fits on
+    rows = _p_rows(tmp_path, [(0.9, "yes" if i in fit else "no") for i in range(8)])
+    assert main(["calibrate", rows, "--no-plots", "--target-accuracy", "0.9", "-o", str(tmp_path / "p.json")]) == 0
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "target not met" in x]
+    assert line == ("canvasroute calibrate: target not met: q: its threshold reaches accuracy 90% on its 4 fit rows, "
+                    "but on its 4 check rows its 4 answers were 0% right: the target does not hold on rows it was not "
+                    "fitted on (more rows would tell whether it holds at all); --max-error 0.1 could certify a bound "
+                    "instead; it needs at least 44 labelled rows")

@@ -60,14 +60,11 @@ def test_version_prints_the_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"canvasroute {__version__}"
 
 
-def test_require_extra_names_the_first_missing_package_and_the_pip_command():
-    EXTRAS["probe"] = {"a-real-one": "json", "not-installed": "canvasroute_not_installed.sub"}
-    try:
-        require_extra("probe", "probing", ("json",))  # installed: nothing raised
-        with pytest.raises(ImportError) as raised:
-            require_extra("probe", "probing")
-    finally:
-        del EXTRAS["probe"]
+def test_require_extra_names_the_first_missing_package_and_the_pip_command(monkeypatch):
+    monkeypatch.setitem(EXTRAS, "probe", {"a-real-one": "json", "not-installed": "canvasroute_not_installed.sub"})
+    require_extra("probe", "probing", ("json",))  # installed: nothing raised
+    with pytest.raises(ImportError) as raised:
+        require_extra("probe", "probing")
     exc = raised.value
     assert isinstance(exc, ExtraMissing) and (exc.extra, exc.name) == ("probe", "canvasroute_not_installed.sub")
     assert exc.message == "probing needs not-installed (canvasroute's [probe] extra), which is not installed"

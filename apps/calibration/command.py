@@ -96,9 +96,9 @@ def _legend(columns: Sequence[str]) -> list[str]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "\n".join(["The summary table's columns:", *_legend(list(COLUMNS)), "", *textwrap.wrap(
-        "A question whose rows cannot meet the target asked for is named on stderr ('target not met'), with the "
-        "rows it would need or what else could; its gate then escalates every answer (or, below 4 rows, keeps "
-        "the base threshold). The policy file is written either way, and the exit status is 0.", 100)])
+        "A question whose rows cannot meet the target asked for is named on stderr ('target not met'): why, and "
+        "the labelled rows it would need or what else could. The policy file is written either way (a gate no "
+        "threshold or certificate could meet escalates every answer), and the exit status is 0.", 100)])
     parser.add_argument("data", nargs="?", help="JSONL of {state, questions, gold}, or a BIG-bench task.json / folder")
     parser.add_argument("-o", "--output", required=True, help="policy file to write (JSON)")
     parser.add_argument("--from-traces", nargs="+", metavar="TRACES",
@@ -281,7 +281,8 @@ def _shortfalls(cal: cm.Calibration, args: argparse.Namespace) -> list[str]:
                        if target < 1.0 else "")
             out.append(f"{q}: its threshold reaches accuracy {target:.0%} on its {len(fit)} fit rows, but on its "
                        f"{c.check_rows} check rows its {answered} answers were {c.check_canvas_accuracy:.0%} right: "
-                       f"these rows are too few to show the target holds{instead}")
+                       f"the target does not hold on rows it was not fitted on (more rows would tell whether it "
+                       f"holds at all){instead}")
     return out
 
 
