@@ -24,7 +24,7 @@ def open_engine(args: argparse.Namespace) -> Engine:
     if args.engine_url:
         connection = Connection(args.engine_url, api_key=os.environ.get(args.api_key_env))
         return VLLMServerEngine(connection, model=args.served_model)
-    from canvasroute.engine import TransformersEngine, embedded_engine
+    from canvasroute.engine import embedded_engine
 
-    engine: TransformersEngine = embedded_engine()  # typed Any there: transformers loads only when called
+    engine: Engine = embedded_engine()  # typed Any there: transformers loads only when called
     return engine

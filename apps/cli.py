@@ -1,7 +1,9 @@
 """The canvasroute command line: demo, bench, calibrate, eval, dashboard, serve.
 
 Each command lives in its own module exposing `configure(parser)` and `run(args) -> int`;
-it is imported only when invoked, so `canvasroute --help` stays instant.
+it is imported only when invoked, so `canvasroute --help` stays instant. A command's `--help`
+needs none of the optional extras; a command that needs a missing one says which, with its pip
+command (`ExtraMissing`), and exits 2.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib import import_module
+
+from canvasroute import __version__
 
 COMMANDS = {
     "demo": ("canvasroute.apps.demo.command",
@@ -24,6 +28,7 @@ COMMANDS = {
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The argument parser, with the options of the command `argv` names (only that one is imported)."""
     parser = argparse.ArgumentParser(prog="canvasroute", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"canvasroute {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     for name, (module, summary) in COMMANDS.items():
@@ -36,7 +41,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    return int(import_module(COMMANDS[args.command][0]).run(args) or 0)
+    command = import_module(COMMANDS[args.command][0])
+    from canvasroute.engine import ExtraMissing  # loaded by every command already; not by --help
+
+    try:
+        return int(command.run(args) or 0)
+    except ExtraMissing as exc:
+        print(f"canvasroute {args.command}: {exc.message}\n  hint: {exc.hint}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 ├── GraphSetupError               ValueError: the graph cannot run a decision node as built (review, no checkpointer)
 ├── CalibrationError              ValueError: calibration input that cannot be used
 ├── TraceFileError                ValueError: a trace file that cannot be read
-└── EmbeddedModelMissing          ValueError: the embedded model's wheel is not installed
+├── EmbeddedModelMissing          ValueError: the embedded model's wheel is not installed
+└── ExtraMissing                  ImportError: an optional extra is not installed (`extra`; hint: the pip command)
 ```
 
 `retryable` is decided per class, on purpose: only a fault that may pass by itself is
@@ -52,6 +53,7 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
     "EscalationError",
+    "ExtraMissing",
     "GraphSetupError",
     "ImagesUnsupported",
     "InputTooLong",
@@ -166,6 +168,18 @@ class TraceFileError(CanvasRouteError, ValueError):
 
 class EmbeddedModelMissing(CanvasRouteError, ValueError):
     """The embedded model's wheel is not installed."""
+
+
+class ExtraMissing(CanvasRouteError, ImportError):
+    """A command or a name needs an optional extra that is not installed (`pip install
+    'canvasroute[serve]'`, ...): `extra` names the extra, `name` (ImportError's) the missing
+    module, and `hint` is the pip command. An `ImportError`, so `except ImportError` still
+    catches it; raised before the missing module is imported, never halfway through."""
+
+    def __init__(self, message: str, *, extra: str, name: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint or f"pip install 'canvasroute[{extra}]'")
+        self.extra = extra
+        self.name = name
 
 
 class ImagesUnsupported(DecisionError):

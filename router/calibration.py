@@ -492,12 +492,27 @@ class Calibration:
 
 def split(samples: Sequence[Labelled], holdout: float = 0.5, seed: int = 0) -> tuple[list[Labelled], list[Labelled]]:
     """A seeded shuffle cut into (fit, check); `holdout` is the check share."""
-    if not 0.0 < holdout < 1.0:
-        raise CalibrationError(f"holdout must be within (0, 1), got {holdout}")
     rows = list(samples)
     random.Random(seed).shuffle(rows)
-    cut = min(len(rows) - 1, max(1, round(len(rows) * (1.0 - holdout))))
+    cut = split_sizes(len(rows), holdout)[0]
     return rows[:cut], rows[cut:]
+
+
+def split_sizes(rows: int, holdout: float = 0.5) -> tuple[int, int]:
+    """How many (fit, check) rows `split` makes of `rows` rows (at least one of each, from 2 rows)."""
+    if not 0.0 < holdout < 1.0:
+        raise CalibrationError(f"holdout must be within (0, 1), got {holdout}")
+    cut = min(rows - 1, max(1, round(rows * (1.0 - holdout))))
+    return cut, rows - cut
+
+
+def rows_for_check(check: int, holdout: float = 0.5) -> int:
+    """The fewest labelled rows whose `split` leaves at least `check` check rows (what a
+    certificate's `rows_needed` asks of the whole data set)."""
+    rows = max(2, check)
+    while split_sizes(rows, holdout)[1] < check:
+        rows += 1
+    return rows
 
 
 def calibrate(samples: Iterable[Labelled], *, base: GatePolicy | None = None, holdout: float = 0.5, seed: int = 0,

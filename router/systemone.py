@@ -168,7 +168,7 @@ def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: st
     """A `SystemOneResponse` with one answer of the asked type per question the server neither
     skipped (vLLM's gateway answers a skipped question null; canvasroute leaves it out and names
     it in `diagnostics.skipped`) nor refused (canvasroute: named in `diagnostics.refused`, and
-    an answer whose `canvasroute` object has a `refusal`, as older canvasroute servers say it)."""
+    an answer whose extension object has a `refusal`, as older canvasroute servers say it)."""
     if not isinstance(data, dict) or not isinstance(data.get("answers"), dict):
         raise EngineResponseError(f"the server answered without an 'answers' object: {str(data)[:200]!r}")
     diagnostics = _object(data.get("diagnostics"))
@@ -180,7 +180,7 @@ def _parse(data: Any, questions: Mapping[str, Mapping[str, Any]], request_id: st
         raise EngineResponseError(f"the server returned no answer for {missing}")
     asked = {qid: q for qid, q in questions.items() if qid in answers}
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
-    extension = _object(data.get("canvasroute"))
+    extension = _extension(data)
     decision_id = next((v for v in (extension.get("decision_id"), data.get("id")) if isinstance(v, str)), None)
     try:
         resp = SystemOneResponse.model_validate({
@@ -204,12 +204,20 @@ def _object(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _extension(part: Any) -> dict[str, Any]:
+    """A canvasroute server's own fields in a reply or an answer: `x_canvasroute` (System One's prefix
+    for fields its spec does not define), or `canvasroute`, as earlier canvasroute servers named them."""
+    fields = _object(part)
+    return _object(fields.get("x_canvasroute", fields.get("canvasroute")))
+
+
 def _refusals(answers: Mapping[str, Any], diagnostics: Mapping[str, Any]) -> dict[str, str]:
     """Question id -> why the server refused it: `diagnostics.refused` (canvasroute 0.2), else an
-    answer's `canvasroute.refusal` (its escalation target refused: the answer is the canvas's)."""
+    answer's `x_canvasroute.refusal` (`canvasroute.refusal` on earlier servers: its escalation
+    target refused, the answer is the canvas's)."""
     out = {qid: str(why or "refused") for qid, why in _object(diagnostics.get("refused")).items()}
     for qid, answer in answers.items():
-        why = _object(answer).get("canvasroute")
-        if qid not in out and isinstance(why, dict) and isinstance(why.get("refusal"), str) and why["refusal"]:
-            out[qid] = why["refusal"]
+        why = _extension(answer).get("refusal")
+        if qid not in out and isinstance(why, str) and why:
+            out[qid] = why
     return out

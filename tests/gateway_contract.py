@@ -11,7 +11,9 @@ What it says, in short: a request is an object with `state` (anything) and `ques
 (objects), `usage` and `diagnostics` (objects); 400 means a malformed JSON or multipart
 body, 401 a missing or wrong bearer key, 422 a question schema, feature or answer template
 that cannot be used, 500 a gateway fault, 502 a failed vLLM request; every error is
-`{"error": {"message", "type"}}`.
+`{"error": {"message", "type"}}`. (canvasroute answers a body that is not JSON 422, with FastAPI's
+`detail` list, like its other validation failures: issue #39 point 5. No request the contract
+allows is such a body.)
 """
 
 from __future__ import annotations

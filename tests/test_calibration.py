@@ -304,3 +304,106 @@ async def test_calibrate_from_traces_uses_escalated_answers_as_labels(tmp_path, 
     meta = json.loads(out.read_text())["calibration"]
     assert meta["rows"] == len(escalated) and meta["source"] == str(spans_file)
     assert load_policy(out).for_question("side").temperature > 0
+
+
+# -- what the command says when the rows cannot meet the target (issue #39, point 5) -----------------
+
+
+def _p_engine() -> FunctionEngine:
+    """Reads a Noul's yes-probability from the state's `p=` (so each row's canvas read is known)."""
+    def rows(read):
+        import re
+
+        p = float(re.search(r"p=([0-9.]+)", read.messages[-1]["content"]).group(1))
+        return [{engine.token_id("yes"): math.log(p), engine.token_id("no"): math.log1p(-p)}] * len(read.slots)
+
+    engine = FunctionEngine(rows)
+    return engine
+
+
+def _p_rows(tmp_path: Path, rows: list[tuple[float, str]]) -> str:
+    """JSONL of one Noul `q` per row: (the canvas's yes-probability, the gold answer)."""
+    path = tmp_path / "rows.jsonl"
+    question = Noul(instructions="Is it urgent?").model_dump(mode="json")
+    path.write_text("".join(json.dumps({"state": f"ticket {i} p={p}", "questions": {"q": question},
+                                        "gold": {"q": gold}}) + "\n" for i, (p, gold) in enumerate(rows)))
+    return str(path)
+
+
+@pytest.fixture
+def p_engine(monkeypatch):
+    from canvasroute import engine
+
+    monkeypatch.setattr(engine, "embedded_engine", _p_engine)
+
+
+def test_calibrate_explains_its_columns_under_the_table_and_in_help(tmp_path, p_engine, capsys):
+    rows = _p_rows(tmp_path, [(0.9, "yes"), (0.8, "yes"), (0.3, "no"), (0.6, "no"), (0.95, "yes"), (0.2, "no")])
+    assert main(["calibrate", rows, "--no-plots", "--target-escalation", "0.2", "-o", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    table, legend = out.split("\ncolumns:\n")
+    header = table.splitlines()[1].split()
+    assert header[:3] == ["question", "rows", "T"]
+    shown = [line.split("  ")[1].strip() for line in legend.splitlines() if line.startswith("  ") and
+             not line.startswith("   ")]
+    assert shown == ["question", "rows", "T", "kept", "acc", "ECE before", "ECE after", "threshold", "escalate"]
+    assert "  T           the temperature fitted on the fit rows: softmax(log p / T)" in legend
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    helped = capsys.readouterr().out
+    assert "The summary table's columns:" in helped and "errors/passed  wrong answers among the check rows" in helped
+    assert "'target not met'" in helped
+
+
+def test_calibrate_says_when_too_few_rows_cannot_meet_the_target(tmp_path, p_engine, capsys):
+    """Three rows, a target accuracy: no fit, and the gate keeps the base threshold (on main,
+    silently: the table showed threshold 0.500 and nothing said why)."""
+    rows = _p_rows(tmp_path, [(0.9, "yes"), (0.2, "no"), (0.7, "yes")])
+    out = tmp_path / "p.json"
+    assert main(["calibrate", rows, "--no-plots", "--target-accuracy", "0.9", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert ("canvasroute calibrate: target not met: q: 3 labelled rows, fewer than the 4 a fit needs: no temperature "
+            "is fitted, and its gate keeps the base threshold (H/lnK <= 0.5) rather than one for --target-accuracy "
+            "0.9; give it at least 4 rows") in err.splitlines()
+    assert out.is_file()
+
+
+def test_calibrate_says_when_no_threshold_reaches_the_target_accuracy(tmp_path, p_engine, capsys):
+    """The canvas is sure and wrong on every row: no threshold reaches 90 %, every answer
+    escalates, and the command says what to do instead."""
+    rows = _p_rows(tmp_path, [(0.9 - i / 100, "no") for i in range(8)])
+    assert main(["calibrate", rows, "--no-plots", "--target-accuracy", "0.9", "-o", str(tmp_path / "p.json")]) == 0
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "target not met" in x]
+    assert line == ("canvasroute calibrate: target not met: q: no threshold reaches accuracy 90% on its 4 fit rows "
+                    "(the canvas's best is 0%, answering 4 of them): its gate escalates every answer; lower "
+                    "--target-accuracy, or hold an escalation rate with --target-escalation")
+    assert load_policy(tmp_path / "p.json").for_question("q").max_normalized_entropy == 0.0
+
+
+def test_calibrate_says_how_many_rows_a_certificate_needs(tmp_path, p_engine, capsys):
+    """Twenty right and sure rows cannot certify error <= 5 % at 90 % (45 passed check rows are
+    the least): the command says so, with the 89 labelled rows a 0.5 holdout would need."""
+    rows = _p_rows(tmp_path, [(0.97, "yes")] * 20)
+    assert main(["calibrate", rows, "--no-plots", "--max-error", "0.05", "-o", str(tmp_path / "p.json")]) == 0
+    printed = capsys.readouterr()
+    assert ("canvasroute calibrate: target not met: q: not certified: error <= 5% at 90% needs 45 check rows its "
+            "gate passes, all right; 20 labelled rows leave 10 at --holdout 0.5; give it at least 89 labelled rows "
+            "(every answer to it escalates until then)") in printed.err.splitlines()
+    assert "more labelled rows would help: at least 89 (it has 20)." in printed.out
+    assert cm.split_sizes(89, 0.5)[1] >= 45 > cm.split_sizes(88, 0.5)[1]  # 89 is the least
+    rows = _p_rows(tmp_path, [(0.97, "yes")] * 100)
+    assert main(["calibrate", rows, "--no-plots", "--max-error", "0.05", "-o", str(tmp_path / "p.json")]) == 0
+    assert "target not met" not in capsys.readouterr().err  # 100 such rows do certify it
+
+
+def test_calibrate_says_when_the_check_rows_miss_the_target_the_fit_rows_met(tmp_path, p_engine, capsys):
+    """The fit rows are all right, the check rows all wrong: the threshold meets 90 % where it was
+    fitted and not where it was checked, and the command says so (with the bound it could certify)."""
+    fit, _ = cm.split(list(range(8)), 0.5, 0)  # the positions calibrate's seeded split fits on
+    rows = _p_rows(tmp_path, [(0.9, "yes" if i in fit else "no") for i in range(8)])
+    assert main(["calibrate", rows, "--no-plots", "--target-accuracy", "0.9", "-o", str(tmp_path / "p.json")]) == 0
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "target not met" in x]
+    assert line == ("canvasroute calibrate: target not met: q: its threshold reaches accuracy 90% on its 4 fit rows, "
+                    "but on its 4 check rows its 4 answers were 0% right: the target does not hold on rows it was not "
+                    "fitted on (more rows would tell whether it holds at all); --max-error 0.1 could certify a bound "
+                    "instead; it needs at least 44 labelled rows")

@@ -434,7 +434,7 @@ def test_serve_policy_holds_both_wires_to_the_certified_gates(certified, tmp_pat
                     q: _systemone_question(q) for q in QUESTIONS}})).json()
                 two = (await http.post("/v1/decisions", json={"model": "function", "input": f"Refund me {tag}",
                                                               "questions": DECISIONS_QUESTIONS})).json()
-            return ({q: a["canvasroute"] for q, a in one["answers"].items()},
+            return ({q: a["x_canvasroute"] for q, a in one["answers"].items()},
                     {a["name"]: a["canvasroute"] for a in two["answers"]})
 
         import asyncio

@@ -638,7 +638,7 @@ async def test_both_wires_show_the_threshold_and_metrics_show_the_controller():
         assert d.status_code == 200, d.text
         scraped = _metrics((await http.get("/metrics")).text)
     assert body["diagnostics"]["questions"]["urgent"]["gate"] == "H/lnK <= 0.53"
-    assert body["answers"]["urgent"]["canvasroute"]["gate"] == "H/lnK <= 0.53"
+    assert body["answers"]["urgent"]["x_canvasroute"]["gate"] == "H/lnK <= 0.53"
     loosened = round(0.5 + 3 * 0.02 * (1 - TARGET), 2)
     assert d.json()["answers"][0]["canvasroute"]["gate"] == f"H/lnK <= {loosened:g}"
     assert scraped[("canvasroute_server_controller_target", ())] == TARGET

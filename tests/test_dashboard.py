@@ -637,4 +637,90 @@ def test_the_runs_panel_counts_each_runs_cost_beside_every_decision_sent_to_the_
     assert total[2:5] == ["6", "6", str(monday.reads + tuesday.reads)] and total[7:12] == [
         "3 of 6", "3 of 6", "3", "165", "≈ 330"]
     # a FunctionEngine's figures are plumbing: the panel says so
-    assert re.search(r'id="runs-section".*?Plumbing, not quality: function: a FunctionEngine', page, re.DOTALL)
+    assert re.search(r'id="runs-section".*?Plumbing, not quality, for runs on function \(near chance: the banner above',
+                     page, re.DOTALL)
+
+
+# -- the page as a user sees it (issue #39, point 5) -----------------------------------------------
+
+FIT_PROBE = """<script>
+(() => {
+  const px = v => parseFloat(v) || 0;
+  const over = [];
+  for (const card of document.querySelectorAll("section.card, section.node, .banner, .kpi")) {
+    const style = getComputedStyle(card), box = card.getBoundingClientRect();
+    const inner = box.right - px(style.borderRightWidth) - px(style.paddingRight) + 0.5;
+    const name = card.id || card.dataset.node || card.className;
+    if (card.scrollWidth > card.clientWidth + 1) {
+      over.push(`${name} scrolls: ${card.scrollWidth} > ${card.clientWidth}`);
+    }
+    for (const part of card.querySelectorAll("table, svg, figure, .kpis")) {
+      const right = part.getBoundingClientRect().right;
+      if (right > inner) {
+        over.push(`${name}: ${part.tagName}#${part.id} ends at ${Math.round(right)} > ${Math.round(inner)}`);
+      }
+    }
+  }
+  const out = document.createElement("pre");
+  out.id = "probe";
+  out.textContent = JSON.stringify({over, text: document.body.innerText,
+    page: [document.documentElement.scrollWidth, document.documentElement.clientWidth],
+    banners: document.querySelectorAll(".banner").length});
+  document.body.append(out);
+})();
+</script>"""
+"""Appended to a copy of the page: per card, whether it scrolls sideways and where each table, chart and
+KPI grid ends against the card's content box; the page's text; how many banners it shows."""
+
+
+def _wide_traces(folder: Path) -> list[Path]:
+    """Three runs whose tables are as wide as real ones get: long node, question, label and file names, a
+    graph with shadow mode, escalations (a scripted target) and answers left unsure."""
+    long_run = folder / "a-long-trace-file-name-for-the-monday-support-run.jsonl"
+    labels = ["search_screening_event", "add_to_playlist", "book_restaurant_table"]
+
+    def rows(read):
+        text = read.messages[-1]["content"]
+        sure = {"A": -0.1, "B": -2.5, "C": -3.0, "yes": -0.05, "no": -3.0}
+        unsure = {"A": -1.1, "B": -1.1, "C": -1.1, "yes": -0.69, "no": -0.7}
+        return label_rows(engine, sure if "refund" in text else unsure, read)
+
+    engine = FunctionEngine(rows)
+    reply = AIMessage('{"intent": "add_to_playlist", "urgent_customer_escalation_needed": "yes"}',
+                      usage_metadata={"input_tokens": 60, "output_tokens": 9, "total_tokens": 69})
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.5, rereads=1),
+                                escalate_to=GenericFakeChatModel(messages=itertools.repeat(reply)))
+    questions = {"intent": Choice(instructions="Which intent?", criteria=dict.fromkeys(labels)),
+                 "urgent_customer_escalation_needed": Noul(instructions="Is it urgent?")}
+    with traced(long_run):
+        for i in range(12):
+            model.decide(f"ticket {i}: {'refund me' if i % 3 == 0 else 'it is broken'}", questions,
+                         attributes={tm.GRAPH_NODE: "triage_the_incoming_support_ticket_for_routing"})
+    graph_run = folder / "graph.jsonl"
+    _graph_run(graph_run)
+    return [long_run, graph_run]
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("width", [1280, 1440])
+def test_the_page_fits_its_cards_at_1280_and_1440_px_and_shows_each_banner_once(chromium, tmp_path, width):
+    """In headless Chromium at a laptop's and a desktop's width: no table, chart or KPI grid runs past its
+    card and nothing scrolls sideways, and the near-chance banner is shown once (on main, the runs and
+    uncertain tables ran past their cards at both widths, and the runs panel said the banner's warning
+    again in the banner's red)."""
+    traces = _wide_traces(tmp_path)
+    page_file = tmp_path / "report.html"
+    assert main(["dashboard", *map(str, traces), "-o", str(page_file)]) == 0
+    probed = tmp_path / "probed.html"
+    probed.write_text(page_file.read_text().replace("</body>", FIT_PROBE + "</body>"))
+    dumped = _browse(chromium, f"--window-size={width},2000", "--virtual-time-budget=3000", "--dump-dom",
+                     probed.as_uri())
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    probe = re.search(r'<pre id="probe">(.*?)</pre>', dumped.stdout, re.DOTALL)
+    seen = json.loads(html_module_unescape(probe.group(1)))
+    assert seen["over"] == [], seen["over"]
+    assert seen["page"] == [width, width]  # nothing wider than the window
+    assert seen["banners"] == 1
+    reason = near_chance("function", "function")
+    assert reason and seen["text"].count(reason) == 1, reason  # the banner says it; nothing says it again
+    assert "Plumbing, not quality, for runs on function" in seen["text"]  # the runs panel points at it

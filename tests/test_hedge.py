@@ -827,7 +827,7 @@ async def test_both_wires_say_an_answer_was_hedged():
         jev = await http.post("/v1/systemone", json={"state": TICKET, "questions": {
             "urgent": {"type": "noul", "instructions": URGENT.instructions}}})
         assert jev.status_code == 200, jev.text
-        ext = jev.json()["answers"]["urgent"]["canvasroute"]
+        ext = jev.json()["answers"]["urgent"]["x_canvasroute"]
         assert (ext["path"], ext["hedged"]) == ("escalated", True)
         openai = await http.post("/v1/decisions", json={"model": "canvas", "input": TICKET + " Please.", "questions": [
             {"type": "predicate", "id": "urgent", "instructions": URGENT.instructions}]})

@@ -366,6 +366,89 @@ def test_mypy_strict_passes_on_a_typed_user_script(installed, project):
     assert "missing library stubs or py.typed marker" not in run.stdout
 
 
+NO_EXTRAS = """
+import json
+from canvasroute.engine._extras import EXTRAS, _installed
+print(json.dumps(sorted(m for extra in EXTRAS.values() for m in extra.values() if _installed(m))))
+"""
+PUBLIC_NAMES = """
+import json
+out = {}
+for name, call in (("create_app", "from canvasroute.apps.server import create_app"),
+                   ("TransformersEngine", "from canvasroute import TransformersEngine"),
+                   ("embedded_engine", "from canvasroute import embedded_engine; embedded_engine()"),
+                   ("JsonlSpanExporter", "from canvasroute import JsonlSpanExporter; JsonlSpanExporter('x.jsonl')")):
+    try:
+        exec(call)
+    except ImportError as exc:
+        out[name] = [type(exc).__name__, exc.extra, exc.hint]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.services
+def test_a_venv_without_the_extras_names_the_pip_command_for_each_and_serve_help_works(installed, tmp_path):
+    """Issue #39 point 5, on the wheel in a fresh venv that holds none of the extras (as `pip install
+    canvasroute` leaves it): `--version`; `serve --help` prints its help (on main: ModuleNotFoundError
+    starlette); each command and public name that needs a missing extra names the pip command, and no
+    traceback; the dashboard and calibrate (without its plots) need none."""
+    python, cli = str(installed / "bin" / "python"), str(installed / "bin" / "canvasroute")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=_clean_env(), timeout=300)
+
+    present = run(python, "-c", NO_EXTRAS)
+    assert present.returncode == 0 and json.loads(present.stdout) == [], present.stdout + present.stderr
+    version = run(cli, "--version")
+    release = importlib.import_module("canvasroute").__version__
+    assert (version.returncode, version.stdout.strip()) == (0, f"canvasroute {release}")
+    helped = run(cli, "serve", "--help")
+    assert helped.returncode == 0 and "usage: canvasroute serve" in helped.stdout, helped.stderr[-2000:]
+    assert "pip install 'canvasroute[serve]'" in helped.stdout
+    data = str(ROOT / "data" / "examples" / "decisions.jsonl")
+    for args, extra in ((("serve", "--engine-url", "http://127.0.0.1:9"), "serve"),
+                        (("demo", "--engine-url", "http://127.0.0.1:9"), "otel"),
+                        (("eval", data, "--limit", "2", "--no-plots"), "local"),
+                        (("calibrate", data, "--limit", "2", "-o", "p.json"), "local")):
+        done = run(cli, *args)
+        assert done.returncode == 2, (args, done.stdout[-1000:], done.stderr[-2000:])
+        assert f"pip install 'canvasroute[{extra}]'" in done.stderr and "Traceback" not in done.stderr, (
+            args, done.stderr[-2000:])
+    names = run(python, "-c", PUBLIC_NAMES)
+    assert json.loads(names.stdout) == {
+        "create_app": ["ExtraMissing", "serve", "pip install 'canvasroute[serve]'"],
+        "TransformersEngine": ["ExtraMissing", "local", "pip install 'canvasroute[local]'"],
+        "embedded_engine": ["ExtraMissing", "local", "pip install 'canvasroute[local]'"],
+        "JsonlSpanExporter": ["ExtraMissing", "otel", "pip install 'canvasroute[otel]'"],
+    }, names.stderr[-2000:]
+    spans = tmp_path / "spans.jsonl"
+    _escalated_spans(spans)  # written here, with the SDK
+    dashboard = run(cli, "dashboard", str(spans), "-o", "report.html")
+    assert dashboard.returncode == 0 and (tmp_path / "report.html").is_file(), dashboard.stderr[-2000:]
+    calibrated = run(cli, "calibrate", "--from-traces", str(spans), "-o", "policy.json")
+    assert calibrated.returncode == 0 and (tmp_path / "policy.json").is_file(), calibrated.stderr[-2000:]
+    assert "pip install 'canvasroute[plots]'" in calibrated.stderr and "Traceback" not in calibrated.stderr
+
+
+def _escalated_spans(path: Path) -> None:
+    """A trace file of decisions over the gate, each escalated to a scripted chat model."""
+    from conftest import fresh_tracer_provider
+    from langchain_core.decisions import Choice
+    from langchain_core.language_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage
+
+    from canvasroute import CanvasDecisionModel, FunctionEngine, GatePolicy, JsonlSpanExporter
+
+    engine = FunctionEngine(lambda read: [{engine.token_id("A"): -0.69, engine.token_id("B"): -0.70}])
+    replies = (AIMessage('{"side": "left"}') for _ in range(20))
+    model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=0.5, rereads=0),
+                                escalate_to=GenericFakeChatModel(messages=replies))
+    side = {"side": Choice(instructions="Which side?", criteria={"left": None, "right": None})}
+    with fresh_tracer_provider(JsonlSpanExporter(path)):
+        for i in range(12):
+            model.decide(f"case {i}", side)
+
+
 # -- an editable install, as the README's contributors make it ---------------------------------
 
 USER_TYPES = '''"""What a user's editor and type checker see of canvasroute after `pip install -e`."""

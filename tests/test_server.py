@@ -108,7 +108,7 @@ def test_typesafe_sdk_gets_typed_answers_from_our_server_on_real_vllm(vllm_url):
     assert result.nouls["urgent"].noul == pytest.approx(direct.answers["urgent"].noul, abs=1e-9)
     assert team.probabilities == pytest.approx(direct.answers["team"].probabilities, abs=1e-9)
     assert sev.score == pytest.approx(direct.answers["sev"].score, abs=1e-9)
-    extension = result.raw_http_response.json()["answers"]["team"]["canvasroute"]
+    extension = result.raw_http_response.json()["answers"]["team"]["x_canvasroute"]
     assert extension["path"] == direct.reads["team"].path and extension["reads"] == direct.reads["team"].reads
     assert extension["normalized_entropy"] == pytest.approx(direct.reads["team"].normalized_entropy)
 
@@ -211,7 +211,7 @@ async def test_answer_shapes_match_vllms_own_gateway(vllm_url, which):
     assert o["object"] == t["object"] and o["model"] == t["model"] and set(o["usage"]) == set(t["usage"])
     for qid, answer in t["answers"].items():
         mine = o["answers"][qid]
-        assert set(mine) - {"canvasroute"} == set(answer), qid  # vLLM's keys, no more, no fewer
+        assert set(mine) - {"x_canvasroute"} == set(answer), qid  # vLLM's keys, no more, no fewer
         assert JEV_ANSWER_KEYS[answer["type"]] <= set(mine)
         assert mine["type"] == answer["type"]
         for key in ("probabilities", "legend"):
@@ -229,21 +229,22 @@ SYSTEM_ONE_KEYS = {"noul": {"type", "noul"}, "choice": {"type", "choice", "proba
 """Each answer's fields as System One defines them (TypeSafe's Jev and vLLM's gateway alike)."""
 
 
-async def test_answers_carry_the_jev_fields_and_the_canvasroute_extension():
-    """Issue 34.7: a reply holds System One's fields (`model`, `answers`, `usage`), the gateway's
-    `diagnostics` (its contract requires it), and canvasroute's own figures only under `canvasroute`
-    objects: no top-level `id`/`object`/`created`, no `probabilities`/`confidence` on a noul. A
-    Choice's and a Score's confidence is System One's: `(p - 1/K) / (1 - 1/K)` of the answer."""
+async def test_answers_carry_the_jev_fields_and_the_x_canvasroute_extension():
+    """Issue 34.7 and 39.5: a reply holds System One's fields (`model`, `answers`, `usage`), the
+    gateway's `diagnostics` (its contract requires it on every 200), and canvasroute's own figures
+    only under `x_canvasroute` objects, System One's prefix for what its spec does not define (on
+    main: `canvasroute`): no top-level `id`/`object`/`created`, no `probabilities`/`confidence` on a
+    noul. A Choice's and a Score's confidence is System One's: `(p - 1/K) / (1 - 1/K)` of the answer."""
     async with client(create_app(function_model())) as http:
         r = await http.post("/v1/systemone", json=BODY)
     data = r.json()
-    assert r.status_code == 200 and r.headers["x-request-id"] == data["canvasroute"]["decision_id"]
-    assert set(data) == {"model", "answers", "usage", "diagnostics", "canvasroute"} and data["model"] == "function"
-    assert set(data["canvasroute"]) == {"decision_id", "canvas_reads", "ignored"}
-    assert data["canvasroute"]["canvas_reads"] == 1
+    assert r.status_code == 200 and r.headers["x-request-id"] == data["x_canvasroute"]["decision_id"]
+    assert set(data) == {"model", "answers", "usage", "diagnostics", "x_canvasroute"} and data["model"] == "function"
+    assert set(data["x_canvasroute"]) == {"decision_id", "canvas_reads", "ignored"}
+    assert data["x_canvasroute"]["canvas_reads"] == 1
     assert set(data["usage"]) == {"input_tokens", "output_tokens"}
     for answer in data["answers"].values():
-        assert set(answer) == SYSTEM_ONE_KEYS[answer["type"]] | {"canvasroute"}
+        assert set(answer) == SYSTEM_ONE_KEYS[answer["type"]] | {"x_canvasroute"}
     urgent, team, sev = (data["answers"][q] for q in ("urgent", "team", "sev"))
     assert urgent["type"] == "noul" and urgent["noul"] > 0.99
     assert team["choice"] == "billing" and team["confidence"] == pytest.approx(
@@ -251,7 +252,7 @@ async def test_answers_carry_the_jev_fields_and_the_canvasroute_extension():
     assert sev["legend"] == {"0": "low", "1": "medium", "2": "high"} and set(sev["probabilities"]) == {"0", "1", "2"}
     assert sev["score"] == pytest.approx(sum(int(k) * p for k, p in sev["probabilities"].items()))
     assert sev["confidence"] == pytest.approx((sev["probabilities"]["0"] - 1 / 3) / (1 - 1 / 3))
-    ext = team["canvasroute"]
+    ext = team["x_canvasroute"]
     assert ext["path"] == "canvas" and ext["confident"] is True and ext["reads"] == 1
     assert ext["labels"] == ["A", "B", "C"] and 0 <= ext["normalized_entropy"] < 0.1
     assert ext["confidence"] == team["probabilities"]["billing"]  # the gate's figure: the canvas's top probability
@@ -266,12 +267,12 @@ async def test_a_request_using_the_gateways_keys_gets_its_fields_too(key):
         r = await http.post("/v1/systemone", json={**BODY, **key})
     data = r.json()
     assert r.status_code == 200, r.text
-    assert (data["id"], data["object"]) == (data["canvasroute"]["decision_id"], "structured_decision")
+    assert (data["id"], data["object"]) == (data["x_canvasroute"]["decision_id"], "structured_decision")
     assert isinstance(data["created"], int)
     urgent = data["answers"]["urgent"]
     assert urgent["probabilities"] == {"yes": urgent["noul"], "no": pytest.approx(1 - urgent["noul"])}
     assert urgent["confidence"] == pytest.approx(abs(2 * urgent["noul"] - 1))
-    assert set(data["answers"]["team"]) == SYSTEM_ONE_KEYS["choice"] | {"canvasroute"}
+    assert set(data["answers"]["team"]) == SYSTEM_ONE_KEYS["choice"] | {"x_canvasroute"}
 
 
 async def test_confidence_is_system_ones_on_every_answer():
@@ -367,13 +368,16 @@ async def test_malformed_fields_are_422(body, param):
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"just text"', b"\xff\xfe"])
-async def test_a_body_that_is_not_a_json_object_is_400(body):
-    """Malformed JSON is 400 (vLLM's gateway's code for a malformed body)."""
+async def test_a_body_that_is_not_a_json_object_is_422_with_a_detail_list(body):
+    """Issue 39.5: a body that is not JSON (or not an object) answers 422 with FastAPI's `detail`
+    list, like every other validation failure (on main: 400, vLLM's gateway's code, and no list)."""
     model = function_model()
     async with client(create_app(model)) as http:
         r = await http.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["type"] in ("invalid_json", "invalid_body") and r.json()["error"]["message"]
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["type"] in ("invalid_json", "invalid_body") and error["message"] and error["code"] == 422
+    assert r.json()["detail"] == [{"loc": ["body"], "msg": error["message"], "type": error["type"]}]
     assert model.engine.reads == []
 
 
@@ -485,8 +489,8 @@ async def test_engine_faults_escalate_when_the_policy_says_so():
     assert r.status_code == 200, r.text
     answers = r.json()["answers"]
     assert answers["team"]["choice"] == "tech" and answers["urgent"]["noul"] == 0.0 and answers["sev"]["score"] == 2
-    assert {a["canvasroute"]["path"] for a in answers.values()} == {"escalated"}
-    assert "vLLM is down" in answers["team"]["canvasroute"]["error"]
+    assert {a["x_canvasroute"]["path"] for a in answers.values()} == {"escalated"}
+    assert "vLLM is down" in answers["team"]["x_canvasroute"]["error"]
 
 
 async def test_timeouts_running_are_504_and_waiting_are_529():
@@ -550,14 +554,14 @@ async def test_auto_threshold_asks_for_more_reads_never_for_an_escalation():
         calls_when_sure = len(target.engine.reads)
         unsure = await http.post("/v1/systemone", json={"state": "unsure", "questions": urgent, **auto})
     assert sure.status_code == 200, sure.text
-    ext = sure.json()["answers"]["urgent"]["canvasroute"]
+    ext = sure.json()["answers"]["urgent"]["x_canvasroute"]
     assert ext["entropy"] > 0.1 and ext["normalized_entropy"] <= 0.5  # over the client's threshold, within the gate
     assert (ext["path"], ext["cause"], ext["reads"], ext["confident"]) == ("reread", None, 3, True)
     assert sure.json()["diagnostics"]["samples"]["policy"] == {
         "mode": "auto", "max": 3, "threshold": 0.1, "extended": True,
         "first_read_entropy": {"urgent": pytest.approx(ext["entropy"])}}
     assert calls_when_sure == 0  # the client's threshold bought reads, not an escalation
-    over = unsure.json()["answers"]["urgent"]["canvasroute"]
+    over = unsure.json()["answers"]["urgent"]["x_canvasroute"]
     assert (over["path"], over["cause"]) == ("escalated", "uncertain")
     assert len(target.engine.reads) == 1
 
@@ -568,7 +572,7 @@ async def test_on_uncertain_answer_keeps_the_canvas_answer_though_a_target_is_se
     async with client(create_app(model)) as http:
         r = await http.post("/v1/systemone", json=BODY)
     assert r.status_code == 200, r.text
-    assert {(a["canvasroute"]["path"], a["canvasroute"]["cause"]) for a in r.json()["answers"].values()} == {
+    assert {(a["x_canvasroute"]["path"], a["x_canvasroute"]["cause"]) for a in r.json()["answers"].values()} == {
         ("unsure", "uncertain")}
     assert target.engine.reads == []
 
@@ -752,7 +756,7 @@ def test_serve_gate_flags_reach_the_questions_calibrate_fitted(tmp_path, monkeyp
 
     async def post(**keys):
         async with client(create_app(model)) as http:
-            return (await http.post("/v1/systemone", json={**body, **keys})).json()["answers"]["team"]["canvasroute"]
+            return (await http.post("/v1/systemone", json={**body, **keys})).json()["answers"]["team"]["x_canvasroute"]
     flags, asked = asyncio.run(post()), asyncio.run(post(samples="auto", auto_max=3))
     assert 0.4 < flags["normalized_entropy"] < 0.9  # the file's gate would pass it; the flag's does not
     assert (flags["path"], flags["cause"], flags["reads"]) == ("unsure", "uncertain", 1)  # --rereads 0, not the fit's 2
@@ -863,6 +867,6 @@ def test_canvasroute_serve_answers_over_http(vllm_url, tmp_path):
         out = proc.communicate(timeout=30)[0]
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "tiny-dgemma"
-    assert {a["canvasroute"]["reads"] for a in r.json()["answers"].values()} == {1}  # CANVASROUTE_REREADS=0
+    assert {a["x_canvasroute"]["reads"] for a in r.json()["answers"].values()} == {1}  # CANVASROUTE_REREADS=0
     assert denied.status_code == 401
     assert proc.returncode == 0, out

@@ -222,7 +222,7 @@ def test_a_question_the_escalation_target_refused_is_a_refusal_the_others_keep_i
     assert [q["name"] for q in sent["questions"]] == ["urgent", "team", "questions[2]", "flag"]
     assert sent["input"] == TICKET
     # /v1/systemone has no refusal: the same refused question gets the canvas answer there (path unsure)
-    assert systemone.json()["answers"]["flag"]["canvasroute"]["refusal"] == "the target refused to answer"
+    assert systemone.json()["answers"]["flag"]["x_canvasroute"]["refusal"] == "the target refused to answer"
     assert seen[("canvasroute_server_refusals_total", (("reason", "escalation_refused"),))] == 1
 
 
@@ -254,7 +254,7 @@ def test_a_refusal_downstream_of_a_systemone_target_stays_a_refusal_upstream():
         "unsure", "uncertain", "function")  # B refused it
     assert "the target refused to answer" in figures[3]["refusal"]
     body = systemone.json()  # A's /v1/systemone: its own canvas answer, the refusal named
-    assert body["answers"]["flag"]["canvasroute"]["path"] == "unsure"
+    assert body["answers"]["flag"]["x_canvasroute"]["path"] == "unsure"
     assert "the target refused to answer" in body["diagnostics"]["refused"]["flag"]
     assert seen[("canvasroute_server_refusals_total", (("reason", "escalation_refused"),))] == 1
 

@@ -72,7 +72,7 @@ async def test_samples_one_n_and_auto(gateway):
     three = await post({"state": STATE, "questions": QUESTIONS, "samples": 3})
     assert len(transport.reads()) == 4 and three.json()["diagnostics"]["samples"]["n"] == 3
     # fixed reads, none of them re-reads; the gate (0.0) passes none and nothing escalates: unsure
-    assert {a["canvasroute"]["path"] for a in three.json()["answers"].values()} == {"unsure"}
+    assert {a["x_canvasroute"]["path"] for a in three.json()["answers"].values()} == {"unsure"}
     auto = await post({"state": STATE, "questions": QUESTIONS, "samples": "auto", "auto_max": 2})
     assert len(transport.reads()) == 6  # one read, then one more: every question is unsure
     diag = auto.json()["diagnostics"]
@@ -140,7 +140,7 @@ async def test_a_multipart_upload_reaches_vllm_which_here_refuses_images(gateway
     assert sent[-1]["messages"][1]["content"][1] == {
         "type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(PNG).decode()}}
     bad = await post(files={"screenshot": ("screen.png", PNG, "image/png")})
-    assert bad.status_code == 400 and "request" in bad.json()["error"]["message"]
+    assert bad.status_code == 422 and "request" in bad.json()["error"]["message"]  # issue 39.5: no 400 left
 
 
 async def test_sixteen_and_sixty_options_are_read_with_labels_this_tokenizer_keeps_whole(gateway):
@@ -155,7 +155,7 @@ async def test_sixteen_and_sixty_options_are_read_with_labels_this_tokenizer_kee
             "topic": {"type": "choice", "instructions": "Which topic is this ticket about?", "criteria": options}}})
         assert r.status_code == 200, r.text
         answer = r.json()["answers"]["topic"]
-        labels = answer["canvasroute"]["labels"]
+        labels = answer["x_canvasroute"]["labels"]
         assert len(set(labels)) == k and set(answer["probabilities"]) == set(options)
         assert sum(answer["probabilities"].values()) == pytest.approx(1.0)
         assert sdk(r).choices["topic"].choice in options

@@ -106,9 +106,9 @@ def test_the_callers_request_id_is_logged_sent_to_vllm_with_each_read_and_return
             assert _wait(lambda: len(log.records) == 2)
         read_headers = [h for h in vllm.headers if "x-session-id" in h]  # the reads (not /tokenize, /v1/models)
     assert mine.status_code == 200 and mine.headers["x-request-id"] == "caller-req-7"
-    assert mine.json()["canvasroute"]["decision_id"].startswith("decision-")
+    assert mine.json()["x_canvasroute"]["decision_id"].startswith("decision-")
     assert len(read_headers) == 2 and read_headers[0]["x-request-id"] == "caller-req-7"
-    theirs_id = theirs.json()["canvasroute"]["decision_id"]
+    theirs_id = theirs.json()["x_canvasroute"]["decision_id"]
     assert theirs.status_code == 200 and theirs.headers["x-request-id"] == theirs_id  # too long: replaced
     assert read_headers[1]["x-request-id"] == theirs_id
     first = log.records[0]
@@ -122,7 +122,7 @@ def test_metrics_count_requests_decisions_latency_and_rejections():
         assert httpx.post(f"{url}/v1/systemone", json=BODY, headers=auth, timeout=10).status_code == 200
         assert httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10).status_code == 401
         assert httpx.post(f"{url}/v1/systemone", content=b"{", headers=auth | {"content-type": "application/json"},
-                          timeout=10).status_code == 400  # malformed JSON: vLLM's gateway's 400 (issue #22)
+                          timeout=10).status_code == 422  # malformed JSON: a validation failure (issue 39.5)
         r = httpx.get(f"{url}/metrics", timeout=10)
         seen = _metrics(url)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -147,8 +147,8 @@ def test_metrics_count_each_question_by_the_path_that_answered_it_and_its_cause(
         r = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10)
         seen = _metrics(url)
     assert r.status_code == 200
-    assert {a["canvasroute"]["path"] for a in r.json()["answers"].values()} == {"escalated"}
-    assert {a["canvasroute"]["cause"] for a in r.json()["answers"].values()} == {"uncertain"}
+    assert {a["x_canvasroute"]["path"] for a in r.json()["answers"].values()} == {"escalated"}
+    assert {a["x_canvasroute"]["cause"] for a in r.json()["answers"].values()} == {"uncertain"}
     assert {q["cause"] for q in r.json()["diagnostics"]["questions"].values()} == {"uncertain"}
     decided = {labels: n for (name, labels), n in seen.items() if name == "canvasroute_server_decisions_total"}
     assert decided == {(("cause", "uncertain"), ("path", "escalated")): 2}  # no canvas answer counted

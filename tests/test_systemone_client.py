@@ -236,7 +236,7 @@ async def test_a_server_can_front_any_decision_model():
                 models = (await http.get(f"{url}/v1/models")).json()
     assert r.status_code == 200, r.text
     answers = r.json()["answers"]
-    assert answers["team"]["choice"] == "billing" and "canvasroute" not in answers["team"]
+    assert answers["team"]["choice"] == "billing" and "x_canvasroute" not in answers["team"]
     assert r.json()["model"] == "upstream" and models["data"][0]["id"] == "upstream"
 
 
@@ -330,13 +330,21 @@ OLDER = {  # a canvasroute 0.1 server's reply: top-level id, object, created; a 
 }
 
 
-@pytest.mark.parametrize("reply", ["older canvasroute", "canvasroute 0.2", "canvasroute 0.2, no answer"])
+X_PREFIXED = {  # a server naming its own fields as System One prefixes what its spec does not define (issue 39.5)
+    **ANSWER, "answers": {**ANSWER["answers"], "team": {**ANSWER["answers"]["team"],
+                                                        "x_canvasroute": {"path": "unsure", "refusal": "policy"}}},
+    "x_canvasroute": {"decision_id": "decision-3"},
+}
+
+
+@pytest.mark.parametrize("reply", ["older canvasroute", "canvasroute 0.2", "canvasroute 0.2, no answer",
+                                   "x_canvasroute"])
 async def test_a_question_the_server_refused_is_a_refusal_not_an_answer(reply):
     """Issue 34.2: a canvasroute server answers a question its escalation target refused with its
     canvas's guess, the refusal in the answer's `canvasroute` object (and, since 0.2, in
     `diagnostics.refused`; a server fronting another decision model has no guess to give). The
     client read that guess as the server's answer; now it names the question in `refusals`."""
-    body: dict = {"older canvasroute": OLDER,
+    body: dict = {"older canvasroute": OLDER, "x_canvasroute": X_PREFIXED,
                   "canvasroute 0.2": {**ANSWER, "diagnostics": {"refused": {"team": "policy"}},
                                       "canvasroute": {"decision_id": "decision-2"}},
                   "canvasroute 0.2, no answer": {**ANSWER, "answers": {
@@ -345,7 +353,8 @@ async def test_a_question_the_server_refused_is_a_refusal_not_an_answer(reply):
     resp = await Script(httpx.Response(200, json=body)).client().ainvoke({"state": STATE, "questions": QUESTIONS})
     assert set(resp.answers) == {"urgent", "sev"} and resp.refusals == {"team": "policy"}
     assert resp.nouls["urgent"].noul == 0.8 and resp.scores["sev"].probabilities == {0: 0.2, 1: 0.4, 2: 0.4}
-    assert resp.request_id == {"older canvasroute": "decision-1", "canvasroute 0.2": "decision-2"}.get(reply)
+    assert resp.request_id == {"older canvasroute": "decision-1", "canvasroute 0.2": "decision-2",
+                               "x_canvasroute": "decision-3"}.get(reply)
 
 
 @pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")

@@ -39,10 +39,9 @@ def run_canvas_vs_ar(quick: bool) -> Section:
                       ["k questions", "prompt tokens", "AR tokens", "canvas ms", "AR ms", "canvas/AR",
                        "cached: canvas ms", "cached: AR ms", "cached: canvas/AR"])
     try:
-        import torch
-
         from canvasroute.engine import TransformersEngine, embedded_engine
-        engine = embedded_engine()
+        engine = embedded_engine()  # ExtraMissing without torch: before torch is imported here
+        import torch
         cold = TransformersEngine(engine.model, engine.tokenizer, name="no-cache", prompt_cache_size=0)
     except Exception as exc:  # noqa: BLE001 - wheel or torch missing: say so
         section.skipped = f"embedded model unavailable: {type(exc).__name__}: {exc}"

@@ -32,10 +32,9 @@ def run_inprocess(quick: bool) -> Section:
                       ["prompt cache", "sequential /s", "concurrent /s", "concurrent/sequential",
                        "forward passes", "prefix tokens reused"])
     try:
-        import torch
-
         from canvasroute.engine import TransformersEngine, embedded_engine
-        cached = embedded_engine()
+        cached = embedded_engine()  # ExtraMissing without torch: before torch is imported here
+        import torch
     except Exception as exc:  # noqa: BLE001 - wheel or torch missing: say so
         section.skipped = f"embedded model unavailable: {type(exc).__name__}: {exc}"
         return section

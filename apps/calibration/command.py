@@ -37,12 +37,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from canvasroute.engine import CalibrationError, CanvasRouteError, TraceFileError
+from canvasroute.engine import CalibrationError, CanvasRouteError, ExtraMissing, TraceFileError
 from canvasroute.router import (
     CanvasDecisionModel,
     Escalation,
@@ -62,12 +63,42 @@ from .plots import plot_escalation, plot_reliability
 from .reading import collect, labelled_from_spans
 from .rows import load_rows
 
-__all__ = ["configure", "run"]
+__all__ = ["COLUMNS", "configure", "run"]
+
+COLUMNS = {
+    "question": "the question id",
+    "rows": "its labelled rows, split into fit and check rows by --holdout",
+    "T": "the temperature fitted on the fit rows: softmax(log p / T), T > 1 softens the canvas's distribution, "
+         "T < 1 sharpens it",
+    "kept": "yes: the check rows confirmed T (neither NLL nor ECE got worse) and the policy uses it; no: T = 1",
+    "acc": "canvas accuracy over all its rows: the top option is the gold one (T never changes it)",
+    "ECE before": "expected calibration error on the check rows at T = 1 (0: confidence matches accuracy)",
+    "ECE after": "the same at the policy's T",
+    "threshold": "the policy's max_normalized_entropy: an answer whose H/lnK is above it escalates (-: none set)",
+    "escalate": "share of the check rows that threshold escalates",
+    "certified": "--max-error: yes, the check rows certify the bound; NO, the gate passes nothing (all escalate)",
+    "errors/passed": "wrong answers among the check rows the certified gate passes",
+    "bound": "what is certified: the passed answers' error rate, with probability C over the check rows",
+}
+"""The summary table's columns, in words: printed under the table and in `--help`."""
+
+
+def _legend(columns: Sequence[str]) -> list[str]:
+    """One entry per column, its words wrapped under one another."""
+    width = max(len(c) for c in columns)
+    return [line for c in columns for line in textwrap.wrap(
+        COLUMNS[c], 100, initial_indent=f"  {c:<{width}}  ", subsequent_indent=" " * (width + 4))]
+
 
 # -- CLI ----------------------------------------------------------------------------------
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "\n".join(["The summary table's columns:", *_legend(list(COLUMNS)), "", *textwrap.wrap(
+        "A question whose rows cannot meet the target asked for is named on stderr ('target not met'): why, and "
+        "the labelled rows it would need or what else could. The policy file is written either way (a gate no "
+        "threshold or certificate could meet escalates every answer), and the exit status is 0.", 100)])
     parser.add_argument("data", nargs="?", help="JSONL of {state, questions, gold}, or a BIG-bench task.json / folder")
     parser.add_argument("-o", "--output", required=True, help="policy file to write (JSON)")
     parser.add_argument("--from-traces", nargs="+", metavar="TRACES",
@@ -166,12 +197,17 @@ def run(args: argparse.Namespace) -> int:
             plots = [plot_reliability(cal, out.with_suffix(".reliability.png"), subtitle),
                      plot_escalation(cal, out.with_suffix(".escalation.png"), subtitle, measured, target_label)]
             meta["plots"] = [p.name for p in plots]
-        except ImportError:
-            print("canvasroute calibrate: matplotlib is not installed; skipping plots", file=sys.stderr)
+        except ExtraMissing as exc:
+            print(f"canvasroute calibrate: {exc.message}; the policy is written without the plots (--no-plots "
+                  "skips them quietly)\n"
+                  f"  hint: {exc.hint}", file=sys.stderr)
     save_policy(out, cal.policy, meta)
     _print_summary(cal, model, chance, out, meta.get("plots", []))
     if args.max_error is not None:
-        _print_guarantees(cal, chance)
+        _print_guarantees(cal, chance, args.holdout)
+    targeted = any(t is not None for t in (args.target_accuracy, args.target_escalation, args.max_error))
+    for line in _shortfalls(cal, args):
+        print(f"canvasroute calibrate: {'target not met' if targeted else 'not calibrated'}: {line}", file=sys.stderr)
     return 0
 
 
@@ -194,10 +230,63 @@ def _print_summary(cal: cm.Calibration, model: str, chance: str | None, out: Pat
         rows.append(row)
     title = f"model {model}" + (f"  ** {chance}: these figures are not the product's **" if chance else "")
     print_table(title, columns, rows, plain="\n".join([title, *plain_table(columns, rows, indent="")]))
+    print("\n".join(["columns:", *_legend(columns)]))
     print(f"wrote {out}" + "".join(f", {out.parent / p}" for p in plots))
 
 
-def _print_guarantees(cal: cm.Calibration, chance: str | None) -> None:
+def _shortfalls(cal: cm.Calibration, args: argparse.Namespace) -> list[str]:
+    """Each question whose rows cannot meet the target asked for, in words: why, and how many rows
+    (or what else) would. Without a target, only the questions too small to fit a temperature."""
+    asked = (f"--target-accuracy {args.target_accuracy:g}" if args.target_accuracy is not None
+             else f"--target-escalation {args.target_escalation:g}" if args.target_escalation is not None else "")
+    out = []
+    for q, c in cal.questions.items():
+        if (risk := c.risk) is not None:
+            words = f"error <= {_percent(risk.max_error)} at {_percent(risk.confidence)}"
+            if risk.certified:
+                continue
+            if risk.rows < risk.rows_needed:
+                out.append(f"{q}: not certified: {words} needs {risk.rows_needed} check rows its gate passes, all "
+                           f"right; {c.rows} labelled rows leave {risk.rows} at --holdout {args.holdout:g}; give it "
+                           f"at least {cm.rows_for_check(risk.rows_needed, args.holdout)} labelled rows (every "
+                           "answer to it escalates until then)")
+            else:
+                out.append(f"{q}: not certified ({risk.note}): more rows help only if the canvas errs less often "
+                           f"than {_percent(risk.max_error)} on the answers it is surest of; else a looser "
+                           "--max-error or a lower --confidence (every answer to it escalates until then)")
+            continue
+        if c.temperature is None:
+            kept = cal.policy.for_question(q).max_normalized_entropy
+            out.append(f"{q}: {c.rows} labelled row{'s' if c.rows != 1 else ''}, fewer than the {cm.MIN_ROWS} a fit "
+                       "needs: no temperature is fitted" + (f", and its gate keeps the base threshold (H/lnK <= "
+                       f"{kept:g}) rather than one for {asked}" if asked and kept is not None else "")
+                       + f"; give it at least {cm.MIN_ROWS} rows")
+            continue
+        target = args.target_accuracy
+        if target is None or c.threshold is None:
+            continue
+        fit, _ = cal.samples[q]
+        if not c.threshold.reachable:
+            curve = cm.escalation_curve(fit, c.temperature.temperature)
+            best = max((p for p in curve if p.canvas_accuracy is not None),
+                       key=lambda p: (p.canvas_accuracy or 0.0, -p.escalation_rate))
+            answered = round((1.0 - best.escalation_rate) * len(fit))
+            out.append(f"{q}: no threshold reaches accuracy {target:.0%} on its {len(fit)} fit rows (the canvas's "
+                       f"best is {best.canvas_accuracy or 0.0:.0%}, answering {answered} of them): its gate escalates "
+                       "every answer; lower --target-accuracy, or hold an escalation rate with --target-escalation")
+        elif c.check_canvas_accuracy is not None and c.check_canvas_accuracy < target:
+            answered = round((1.0 - (c.check_escalation_rate or 0.0)) * c.check_rows)
+            instead = (f"; --max-error {1.0 - target:g} could certify a bound instead; it needs at least "
+                       f"{cm.rows_for_check(cm.rows_needed(1.0 - target, 0.9), args.holdout)} labelled rows"
+                       if target < 1.0 else "")
+            out.append(f"{q}: its threshold reaches accuracy {target:.0%} on its {len(fit)} fit rows, but on its "
+                       f"{c.check_rows} check rows its {answered} answers were {c.check_canvas_accuracy:.0%} right: "
+                       f"the target does not hold on rows it was not fitted on (more rows would tell whether it "
+                       f"holds at all){instead}")
+    return out
+
+
+def _print_guarantees(cal: cm.Calibration, chance: str | None, holdout: float) -> None:
     """What each certified gate guarantees, and what it does not, in words."""
     lines = []
     for q, c in cal.questions.items():
@@ -209,7 +298,8 @@ def _print_guarantees(cal: cm.Calibration, chance: str | None) -> None:
                          f"answers its gate passes (H/lnK <= {risk.threshold:.3g}) are wrong at most {bound} of the "
                          f"time; that escalates {_percent(risk.escalation_rate, 3)} of the check rows.")
         else:
-            more = "; more labelled rows would help" if risk.rows < risk.rows_needed else ""
+            more = (f"; more labelled rows would help: at least {cm.rows_for_check(risk.rows_needed, holdout)} "
+                    f"(it has {c.rows})" if risk.rows < risk.rows_needed else "")
             lines.append(f"{q}: NOT certified ({risk.note}). Its gate passes nothing: every answer to {q!r} goes "
                          "where OutcomePolicy.uncertain says (escalated) rather than claim a bound the rows cannot "
                          f"support{more}.")

@@ -15,6 +15,10 @@ __all__ = ["measured_curve", "plot_escalation", "plot_reliability"]
 
 
 def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (`ExtraMissing` without the `[plots]` extra)."""
+    from canvasroute.engine._extras import require_extra
+
+    require_extra("plots", "plotting")
     import matplotlib
 
     matplotlib.use("Agg")

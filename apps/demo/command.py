@@ -40,6 +40,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from canvasroute.engine._extras import require_extra
+
+    if bool(args.escalate_url) != bool(args.escalate_model):
+        print("canvasroute demo: --escalate-url and --escalate-model go together", file=sys.stderr)
+        return 2
+    # every extra this run needs, before it prints or loads anything
+    require_extra("otel", "tracing", ("opentelemetry.sdk",))
+    if not args.engine_url:
+        require_extra("local", "the embedded engine (SmolLM2-135M)", ("torch", "transformers"),
+                      note="or point the demo at a vLLM server: --engine-url http://HOST:8000")
+    if args.escalate_url:
+        require_extra("openai", "escalation to --escalate-url")
+
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -63,9 +76,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"exporting spans over OTLP to {endpoint}")
     trace.set_tracer_provider(provider)
 
-    if bool(args.escalate_url) != bool(args.escalate_model):
-        print("canvasroute demo: --escalate-url and --escalate-model go together", file=sys.stderr)
-        return 2
     where = args.engine_url or "the embedded engine (SmolLM2-135M-Instruct, CPU)"
     print(f"canvasroute demo: support-ticket triage on {where}")
     if not args.engine_url:

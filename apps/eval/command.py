@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from canvasroute.engine import CanvasRouteError
+from canvasroute.engine import CanvasRouteError, ExtraMissing
 from canvasroute.router import Escalation, GatePolicy, Hedge, load_policy, resolve_gate
 
 from .._console import plain_table, print_table, progress
@@ -112,8 +112,10 @@ def run(args: argparse.Namespace) -> int:
             if out["near_chance"]:
                 subtitle += f"\n{out['note']}"
             out["plot"] = str(plot_eval(out, Path(args.plot), subtitle))
-        except ImportError:
-            print("canvasroute eval: matplotlib is not installed; skipping the plot", file=sys.stderr)
+        except ExtraMissing as exc:
+            print(f"canvasroute eval: {exc.message}; the figures are printed without the plot (--no-plots "
+                  "skips it quietly)\n"
+                  f"  hint: {exc.hint}", file=sys.stderr)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from canvasroute.engine import CalibrationError, Connection
+from canvasroute.engine._extras import require_extra
 
 __all__ = ["add_target_options", "open_target"]
 
@@ -59,6 +60,8 @@ def open_target(args: argparse.Namespace) -> Iterator[Any]:
     if not args.escalate_embedded:
         yield None
         return
+    require_extra("local", "--escalate-embedded (SmolLM2-135M behind a local chat server)", ("torch", "transformers"))
+    require_extra("serve", "--escalate-embedded (SmolLM2-135M behind a local chat server)", ("starlette", "uvicorn"))
     from .ar_server import ARServer, create_app, load_smollm2
 
     model, tokenizer = load_smollm2()
@@ -68,11 +71,8 @@ def open_target(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def _chat(base_url: str, model: str, api_key: str, timeout: float, **extra: Any) -> Any:
+    require_extra("openai", "an OpenAI-compatible escalation target")
+    from langchain_openai import ChatOpenAI
 
-    try:
-        from langchain_openai import ChatOpenAI
-    except ImportError as exc:
-        raise CalibrationError("an OpenAI-compatible target needs langchain-openai",
-                               hint="pip install 'canvasroute[openai]'") from exc
     target = Connection(base_url, api_key=api_key, timeout=timeout, retries=1)
     return ChatOpenAI(model=model, logprobs=True, top_logprobs=5, temperature=0, **target.openai_options(), **extra)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -75,7 +76,8 @@ svg .row-label{font-size:12px;fill:#0f172a}
 table{border-collapse:collapse;width:100%;font-size:13px;font-variant-numeric:tabular-nums}
 th,td{text-align:left;padding:6px 8px;border-bottom:1px solid var(--line);vertical-align:top}
 th{font-size:11.5px;text-transform:uppercase;letter-spacing:.04em;color:var(--muted);font-weight:600}
-td.num,th.num{text-align:right;white-space:nowrap}
+td.num,th.num{text-align:right}
+td.num,.badge{white-space:nowrap}
 td.time{white-space:nowrap}
 section.card>p:first-child{margin-top:0}
 code{font:12px ui-monospace,SFMono-Regular,Menlo,monospace;color:#334155}
@@ -84,7 +86,7 @@ code{font:12px ui-monospace,SFMono-Regular,Menlo,monospace;color:#334155}
  vertical-align:middle;overflow:hidden}
 .meter i{display:block;height:100%;background:#7c3aed}
 .muted{color:var(--muted)}
-#runs-section .chance{color:#991b1b;font-weight:600}
+#runs-section .plumbing{color:#991b1b}
 footer{color:var(--muted);font-size:12px;text-align:center;padding:10px 0 30px}
 .graph-wrap{overflow-x:auto}
 svg.graph{max-width:100%;height:auto;display:block;margin:0 auto}
@@ -102,6 +104,12 @@ svg.graph .etraffic{font-size:11px;font-weight:600;fill:#fff}
 .target{position:relative;top:-40px}
 .filter-note{display:none;margin-left:8px}
 """
+
+
+def _cell(text: str) -> str:
+    """Escaped text for a table cell, breakable after `_ - / :`: a long node name, question id,
+    label or trace file name wraps inside its column instead of widening the table past its card."""
+    return re.sub(r"([_\-/:])", r"\1<wbr>", html.escape(text))
 
 
 def _pct(v: float | None) -> str:
@@ -240,7 +248,7 @@ def _shadow_section(report: Report, index: dict[str, int]) -> str:
                 '(<code>decision_node(..., shadow=existing_router)</code> records them).</p></section>')
     rows = []
     for name, sh in report.shadow.items():
-        rows.append(f'<tr><td{_nix(index, name)}>{html.escape(name)}</td><td class="num">{sh.sets}</td>'
+        rows.append(f'<tr><td{_nix(index, name)}>{_cell(name)}</td><td class="num">{sh.sets}</td>'
                     f'<td class="num"><span class="meter"><i style="width:{(sh.agreement or 0) * 100:.0f}%"></i>'
                     f'</span>{_pct(sh.agreement)}</td><td class="num">{_pct(sh.canvas_alone_share)}</td>'
                     f'<td class="num">{sh.canvas_errors}</td>'
@@ -281,9 +289,9 @@ def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str
         pc = Counter(x.path for x in xs)
         votes = [x.agrees for x in xs if x.agrees is not None]
         es = [x.normalized_entropy for x in xs if x.normalized_entropy is not None]
-        answers = ", ".join(f"{html.escape(a)} ({c})" for a, c in Counter(x.answer for x in xs).most_common(3))
+        answers = ", ".join(f"{_cell(a)} ({c})" for a, c in Counter(x.answer for x in xs).most_common(3))
         mean_h = f"{sum(es) / len(es):.3f}" if es else "–"
-        rows.append(f'<tr><td><code>{html.escape(q)}</code></td><td>{html.escape(xs[0].kind)}</td>'
+        rows.append(f'<tr><td><code>{_cell(q)}</code></td><td>{html.escape(xs[0].kind)}</td>'
                     f'<td class="num">{len(xs)}</td><td class="num">{_pct(pc["escalated"] / len(xs))}</td>'
                     f'<td class="num">{_pct(sum(votes) / len(votes) if votes else None)}</td>'
                     f'<td class="num">{mean_h}</td><td>{_causes(xs)}</td><td>{answers}</td></tr>')
@@ -312,7 +320,7 @@ def _guarantees_section(report: Report, index: dict[str, int]) -> str:
     rows = []
     for (node, question, gate), xs in sorted(groups.items()):
         passed = sum(x.path in ("canvas", "reread") for x in xs)
-        rows.append(f'<tr><td{_nix(index, node)}>{html.escape(node)}</td><td><code>{html.escape(question)}</code></td>'
+        rows.append(f'<tr><td{_nix(index, node)}>{_cell(node)}</td><td><code>{_cell(question)}</code></td>'
                     f'<td>{html.escape(gate)}</td><td class="num">{len(xs)}</td>'
                     f'<td class="num">{_pct(passed / len(xs))}</td>'
                     f'<td class="num">{_pct(sum(x.path == "escalated" for x in xs) / len(xs))}</td>'
@@ -354,8 +362,8 @@ def _runs_section(report: Report) -> str:
         return f' <span class="muted">+ {n} replayed</span>' if n else ""
 
     rows = "".join(
-        f'<tr data-run="{html.escape(r.source or "spans")}"><td>{html.escape(r.source or "spans")}</td>'
-        f'<td>{html.escape(", ".join(r.models))}</td><td class="num">{r.sets}{replayed(r.replayed)}</td>'
+        f'<tr data-run="{html.escape(r.source or "spans")}"><td>{_cell(r.source or "spans")}</td>'
+        f'<td>{_cell(", ".join(r.models))}</td><td class="num">{r.sets}{replayed(r.replayed)}</td>'
         f'<td class="num">{r.questions}</td>'
         f'<td class="num">{r.reads}</td><td class="num">{count(r.canvas_tokens or None)}</td>'
         f'<td class="num">{secs(r.decide_s)}</td><td class="num">{r.escalated} of {r.questions}</td>'
@@ -365,10 +373,10 @@ def _runs_section(report: Report) -> str:
         f'<td class="num">{secs(r.target_s if r.target_calls else None)}</td>'
         f'<td class="num">{secs(r.if_all_to_target_s, estimate=True)}</td></tr>'
         for r in runs)
-    chance = sorted({f"{m}: {why}" for r in report.runs for m, p in r.models.items() if (why := near_chance(m, p))})
-    plumbing = (f'<p class="chance">Plumbing, not quality: {html.escape("; ".join(chance))}. That it answered '
-                "questions without the target says nothing about whether those answers were right.</p>"
-                if chance else "")
+    chance = sorted({m for r in report.runs for m, p in r.models.items() if near_chance(m, p)})
+    plumbing = (f'<p class="plumbing">Plumbing, not quality, for runs on {html.escape(", ".join(chance))} (near '
+                "chance: the banner above says why): that they answered questions without the target says nothing "
+                "about whether those answers were right.</p>" if chance else "")
     return ('<section class="card" id="runs-section"><p class="muted">A run is one trace file. Had every decision '
             "set gone to the escalation target, each would have been one target call: measured here are the "
             "decision sets, the questions escalated (path escalated, any cause), the target calls made and "
@@ -395,8 +403,8 @@ def _agreement_section(report: Report, index: dict[str, int]) -> str:
                 by_q[x.question].append(x.agrees)
         for q, votes in sorted(by_q.items()):
             share = sum(votes) / len(votes)
-            rows.append(f'<tr><td{_nix(index, node.name)}>{html.escape(node.name)}</td>'
-                        f'<td><code>{html.escape(q)}</code></td>'
+            rows.append(f'<tr><td{_nix(index, node.name)}>{_cell(node.name)}</td>'
+                        f'<td><code>{_cell(q)}</code></td>'
                         f'<td class="num">{len(votes)}</td><td class="num">{sum(votes)}</td>'
                         f'<td class="num"><span class="meter"><i style="width:{share * 100:.0f}%"></i></span>'
                         f'{_pct(share)}</td></tr>')
@@ -415,7 +423,7 @@ def _latency_section(report: Report) -> str:
     rows += [(f"canvas read · {k}", v) for k, v in sorted(report.read_latencies.items())]
     rows.append(("escalation", report.escalation_latencies))
     trs = "".join(
-        f'<tr><td>{html.escape(name)}</td><td class="num">{len(xs)}</td>'
+        f'<tr><td>{_cell(name)}</td><td class="num">{len(xs)}</td>'
         + "".join(f'<td class="num">{seconds(percentile(xs, q))}</td>' for q in (50, 95, 99))
         + f'<td class="num">{seconds(max(xs))}</td></tr>'
         for name, xs in rows if xs)
@@ -430,10 +438,10 @@ def _uncertain_section(report: Report, top: int, index: dict[str, int]) -> str:
     ranked = sorted((d for d in report.decisions if d.normalized_entropy is not None),
                     key=lambda d: d.normalized_entropy or 0.0, reverse=True)[:top]
     rows = "".join(
-        f'<tr><td class="time">{_when(d.time_ns, date=False)}</td><td{_nix(index, d.node)}>{html.escape(d.node)}</td>'
-        f'<td><code>{html.escape(d.question)}</code></td>'
+        f'<tr><td class="time">{_when(d.time_ns, date=False)}</td><td{_nix(index, d.node)}>{_cell(d.node)}</td>'
+        f'<td><code>{_cell(d.question)}</code></td>'
         f'<td>{_badge(d.path)}</td><td>{html.escape(CAUSE_WORDS.get(d.cause or "", d.cause or "–"))}</td>'
-        f'<td>{html.escape(d.canvas_answer or "–")}</td><td>{html.escape(d.answer)}</td>'
+        f'<td>{_cell(d.canvas_answer or "–")}</td><td>{_cell(d.answer)}</td>'
         f'<td class="num"><span class="meter"><i style="width:{(d.normalized_entropy or 0) * 100:.0f}%"></i></span>'
         f'{d.normalized_entropy:.3f}</td><td class="num">{_pct(d.confidence)}</td>'
         f'<td class="num">{d.reads}</td><td><code>{d.trace_id[:12]}</code></td></tr>'

@@ -9,15 +9,17 @@ request keys (`samples`, `instructions`, `steps`, `think`, `ask`, `images` or a 
 upload, per question `depends_on` / `ask_if` / `alone`: `extensions`), its status codes,
 and its reply: the Jev fields, the fields the gateway adds (`probabilities` and
 `confidence` on a noul; `id`, `object`, `created`), a `diagnostics` object (`diagnostics`),
-and a `canvasroute` object per answer (entropy, path, reads, ...) that plain clients
-ignore (its `path` and `cause`, in the library's one outcome vocabulary). A question that
+and an `x_canvasroute` object per answer (entropy, path, reads, ...; System One's `x_` prefix
+for fields its spec does not define) that plain clients ignore (its `path` and `cause`, in the
+library's one outcome vocabulary). A question that
 `ask_if` skipped has no answer (its reason is in `diagnostics.skipped`).
 
 The `openai` SDK's `client.decisions.create` and langchain-openai's `OpenAIDecisions` can point
 their base URL (`.../v1`) here too: `/v1/decisions` takes text, messages of every role (text and
 image parts) and agent traffic (tool calls and their outputs), and answers in question order
-(`wires.DecisionsWire`, `decisions`; `docs/decisions-wire.md`), with the same `canvasroute` object
-per answer. Both wires share everything below; only reading, replying and error shapes differ.
+(`wires.DecisionsWire`, `decisions`; `docs/decisions-wire.md`), with the same figures per answer
+in a `canvasroute` object (OpenAI's types have no `x_` prefix). Both wires share everything
+below; only reading, replying and error shapes differ.
 
 Each request to a `CanvasDecisionModel` becomes one `DecisionRequest` (`model.request`: state,
 questions, the gateway keys as `read`, `depends_on` and `gate`, seed, thread), built before a

@@ -44,14 +44,14 @@ def _check_content_type(value: str | None) -> None:
 
 def request_parts(body: bytes, content_type: str | None) -> tuple[bytes, list[tuple[str, str]]]:
     """(the JSON request, its file parts as (name, image data URL)): a JSON body as it is, or a
-    multipart body split into its `request` part and its image parts, in order (400 for anything else)."""
+    multipart body split into its `request` part and its image parts, in order (422 for anything else)."""
     if content_type is None or _media(content_type) != "multipart/form-data":
         return body, []
     try:
         message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
         parts = list(message.iter_parts()) if message.is_multipart() else []
     except Exception as exc:  # any parser failure is the client's malformed body
-        raise Refusal(400, "invalid_body", "the multipart body could not be parsed", loc=()) from exc
+        raise Refusal(422, "invalid_body", "the multipart body could not be parsed", loc=()) from exc
     request: bytes | None = None
     images: list[tuple[str, str]] = []
     for part in parts:
@@ -67,10 +67,10 @@ def request_parts(body: bytes, content_type: str | None) -> tuple[bytes, list[tu
             images.append((str(name or ""), f"data:{media};base64,{base64.b64encode(data).decode()}"))
         else:
             shown = str(name)[:40] if name is not None else "unnamed"
-            raise Refusal(400, "invalid_body", f"multipart part {shown!r} is neither the request nor an image "
+            raise Refusal(422, "invalid_body", f"multipart part {shown!r} is neither the request nor an image "
                           "(an image/* file, or PNG or JPEG bytes)", loc=())
     if request is None:
-        raise Refusal(400, "invalid_body", "a multipart body needs a part named request holding the JSON", loc=())
+        raise Refusal(422, "invalid_body", "a multipart body needs a part named request holding the JSON", loc=())
     return request, images
 
 

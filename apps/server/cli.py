@@ -27,14 +27,17 @@ import sys
 import warnings
 from typing import Any
 
-from .limits import Limits
+from canvasroute.engine._extras import require_extra
+
+from .limits import ConnectionLimits, Limits
 from .outcomes import SERVED
-from .serving import ConnectionLimits
 
 __all__ = ["build_app", "build_model", "configure", "run"]
 
 _EPILOG = """\
-Every flag also reads the environment variable named in its help.
+Needs the [serve] extra (starlette, uvicorn, prometheus-client): pip install 'canvasroute[serve]'
+(and [openai] for --escalate-url or --escalate-decisions). Every flag also reads the environment
+variable named in its help.
 
 Requests and replies follow vLLM's gateway (its systemone-openapi.yaml): its request keys
 (samples, instructions, steps, think, ask, images or a multipart upload; per question
@@ -57,14 +60,14 @@ holding outcomes (on_unsure, on_abstain: they are these flags now).
 
 Checked before a request takes a slot or reaches the engine: the body must arrive within
 --body-timeout (else 408) and fit --max-body-bytes (413); bad JSON, nesting over 32 levels,
-lone surrogates or NaN/Infinity are 400; a null state, an unusable question or field, over
---max-questions, --max-options, --max-levels, --max-text-chars or 256-character names is 422;
-a state over --max-state-chars is 413.
+lone surrogates, NaN/Infinity, a null state, an unusable question or field, over
+--max-questions, --max-options, --max-levels, --max-text-chars or 256-character names is 422
+(on /v1/decisions, 400); a state over --max-state-chars is 413.
 
 Escalation rate: --target-escalation 0.2 holds 20 % of each question's answers escalated: the
 question's entropy threshold moves online (a bounded step per decision, --controller-step), in
 this server's process; a gate a policy file certified (calibrate --max-error) only tightens.
-Each answer's `gate` (diagnostics, the canvasroute object) says the threshold it was held to;
+Each answer's `gate` (diagnostics, the x_canvasroute object) says the threshold it was held to;
 /metrics shows the controller's offsets and realised rate.
 
 Escalation targets (one of): --escalate-url URL --escalate-model NAME, an OpenAI-compatible
@@ -73,7 +76,7 @@ Decisions server (its base URL, .../v1: OpenAI, another canvasroute serve; asked
 langchain-openai's OpenAIDecisions, its distributions kept, its refusals not answers);
 --escalate-systemone URL [--escalate-model NAME], a /v1/systemone server (its root URL; model
 default jev-latest). --hedge-band BAND starts the target beside the re-reads of a question
-whose first read is over the gate by at most BAND; each answer's canvasroute object says
+whose first read is over the gate by at most BAND; each answer's x_canvasroute object says
 `hedged`.
 
 /v1/decisions (OpenAI Decisions): every request error is 400 with OpenAI's error body
@@ -83,12 +86,12 @@ refused is answered {"type": "refusal"}; with --refuse-unsure, so is one the gat
 that nothing answered instead (path unsure); by default it gets the canvas's best option, as on
 /v1/systemone.
 
-Status codes: 400 malformed body; 401 bad key; 408 slow body; 413 too large; 415 not
-application/json or multipart/form-data; 422 a field, question, feature or model that cannot
-be used (jev-latest is always served); 429 over --rate-limit or the escalation budget; 502 the
-engine or the escalation model refused or answered garbage; 503 the engine is unreachable;
-504 the engine did not answer within --request-timeout; 529 at capacity (--max-in-flight
-running + --max-queue waiting) or the engine shed load. Error bodies are
+Status codes (/v1/systemone): 401 bad key; 408 slow body; 413 too large; 415 not
+application/json or multipart/form-data; 422 a body that is not JSON, a field, question,
+feature or model that cannot be used (jev-latest is always served); 429 over --rate-limit
+or the escalation budget; 502 the engine or the escalation model refused or answered garbage;
+503 the engine is unreachable; 504 the engine did not answer within --request-timeout; 529 at
+capacity (--max-in-flight running + --max-queue waiting) or the engine shed load. Error bodies are
 {"error": {"type", "message", "code", "param"}}; 415/422 add FastAPI's "detail" list.
 The API description is at GET /openapi.json.
 
@@ -330,6 +333,7 @@ def _escalation(args: argparse.Namespace) -> Any:
     if not args.escalate_model:
         raise ValueError(f"escalation to {named[0]} needs --escalate-model")
     target = Connection(args.escalate_decisions or args.escalate_url, api_key=key or "EMPTY", timeout=60, retries=2)
+    require_extra("openai", f"escalation to {named[0]}")
     if args.escalate_decisions:
         from langchain_core._api import LangChainBetaWarning
         from langchain_openai.decisions import OpenAIDecisions
@@ -381,7 +385,12 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 def build_app(args: argparse.Namespace) -> Any:
-    """The ASGI app the flags describe (what `run` serves)."""
+    """The ASGI app the flags describe (what `run` serves).
+
+    Raises:
+        ExtraMissing: the `[serve]` extra (starlette, uvicorn, prometheus-client) is not installed.
+    """
+    require_extra("serve", "the server")
     from .app import JEV_ALIASES, create_app
 
     limits = dataclasses.replace(Limits(), **{name: getattr(args, name) for name in _LIMIT_FLAGS})
@@ -402,7 +411,8 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(args)
     except (ValueError, ImportError) as exc:
         hint = getattr(exc, "hint", None)
-        print(f"canvasroute serve: {exc}" + (f"\n  hint: {hint}" if hint else ""), file=sys.stderr)
+        print(f"canvasroute serve: {getattr(exc, 'message', exc)}" + (f"\n  hint: {hint}" if hint else ""),
+              file=sys.stderr)
         return 2
     logging.config.dictConfig(logging_config)
     auth = "bearer key required" if args.api_key else "no key (open)"

@@ -151,6 +151,10 @@ class ValidationErrorResponse(ErrorResponse):
     detail: list[ValidationItem] = Field(min_length=1, description="Where the body failed: `loc`, `msg`, `type`.")
 
 
+_EXTENSION = ("How it was answered: canvasroute's own fields, x_-prefixed as System One names what its spec does "
+              "not define.")
+
+
 class SystemOneNoulAnswer(BaseModel):
     type: Literal["noul"]
     noul: float = Field(ge=0, le=1, description="The probability of yes.")
@@ -158,7 +162,7 @@ class SystemOneNoulAnswer(BaseModel):
                                                                      "request using its keys).")
     confidence: float | None = Field(None, ge=0, le=1, description="System One's |2p - 1| (vLLM's field, as "
                                                                    "`probabilities`).")
-    canvasroute: dict[str, Any] | None = Field(None, description="How it was answered (canvasroute extension).")
+    x_canvasroute: dict[str, Any] | None = Field(None, description=_EXTENSION)
 
 
 class SystemOneChoiceAnswer(BaseModel):
@@ -167,7 +171,7 @@ class SystemOneChoiceAnswer(BaseModel):
     probabilities: dict[str, float]
     confidence: float = Field(ge=0, le=1, description="System One's: (p - 1/K) / (1 - 1/K) of the answer, clipped "
                                                       "to [0, 1] (K options).")
-    canvasroute: dict[str, Any] | None = Field(None, description="How it was answered (canvasroute extension).")
+    x_canvasroute: dict[str, Any] | None = Field(None, description=_EXTENSION)
 
 
 class SystemOneScoreAnswer(BaseModel):
@@ -177,7 +181,7 @@ class SystemOneScoreAnswer(BaseModel):
     probabilities: dict[str, float]
     confidence: float = Field(ge=0, le=1, description="System One's: (p - 1/K) / (1 - 1/K) of the most likely "
                                                       "level, clipped to [0, 1] (K levels).")
-    canvasroute: dict[str, Any] | None = Field(None, description="How it was answered (canvasroute extension).")
+    x_canvasroute: dict[str, Any] | None = Field(None, description=_EXTENSION)
 
 
 class SystemOneExtension(BaseModel):
@@ -192,8 +196,9 @@ SystemOneAnswer = Annotated[SystemOneNoulAnswer | SystemOneChoiceAnswer | System
 
 class SystemOneResponse(BaseModel):
     """System One's `model`, `answers`, `usage`; vLLM's gateway's `diagnostics`; canvasroute's own figures
-    only in `canvasroute` objects. A request that uses a key of vLLM's gateway also gets vLLM's `id`,
-    `object` and `created`, and a noul's `probabilities` and `confidence`."""
+    only in `x_canvasroute` objects (System One's prefix for fields its spec does not define). A request
+    that uses a key of vLLM's gateway also gets vLLM's `id`, `object` and `created`, and a noul's
+    `probabilities` and `confidence`, as that contract names them."""
 
     id: str | None = Field(None, description="The decision id (vLLM's field: only for a request using its keys).")
     object: Literal["structured_decision"] | None = Field(None, description="vLLM's field, as `id`.")
@@ -206,17 +211,16 @@ class SystemOneResponse(BaseModel):
     diagnostics: dict[str, Any] = Field(description="How the decision was read, in vLLM's gateway's keys "
                                                     "(stages, skipped, chunks, thought, samples, timing, "
                                                     "prompt_tokens, questions, ...) and canvasroute's (refused, ...).")
-    canvasroute: SystemOneExtension
+    x_canvasroute: SystemOneExtension
 
 
 _ERRORS = {
-    "400": "a body that is not JSON, or a multipart body without its request part",
     "401": "missing or wrong bearer key",
     "408": "the body did not arrive within the body timeout",
     "413": "the body or the state is too large",
     "415": "not application/json or multipart/form-data, or an unknown content encoding",
-    "422": "a field, question, feature or answer template that cannot be used, over a bound, or a model this "
-           "server does not serve",
+    "422": "a body that is not JSON (or a multipart body without its request part), a field, question, feature "
+           "or answer template that cannot be used, over a bound, or a model this server does not serve",
     "429": "over the request rate, or the escalation budget is spent",
     "502": "the engine or the escalation model answered garbage or refused",
     "503": "the engine is unreachable",

@@ -1,13 +1,17 @@
-"""A `/v1/systemone` body to a validated request: malformed body (400), fields (422), sizes (413).
+"""A `/v1/systemone` body to a validated request: malformed body and fields (422), sizes (413).
 
 The body follows vLLM's gateway (`systemone-openapi.yaml` in vllm-project/vllm): `state` is
 any JSON value but null (text as is, anything else as JSON), a question's `instructions`
 and criteria may hold any JSON value, and keys neither the gateway nor canvasroute knows
-are ignored (and listed in the reply's `diagnostics.ignored`). Its status codes too: a body
-that is not JSON (or multipart) is 400; a field, a question, a feature or an answer
-template that cannot be used is 422. This server's own bounds (`Limits`) are 422, or 413
-for the state's size. Every check here runs on the body alone, before admission and
-before any engine work.
+are ignored (and listed in the reply's `diagnostics.ignored`). Its status codes too: a field,
+a question, a feature or an answer template that cannot be used is 422. This server's own
+bounds (`Limits`) are 422, or 413 for the state's size. Every check here runs on the body
+alone, before admission and before any engine work.
+
+A body that is not JSON (or not a JSON object, or JSON a decision cannot take: NaN, lone
+surrogates, nesting past `Limits.max_depth`) is 422 with FastAPI's `detail` list, like every
+other validation failure (FastAPI's own answer to a body it cannot parse, which Jev clients
+read); vLLM's gateway answers it 400, and `/v1/decisions` makes it a 400, OpenAI's request error.
 """
 
 from __future__ import annotations
@@ -67,14 +71,14 @@ _NON_FINITE = _NonFinite()
 
 
 def parse_request(body: bytes, limits: Limits, parts: Sequence[tuple[str, str]] = ()) -> Parsed:
-    """Malformed body (400) first, then fields (422), then bounds (413/422), then what cannot be asked (422).
+    """Malformed body (422) first, then fields (422), then bounds (413/422), then what cannot be asked (422).
 
     `parts`: a multipart body's image file parts, (name, data URL): those System One's `assets`
     name are placed where their placeholders are (`assets`), the others are read with every question.
     """
     data = load_json(body, limits)
     if not isinstance(data, dict):
-        raise Refusal(400, "invalid_body", "the body must be a JSON object", loc=())
+        raise Refusal(422, "invalid_body", "the body must be a JSON object", loc=())
     for name in ("state", "questions"):
         if name not in data:
             raise malformed((name,), "field required", "missing")
@@ -118,15 +122,16 @@ def parse_request(body: bytes, limits: Limits, parts: Sequence[tuple[str, str]] 
 
 
 def load_json(body: bytes, limits: Limits) -> Any:
-    """The decoded body: 400 `invalid_json` for bad JSON, nesting deeper than `limits.max_depth`, lone
-    surrogates (`invalid_text`) or NaN and Infinity (`invalid_number`), on either wire."""
+    """The decoded body: 422 `invalid_json` for bad JSON or nesting deeper than `limits.max_depth`,
+    `invalid_text` for lone surrogates, `invalid_number` for NaN and Infinity, on either wire
+    (`/v1/decisions` answers each as a 400)."""
     try:
         data = json.loads(body, parse_constant=lambda _: _NON_FINITE)
     except RecursionError:
-        raise Refusal(400, "invalid_json", f"the body is nested deeper than {limits.max_depth} levels",
+        raise Refusal(422, "invalid_json", f"the body is nested deeper than {limits.max_depth} levels",
                       loc=()) from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise Refusal(400, "invalid_json", f"the body is not JSON: {str(exc)[:200]}", loc=()) from None
+        raise Refusal(422, "invalid_json", f"the body is not JSON: {str(exc)[:200]}", loc=()) from None
     _walk(data, limits.max_depth)
     return data
 
@@ -137,7 +142,7 @@ def _walk(data: Any, max_depth: int) -> None:
     while stack:
         value, loc = stack.pop()
         if len(loc) > max_depth:
-            raise Refusal(400, "invalid_json", f"the body is nested deeper than {max_depth} levels", loc=())
+            raise Refusal(422, "invalid_json", f"the body is nested deeper than {max_depth} levels", loc=())
         if isinstance(value, str):
             if _SURROGATE.search(value):
                 raise _not_json(loc, "text with a lone surrogate (\\ud800-\\udfff) is not Unicode", "invalid_text")
@@ -154,9 +159,9 @@ def _walk(data: Any, max_depth: int) -> None:
 
 
 def _not_json(loc: Sequence[str | int], message: str, kind: str) -> Refusal:
-    """A 400 about one place in a body that is not valid JSON text."""
+    """A 422 about one place in a body that is not valid JSON text."""
     where = ".".join(map(str, loc))
-    return Refusal(400, kind, f"{where}: {message}" if where else message, loc=loc)
+    return Refusal(422, kind, f"{where}: {message}" if where else message, loc=loc)
 
 
 def _optional_name(data: dict[str, Any], field: str, limits: Limits) -> str | None:

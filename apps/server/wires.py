@@ -35,7 +35,7 @@ from .metrics import Metrics
 from .parse import Parsed, load_json, parse_request
 from .wire import Refusal, from_exception, public_name
 
-__all__ = ["EXTENSION_FIELDS", "DecisionsWire", "Served", "SystemOneWire", "Wire", "extension"]
+__all__ = ["EXTENSION_FIELDS", "SYSTEM_ONE_EXTENSION", "DecisionsWire", "Served", "SystemOneWire", "Wire", "extension"]
 
 Job = DecisionRequest | ClassifierRequest
 """What one request asks the model: a canvas model's `DecisionRequest`, or another decision
@@ -44,12 +44,17 @@ model's `{"state", "questions"}`."""
 EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "margin", "label_mass", "confidence",
                     "reads", "agreement", "stderr", "crossed", "canvas_probabilities", "labels",
                     "escalation_model", "escalation_confidence", "refusal", "cause", "error", "gate", "hedged")
-"""A read report's figures in each answer's `canvasroute` object (plain clients ignore it)."""
+"""A read report's figures in each answer's extension object (plain clients ignore it)."""
+SYSTEM_ONE_EXTENSION = "x_canvasroute"
+"""The key of canvasroute's own fields on `/v1/systemone`, in each answer and in the reply: System One
+prefixes the fields its spec does not define with `x_`. (Earlier servers named it `canvasroute`, which
+`SystemOneDecisionModel` still reads; on `/v1/decisions`, whose OpenAI types have no such prefix, it
+keeps that name.)"""
 
 
 def extension(report: Any) -> dict[str, Any]:
-    """An answer's `canvasroute` object: who answered it (path, cause, escalation model, a
-    target's refusal) and the canvas figures."""
+    """An answer's extension object (`x_canvasroute` on /v1/systemone, `canvasroute` on /v1/decisions):
+    who answered it (path, cause, escalation model, a target's refusal) and the canvas figures."""
     figures = report.model_dump(mode="json")
     return {k: figures[k] for k in EXTENSION_FIELDS}
 
@@ -149,10 +154,11 @@ class SystemOneWire(Wire):
 
     async def reply(self, parsed: Parsed, response: Any, name: str, decision_id: str) -> dict[str, Any]:
         """System One's `model`, `answers` and `usage`; the gateway's `diagnostics` (its contract
-        requires it on every 200); canvasroute's own figures only in `canvasroute` objects, one per
-        answer and one for the decision. A request that uses the gateway's keys (`Parsed.gateway`)
-        also gets the fields vLLM's `/v1/systemone` adds: `id`, `object`, `created`, and a noul's
-        `probabilities` and `confidence`."""
+        requires it on every 200); canvasroute's own figures only in `x_canvasroute` objects, one
+        per answer and one for the decision (System One's prefix for fields its spec does not
+        define). A request that uses the gateway's keys (`Parsed.gateway`) also gets the fields
+        vLLM's `/v1/systemone` adds, unprefixed as that contract names them: `id`, `object`,
+        `created`, and a noul's `probabilities` and `confidence`."""
         reads: Mapping[str, Any] = getattr(response, "reads", {}) or {}
         usage = response.usage or {}
         vllm = ({"id": decision_id, "object": "structured_decision", "created": int(time.time())}
@@ -166,8 +172,8 @@ class SystemOneWire(Wire):
             "usage": {"input_tokens": int(usage.get("input_tokens", 0)),
                       "output_tokens": int(usage.get("output_tokens", 0))},
             "diagnostics": diagnostics(response, parsed, await self.served.provider()),
-            "canvasroute": {"decision_id": decision_id, "canvas_reads": getattr(response, "canvas_reads", 0),
-                            "ignored": list(parsed.ignored)},
+            SYSTEM_ONE_EXTENSION: {"decision_id": decision_id, "canvas_reads": getattr(response, "canvas_reads", 0),
+                                   "ignored": list(parsed.ignored)},
         }
 
     def error(self, exc: Refusal | DecisionsWireError, request_id: str | None) -> tuple[Response, str]:
@@ -177,7 +183,7 @@ class SystemOneWire(Wire):
 
 def _jev_answer(answer: Any, report: Any, gateway: bool) -> dict[str, Any]:
     """An answer in System One's shape (a noul: `noul` alone; a choice and a score: their
-    `probabilities` and `confidence`), with the read report's figures in its `canvasroute` object;
+    `probabilities` and `confidence`), with the read report's figures in its `x_canvasroute` object;
     for a gateway client, a noul's `probabilities` and `confidence` (System One's, `|2p - 1|`) too."""
     out: dict[str, Any] = answer.model_dump(mode="json")
     if gateway and out["type"] == "noul":
@@ -185,7 +191,7 @@ def _jev_answer(answer: Any, report: Any, gateway: bool) -> dict[str, Any]:
         out["probabilities"] = {"yes": p, "no": 1.0 - p}
         out["confidence"] = system_one_confidence(max(p, 1.0 - p), 2)
     if report is not None:
-        out["canvasroute"] = extension(report)
+        out[SYSTEM_ONE_EXTENSION] = extension(report)
     return out
 
 

