@@ -8,6 +8,7 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=${PYTHON:-$([ -x .venv/bin/python ] && echo "$root/.venv/bin/python" || echo python3)}
+case "$py" in */*) py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py") ;; esac  # absolute: mypy runs in src/
 import_root=$("$py" scripts/import_root.py) || exit 1
 status=0
 echo "check: ruff check ." >&2
