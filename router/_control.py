@@ -21,15 +21,17 @@ controller`). It holds a rate, not an error bound: a looser threshold passes mor
 canvas is unsure of.
 
 Bounds (anti-windup): `low`/`high` are `-max_offset`/`max_offset`, narrowed so the threshold stays
-within [0, 1], and `high` is 0 for a gate with a `Certificate` unless `loosen_certified`: a
+within [0, 1], and `high` is 0 for a certified gate (`Certificate.certified`) unless `loosen_certified`: a
 certified gate is only tightened, so it never passes an answer its certified threshold would
 not. A gate the controller moved drops its certificate for that decision (as any override does:
 the bound was proved on the certified threshold, and Learn then Test's sequence does not cover
 every stricter one), so its `gate` text claims nothing it was not proved for; held at its
 certified threshold it keeps it. An update that would leave the bounds stops at them (it is not
-integrated), so the offset never winds up past what it can apply. An uncertified gate
-(`certified=False`) passes nothing whatever its threshold: the controller leaves it alone, as it
-does a gate without an entropy threshold.
+integrated), so the offset never winds up past what it can apply. An uncertified gate that
+passes nothing (`Certificate.passes_nothing`) does so whatever its threshold: the controller
+leaves it alone, as it does a gate without an entropy threshold; one that gates on its own
+threshold, uncertified (`fallback="threshold"`), claims no bound, and the controller moves it
+either way like any gate.
 
 What counts as escalated: a question the gate did not pass: cause `uncertain` or `abstained`,
 and `over_budget` (the budget refused its escalation, but the gate did not pass it either: the
@@ -183,9 +185,10 @@ class InMemoryControllerState:
 
 
 def controls(gate: GatePolicy) -> bool:
-    """Whether a controller moves this question's gate: it has an entropy threshold and is not
-    uncertified (an uncertified gate passes nothing whatever its threshold)."""
-    return gate.max_normalized_entropy is not None and (gate.certificate is None or gate.certificate.certified)
+    """Whether a controller moves this question's gate: it has an entropy threshold and does not
+    pass nothing (an uncertified gate that escalates everything does whatever its threshold)."""
+    return gate.max_normalized_entropy is not None and (gate.certificate is None
+                                                        or not gate.certificate.passes_nothing)
 
 
 async def steer(request: DecisionRequest) -> tuple[DecisionRequest, Exception | None]:
@@ -227,7 +230,7 @@ def steered(request: DecisionRequest, pinned: Mapping[str, float] | None = None)
         base = g.max_normalized_entropy
         assert base is not None
         low, high = max(-c.max_offset, -base), min(c.max_offset, 1.0 - base)
-        if g.certificate is not None and not c.loosen_certified:
+        if g.certificate is not None and g.certificate.certified and not c.loosen_certified:
             high = min(high, 0.0)
         if qid in pinned:
             threshold = pinned[qid]
@@ -238,7 +241,8 @@ def steered(request: DecisionRequest, pinned: Mapping[str, float] | None = None)
         threshold = min(max(threshold, base + low, 0.0), base + high, 1.0)  # rounding never loosens past high
         settings[qid] = ControlSetting(base, threshold, low, high)
         if threshold != base:  # a moved gate no longer claims its certificate: it was proved on its own threshold
-            changed[qid] = replace(g, per_question={}, max_normalized_entropy=threshold, certificate=None)
+            kept = g.certificate if g.certificate is not None and not g.certificate.certified else None  # no claim
+            changed[qid] = replace(g, per_question={}, max_normalized_entropy=threshold, certificate=kept)
     if not changed:
         return replace(request, controlled=settings)
     gate = replace(request.gate, per_question={**request.gate.per_question, **changed})
