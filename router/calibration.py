@@ -525,7 +525,8 @@ def certify_threshold(rows: Sequence[tuple[float, bool]], *, max_error: float, c
       which the certificate states beside the bound asked for (`Certificate.asked`). No level is
       spent on it: it is claimed only where the bound asked for failed on that same threshold,
       so either claim failing is the one event "the Clopper-Pearson bound at that threshold is
-      below its risk", of probability at most `delta`;
+      below its risk", of probability at most `delta`. Rows that prove nothing there (every one
+      wrong) fall back to `threshold`;
     - `threshold`: `own_threshold` (the gate's own), uncertified, and its words say so;
     - `escalate`: the gate passes nothing (threshold 0), every answer escalates.
 
@@ -579,14 +580,14 @@ def certify_threshold(rows: Sequence[tuple[float, bool]], *, max_error: float, c
     tested = certified + (first is not None and first + certified < len(cands))
     words = f"error <= {_percent(max_error)} at {_percent(confidence)}" + (
         f" for {family} questions jointly" if family > 1 else "")
-    fields: dict[str, Any] = {"asked": max_error, "confidence": confidence, "rows": n, "tested": tested,
+    common: dict[str, Any] = {"asked": max_error, "confidence": confidence, "rows": n, "tested": tested,
                               "rows_needed": need, "family": family,
                               "start": passes[first] if first is not None else 0}
     if first is not None and certified:
         j = first + certified - 1
         m, k = passes[j], wrong[passes[j]]
         p = binomial_p_value(k, m, max_error)
-        return RiskFit(**fields, max_error=max_error, certified=True, threshold=cands[j], passed=m, errors=k,
+        return RiskFit(**common, max_error=max_error, certified=True, threshold=cands[j], passed=m, errors=k,
                        escalation_rate=1.0 - m / n, p_value=p,
                        note=f"certified {words}: H/lnK <= {cands[j]:.4g} passes {m} of {n} rows, {k} wrong "
                             f"(p = {p:.2g} <= {delta:.2g}; {tested} thresholds tested from the first passing "
@@ -594,7 +595,8 @@ def certify_threshold(rows: Sequence[tuple[float, bool]], *, max_error: float, c
     if first is None:
         at = len(cands) - 1 if cands and n else None  # too few rows to test: the loosest, for `looser`
         p = 1.0
-        note = f"{n} rows: certifying {words} needs at least {need} passed rows, all of them right"
+        note = (f"{n} rows: certifying {words} needs at least {need} passed rows, all of them right" if n < need else
+                f"no candidate passes the {start} rows the walk starts at ({n} rows)")
     else:
         at = first
         m, k = passes[first], wrong[passes[first]]
@@ -604,17 +606,18 @@ def certify_threshold(rows: Sequence[tuple[float, bool]], *, max_error: float, c
     if uncertified == "looser" and at is not None:
         m, k = passes[at], wrong[passes[at]]
         bound = min(1.0, math.ceil(clopper_pearson_upper(k, m, 1.0 - delta) * 1e4) / 1e4)  # rounded up: still valid
-        return RiskFit(**fields, max_error=bound, certified=True, threshold=cands[at], passed=m, errors=k,
-                       escalation_rate=1.0 - m / n, p_value=p, fallback="looser",
-                       note=f"{note}; certified instead at the error its rows prove: H/lnK <= {cands[at]:.4g} passes "
-                            f"{m} rows, {k} wrong: error <= {_percent(bound)} at {_percent(confidence)}")
-    if uncertified in ("threshold", "looser"):  # `looser` without a row to prove anything on
+        if bound < 1.0:  # its rows prove something
+            return RiskFit(**common, max_error=bound, certified=True, threshold=cands[at], passed=m, errors=k,
+                           escalation_rate=1.0 - m / n, p_value=p, fallback="looser",
+                           note=f"{note}; certified instead at the error its rows prove: H/lnK <= {cands[at]:.4g} "
+                                f"passes {m} rows, {k} wrong: error <= {_percent(bound)} at {_percent(confidence)}")
+    if uncertified in ("threshold", "looser"):  # `looser` without rows that prove anything
         lam = 1.0 if own_threshold is None else own_threshold
         m = bisect.bisect_right(scores_, lam)
-        return RiskFit(**fields, max_error=max_error, certified=False, threshold=lam, passed=m, errors=wrong[m],
+        return RiskFit(**common, max_error=max_error, certified=False, threshold=lam, passed=m, errors=wrong[m],
                        escalation_rate=1.0 - m / n if n else 1.0, p_value=p, fallback="threshold",
                        note=f"{note}; the gate keeps its own threshold, uncertified")
-    return RiskFit(**fields, max_error=max_error, certified=False, threshold=0.0, passed=0, errors=0,
+    return RiskFit(**common, max_error=max_error, certified=False, threshold=0.0, passed=0, errors=0,
                    escalation_rate=1.0, p_value=p, fallback="escalate", note=f"{note}; the gate passes nothing")
 
 
