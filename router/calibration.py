@@ -493,10 +493,9 @@ def certify_threshold(rows: Sequence[tuple[float, bool]], *, max_error: float, c
     so `k ~ Binomial(m, R(lam))`, and `p(lam) = P(Binomial(m, max_error) <= k)` is a valid
     p-value for `H0: R(lam) > max_error` given every `m`, so also unconditionally (`m = 0`:
     `p = 1`). It is the exact binomial tail (`binomial_p_value`, the test the Clopper-Pearson
-    bound inverts): for a count of independent right/wrong answers at a fixed sample size no
-    valid test is tighter without randomizing. Hoeffding's bound is far looser at small rates;
-    betting bounds (Waudby-Smith & Ramdas) pay for validity at every sample size, which live
-    audits need and a fixed calibration set does not.
+    bound inverts): no approximation is paid for, where Hoeffding's bound is far looser at small
+    error rates; betting bounds (Waudby-Smith & Ramdas) pay for validity at every sample size,
+    which live audits need and a fixed calibration set does not.
 
     **The walk.** The candidates are ordered strict to loose before any label is read: the
     rows' distinct entropies and 1 (`candidate_thresholds`), or `candidates`. The walk starts at
