@@ -21,7 +21,7 @@ controller`). It holds a rate, not an error bound: a looser threshold passes mor
 canvas is unsure of.
 
 Bounds (anti-windup): `low`/`high` are `-max_offset`/`max_offset`, narrowed so the threshold stays
-within [0, 1], and `high` is 0 for a gate with a `Certificate` unless `loosen_certified`: a
+within [0, 1], and `high` is 0 for a certified gate (`Certificate.certified`) unless `loosen_certified`: a
 certified gate is only tightened, so it never passes an answer its certified threshold would
 not. A gate the controller moved drops its certificate for that decision (as any override does:
 the bound was proved on the certified threshold, and Learn then Test's sequence does not cover
@@ -31,8 +31,10 @@ integrated), so the offset never winds up past what it can apply. Only the offse
 resolution, never the base: a gate at offset 0 is gated at its own threshold exactly (a calibrated
 0.431518 stays 0.431518, certificate and all), a moved one at the base plus whole grid steps.
 
-An uncertified gate (`certified=False`) passes nothing whatever its threshold: the controller
-leaves it alone, as it does a gate without an entropy threshold.
+An uncertified gate that passes nothing (`Certificate.passes_nothing`) does so whatever its
+threshold: the controller leaves it alone, as it does a gate without an entropy threshold; one
+that gates on its own threshold, uncertified (`fallback="threshold"`), claims no bound, and the
+controller moves it either way like any gate.
 
 What counts as escalated: a question the gate did not pass: cause `uncertain` or `abstained`,
 and `over_budget` (the budget refused its escalation, but the gate did not pass it either: the
@@ -192,9 +194,10 @@ class InMemoryControllerState:
 
 
 def controls(gate: GatePolicy) -> bool:
-    """Whether a controller moves this question's gate: it has an entropy threshold and is not
-    uncertified (an uncertified gate passes nothing whatever its threshold)."""
-    return gate.max_normalized_entropy is not None and (gate.certificate is None or gate.certificate.certified)
+    """Whether a controller moves this question's gate: it has an entropy threshold and does not
+    pass nothing (an uncertified gate that escalates everything does whatever its threshold)."""
+    return gate.max_normalized_entropy is not None and (gate.certificate is None
+                                                        or not gate.certificate.passes_nothing)
 
 
 async def steer(request: DecisionRequest) -> tuple[DecisionRequest, Exception | None]:
@@ -236,12 +239,13 @@ def steered(request: DecisionRequest, pinned: Mapping[str, float] | None = None)
         base = g.max_normalized_entropy
         assert base is not None
         low, high = max(-c.max_offset, -base), min(c.max_offset, 1.0 - base)
-        if g.certificate is not None and not c.loosen_certified:
+        if g.certificate is not None and g.certificate.certified and not c.loosen_certified:
             high = min(high, 0.0)
         threshold = pinned[qid] if qid in pinned else _threshold(base, offsets.get(qid, 0.0), low, high, c.resolution)
         settings[qid] = ControlSetting(base, threshold, low, high)
         if threshold != base:  # a moved gate no longer claims its certificate: it was proved on its own threshold
-            changed[qid] = replace(g, per_question={}, max_normalized_entropy=threshold, certificate=None)
+            kept = g.certificate if g.certificate is not None and not g.certificate.certified else None  # no claim
+            changed[qid] = replace(g, per_question={}, max_normalized_entropy=threshold, certificate=kept)
     if not changed:
         return replace(request, controlled=settings)
     gate = replace(request.gate, per_question={**request.gate.per_question, **changed})

@@ -104,9 +104,13 @@ class Certificate:
 
     The gate that holds it passes a canvas answer only when its normalized entropy is at most the
     gate's `max_normalized_entropy` (the certified threshold); with probability at least
-    `confidence` over the calibration rows, the error rate of the answers it passes (those not
-    escalated) is at most `max_error`. `certified=False`: the rows could not certify any threshold,
-    so the gate passes nothing and every answer escalates rather than claim a bound it cannot hold.
+    `confidence` over the draw of the calibration rows, the error rate of the answers it passes
+    (those not escalated) is at most `max_error` (`canvasroute.router.calibration.certify_threshold`
+    states the test and its conditions). `asked` set: the rows could not prove the bound asked
+    for, and this is the looser one they do prove. `family > 1`: the bound holds for that many
+    questions at once. `certified=False`: the rows proved nothing; the gate then passes nothing
+    (`fallback="escalate"`, every answer escalates) or gates on its own thresholds and claims
+    nothing (`fallback="threshold"`), and its words say which.
 
     Example:
         ```python
@@ -122,11 +126,20 @@ class Certificate:
     rows: int
     """Calibration rows the certificate rests on."""
     escalation_rate: float
-    """Share of the calibration rows the certified gate does not pass (what the bound costs)."""
+    """Share of the calibration rows the gate does not pass (what the bound costs)."""
     certified: bool = True
-    """False: no threshold could be certified; the gate passes nothing."""
+    """False: no bound was proved; what the gate does then is `fallback`'s."""
     method: str = "learn-then-test"
     """How the bound was proved (the calibration's docstring cites it)."""
+    asked: float | None = None
+    """The bound the calibration asked for, when the rows proved only the looser `max_error`
+    (`calibrate(uncertified="looser")`); None: `max_error` is what was asked."""
+    fallback: Literal["escalate", "threshold"] = "escalate"
+    """Uncertified only: `escalate` passes nothing (every answer escalates); `threshold` gates on
+    the gate's own thresholds, uncertified, and says so in its words."""
+    family: int = 1
+    """Questions certified together: the bound holds for all of them at once with probability
+    `confidence` (each tested at `(1 - confidence) / family`, Bonferroni)."""
 
     def __post_init__(self) -> None:
         for name in ("max_error", "escalation_rate"):
@@ -134,17 +147,34 @@ class Certificate:
                 raise ValueError(f"Certificate.{name} must be within [0, 1], got {getattr(self, name)}")
         if not 0.0 < self.confidence < 1.0:
             raise ValueError(f"Certificate.confidence must be within (0, 1), got {self.confidence}")
-        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 0:
-            raise ValueError(f"Certificate.rows must be an integer >= 0, got {self.rows!r}")
+        for name in ("rows", "family"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "family"):
+                raise ValueError(f"Certificate.{name} must be an integer >= {int(name == 'family')}, got {value!r}")
+        if self.asked is not None and not 0.0 < self.asked < 1.0:
+            raise ValueError(f"Certificate.asked must be within (0, 1) or None, got {self.asked}")
+        if self.fallback not in ("escalate", "threshold"):
+            raise ValueError(f"Certificate.fallback must be 'escalate' or 'threshold', got {self.fallback!r}")
+
+    @property
+    def passes_nothing(self) -> bool:
+        """Whether the gate holding it passes no answer (uncertified, `fallback="escalate"`)."""
+        return not self.certified and self.fallback == "escalate"
 
     @property
     def text(self) -> str:
-        """What it proved, in words: `certified: error <= 5% at 90%, 400 rows, 22% escalated`, or
-        `uncertified: 40 rows cannot certify error <= 5% at 90%`."""
-        bound = f"error <= {_percent(self.max_error)} at {_percent(self.confidence)}"
+        """What it proved, in words: `certified: error <= 5% at 90%, 400 rows, 22% escalated`,
+        `certified: error <= 8.1% at 90% (asked 5%), ...`, `... at 90% for 3 questions jointly, ...`,
+        or `uncertified: 40 rows cannot certify error <= 5% at 90%` (`; gated on its own threshold`
+        when it falls back to the gate's own thresholds)."""
+        joint = f" for {self.family} questions jointly" if self.family > 1 else ""
         if not self.certified:
-            return f"uncertified: {self.rows} rows cannot certify {bound}"
-        return f"certified: {bound}, {self.rows} rows, {_percent(self.escalation_rate, 3)} escalated"
+            own = "; gated on its own threshold" if self.fallback == "threshold" else ""
+            return (f"uncertified: {self.rows} rows cannot certify error <= {_percent(self.max_error)} at "
+                    f"{_percent(self.confidence)}{joint}{own}")
+        asked = f" (asked {_percent(self.asked)})" if self.asked is not None else ""
+        return (f"certified: error <= {_percent(self.max_error)} at {_percent(self.confidence)}{joint}{asked}, "
+                f"{self.rows} rows, {_percent(self.escalation_rate, 3)} escalated")
 
 
 def _percent(x: float, digits: int = 4) -> str:
@@ -218,8 +248,9 @@ class GatePolicy:
 
     certificate: Certificate | None = None
     """What a risk-controlled calibration proved about this gate (`Certificate`; None: nothing).
-    Informational for the gate's figures, except that an uncertified one (`certified=False`)
-    passes nothing; an escalation-rate controller never loosens a certified gate unless told."""
+    Informational for the gate's figures, except that an uncertified one whose fallback is
+    `escalate` passes nothing; an escalation-rate controller never loosens a certified gate
+    unless told."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.per_question, Mapping):
@@ -266,7 +297,7 @@ class GatePolicy:
         text = ", ".join(f"{name} {op} {value:g}" for name, op, value in tests if value is not None) or "none"
         if self.certificate is None:
             return text
-        return f"{text if self.certificate.certified else 'nothing'} ({self.certificate.text})"
+        return f"{'nothing' if self.certificate.passes_nothing else text} ({self.certificate.text})"
 
     @property
     def uses_label_mass(self) -> bool:
@@ -299,9 +330,9 @@ class GatePolicy:
 
     def crossed(self, stats: Figures) -> list[str]:
         """Names of the thresholds a distribution crosses (empty: it passes); `uncertified` when
-        the gate's certificate certified nothing (it passes no answer)."""
+        the gate's certificate proved nothing and it passes no answer (`Certificate.passes_nothing`)."""
         out = []
-        if self.certificate is not None and not self.certificate.certified:
+        if self.certificate is not None and self.certificate.passes_nothing:
             out.append("uncertified")
         if self.max_normalized_entropy is not None and stats.normalized_entropy > self.max_normalized_entropy:
             out.append("max_normalized_entropy")

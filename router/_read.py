@@ -13,11 +13,17 @@ log-probabilities `lp`:
 
 - every label id must be in the row: a missing one is a malformed row
   (`EngineResponseError`, which fails expensive like any engine fault), never filled in;
-- `p = softmax(lp[labels] / T)`, the distribution over labels only, at temperature `T`;
+- `p = softmax(lp[labels])`, the distribution over labels only, then at temperature `T`
+  `tempered(p, T) = softmax(ln p / T)` (T = 1: `p` itself);
 - `label_mass = sum(exp(lp[labels]))`, how much of the model's mass fell on labels;
 - `entropy = -sum(p ln p)` in nats; `normalized_entropy = entropy / ln K` (0 when K = 1);
 - `margin = p(top) - p(second)`; `confidence = p(top)` (for several reads: the mean's), the
   gate's figure; an answer reports System One's (`system_one_confidence`).
+
+`tempered`, `entropy` and `normalized_entropy` are the only implementations: calibration
+(`canvasroute.router.calibration`) computes a row's figures with them from the T = 1
+distribution the read reported, so a threshold certified at one row's entropy is the very float
+the gate computes for that read, and a tie passes live as it passed in the calibration.
 """
 
 from __future__ import annotations
@@ -381,16 +387,44 @@ class SlotStats:
     margin: float = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        probs, log, put = self.probs, math.log, object.__setattr__
-        entropy = -sum([p * log(p) for p in probs if p > 0.0])
+        probs, put = self.probs, object.__setattr__
+        h = entropy(probs)
         best = max(probs)
         top = probs.index(best)  # the first, on a tie
         k = len(probs)
         put(self, "top", top)
         put(self, "confidence", best)
-        put(self, "entropy", entropy)
-        put(self, "normalized_entropy", entropy / log(k) if k > 1 else 0.0)
+        put(self, "entropy", h)
+        put(self, "normalized_entropy", _over_ln_k(h, k))
         put(self, "margin", best - max(probs[:top] + probs[top + 1:]) if k > 1 else 1.0)
+
+
+def entropy(probs: Sequence[float]) -> float:
+    """`-sum(p ln p)` in nats (the one implementation: the gate's and calibration's)."""
+    log = math.log
+    return -sum([p * log(p) for p in probs if p > 0.0])
+
+
+def _over_ln_k(h: float, k: int) -> float:
+    return h / math.log(k) if k > 1 else 0.0
+
+
+def normalized_entropy(probs: Sequence[float]) -> float:
+    """Entropy over ln K (0 = certain, 1 = uniform; 0 when K = 1): `SlotStats.normalized_entropy`."""
+    return _over_ln_k(entropy(probs), len(probs))
+
+
+def tempered(probs: Sequence[float], temperature: float) -> tuple[float, ...]:
+    """`softmax(ln p / T)`: the distribution at temperature T (T = 1: `probs` as they are; a zero
+    stays zero). The one implementation: the gate tempers a read with it, calibration its rows."""
+    if temperature == 1.0:
+        return tuple(probs)
+    log, exp, inf = math.log, math.exp, math.inf
+    logs = [log(p) if p > 0.0 else -inf for p in probs]
+    top = max(logs)
+    weights = [exp((x - top) / temperature) for x in logs]
+    total = sum(weights)
+    return tuple([w / total for w in weights])
 
 
 
@@ -417,7 +451,8 @@ def system_one_confidence(p: float, k: int) -> float:
 
 
 def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: float = 1.0) -> SlotStats:
-    """Label-normalized probabilities from one row of log-probabilities, at `temperature`."""
+    """Label-normalized probabilities from one row of log-probabilities, at `temperature`
+    (`tempered` of the T = 1 distribution)."""
     if not temperature > 0.0 or math.isinf(temperature):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     try:
@@ -430,9 +465,10 @@ def slot_stats(row: Mapping[int, float], label_ids: Sequence[int], temperature: 
     top = max(lps)
     if top == -math.inf:
         lps, top = [0.0] * len(lps), 0.0
-    weights = [exp((lp - top) / temperature) for lp in lps]
+    weights = [exp(lp - top) for lp in lps]
     total = sum(weights)
-    return SlotStats(tuple([w / total for w in weights]), min(1.0, mass),
+    probs = tuple([w / total for w in weights])  # at T = 1: what a read reports, and calibration's rows hold
+    return SlotStats(probs if temperature == 1.0 else tempered(probs, temperature), min(1.0, mass),
                      argmax_is_label=max(row, key=row.__getitem__) in label_ids)
 
 

@@ -381,16 +381,17 @@ def test_calibrate_says_when_no_threshold_reaches_the_target_accuracy(tmp_path, 
 
 
 def test_calibrate_says_how_many_rows_a_certificate_needs(tmp_path, p_engine, capsys):
-    """Twenty right and sure rows cannot certify error <= 5 % at 90 % (45 passed check rows are
-    the least): the command says so, with the 89 labelled rows a 0.5 holdout would need."""
+    """Twenty right and sure rows cannot certify error <= 5 % at 90 % (45 passed rows, all right, are
+    the least; the certificate tests every row): the command says so, and what the gate states until
+    then (the looser bound twenty right rows prove: 1 - 0.1 ** (1 / 20) = 10.88 %)."""
     rows = _p_rows(tmp_path, [(0.97, "yes")] * 20)
     assert main(["calibrate", rows, "--no-plots", "--max-error", "0.05", "-o", str(tmp_path / "p.json")]) == 0
     printed = capsys.readouterr()
-    assert ("canvasroute calibrate: target not met: q: not certified: error <= 5% at 90% needs 45 check rows its "
-            "gate passes, all right; 20 labelled rows leave 10 at --holdout 0.5; give it at least 89 labelled rows "
-            "(every answer to it escalates until then)") in printed.err.splitlines()
-    assert "more labelled rows would help: at least 89 (it has 20)." in printed.out
-    assert cm.split_sizes(89, 0.5)[1] >= 45 > cm.split_sizes(88, 0.5)[1]  # 89 is the least
+    assert ("canvasroute calibrate: target not met: q: not certified: error <= 5% at 90% needs at least 45 rows its "
+            "gate passes, all right; it has 20 labelled rows; give it at least 45 (until then its gate states the "
+            "looser bound its rows prove (10.88%))") in printed.err.splitlines()
+    assert "more labelled rows would help: at least 45 (it has 20)." in printed.out
+    assert cm.rows_needed(0.05, 0.9) == 45 and 1 - 0.95 ** 45 >= 0.9 > 1 - 0.95 ** 44  # 45 is the least
     rows = _p_rows(tmp_path, [(0.97, "yes")] * 100)
     assert main(["calibrate", rows, "--no-plots", "--max-error", "0.05", "-o", str(tmp_path / "p.json")]) == 0
     assert "target not met" not in capsys.readouterr().err  # 100 such rows do certify it
@@ -406,4 +407,4 @@ def test_calibrate_says_when_the_check_rows_miss_the_target_the_fit_rows_met(tmp
     assert line == ("canvasroute calibrate: target not met: q: its threshold reaches accuracy 90% on its 4 fit rows, "
                     "but on its 4 check rows its 4 answers were 0% right: the target does not hold on rows it was not "
                     "fitted on (more rows would tell whether it holds at all); --max-error 0.1 could certify a bound "
-                    "instead; it needs at least 44 labelled rows")
+                    "instead; it needs at least 22 labelled rows (--max-error tests every row)")

@@ -606,6 +606,19 @@ async def test_an_uncertified_gate_stays_escalate_all_and_is_left_alone():
     assert decisions(model) == 0
 
 
+async def test_an_uncertified_gate_on_its_own_threshold_is_moved_like_any_gate():
+    """`calibrate(uncertified="threshold")` (issue #40): the gate keeps its own threshold and claims
+    no bound, so the controller loosens it like a gate without a certificate, and its words keep
+    saying it is uncertified."""
+    own = Certificate(max_error=0.05, confidence=0.9, rows=12, escalation_rate=0.5, certified=False,
+                      fallback="threshold")
+    model = controlled(policy=GatePolicy(max_normalized_entropy=0.3, rereads=0, certificate=own))
+    for i in range(5):
+        report = (await model.adecide(f"h=0.6 o{i}", {"urgent": URGENT})).reads["urgent"]
+        assert "uncertified" not in report.crossed
+    assert gate_threshold(report) > 0.3 and decisions(model) == 5 and "uncertified" in report.gate
+
+
 # -- traces and both wires ---------------------------------------------------------------------------
 
 

@@ -23,9 +23,11 @@ Every figure is a ratio or a distribution measured side by side in one run:
 11. `structure`   library modules entered, hops between modules and returns to a module
                   already left, in one warm `decision_node` run and one `decide` (a count, not
                   a time), beside `httpx.Client.get`.
-12. `risk`        the certified gate (`calibrate --max-error`) on a simulated stream with known
+12. `risk`        the certified gate (`calibrate --max-error`) on simulated streams with known
                   truth: how often its passed answers' error exceeds the bound, over many
-                  calibrations, and the escalation it costs, beside the naive threshold.
+                  calibrations, and the coverage it keeps against the oracle's and the
+                  single-threshold limit, beside the split-half test it replaced and the naive
+                  threshold, on the same rows.
 13. `controller`  the escalation-rate controller on a drifting simulated stream, 4 workers on
                   one LangGraph store: realised rate against the target before and after the
                   drift, decisions until it holds +-2 points, beside the same stream without it.

@@ -16,12 +16,16 @@ an escalation target (`--escalate-url/--escalate-model`, `--escalate-systemone`,
 `--escalate-embedded`) the target answers every row on its own and the curve's overall
 accuracy is measured with its answers, instead of the bound "if escalations were right".
 
-`--max-error A --confidence C` certifies each question's threshold instead (Learn then Test,
-`canvasroute.router.calibration.certify_threshold`): with probability at least C over the
-check rows, the error rate of the answers its gate passes is at most A. The fit split fits the
-temperature and orders the thresholds, the check split tests them; a question whose rows
-certify nothing gets a gate that passes nothing (every answer escalates), and the summary says
-so. The policy file records each gate's `Certificate`.
+`--max-error A --confidence C` certifies each question's threshold instead
+(`canvasroute.router.calibration.certify_threshold`: fixed-sequence testing over the thresholds
+strict to loose, the exact binomial p-value, every row): with probability at least C over the
+rows, the error rate of the answers its gate passes is at most A. `--joint` makes that hold for
+all the rows' questions at once. A question whose rows cannot certify A gets what `--uncertified`
+says: `looser` (default) the error its rows do prove, stated beside A; `threshold` the gate's own
+threshold (`--fallback-threshold`), uncertified; `escalate` a gate that passes nothing. The
+summary says which, and the policy file records each gate's `Certificate`. `--from-traces`
+cannot certify: traces hold only the escalated questions, labelled by the target, so no bound
+on the answers the gate passed could rest on them.
 
 Example:
     ```bash
@@ -111,10 +115,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     targets.add_argument("--target-escalation", type=float, help="threshold so this share of questions escalates")
     targets.add_argument("--max-error", type=float,
                          help="certify thresholds: with probability --confidence over the rows, the answers the "
-                              "gate passes err at most this often (Learn then Test; escalates all when the rows "
-                              "cannot certify it)")
+                              "gate passes err at most this often (fixed-sequence testing on every row)")
     parser.add_argument("--confidence", type=float,
                         help="with --max-error: the probability the bound holds (default 0.9), per question")
+    parser.add_argument("--joint", action="store_true",
+                        help="with --max-error: the bound holds for all the questions at once (Bonferroni)")
+    parser.add_argument("--uncertified", choices=cm.UNCERTIFIED,
+                        help="with --max-error, a question its rows cannot certify gets: looser (default: the "
+                             "error its rows do prove, stated), threshold (--fallback-threshold, uncertified) or "
+                             "escalate (passes nothing)")
+    parser.add_argument("--fallback-threshold", type=float,
+                        help="with --uncertified threshold: the H/lnK threshold an uncertified gate keeps "
+                             "(default 0.5)")
     parser.add_argument("--holdout", type=float, default=0.5, help="share of rows that checks the fit (default 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and splitting (default 0)")
     parser.add_argument("--rereads", type=int, default=0,
@@ -155,6 +167,21 @@ def run(args: argparse.Namespace) -> int:
         print("canvasroute calibrate: --confidence needs --max-error (the bound it is the confidence of)",
               file=sys.stderr)
         return 2
+    needs = [flag for flag, given in (("--joint", args.joint), ("--uncertified", args.uncertified is not None),
+                                        ("--fallback-threshold", args.fallback_threshold is not None)) if given]
+    if needs and args.max_error is None:
+        print(f"canvasroute calibrate: {', '.join(needs)} needs --max-error (the bound it is about)", file=sys.stderr)
+        return 2
+    if args.fallback_threshold is not None and args.uncertified != "threshold":
+        print("canvasroute calibrate: --fallback-threshold is the gate --uncertified threshold keeps (give both)",
+              file=sys.stderr)
+        return 2
+    if args.max_error is not None and args.from_traces:
+        print("canvasroute calibrate: --max-error cannot certify from --from-traces: traces hold only the questions "
+              "the gate escalated (the uncertain region, labelled by the target), so a bound on the answers it "
+              "passes would rest on rows it never sampled. Certify from labelled rows (DATA), or audit a sample of "
+              "the passed answers live", file=sys.stderr)
+        return 2
     if args.max_error is not None and args.rereads:
         print("canvasroute calibrate: --max-error certifies single reads; re-reads would pass answers the "
               "certificate never tested (drop --rereads)", file=sys.stderr)
@@ -177,9 +204,12 @@ def run(args: argparse.Namespace) -> int:
                 samples, model, provider, measured = asyncio.run(_read(args, target))
                 target_label = target_name(target) if target is not None else ""
             source = str(args.data)
-        cal = calibrate(samples, base=GatePolicy(rereads=args.rereads), holdout=args.holdout, seed=args.seed,
+        base = GatePolicy(rereads=args.rereads) if args.fallback_threshold is None else GatePolicy(
+            rereads=args.rereads, max_normalized_entropy=args.fallback_threshold)
+        cal = calibrate(samples, base=base, holdout=args.holdout, seed=args.seed,
                         target_accuracy=args.target_accuracy, target_escalation=args.target_escalation,
-                        max_error=args.max_error, confidence=confidence)
+                        max_error=args.max_error, confidence=confidence, uncertified=args.uncertified or "looser",
+                        joint=args.joint)
     except (CanvasRouteError, TraceFileError, ValueError) as exc:
         print(f"canvasroute calibrate: {exc}", file=sys.stderr)
         return 2
@@ -190,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             "near_chance": chance, "holdout": args.holdout, "seed": args.seed,
             "target_accuracy": args.target_accuracy, "target_escalation": args.target_escalation,
             "max_error": args.max_error, "confidence": confidence if args.max_error is not None else None,
+            "joint": args.joint, "uncertified": (args.uncertified or "looser") if args.max_error is not None else None,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "questions": cal.summary()}
     subtitle = f"{model}" + (" (near chance: not the product's accuracy)" if chance else "")
     if not args.no_plots:
@@ -204,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     save_policy(out, cal.policy, meta)
     _print_summary(cal, model, chance, out, meta.get("plots", []))
     if args.max_error is not None:
-        _print_guarantees(cal, chance, args.holdout)
+        _print_guarantees(cal, chance)
     targeted = any(t is not None for t in (args.target_accuracy, args.target_escalation, args.max_error))
     for line in _shortfalls(cal, args):
         print(f"canvasroute calibrate: {'target not met' if targeted else 'not calibrated'}: {line}", file=sys.stderr)
@@ -225,8 +256,9 @@ def _print_summary(cal: cm.Calibration, model: str, chance: str | None, out: Pat
                f"{thr:.3f}" if thr is not None else "-",
                f"{c.check_escalation_rate:.0%}" if c.check_escalation_rate is not None else "-"]
         if (risk := c.risk) is not None:
-            row += ["yes" if risk.certified else "NO", f"{risk.errors}/{risk.passed}" if risk.certified else "-",
-                    f"error <= {_percent(risk.max_error)} at {_percent(risk.confidence)}"]
+            verdict = {"none": "yes", "looser": f"at {_percent(risk.max_error)}"}.get(risk.fallback, "NO")
+            row += [verdict, f"{risk.errors}/{risk.passed}" if risk.certified else "-",
+                    f"error <= {_percent(risk.asked)} at {_percent(risk.confidence)}"]
         rows.append(row)
     title = f"model {model}" + (f"  ** {chance}: these figures are not the product's **" if chance else "")
     print_table(title, columns, rows, plain="\n".join([title, *plain_table(columns, rows, indent="")]))
@@ -242,18 +274,20 @@ def _shortfalls(cal: cm.Calibration, args: argparse.Namespace) -> list[str]:
     out = []
     for q, c in cal.questions.items():
         if (risk := c.risk) is not None:
-            words = f"error <= {_percent(risk.max_error)} at {_percent(risk.confidence)}"
-            if risk.certified:
+            words = f"error <= {_percent(risk.asked)} at {_percent(risk.confidence)}"
+            if risk.fallback == "none":
                 continue
+            looser = f"until then its gate states the looser bound its rows prove ({_percent(risk.max_error)})"
+            until = {"looser": looser,
+                     "threshold": "until then its gate keeps its own threshold, uncertified",
+                     "escalate": "every answer to it escalates until then"}[risk.fallback]
             if risk.rows < risk.rows_needed:
-                out.append(f"{q}: not certified: {words} needs {risk.rows_needed} check rows its gate passes, all "
-                           f"right; {c.rows} labelled rows leave {risk.rows} at --holdout {args.holdout:g}; give it "
-                           f"at least {cm.rows_for_check(risk.rows_needed, args.holdout)} labelled rows (every "
-                           "answer to it escalates until then)")
+                out.append(f"{q}: not certified: {words} needs at least {risk.rows_needed} rows its gate passes, all "
+                           f"right; it has {risk.rows} labelled rows; give it at least {risk.rows_needed} ({until})")
             else:
                 out.append(f"{q}: not certified ({risk.note}): more rows help only if the canvas errs less often "
-                           f"than {_percent(risk.max_error)} on the answers it is surest of; else a looser "
-                           "--max-error or a lower --confidence (every answer to it escalates until then)")
+                           f"than {_percent(risk.asked)} on the answers it is surest of; else a looser "
+                           f"--max-error or a lower --confidence ({until})")
             continue
         if c.temperature is None:
             kept = cal.policy.for_question(q).max_normalized_entropy
@@ -277,7 +311,7 @@ def _shortfalls(cal: cm.Calibration, args: argparse.Namespace) -> list[str]:
         elif c.check_canvas_accuracy is not None and c.check_canvas_accuracy < target:
             answered = round((1.0 - (c.check_escalation_rate or 0.0)) * c.check_rows)
             instead = (f"; --max-error {1.0 - target:g} could certify a bound instead; it needs at least "
-                       f"{cm.rows_for_check(cm.rows_needed(1.0 - target, 0.9), args.holdout)} labelled rows"
+                       f"{cm.rows_needed(1.0 - target, 0.9)} labelled rows (--max-error tests every row)"
                        if target < 1.0 else "")
             out.append(f"{q}: its threshold reaches accuracy {target:.0%} on its {len(fit)} fit rows, but on its "
                        f"{c.check_rows} check rows its {answered} answers were {c.check_canvas_accuracy:.0%} right: "
@@ -286,27 +320,38 @@ def _shortfalls(cal: cm.Calibration, args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _print_guarantees(cal: cm.Calibration, chance: str | None, holdout: float) -> None:
+def _print_guarantees(cal: cm.Calibration, chance: str | None) -> None:
     """What each certified gate guarantees, and what it does not, in words."""
     lines = []
     for q, c in cal.questions.items():
         risk = c.risk
         assert risk is not None
-        bound, sure = _percent(risk.max_error), _percent(risk.confidence)
-        if risk.certified:
-            lines.append(f"{q}: certified: with probability at least {sure} over its {risk.rows} check rows, the "
-                         f"answers its gate passes (H/lnK <= {risk.threshold:.3g}) are wrong at most {bound} of the "
-                         f"time; that escalates {_percent(risk.escalation_rate, 3)} of the check rows.")
+        bound, sure, asked = _percent(risk.max_error), _percent(risk.confidence), _percent(risk.asked)
+        joint = f" (for all {risk.family} questions at once)" if risk.family > 1 else ""
+        more = (f"; more labelled rows would help: at least {risk.rows_needed} (it has {risk.rows})"
+                if risk.rows < risk.rows_needed else "")
+        if risk.fallback == "none":
+            lines.append(f"{q}: certified: with probability at least {sure} over its {risk.rows} rows{joint}, the "
+                         f"answers its gate passes (H/lnK <= {risk.threshold:.4g}) are wrong at most {bound} of the "
+                         f"time; that escalates {_percent(risk.escalation_rate, 3)} of the rows.")
+        elif risk.fallback == "looser":
+            lines.append(f"{q}: NOT certified at {asked} ({risk.note}). Certified at the looser error its rows prove "
+                         f"instead: with probability at least {sure}{joint}, the answers its gate passes (H/lnK <= "
+                         f"{risk.threshold:.4g}) are wrong at most {bound} of the time; that escalates "
+                         f"{_percent(risk.escalation_rate, 3)} of the rows{more}.")
+        elif risk.fallback == "threshold":
+            lines.append(f"{q}: NOT certified ({risk.note}). Its gate keeps its own threshold (H/lnK <= "
+                         f"{risk.threshold:.4g}) and claims no bound{more}.")
         else:
-            more = (f"; more labelled rows would help: at least {cm.rows_for_check(risk.rows_needed, holdout)} "
-                    f"(it has {c.rows})" if risk.rows < risk.rows_needed else "")
             lines.append(f"{q}: NOT certified ({risk.note}). Its gate passes nothing: every answer to {q!r} goes "
                          "where OutcomePolicy.uncertain says (escalated) rather than claim a bound the rows cannot "
                          f"support{more}.")
-    lines += ["Questions the rows never asked are not certified either: their gate passes nothing.",
-              "Each bound holds for its question alone, while live reads are drawn like the calibration rows (the "
-              "same model, prompt, engine and traffic); drift breaks it. For Q questions at once, calibrate at "
-              "confidence 1 - (1 - C) / Q."]
+    unasked = cal.policy.certificate
+    if unasked is not None and not unasked.certified:
+        lines.append("Questions the rows never asked are not certified either: their gate "
+                     + ("passes nothing." if unasked.passes_nothing else "keeps its own threshold and says so."))
+    lines += ["Each bound holds for its question alone (--joint: for all of them at once), while live reads are "
+              "drawn like the calibration rows (the same model, prompt, engine and traffic); drift breaks it."]
     if chance:
         lines.append(f"** {chance}: a bound certified on it shows the plumbing, not a real model's quality **")
     print("\n".join(lines))

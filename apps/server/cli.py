@@ -50,7 +50,8 @@ request's own samples, auto_max and auto_threshold for that request. auto_thresh
 asks for more reads (re-read above it); whether an answer escalates stays the server's gate.
 A certified gate (`canvasroute calibrate --max-error`) keeps its certificate while the flags
 and a request's keys leave it as it was tested; one they change serves without it (a warning
-at start for flags), and an uncertified gate passes nothing whatever they say.
+at start for flags), and an uncertified gate that escalates everything passes nothing whatever
+they say (one that keeps its own threshold, uncertified, claims nothing and takes them).
 
 Outcomes: --on-uncertain escalate|answer, --on-abstain escalate|answer, --on-engine-error
 escalate|raise. A server cannot review (no human lane over HTTP), raise for an uncertain
