@@ -13,6 +13,7 @@ other command must be one of the tools the pages are known to name. JSON blocks 
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import subprocess
@@ -87,6 +88,20 @@ def session_with(sessions: list[dict[str, Any]], *names: str) -> dict[str, Any]:
     found = [s for s in sessions if all(n in s for n in names)]
     assert found, f"no block defines {names}"
     return found[-1]
+
+
+def assert_embedded_reads(resp: Any) -> None:
+    """What the embedded engine's reads must be, whatever near-chance answers it gives: each question
+    passes the default gate (H/lnK <= 0.5) on the canvas, or stays `unsure` with cause `uncertain`
+    (there is no escalation target); a causal engine's read is never re-read."""
+    assert set(resp.reads) == {"team", "urgent"}
+    for read in resp.reads.values():
+        passed = read.normalized_entropy <= 0.5
+        assert (read.path, read.cause, read.confident) == (("canvas", None, True) if passed
+                                                             else ("unsure", "uncertain", False)), read
+        assert read.reads == 1 and read.rereadable is False
+    assert resp.answers["team"].choice in ("billing", "technical")
+    assert math.isclose(sum(resp.answers["team"].probabilities.values()), 1.0, rel_tol=1e-9)
 
 
 # -- bash ------------------------------------------------------------------------------------------
