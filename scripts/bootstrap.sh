@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install into .venv (idempotent). A fresh machine needs only python3 >= 3.11.
 #   scripts/bootstrap.sh        what the demo needs: the library and the embedded model
-#   scripts/bootstrap.sh dev    also what the tests need (test tools, services' clients, Phoenix)
+#   scripts/bootstrap.sh dev    also what the tests need (test tools, services' clients, Phoenix, the docs site)
 # One line per step (stderr); a step already done is skipped without calling pip: a stamp in
 # .venv records what was installed, keyed by pyproject.toml and the extras.
 set -euo pipefail
@@ -27,7 +27,7 @@ if ! installed torch; then  # (by its metadata: importing torch alone takes seco
   timed "installed torch" pip_quiet torch==2.13.0
 fi
 extras=local,openai,otel
-[ "${1:-}" = dev ] && extras=local,openai,otel,dev
+[ "${1:-}" = dev ] && extras=local,openai,otel,dev,docs
 stamp=.venv/.canvasroute-installed
 want="$(sha256sum pyproject.toml | cut -c1-16) [$extras]"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
