@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         CalibrationError,
         CanvasRead,
         CanvasRouteError,
+        CausalServerEngine,
         Connection,
         DecisionError,
         EmbeddedModelMissing,
@@ -93,7 +94,8 @@ if TYPE_CHECKING:
 
 _LAYERS = {
     "engine": [
-        "Batching", "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "Connection",
+        "Batching", "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "CausalServerEngine",
+        "Connection",
         "DecisionError", "EmbeddedModelMissing", "Engine", "EngineInfo", "EngineOverloaded", "EngineRequestError",
         "EngineResponseError", "EngineTimeout", "EngineUnavailable", "EscalationError", "FunctionEngine",
         "GraphSetupError", "ImagesUnsupported", "InputTooLong", "LabelError", "Limits", "ReadResult", "Retries",
@@ -121,6 +123,7 @@ __all__ = [
     "CanvasRead",
     "CanvasResponse",
     "CanvasRouteError",
+    "CausalServerEngine",
     "Certificate",
     "Connection",
     "Controller",
