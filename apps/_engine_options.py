@@ -28,7 +28,8 @@ from canvasroute.engine import (
     server_kind,
 )
 
-__all__ = ["ENGINE_KINDS", "DetectedEngine", "add_engine_options", "open_engine", "server_engine"]
+__all__ = ["ENGINE_KINDS", "KIND_HELP", "DetectedEngine", "EngineKind", "add_engine_options", "open_engine",
+           "server_engine"]
 
 EngineKind = Literal["auto", "diffusion", "causal"]
 ENGINE_KINDS: tuple[EngineKind, ...] = ("auto", "diffusion", "causal")
@@ -45,7 +46,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-url", action="append", metavar="URL",
                         help="OpenAI-compatible server(s) (repeat for replicas): vLLM serving DiffusionGemma, or a "
                              "causal model; overrides --engine")
-    parser.add_argument("--engine-kind", choices=ENGINE_KINDS, default=os.environ.get("CANVASROUTE_ENGINE_KIND", "auto"),
+    parser.add_argument("--engine-kind", choices=ENGINE_KINDS,
+                        default=os.environ.get("CANVASROUTE_ENGINE_KIND", "auto"),
                         help=KIND_HELP + " [CANVASROUTE_ENGINE_KIND]")
     parser.add_argument("--served-model", help="model name on the server (default: the first served)")
     parser.add_argument("--api-key-env", default="CANVASROUTE_API_KEY", metavar="VAR",

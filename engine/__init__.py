@@ -27,10 +27,10 @@ the values and protocol
 from typing import TYPE_CHECKING, Any
 
 from ._function import FunctionEngine
-from .causal import CausalServerEngine, server_kind
 from ._prompts import SPECIAL_CANDIDATES, defuse
 from ._sync import run_sync
 from ._types import THOUGHT_SCAFFOLD, Batching, CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
+from .causal import CausalServerEngine, server_kind
 from .errors import (
     BudgetExhausted,
     CalibrationError,

@@ -338,7 +338,8 @@ def test_serve_on_the_causal_server_answers_both_wires(causal_vllm_url, tmp_path
         seen = metrics_of(url)
     reader = CanvasDecisionModel.reader(CausalServerEngine(causal_vllm_url))
     questions = {"urgent": Noul(instructions=jev["urgent"]["instructions"]),
-                 "team": Choice(instructions=jev["team"]["instructions"], criteria={"billing": None, "technical": None})}
+                 "team": Choice(instructions=jev["team"]["instructions"],
+                                criteria={"billing": None, "technical": None})}
     expected = run_sync(reader.adecide(TICKET, questions))
     assert systemone.status_code == 200, systemone.text
     body = systemone.json()
@@ -355,3 +356,89 @@ def test_serve_on_the_causal_server_answers_both_wires(causal_vllm_url, tmp_path
     assert math.isclose(sum(team.values()), 1.0, abs_tol=1e-6)
     assert seen[("canvasroute_server_controller_target", ())] == 0.5  # the controller held the rate
     assert seen[("canvasroute_server_controller_questions", ())] == 2
+
+
+# -- the command line, and the reader as a target (no server) -----------------------------------------
+
+
+def _serve_args(argv: list[str]) -> Any:
+    import argparse
+
+    from canvasroute.apps.server import cli as serve
+
+    parser = argparse.ArgumentParser()
+    serve.configure(parser)
+    return parser.parse_args(argv)
+
+
+def test_serve_takes_the_engine_kind_and_a_causal_escalation_target(monkeypatch, capsys):
+    from canvasroute.apps._engine_options import DetectedEngine
+    from canvasroute.apps.server import cli as serve
+
+    url = ["--engine-url", "http://127.0.0.1:9/v1"]
+    assert isinstance(serve.build_model(_serve_args(url)).engine, DetectedEngine)  # nothing asked yet
+    assert isinstance(serve.build_model(_serve_args([*url, "--engine-kind", "causal"])).engine, CausalServerEngine)
+    assert isinstance(serve.build_model(_serve_args([*url, "--engine-kind", "diffusion"])).engine, VLLMServerEngine)
+    monkeypatch.setenv("CANVASROUTE_ENGINE_KIND", "causal")
+    assert isinstance(serve.build_model(_serve_args(url)).engine, CausalServerEngine)
+    monkeypatch.delenv("CANVASROUTE_ENGINE_KIND")
+    model = serve.build_model(_serve_args([*url, "--escalate-causal", "http://127.0.0.1:11/v1",
+                                           "--escalate-model", "big", "--target-escalation", "0.2"]))
+    reader = model.escalate_to.target
+    assert isinstance(reader, CanvasDecisionModel) and isinstance(reader.engine, CausalServerEngine)
+    assert reader.engine.connection.urls == ("http://127.0.0.1:11",) and "'big'" in repr(reader.engine)
+    assert (reader.policy.max_normalized_entropy, reader.policy.rereads, reader.outcomes.engine_fault) == (
+        None, 0, "raise")
+    assert model.escalate_to.controller is not None
+    assert serve.run(_serve_args([*url, "--escalate-causal", "http://127.0.0.1:11", "--escalate-url",
+                                  "http://127.0.0.1:12/v1", "--escalate-model", "m"])) == 2
+    assert "one escalation target at a time" in capsys.readouterr().err
+
+
+def test_eval_and_calibrate_take_the_engine_kind_and_a_causal_target():
+    from canvasroute.apps._engine_options import open_engine
+    from canvasroute.apps.cli import build_parser
+    from canvasroute.apps.eval.target import open_target
+
+    for command in (["eval", "data"], ["calibrate", "data", "-o", "policy.json"]):
+        argv = [*command, "--engine-url", "http://127.0.0.1:9/v1", "--engine-kind", "causal",
+                "--escalate-causal", "http://127.0.0.1:11/v1"]
+        args = build_parser(argv).parse_args(argv)
+        assert isinstance(open_engine(args), CausalServerEngine)
+        with open_target(args) as target:
+            assert isinstance(target, CanvasDecisionModel) and isinstance(target.engine, CausalServerEngine)
+    argv = ["demo", "--engine-url", "http://127.0.0.1:9", "--engine-kind", "diffusion"]
+    assert build_parser(argv).parse_args(argv).engine_kind == "diffusion"
+    argv = ["bench", "--causal-url", "http://127.0.0.1:9"]
+    assert build_parser(argv).parse_args(argv).causal_url == "http://127.0.0.1:9"
+
+
+async def test_a_detected_engine_asks_on_first_use_and_then_is_the_engine_the_server_needs():
+    from canvasroute.apps._engine_options import DetectedEngine
+    from canvasroute.engine.testing import LoopbackVLLM
+
+    engine = DetectedEngine(Connection("http://vllm.test/v1", transport=LoopbackVLLM().transport()))
+    assert getattr(engine, "think", None) is None  # nothing asked yet: no engine, no thoughts
+    resp = await CanvasDecisionModel(engine=engine, policy=NO_GATE).adecide(TICKET, {"urgent": QUESTIONS["urgent"]})
+    assert resp.reads["urgent"].path == "canvas"
+    assert isinstance(await engine.engine(), VLLMServerEngine) and callable(engine.think)
+    assert engine.requests_sent == 1  # the read (discovery and the probe are not reads)
+    await engine.aclose()
+
+
+async def test_the_reader_as_a_target_gives_the_escalated_answer_its_distribution():
+    from canvasroute.engine import FunctionEngine
+
+    def rows(read: CanvasRead) -> list[dict[int, float]]:
+        lps = [math.log(p) for p in (0.7, 0.2, 0.1)]
+        return [dict(zip(read.label_ids, lps, strict=False))] * len(read.slots)
+
+    big = CanvasDecisionModel.reader(FunctionEngine(rows, model="big"))
+    uniform = FunctionEngine(lambda read: [dict.fromkeys(read.label_ids, -1.0)] * len(read.slots))
+    model = CanvasDecisionModel(engine=uniform, escalate_to=Escalation(big))
+    resp = await model.adecide(TICKET, {"team": QUESTIONS["team"]})
+    report = resp.reads["team"]
+    assert (report.path, report.escalation_model) == ("escalated", "big")
+    assert report.probabilities == pytest.approx((await big.adecide(TICKET, {"team": QUESTIONS["team"]}))
+                                                 .reads["team"].probabilities)
+    assert max(report.probabilities.values()) == pytest.approx(0.7)

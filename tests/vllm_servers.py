@@ -7,7 +7,8 @@ them run first while the servers come up. A fixture then waits only for what is 
 `CANVASROUTE_VLLM_URL` stands in for `vllm_url` and `CANVASROUTE_CAUSAL_VLLM_URL` for
 `causal_vllm_url`; the replica and the spare are always the suite's own. `causal_vllm_url` is the
 same vLLM CPU build serving SmolLM2-135M-Instruct as a plain causal model (`start-causal`), from the
-embedded model's converted copy, which is made first (with this venv's transformers) if missing. conftest loads this module as a plugin; a test that takes one of these fixtures must carry
+embedded model's converted copy, which is made first (with this venv's transformers) if missing.
+conftest loads this module as a plugin; a test that takes one of these fixtures must carry
 `@pytest.mark.vllm`.
 """
 

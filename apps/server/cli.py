@@ -80,9 +80,9 @@ langchain-openai's OpenAIDecisions, its distributions kept, its refusals not ans
 --escalate-systemone URL [--escalate-model NAME], a /v1/systemone server (its root URL; model
 default jev-latest); --escalate-causal URL [--escalate-model NAME], a causal model on an
 OpenAI-compatible server read for its exact label distribution (one read, no JSON generated;
-CanvasDecisionModel.reader over CausalServerEngine). --hedge-band BAND starts the target beside the re-reads of a question
-whose first read is over the gate by at most BAND; each answer's canvasroute object says
-`hedged`.
+CanvasDecisionModel.reader over CausalServerEngine). --hedge-band BAND starts the target beside
+the re-reads of a question whose first read is over the gate by at most BAND; each answer's
+canvasroute object says `hedged`.
 
 /v1/decisions (OpenAI Decisions): every request error is 400 with OpenAI's error body
 {"error": {"message", "type", "param", "code"}} naming the field (param questions[3].choices), a

@@ -222,8 +222,8 @@ class CausalServerEngine:
         for read, prompt in zip(reads, prompts, strict=True):
             for s in read.slots:
                 prefix = (*prompt, *read.canvas[:s])
-                for label in (read.label_ids if echo else ((),)):
-                    index.setdefault((*prefix, label) if echo else prefix, len(index))
+                for ends in ([(label,) for label in read.label_ids] if echo else [()]):
+                    index.setdefault((*prefix, *ends), len(index))
         body: dict[str, Any] = {"model": info.model, "prompt": [list(p) for p in index], "max_tokens": 1,
                                 "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True}
         if echo:
@@ -282,7 +282,8 @@ class CausalServerEngine:
                 raise EngineRequestError(
                     f"the server cannot render a chat prompt at /tokenize: {exc.message}", status=exc.status,
                     hint="vLLM's /tokenize takes chat messages; for a server whose /tokenize takes text only, pass "
-                         "CausalServerEngine(..., tokenizer=AutoTokenizer.from_pretrained(<the served model>))") from exc
+                         "CausalServerEngine(..., tokenizer=AutoTokenizer.from_pretrained(<the served model>))",
+                ) from exc
             ids = self._tokens.put(key, fetched)
         return ids
 
@@ -467,9 +468,9 @@ def _echoed(choice: Mapping[str, Any], position: int, label: int) -> float | Non
         tokens = logprobs.get("tokens") or []
     except (KeyError, IndexError, TypeError, AttributeError):
         return None
-    if position < len(tokens) and isinstance(tokens[position], str) and tokens[position].startswith("token_id:"):
-        if token_id(tokens[position]) != label:
-            raise EngineResponseError(f"the echoed prompt holds id {tokens[position]!r} where label id {label} was sent")
+    sent = tokens[position] if position < len(tokens) else None
+    if isinstance(sent, str) and sent.startswith("token_id:") and token_id(sent) != label:
+        raise EngineResponseError(f"the echoed prompt holds {sent!r} where label id {label} was sent")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -505,7 +506,7 @@ async def _served(connection: Connection, model: str | None) -> Mapping[str, Any
         raise EngineResponseError(f"the server lists no usable models at /v1/models: {str(served)[:200]}")
     if not served:
         raise EngineResponseError("the server lists no models at /v1/models")
-    entry = next((m for m in served if m["id"] == model), None) if model else served[0]
+    entry: dict[str, Any] | None = next((m for m in served if m["id"] == model), None) if model else served[0]
     if entry is None:
         raise EngineRequestError(f"model {model!r} is not served here; served: {[m['id'] for m in served]}")
     return entry
