@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         CalibrationError,
         CanvasRead,
         CanvasRouteError,
+        CausalServerEngine,
         Connection,
         DecisionError,
         EmbeddedModelMissing,
@@ -94,7 +95,8 @@ if TYPE_CHECKING:
 
 _LAYERS = {
     "engine": [
-        "Batching", "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "Connection",
+        "Batching", "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "CausalServerEngine",
+        "Connection",
         "DecisionError", "EmbeddedModelMissing", "Engine", "EngineInfo", "EngineOverloaded", "EngineRequestError",
         "EngineResponseError", "EngineTimeout", "EngineUnavailable", "EscalationError", "ExtraMissing",
         "FunctionEngine", "GraphSetupError", "ImagesUnsupported", "InputTooLong", "LabelError", "Limits", "ReadResult",
@@ -122,6 +124,7 @@ __all__ = [
     "CanvasRead",
     "CanvasResponse",
     "CanvasRouteError",
+    "CausalServerEngine",
     "Certificate",
     "Connection",
     "Controller",

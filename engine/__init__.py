@@ -4,6 +4,8 @@
 one small protocol, `Engine`:
 
 - `VLLMServerEngine`: vLLM's OpenAI-compatible server over HTTP (the production path).
+- `CausalServerEngine`: a causal LM on an OpenAI-compatible server, read at each slot for its
+  exact label logprobs (`server_kind` tells which of the two a server needs).
 - `VLLMEngine`: vLLM in-process (extra `[vllm]`).
 - `TransformersEngine`: in-process torch, DiffusionGemma or a causal LM (extra `[local]`).
 - `FunctionEngine`: a test double driven by a function.
@@ -16,8 +18,9 @@ Every error the library raises lives in `canvasroute.engine.errors`, re-exported
 `defuse` (special-token text made harmless). Test doubles and the vLLM-wire fake live in
 `canvasroute.engine.testing`.
 
-Rooms, by job: `transport/` (the connection), `vllm/` (both vLLM engines and their wire),
-`local/` (torch engines and the embedded default), and beside them the values and protocol
+Rooms, by job: `transport/` (the connection), `vllm/` (both vLLM engines and their wire), `causal/`
+(the causal-LM server engine), `local/` (torch engines and the embedded default), and beside them
+the values and protocol
 (`_types.py`), prompts (`_prompts.py`), the sync path (`_sync.py`), `FunctionEngine`, the errors.
 """
 
@@ -27,6 +30,7 @@ from ._function import FunctionEngine
 from ._prompts import SPECIAL_CANDIDATES, defuse
 from ._sync import run_sync
 from ._types import THOUGHT_SCAFFOLD, Batching, CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
+from .causal import CausalServerEngine, server_kind
 from .errors import (
     BudgetExhausted,
     CalibrationError,
@@ -63,6 +67,7 @@ __all__ = [
     "CalibrationError",
     "CanvasRead",
     "CanvasRouteError",
+    "CausalServerEngine",
     "Connection",
     "DecisionError",
     "EmbeddedModelMissing",
@@ -98,6 +103,7 @@ __all__ = [
     "embedded_engine",
     "forward_headers",
     "run_sync",
+    "server_kind",
 ]
 
 _LOCAL = ("TransformersEngine", "embedded_cache_dir", "embedded_engine")

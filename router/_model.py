@@ -311,6 +311,23 @@ class CanvasDecisionModel(BaseDecisionModel):
             raise ValueError(f"with_structured_output takes schema, include_raw, method and strict, not {unknown}")
         return StructuredDecision(self, schema, include_raw=include_raw)
 
+    @classmethod
+    def reader(cls, engine: Engine, **fields: Any) -> CanvasDecisionModel:
+        """A model that answers every question from one read of `engine` and trusts it: no gate, no
+        re-read, no escalation; an engine fault raises. As an escalation target (`Escalation(...)`,
+        a decision model) its read distribution becomes the escalated answer's, e.g. a larger
+        causal model read for its exact label distribution: one forward pass per slot, no JSON to
+        generate or parse. `fields` go to the model (`read=`, `model=`, ...).
+
+        Example:
+            ```python
+            big = CanvasDecisionModel.reader(CausalServerEngine("http://big-host:8000/v1"))
+            model = CanvasDecisionModel(engine=VLLMServerEngine(url), escalate_to=Escalation(big))
+            ```
+        """
+        return cls(engine=engine, policy=GatePolicy(max_normalized_entropy=None, rereads=0),
+                   outcomes=OutcomePolicy(engine_fault="raise"), **fields)
+
     def canvas_only(self) -> CanvasDecisionModel:
         """This model measuring the canvas alone, as `canvasroute eval` does (shadow mode uses
         `DecisionRequest.canvas_only()`): no escalation or cache; every question gets the

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need (idempotent), then runs the whole suite.
-# The suite starts its own real vLLM CPU server; set CANVASROUTE_VLLM_URL to reuse a running one.
+# The suite starts its own real vLLM CPU servers; set CANVASROUTE_VLLM_URL (the DiffusionGemma one) and
+# CANVASROUTE_CAUSAL_VLLM_URL (SmolLM2 as a causal model) to reuse running ones.
 #   scripts/test.sh [PYTEST ARGS...]          everything (what CI runs)
 #   scripts/test.sh --fast [PYTEST ARGS...]   the inner loop: no vLLM server, no PostgreSQL, Phoenix,
 #                                             `langgraph dev` or Chromium, no wheel build, no test over

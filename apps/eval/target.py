@@ -3,6 +3,9 @@
 - `--escalate-url URL --escalate-model NAME`: any OpenAI-compatible chat server
   (`langchain_openai.ChatOpenAI`; key from `--escalate-api-key-env`).
 - `--escalate-systemone URL`: a decision model behind `/v1/systemone`.
+- `--escalate-causal URL`: a causal model on an OpenAI-compatible server, read for its exact
+  label distribution (`CanvasDecisionModel.reader` over `CausalServerEngine`; `--escalate-model`:
+  its served name, default the first).
 - `--escalate-embedded`: an AR model served from the embedded SmolLM2 weights on a
   loopback port (`canvasroute.apps.eval.ar_server`), for offline runs: near chance, plumbing only.
 """
@@ -26,10 +29,14 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     which = group.add_mutually_exclusive_group()
     which.add_argument("--escalate-url", metavar="URL", help="OpenAI-compatible base URL (…/v1) of the AR target")
     which.add_argument("--escalate-systemone", metavar="URL", help="a /v1/systemone decision server as the target")
+    which.add_argument("--escalate-causal", metavar="URL",
+                       help="a causal model on an OpenAI-compatible server (…/v1 works), read for its exact label "
+                            "distribution: one read per question, no JSON generated")
     which.add_argument("--escalate-embedded", action="store_true",
                        help="serve the embedded SmolLM2 as an AR target on a loopback port (near chance; needs the "
                             "local, serve and openai extras)")
-    group.add_argument("--escalate-model", metavar="NAME", help="model name at --escalate-url / --escalate-systemone")
+    group.add_argument("--escalate-model", metavar="NAME",
+                       help="model name at --escalate-url / --escalate-systemone / --escalate-causal")
     group.add_argument("--escalate-api-key-env", default="CANVASROUTE_ESCALATE_API_KEY", metavar="VAR",
                        help="environment variable holding the target's API key")
     group.add_argument("--escalate-timeout", type=float, default=120.0, help="seconds per target call (default 120)")
@@ -39,7 +46,7 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
 
 
 def wants_target(args: argparse.Namespace) -> bool:
-    return bool(args.escalate_url or args.escalate_systemone or args.escalate_embedded)
+    return bool(args.escalate_url or args.escalate_systemone or args.escalate_causal or args.escalate_embedded)
 
 
 @contextlib.contextmanager
@@ -51,6 +58,13 @@ def open_target(args: argparse.Namespace) -> Iterator[Any]:
 
         yield SystemOneDecisionModel(Connection(args.escalate_systemone, api_key=key, timeout=args.escalate_timeout),
                                      model=args.escalate_model or "canvas")
+        return
+    if args.escalate_causal:
+        from canvasroute.engine import CausalServerEngine
+        from canvasroute.router import CanvasDecisionModel
+
+        yield CanvasDecisionModel.reader(CausalServerEngine(
+            Connection(args.escalate_causal, api_key=key, timeout=args.escalate_timeout), model=args.escalate_model))
         return
     if args.escalate_url:
         if not args.escalate_model:

@@ -11,6 +11,7 @@ canvasroute serve --engine-url http://127.0.0.1:8000 --max-normalized-entropy 0.
     --escalate-url http://127.0.0.1:8001/v1 --escalate-model Qwen/Qwen3-8B --api-key $KEY
 canvasroute serve --engine-url http://127.0.0.1:8000 --port 8002 \\
     --escalate-decisions http://127.0.0.1:8003/v1 --escalate-model tiny-dgemma   # a cascade of two servers
+canvasroute serve --engine-url http://127.0.0.1:8001/v1     # a causal model (vllm serve <model>): detected
 CANVASROUTE_ENGINE=embedded canvasroute serve      # offline SmolLM2-135M: near-chance decisions
 ```
 """
@@ -29,6 +30,7 @@ from typing import Any
 
 from canvasroute.engine._extras import require_extra
 
+from .._engine_options import ENGINE_KINDS, KIND_HELP
 from .limits import ConnectionLimits, Limits
 from .outcomes import SERVED
 
@@ -71,14 +73,20 @@ this server's process; a gate a policy file certified (calibrate --max-error) on
 Each answer's `gate` (diagnostics, the x_canvasroute object) says the threshold it was held to;
 /metrics shows the controller's offsets and realised rate.
 
+The engine: --engine-url names an OpenAI-compatible server; what it serves picks the engine on
+first use (DiffusionGemma's structured read: VLLMServerEngine; a plain causal model: read at each
+slot for its exact label distribution, CausalServerEngine), unless --engine-kind says it.
+
 Escalation targets (one of): --escalate-url URL --escalate-model NAME, an OpenAI-compatible
 chat server (its structured output); --escalate-decisions URL --escalate-model NAME, an OpenAI
 Decisions server (its base URL, .../v1: OpenAI, another canvasroute serve; asked through
 langchain-openai's OpenAIDecisions, its distributions kept, its refusals not answers);
 --escalate-systemone URL [--escalate-model NAME], a /v1/systemone server (its root URL; model
-default jev-latest). --hedge-band BAND starts the target beside the re-reads of a question
-whose first read is over the gate by at most BAND; each answer's x_canvasroute object says
-`hedged`.
+default jev-latest); --escalate-causal URL [--escalate-model NAME], a causal model on an
+OpenAI-compatible server read for its exact label distribution (one read, no JSON generated;
+CanvasDecisionModel.reader over CausalServerEngine). --hedge-band BAND starts the target beside
+the re-reads of a question whose first read is over the gate by at most BAND; each answer's
+x_canvasroute object says `hedged`.
 
 /v1/decisions (OpenAI Decisions): every request error is 400 with OpenAI's error body
 {"error": {"message", "type", "param", "code"}} naming the field (param questions[3].choices), a
@@ -118,6 +126,7 @@ log = logging.getLogger("canvasroute.serve")
 _ENV = {
     "engine": "CANVASROUTE_ENGINE",
     "engine_url": "CANVASROUTE_ENGINE_URL",
+    "engine_kind": "CANVASROUTE_ENGINE_KIND",
     "engine_model": "CANVASROUTE_ENGINE_MODEL",
     "engine_api_key": "CANVASROUTE_ENGINE_API_KEY",
     "policy": "CANVASROUTE_POLICY",
@@ -126,6 +135,7 @@ _ENV = {
     "escalate_url": "CANVASROUTE_ESCALATE_URL",
     "escalate_decisions": "CANVASROUTE_ESCALATE_DECISIONS",
     "escalate_systemone": "CANVASROUTE_ESCALATE_SYSTEMONE",
+    "escalate_causal": "CANVASROUTE_ESCALATE_CAUSAL",
     "escalate_model": "CANVASROUTE_ESCALATE_MODEL",
     "escalate_api_key": "CANVASROUTE_ESCALATE_API_KEY",
     "target_escalation": "CANVASROUTE_TARGET_ESCALATION",
@@ -174,10 +184,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.epilog = _EPILOG
     engine = parser.add_argument_group("engine")
     engine.add_argument("--engine", choices=("vllm", "embedded"), default=_env("engine"),
-                        help="vllm: a vLLM server (--engine-url); embedded: SmolLM2-135M in-process, near-chance "
+                        help="vllm: a server (--engine-url); embedded: SmolLM2-135M in-process, near-chance "
                              "decisions, for plumbing only (default: vllm when a URL is set) [CANVASROUTE_ENGINE]")
     engine.add_argument("--engine-url", default=_env("engine_url"),
-                        help="vLLM server URL, comma-separated for replicas [CANVASROUTE_ENGINE_URL]")
+                        help="OpenAI-compatible server URL (vLLM serving DiffusionGemma, or a causal model; .../v1 "
+                             "works), comma-separated for replicas [CANVASROUTE_ENGINE_URL]")
+    engine.add_argument("--engine-kind", choices=ENGINE_KINDS, default=_env("engine_kind", "auto"),
+                        help=KIND_HELP + " [CANVASROUTE_ENGINE_KIND]")
     engine.add_argument("--engine-model", default=_env("engine_model"),
                         help="served model name (default: the server's first) [CANVASROUTE_ENGINE_MODEL]")
     engine.add_argument("--engine-api-key", default=_env("engine_api_key"),
@@ -208,6 +221,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     esc.add_argument("--escalate-systemone", metavar="URL", default=_env("escalate_systemone"),
                      help="a /v1/systemone server's root URL as the escalation target (--escalate-model default: "
                           "jev-latest) [CANVASROUTE_ESCALATE_SYSTEMONE]")
+    esc.add_argument("--escalate-causal", metavar="URL", default=_env("escalate_causal"),
+                     help="a causal model on an OpenAI-compatible server (.../v1 works) as the escalation target, "
+                          "read for its exact label distribution (--escalate-model: its served name, default the "
+                          "first) [CANVASROUTE_ESCALATE_CAUSAL]")
     esc.add_argument("--escalate-model", default=_env("escalate_model"),
                      help="escalation model name [CANVASROUTE_ESCALATE_MODEL]")
     esc.add_argument("--escalate-api-key", default=_env("escalate_api_key", "EMPTY"),
@@ -273,13 +290,15 @@ def _engine(args: argparse.Namespace) -> Any:
     if kind == "vllm":
         if not args.engine_url:
             raise ValueError("--engine vllm needs --engine-url (or CANVASROUTE_ENGINE_URL)")
-        from canvasroute.engine import Connection, VLLMServerEngine
+        from canvasroute.engine import Connection
         from canvasroute.engine import Limits as EngineLimits
+
+        from .._engine_options import server_engine
 
         urls = [u.strip() for u in args.engine_url.split(",") if u.strip()]
         connection = Connection(urls, api_key=args.engine_api_key,
                                 limits=EngineLimits(max_concurrency=args.max_in_flight))
-        return VLLMServerEngine(connection, model=args.engine_model)
+        return server_engine(connection, kind=args.engine_kind, model=args.engine_model)
     from canvasroute.engine import embedded_engine
 
     log.warning("embedded engine: SmolLM2-135M decides near chance; use it for plumbing, never for accuracy")
@@ -311,16 +330,18 @@ def _policy(args: argparse.Namespace) -> Any:
 
 def _escalation(args: argparse.Namespace) -> Any:
     """The escalation target the flags name (None: none): a chat server, an OpenAI Decisions
-    server or a `/v1/systemone` server, each with its own client's retries and a 60 s timeout."""
+    server, a `/v1/systemone` server or a causal model read for its label distribution, each with
+    its own client's retries and a 60 s timeout."""
     named = [flag for flag, value in (("--escalate-url", args.escalate_url),
                                       ("--escalate-decisions", args.escalate_decisions),
-                                      ("--escalate-systemone", args.escalate_systemone)) if value]
+                                      ("--escalate-systemone", args.escalate_systemone),
+                                      ("--escalate-causal", args.escalate_causal)) if value]
     if len(named) > 1:
         raise ValueError(f"one escalation target at a time: {' and '.join(named)} are both set")
     if not named:
         if args.escalate_model:
-            raise ValueError("--escalate-model needs a target: --escalate-url, --escalate-decisions or "
-                             "--escalate-systemone")
+            raise ValueError("--escalate-model needs a target: --escalate-url, --escalate-decisions, "
+                             "--escalate-systemone or --escalate-causal")
         return None
     from canvasroute.engine import Connection
 
@@ -331,6 +352,12 @@ def _escalation(args: argparse.Namespace) -> Any:
 
         return SystemOneDecisionModel(Connection(args.escalate_systemone, api_key=key, timeout=60, retries=2),
                                       model=args.escalate_model or "jev-latest")
+    if args.escalate_causal:
+        from canvasroute.engine import CausalServerEngine
+        from canvasroute.router import CanvasDecisionModel
+
+        return CanvasDecisionModel.reader(CausalServerEngine(
+            Connection(args.escalate_causal, api_key=key, timeout=60, retries=2), model=args.escalate_model))
     if not args.escalate_model:
         raise ValueError(f"escalation to {named[0]} needs --escalate-model")
     target = Connection(args.escalate_decisions or args.escalate_url, api_key=key or "EMPTY", timeout=60, retries=2)
@@ -355,8 +382,8 @@ def _controlled(args: argparse.Namespace, target: Any) -> Any:
             raise ValueError("--controller-step needs --target-escalation (the rate the controller holds)")
         return target
     if target is None:
-        raise ValueError("--target-escalation needs an escalation target: --escalate-url, --escalate-decisions or "
-                         "--escalate-systemone (the rate is of questions escalated to it)")
+        raise ValueError("--target-escalation needs an escalation target: --escalate-url, --escalate-decisions, "
+                         "--escalate-systemone or --escalate-causal (the rate is of questions escalated to it)")
     from canvasroute.router import Controller, Escalation
 
     return Escalation(target, controller=Controller(target=rate, **({} if step is None else {"step": step})))
@@ -378,8 +405,8 @@ def build_model(args: argparse.Namespace) -> Any:
     check_outcomes(outcomes, policy, target is not None)
     if args.hedge_band is not None:
         if target is None:
-            raise ValueError("--hedge-band needs an escalation target: --escalate-url, --escalate-decisions or "
-                             "--escalate-systemone")
+            raise ValueError("--hedge-band needs an escalation target: --escalate-url, --escalate-decisions, "
+                             "--escalate-systemone or --escalate-causal")
         escalation = target if isinstance(target, Escalation) else Escalation(target)  # (a controller's, too)
         target = dataclasses.replace(escalation, hedge=Hedge(band=args.hedge_band))
     return CanvasDecisionModel(engine=_engine(args), policy=policy, escalate_to=target, outcomes=outcomes)

@@ -665,7 +665,8 @@ class Connection:
     """HTTP to one service served by one or more replicas, with retries and typed errors.
 
     Args:
-        url: the service root, or several replica roots; requests go round-robin over those
+        url: the service root (an OpenAI-style base ending in `/v1` names the same root), or
+            several replica roots; requests go round-robin over those
             not cooling down, or, with an `affinity` key, to the key's rendezvous replica
             (`rendezvous`). A URL's userinfo (`http://user:pass@host`) is sent as Basic auth,
             its query string with every request.
@@ -823,7 +824,7 @@ class Connection:
         authorization = default_headers.pop("authorization", None) or origin.authorization
         if authorization:  # it replaces the client's own `Bearer <api_key>`
             default_headers["Authorization"] = authorization
-        options: dict[str, Any] = {"base_url": origin.url, "max_retries": self.retries.max_retries,
+        options: dict[str, Any] = {"base_url": origin.api_url, "max_retries": self.retries.max_retries,
                                    "timeout": httpx.Timeout(self.timeout.read, connect=self.timeout.connect)}
         if self._api_key or authorization:  # the client insists on a key; an Authorization header replaces it
             options["api_key"] = self._api_key or "unused"

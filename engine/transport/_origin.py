@@ -2,8 +2,11 @@
 
 - `Origin`: one replica base URL, parsed once, with what every request to it carries. A base
   URL may hold userinfo (`http://user:pass@host`: sent as HTTP Basic auth) and a query string
-  (`?api-version=1`: appended to every request). `url` is what messages show: no userinfo,
-  no query.
+  (`?api-version=1`: appended to every request). It names the service root, and an OpenAI-style
+  base ending in `/v1` (`http://host:8000/v1`, what users paste) names the same root: requests
+  go to their own paths (`/v1/models`, `/tokenize`) under it, never to `/v1/v1/...`; `api_url`
+  keeps the URL as given for OpenAI clients. `url` is what messages show: the root, no
+  userinfo, no query.
 - The proxy for it comes from the environment (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`,
   `NO_PROXY`, as curl and httpx read them) unless `trust_env=False`; `check_proxy` refuses
   at construction one that httpx cannot use.
@@ -38,19 +41,22 @@ class Origin:
     """A replica base URL: where to connect, what to put in the request line and head."""
 
     url: str
-    """The URL without userinfo or query: safe to show in messages, logs and spans."""
+    """The service root without userinfo or query (a trailing `/v1` left out): safe to show in
+    messages, logs and spans."""
     host: str
     port: int
     tls: bool
     host_header: str
     base_path: str
-    """The URL's path, percent-encoded, without a trailing slash."""
+    """The root's path, percent-encoded, without a trailing slash (or `/v1`)."""
     query: str
     """`?` and the base URL's query string, or empty."""
     authorization: str | None
     """`Basic ...` from the URL's userinfo, or None."""
     proxy: str | None
     """The proxy URL the environment names for this origin, or None (connect directly)."""
+    api_url: str
+    """The URL as given, `/v1` kept, without userinfo or query: an OpenAI client's `base_url`."""
 
     @classmethod
     def parse(cls, url: str, *, trust_env: bool = True) -> Origin:
@@ -69,11 +75,13 @@ class Origin:
         if parts.username is not None or parts.password is not None:
             pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
             authorization = "Basic " + base64.b64encode(pair.encode()).decode()
-        path = quote(parts.path.rstrip("/"), safe="/%:@!$&'()*+,;=~")
+        given = quote(parts.path.rstrip("/"), safe="/%:@!$&'()*+,;=~")
+        path = given.removesuffix("/v1")
         return cls(url=f"{parts.scheme}://{host_port}{path}", host=parts.hostname,
                    port=port or (443 if tls else 80), tls=tls, host_header=host_port.encode("idna").decode(),
                    base_path=path, query=f"?{parts.query}" if parts.query else "", authorization=authorization,
-                   proxy=environment_proxy(parts.scheme, parts.hostname, port) if trust_env else None)
+                   proxy=environment_proxy(parts.scheme, parts.hostname, port) if trust_env else None,
+                   api_url=f"{parts.scheme}://{host_port}{given}")
 
 
 def environment_proxy(scheme: str, host: str, port: int | None) -> str | None:

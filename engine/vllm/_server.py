@@ -29,7 +29,7 @@ from .._types import THOUGHT_SCAFFOLD, CanvasRead, EngineInfo, Message, ReadResu
 from ..errors import EngineRequestError, EngineResponseError, ImagesUnsupported
 from ..transport import Connection
 
-__all__ = ["MAX_LABEL_IDS", "VLLMServerEngine", "session_key"]
+__all__ = ["MAX_LABEL_IDS", "VLLMServerEngine", "session_key", "structured_vocab"]
 
 _VOCAB_RANGE = re.compile(r"must be in \[0, (\d+)\)")
 _NOISE_PROBE_ID = 2**30
@@ -401,21 +401,23 @@ class VLLMServerEngine:
         return tuple(sorted(t for t, i in zip(SPECIAL_CANDIDATES, ids, strict=True) if len(i) == 1))
 
     async def _discover_vocab(self) -> int:
-        """Ask the server for its vocabulary size: a seed id out of range is refused with
-        the valid range in the message (validated before any model work)."""
-        body = {"model": self._model, "prompt": [0], "max_tokens": 1,
-                "vllm_xargs": {"diffusion_seed_canvas": [_NOISE_PROBE_ID], "diffusion_max_steps": 1,
-                               "diffusion_read_only": 1}}
+        """Ask the server for its vocabulary size (`structured_vocab`); a server that serves no
+        structured read is named for what it is, with the engine that reads it."""
+        assert self._model is not None
         try:
-            await self._request("POST", "/v1/completions", body)
+            vocab = await structured_vocab(self.connection, self._model)
         except EngineRequestError as exc:
-            if m := _VOCAB_RANGE.search(exc.message):
-                return int(m.group(1))
             raise EngineRequestError(
                 f"could not learn the vocabulary size: {exc.message}",
                 status=exc.status, hint="is this a DiffusionGemma server? else pass vocab_size=",
             ) from exc
-        raise EngineResponseError("the server accepted an out-of-range seed id; pass vocab_size=")
+        if vocab is None:
+            raise EngineResponseError(
+                f"{', '.join(self.connection.urls)} serves {self._model!r} as a plain causal (autoregressive) model, "
+                "not DiffusionGemma's structured read: it ignored vllm_xargs.diffusion_seed_canvas",
+                hint="read a causal model with CausalServerEngine (canvasroute: --engine-kind causal, or --engine-url "
+                     "alone, which detects it); VLLMServerEngine needs vLLM serving DiffusionGemma")
+        return vocab
 
     async def _discover_canvas(self, max_model_len: int) -> int:
         """The server caps `max_tokens` at the served canvas: one tiny read reports it."""
@@ -426,6 +428,26 @@ class VLLMServerEngine:
         if width <= 0:
             raise EngineResponseError("could not learn the canvas width; pass canvas_width=")
         return width
+
+
+async def structured_vocab(connection: Connection, model: str) -> int | None:
+    """Whether the server reads DiffusionGemma canvases, and its vocabulary if it does.
+
+    One tiny request, validated before any model work: a DiffusionGemma server refuses a seed
+    id out of range with the valid range in its message (its vocabulary size, returned); a
+    server that serves no structured read ignores `vllm_xargs` and answers (None). Any other
+    refusal is raised (`EngineRequestError`).
+    """
+    body = {"model": model, "prompt": [0], "max_tokens": 1,
+            "vllm_xargs": {"diffusion_seed_canvas": [_NOISE_PROBE_ID], "diffusion_max_steps": 1,
+                           "diffusion_read_only": 1}}
+    try:
+        await connection.request("POST", "/v1/completions", body)
+    except EngineRequestError as exc:
+        if m := _VOCAB_RANGE.search(exc.message):
+            return int(m.group(1))
+        raise
+    return None
 
 
 def session_key(messages: Sequence[Message]) -> str:
