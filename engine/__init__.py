@@ -28,6 +28,7 @@ from ._prompts import SPECIAL_CANDIDATES, defuse
 from ._sync import run_sync
 from ._types import THOUGHT_SCAFFOLD, Batching, CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
 from .errors import (
+    BreakerOpen,
     BudgetExhausted,
     CalibrationError,
     CanvasRouteError,
@@ -58,6 +59,7 @@ __all__ = [
     "SPECIAL_CANDIDATES",
     "THOUGHT_SCAFFOLD",
     "Batching",
+    "BreakerOpen",
     "BudgetExhausted",
     "CalibrationError",
     "CanvasRead",

@@ -32,11 +32,13 @@ integrated), so the offset never winds up past what it can apply. An uncertified
 does a gate without an entropy threshold.
 
 What counts as escalated: a question the gate did not pass: cause `uncertain` or `abstained`,
-and `over_budget` (the budget refused its escalation, but the gate did not pass it either: the
+`over_budget` (the budget refused its escalation, but the gate did not pass it either: the
 set point is about the gate, the cap about calls, so a spent budget does not wind the controller
-up). What does not count: engine faults (not a gate outcome), skipped questions, decisions that
-raised, cache hits (nothing was gated again) and canvas-only reads (shadow mode, eval: no
-escalation). Every other question is one observation, once per decision.
+up) and `target_fault` (the target failed or its breaker was open: the gate did not pass it all the
+same, so an outage of the target leaves the rate the controller sees as it was). What does not
+count: engine faults (not a gate outcome), skipped questions, decisions that raised, cache hits
+(nothing was gated again) and canvas-only reads (shadow mode, eval: no escalation). Every other
+question is one observation, once per decision.
 
 When: the effective thresholds are applied to the request once, at the start of its run
 (`steer`: the state refreshed, then a `replace` of the request's gates, so every stage, the
@@ -75,7 +77,7 @@ class Observation(NamedTuple):
     """One question's outcome in one decision, with the bounds its offset had there."""
 
     escalated: bool
-    """The gate did not pass it (uncertain, abstained, or over budget)."""
+    """The gate did not pass it (uncertain, abstained, over budget, or its escalation failed)."""
     low: float
     high: float
 

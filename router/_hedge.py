@@ -21,6 +21,11 @@ hedge's): a question far over the gate, one that cannot be re-read, a two-read (
 every question when `OutcomePolicy.uncertain` is not `escalate`, and every question of a hedge
 the budget refused.
 
+Breaker: no hedge starts while the target's breaker is open (`Escalation.breaker`): the hedge is
+`refused` (marked and counted, not logged: the breaker logged its opening) and its questions go
+the sequential way, where the open breaker sends them to `OutcomePolicy.target_fault`. A hedge
+call's failure counts toward opening the breaker as any call's does.
+
 Budget: a hedge takes one grant per question when it starts, all or none (a partial grant is
 given back, and the hedge is `refused`: logged, marked and counted, its questions go the
 sequential way; so is a hedge whose meter raised, as a shared store down: the hedge was optional,
@@ -32,9 +37,10 @@ cancelled, is refunded, as any escalation that did not happen.
 Faults: a hedge call that fails while the re-reads settle its questions is absorbed (their
 answers stand): logged (WARNING, logger `canvasroute.router`), its `escalate` span marked
 `failed` with an error status, counted (`canvasroute.hedges`, `canvasroute.hedge=failed`). A
-question that still needs the call gets its failure as its escalation's (beside an engine fault
-of its re-reads, both named). An engine fault in the re-reads is recorded on their questions as
-without a hedge; such a question waits for the call when its fault escalates. A timeout is
+question that still needs the call gets its failure as its escalation's and takes
+`OutcomePolicy.target_fault` (beside an engine fault of its re-reads: its fallback, or an error
+naming both). An engine fault in the re-reads is recorded on their questions as without a
+hedge; such a question waits for the call when its fault escalates. A timeout is
 `Escalation.timeout`, a failure like any. Cancelling the decision cancels both.
 
 Traces and counts: a hedge's `escalate` span carries `canvasroute.hedge` (`won`, `cancelled`,
@@ -142,6 +148,11 @@ class Hedging:
         """Take the budget for `hedged` and start the call (False: the budget refused it)."""
         meter, n = self.escalation.meter, len(hedged)
         ids = tuple(r.spec.id for r in hedged)
+        breaker = self.escalation.breaker_state
+        if breaker is not None and not breaker.allows():  # (not logged per decision: the breaker logged its opening)
+            self.outcome = "refused"
+            self._end(ids)
+            return False
         try:
             granted = await meter.take(n, self.thread) if meter is not None else n
             if granted < n and granted:

@@ -201,11 +201,13 @@ class SystemOneResponse(BaseModel):
     model: str = Field(description="The served model that answered (also when the request named an alias).")
     answers: dict[str, SystemOneAnswer] = Field(
         description="One answer per asked question; a question that ask_if skipped has none. A question the "
-                    "escalation target refused keeps the canvas's answer, named in diagnostics.refused.")
+                    "escalation target refused keeps the canvas's answer, named in diagnostics.refused; one whose "
+                    "escalation failed keeps it too, the failure named in diagnostics.escalation_errors.")
     usage: dict[str, int]
     diagnostics: dict[str, Any] = Field(description="How the decision was read, in vLLM's gateway's keys "
                                                     "(stages, skipped, chunks, thought, samples, timing, "
-                                                    "prompt_tokens, questions, ...) and canvasroute's (refused, ...).")
+                                                    "prompt_tokens, questions, ...) and canvasroute's (refused, "
+                                                    "escalation_errors, ...).")
     canvasroute: SystemOneExtension
 
 
@@ -219,7 +221,7 @@ _ERRORS = {
            "server does not serve",
     "429": "over the request rate, or the escalation budget is spent",
     "502": "the engine or the escalation model answered garbage or refused",
-    "503": "the engine is unreachable",
+    "503": "the engine is unreachable, or the escalation model's breaker is open",
     "504": "the engine did not answer within the request timeout",
     "529": "the server is at capacity (running and queued), or the engine shed load",
 }

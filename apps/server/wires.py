@@ -43,13 +43,14 @@ model's `{"state", "questions"}`."""
 
 EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "margin", "label_mass", "confidence",
                     "reads", "agreement", "stderr", "crossed", "canvas_probabilities", "labels",
-                    "escalation_model", "escalation_confidence", "refusal", "cause", "error", "gate", "hedged")
+                    "escalation_model", "escalation_confidence", "refusal", "cause", "error", "gate", "hedged",
+                    "escalation_error")
 """A read report's figures in each answer's `canvasroute` object (plain clients ignore it)."""
 
 
 def extension(report: Any) -> dict[str, Any]:
     """An answer's `canvasroute` object: who answered it (path, cause, escalation model, a
-    target's refusal) and the canvas figures."""
+    target's refusal, a failed escalation's error) and the canvas figures."""
     figures = report.model_dump(mode="json")
     return {k: figures[k] for k in EXTENSION_FIELDS}
 
