@@ -9,7 +9,7 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 ├── EngineResponseError           the engine answered something a read cannot be
 ├── EscalationError               the escalation target failed or answered garbage  retryable if it timed out
 │   │                             (`failure`: network | target | format)            or was unreachable
-│   └── BreakerOpen               its circuit breaker is open: the target was not called     retryable
+│   └── BreakerOpen               its breaker is open: the target was not called    retryable
 ├── BudgetExhausted               escalation was needed, the budget is spent, OutcomePolicy says raise
 ├── UnsureAnswer                  the gate stayed unsure and OutcomePolicy(uncertain="raise")
 ├── DecisionError                 ValueError: the questions cannot be asked as given

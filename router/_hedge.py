@@ -96,6 +96,8 @@ class Hedging:
     won: set[str] = field(default_factory=set)
     """Questions the call answered before the re-reads ended."""
     outcome: Outcome | None = None
+    needed: bool = False
+    """A question took the call's answer, or needed it (its failure is then that question's, not absorbed here)."""
 
     async def __aenter__(self) -> Self:
         return self
@@ -186,6 +188,7 @@ class Hedging:
         if not use:
             await cancel(call)
             return None
+        self.needed = True
         await asyncio.wait({call})
         result = call.result()
         return Escalated(result.model, {q: a for q, a in result.answers.items() if q in use},
@@ -211,6 +214,8 @@ class Hedging:
         if failure is not None and exc_type is None:
             if not isinstance(failure, EscalationError):
                 raise failure  # not a target's failure: never absorbed
+            if self.needed:
+                return  # the questions that needed it took its failure (`OutcomePolicy.target_fault`): logged there
             logger.warning("hedge call to %s failed for question(s) %s, whose re-reads settled them (their answers "
                            "stand): %s", target_name(self.escalation.target), ", ".join(self.asked), failure)
 
