@@ -7,11 +7,11 @@ two steps among them), `depends_on`, abstain with each outcome, every `OutcomePo
 graph's store shared by the node, a `route_on` edge after it and a second model with a budget
 of its own), an escalation target that answers, fails (each `OutcomePolicy.target_fault`) or is
 absent, an engine fault at one kind of read (discovery, first read, re-read, in-group read) or
-none, a generated state (an image in it, seldom), request-level `instructions` and questions read `alone` (on the model and on the
-node), `think` (with two-step questions), fixed `samples` (on a causal engine too), and a
-calibrated per-question gate under every override layer (a flag's `with_overrides`, the run's
-`Runtime.context.gate` or the request's `gate=`). It runs twice (the engine healed for the
-second run), and once more from scratch. Invariants, not examples:
+none, a generated state (an image in it, seldom), request-level `instructions` and questions
+read `alone` (on the model and on the node), `think` (with two-step questions), fixed `samples`
+(on a causal engine too), and a calibrated per-question gate under every override layer (a
+flag's `with_overrides`, the run's `Runtime.context.gate` or the request's `gate=`). It runs
+twice (the engine healed for the second run), and once more from scratch. Invariants, not examples:
 
 (a) no fault, no budget refusal and no failed escalation is ever cached or replayed;
 (b) every exception that leaves the library is a `CanvasRouteError` with a hint;
