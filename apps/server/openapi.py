@@ -219,7 +219,7 @@ _ERRORS = {
     "415": "not application/json or multipart/form-data, or an unknown content encoding",
     "422": "a field, question, feature or answer template that cannot be used, over a bound, or a model this "
            "server does not serve",
-    "429": "over the request rate, or the escalation budget is spent",
+    "429": "over the request rate, or the escalation budget (or the cap on engine faults' escalations) is spent",
     "502": "the engine or the escalation model answered garbage or refused",
     "503": "the engine is unreachable, or the escalation model's breaker is open",
     "504": "the engine did not answer within the request timeout",
