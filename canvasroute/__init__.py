@@ -21,6 +21,7 @@ from ._version import __version__
 if TYPE_CHECKING:
     from canvasroute.engine import (
         Batching,
+        BreakerOpen,
         BudgetExhausted,
         CalibrationError,
         CanvasRead,
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
         run_totals,
     )
     from canvasroute.router import (
+        Breaker,
         CanvasDecisionModel,
         CanvasResponse,
         Certificate,
@@ -95,18 +97,17 @@ if TYPE_CHECKING:
 
 _LAYERS = {
     "engine": [
-        "Batching", "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError", "CausalServerEngine",
-        "Connection",
-        "DecisionError", "EmbeddedModelMissing", "Engine", "EngineInfo", "EngineOverloaded", "EngineRequestError",
-        "EngineResponseError", "EngineTimeout", "EngineUnavailable", "EscalationError", "ExtraMissing",
-        "FunctionEngine", "GraphSetupError", "ImagesUnsupported", "InputTooLong", "LabelError", "Limits", "ReadResult",
-        "Retries", "Timeout", "TraceFileError", "TransformersEngine", "UnsupportedQuestion", "UnsureAnswer",
-        "VLLMEngine", "VLLMServerEngine", "embedded_engine",
+        "Batching", "BreakerOpen", "BudgetExhausted", "CalibrationError", "CanvasRead", "CanvasRouteError",
+        "CausalServerEngine", "Connection", "DecisionError", "EmbeddedModelMissing", "Engine", "EngineInfo",
+        "EngineOverloaded", "EngineRequestError", "EngineResponseError", "EngineTimeout", "EngineUnavailable",
+        "EscalationError", "ExtraMissing", "FunctionEngine", "GraphSetupError", "ImagesUnsupported", "InputTooLong",
+        "LabelError", "Limits", "ReadResult", "Retries", "Timeout", "TraceFileError", "TransformersEngine",
+        "UnsupportedQuestion", "UnsureAnswer", "VLLMEngine", "VLLMServerEngine", "embedded_engine",
     ],
     "router": [
-        "CanvasDecisionModel", "CanvasResponse", "Certificate", "Controller", "DecisionCache", "DecisionRequest",
-        "Escalation", "EscalationBudget", "GatePolicy", "Hedge", "JsonlSpanExporter", "OutcomePolicy",
-        "ReadOptions", "ReadReport", "SystemOneDecisionModel", "Tally", "Totals", "add_otlp_exporter",
+        "Breaker", "CanvasDecisionModel", "CanvasResponse", "Certificate", "Controller", "DecisionCache",
+        "DecisionRequest", "Escalation", "EscalationBudget", "GatePolicy", "Hedge", "JsonlSpanExporter",
+        "OutcomePolicy", "ReadOptions", "ReadReport", "SystemOneDecisionModel", "Tally", "Totals", "add_otlp_exporter",
         "answers_to_schema", "load_policy", "questions_from_schema", "save_policy",
     ],
     "harness": [
@@ -118,6 +119,8 @@ _HOME = {name: layer for layer, names in _LAYERS.items() for name in names}
 
 __all__ = [
     "Batching",
+    "Breaker",
+    "BreakerOpen",
     "BudgetExhausted",
     "CalibrationError",
     "CanvasDecisionModel",

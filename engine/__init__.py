@@ -32,6 +32,7 @@ from ._sync import run_sync
 from ._types import THOUGHT_SCAFFOLD, Batching, CanvasRead, Engine, EngineInfo, Message, ReadResult, Thought, check_rows
 from .causal import CausalServerEngine, server_kind
 from .errors import (
+    BreakerOpen,
     BudgetExhausted,
     CalibrationError,
     CanvasRouteError,
@@ -63,6 +64,7 @@ __all__ = [
     "SPECIAL_CANDIDATES",
     "THOUGHT_SCAFFOLD",
     "Batching",
+    "BreakerOpen",
     "BudgetExhausted",
     "CalibrationError",
     "CanvasRead",

@@ -8,7 +8,8 @@ CanvasRouteError                  every error this library raises; `retryable`, 
 ├── EngineRequestError            ValueError: the engine refused the request (4xx)
 ├── EngineResponseError           the engine answered something a read cannot be
 ├── EscalationError               the escalation target failed or answered garbage  retryable if it timed out
-│                                 (`failure`: network | target | format)            or was unreachable
+│   │                             (`failure`: network | target | format)            or was unreachable
+│   └── BreakerOpen               its breaker is open: the target was not called    retryable
 ├── BudgetExhausted               escalation was needed, the budget is spent, OutcomePolicy says raise
 ├── UnsureAnswer                  the gate stayed unsure and OutcomePolicy(uncertain="raise")
 ├── DecisionError                 ValueError: the questions cannot be asked as given
@@ -42,6 +43,7 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = [
+    "BreakerOpen",
     "BudgetExhausted",
     "CalibrationError",
     "CanvasRouteError",
@@ -125,6 +127,14 @@ class EscalationError(CanvasRouteError):
                  hint: str | None = None, retryable: bool | None = None, attempts: int | None = None) -> None:
         super().__init__(message, hint=hint, retryable=retryable, attempts=attempts)
         self.failure = failure
+
+
+class BreakerOpen(EscalationError):
+    """The escalation target's circuit breaker (`Escalation.breaker`) is open: the target failed
+    too often lately, so it was not called. Retryable: after the breaker's cooldown one call probes
+    the target again. `failure` is that of the failure that opened it."""
+
+    retryable = True
 
 
 class BudgetExhausted(CanvasRouteError):

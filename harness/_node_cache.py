@@ -2,8 +2,9 @@
 
 LangGraph stores every finished node's writes in the graph's cache and replays them on a
 hit; a node cannot veto that. A decision an engine fault touched (its fallback, or the
-escalation that stood in for the canvas) or one the escalation budget turned away would
-be replayed after the engine is back or the budget refills, for the whole TTL.
+escalation that stood in for the canvas), one the escalation budget turned away, or one whose
+escalation failed (the canvas answer standing in for the target's: cause `target_fault`) would
+be replayed after the engine or the target is back or the budget refills, for the whole TTL.
 `NodeCache` wraps any LangGraph cache (`InMemoryCache`, `SqliteCache`, `RedisCache`...)
 and does not store the writes of such a decision, so the next run decides again: in this
 process and in every worker sharing the cache.
@@ -93,10 +94,15 @@ def replayed_writes(writes: Any) -> Any:
     return [(w[0], replay(w[1])) if isinstance(w, Sequence) and len(w) == 2 else w for w in writes or ()]
 
 
+_DECIDED_AGAIN = ("over_budget", "target_fault")
+"""Causes a replay must not repeat: the budget or the target may answer next time."""
+
+
 def replayable_writes(writes: Any) -> bool:
     """Whether a node's writes `[(channel, value), ...]` may be replayed: no decision record
     among the values, flat or grouped by fan-out branch (`{question_id: {branch: record}}`),
-    carries an engine fault (`read.error`) or a budget refusal (`read.cause == "over_budget"`)."""
+    carries an engine fault (`read.error`), a budget refusal (`read.cause == "over_budget"`) or a
+    failed escalation's degraded answer (`read.cause == "target_fault"`: not the target's answer)."""
     for write in writes or ():
         value = write[1] if isinstance(write, Sequence) and len(write) == 2 else None
         if isinstance(value, Mapping) and not all(_replayable(v) for v in value.values()):
@@ -108,7 +114,7 @@ def _replayable(value: Any) -> bool:
     """A record, or a branch group of records, that no fault or budget refusal touched."""
     if is_record(value):
         read = value.get("read")
-        return not (isinstance(read, Mapping) and (read.get("error") or read.get("cause") == "over_budget"))
+        return not (isinstance(read, Mapping) and (read.get("error") or read.get("cause") in _DECIDED_AGAIN))
     if isinstance(value, Mapping):  # a fan-out question's records by branch key
         return all(_replayable(v) for v in value.values() if isinstance(v, Mapping))
     return True

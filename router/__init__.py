@@ -9,12 +9,14 @@ _model       CanvasDecisionModel: builds requests (`request`) and runs them (`ar
 _request     DecisionRequest: state as read, questions, read options, gate, outcomes, escalation, identity
 _questions   the one validator (model, client, server), canvas views of questions, dependencies
 _state       how a state is rendered as text, and its images
-_policy      GatePolicy, OutcomePolicy, Escalation, EscalationBudget, Controller, Hedge; gate overrides; policy files
+_policy      GatePolicy, OutcomePolicy, Escalation, EscalationBudget, Controller, Hedge, Breaker; gate overrides;
+             policy files
 _plan        chunks that fit a canvas, one-token labels, prompts, two-read routes, length checks
 _read        samples, per-chunk re-reads, in-group reads, thoughts -> per-question distributions
 _decision    one run: stages, escalation under the budget (_budget), the outcome rules, reports
 _control     the escalation-rate controller: thresholds set at a run's start, outcomes observed at its end
 _hedge       hedged escalation: a borderline question's target call raced against its re-reads
+_breaker     the escalation guards' state: the target's circuit breaker, the cap on what engine faults escalate
 _escalation  the target call: prompt, structured output, reading the reply
 _types       ReadReport, CanvasResponse, Diagnostics, Tally, Totals: the outcome vocabulary (path, cause, replay)
 _schema      questions from a pydantic model or TypedDict, answers back into it (with_structured_output)
@@ -27,6 +29,7 @@ Public modules beside this surface: `canvasroute.router.telemetry` (span and att
 
 from typing import Any
 
+from ._breaker import BreakerState
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
 from ._control import ControllerState, InMemoryControllerState
@@ -35,6 +38,7 @@ from ._model import CanvasDecisionModel
 from ._policy import (
     ACTIONS,
     MAX_SAMPLES,
+    Breaker,
     Certificate,
     Controller,
     ControlSetting,
@@ -97,6 +101,8 @@ __all__ = [
     "PATHS",
     "REPLAYS",
     "Asked",
+    "Breaker",
+    "BreakerState",
     "BudgetMeter",
     "Calibration",
     "CanvasDecisionModel",

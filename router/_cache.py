@@ -6,8 +6,9 @@ uses LangGraph's own cache). The key is the request's (`DecisionRequest.key`: a 
 everything that decides the answer: questions and dependencies, read options, the rendered
 state with its images, the gate, the outcome policy, the noise seed) with the engine's served
 model and whether reads are constrained.
-Two distinct states never share an entry. A response that any engine fault or budget
-refusal touched is never stored: it is decided again on the next call, not replayed.
+Two distinct states never share an entry. A response that any engine fault, budget
+refusal or failed escalation (cause `target_fault`: the canvas answer standing in for the
+target's) touched is never stored: it is decided again on the next call, not replayed.
 The cache keeps its own copy of a response and hands out copies, so a caller editing
 its response changes no later hit; a hit reports no token usage (nothing was spent).
 """

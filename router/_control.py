@@ -37,18 +37,20 @@ that gates on its own threshold, uncertified (`fallback="threshold"`), claims no
 controller moves it either way like any gate.
 
 What counts as escalated: a question the gate did not pass: cause `uncertain` or `abstained`,
-and `over_budget` (the budget refused its escalation, but the gate did not pass it either: the
+`over_budget` (the budget refused its escalation, but the gate did not pass it either: the
 set point is about the gate, the cap about calls, so a spent budget does not wind the controller
-up). What does not count: engine faults (not a gate outcome), skipped questions, cache hits
-(nothing was gated again) and canvas-only reads (shadow mode, eval: no escalation). Every other
-question is one observation, once per decision, whatever its action then did: a decision that
-raised its outcome (`OutcomePolicy(over_budget="raise")` past a spent budget, `uncertain="raise"`,
-an escalation that failed for good) is observed for every question it gated before it raised, as
-the same decision answering would be (else only the answers the gate passed reach the controller,
-and a spent budget tightens it). A decision that failed with a fault that may pass by itself (a
-`retryable` error: a target that timed out, an engine that is down), or with an exception that is
-not canvasroute's (an `interrupt()` inside the target), is not: a retry, or the resume, decides it
-again and is observed then.
+up) and `target_fault` (the target failed or its breaker was open: the gate did not pass it all the
+same, so an outage of the target leaves the rate the controller sees as it was). What does not
+count: engine faults (not a gate outcome), skipped questions, cache hits (nothing was gated again)
+and canvas-only reads (shadow mode, eval: no escalation). Every other question is one observation,
+once per decision, whatever its action then did: a decision that raised its outcome
+(`OutcomePolicy(over_budget="raise")` past a spent budget, `uncertain="raise"`, an escalation that
+failed for good) is observed for every question it gated before it raised, as the same decision
+answering would be (else only the answers the gate passed reach the controller, and a spent budget
+tightens it). A decision that failed with a fault that may pass by itself (a `retryable` error: a
+target that timed out, an engine that is down), or with an exception that is not canvasroute's (an
+`interrupt()` inside the target), is not: a retry, or the resume, decides it again and is observed
+then.
 
 When: the effective thresholds are applied to the request once, at the start of its run
 (`steer`: the state refreshed, then a `replace` of the request's gates, so every stage, the
@@ -86,7 +88,7 @@ class Observation(NamedTuple):
     """One question's outcome in one decision, with the bounds its offset had there."""
 
     escalated: bool
-    """The gate did not pass it (uncertain, abstained, or over budget)."""
+    """The gate did not pass it (uncertain, abstained, over budget, or its escalation failed)."""
     low: float
     high: float
 

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,7 @@ from langchain_core.decisions import ChoiceAnswer, NoulAnswer, ScoreAnswer
 
 from canvasroute.engine import (
     SPECIAL_CANDIDATES,
+    BreakerOpen,
     BudgetExhausted,
     CanvasRouteError,
     DecisionError,
@@ -48,6 +50,7 @@ from ._control import observe, steer
 from ._escalation import Asked, Calls, Escalated, Restated, escalate, target_name
 from ._hedge import Hedging, cancel, joined
 from ._plan import Plan, Planner, Prompt
+from ._policy import Breaker
 from ._questions import QuestionSpec
 from ._read import QuestionRead, Reading, SlotStats, system_one_confidence
 from ._request import DecisionRequest
@@ -70,6 +73,8 @@ class Decision:
     """The model's `DecisionCache` (None: every call reads)."""
     name: str
     """The model's name, for spans when the engine cannot say its own."""
+    notices: set[str] = field(default_factory=set)
+    """The model's warnings given so far (each is given once per model)."""
 
     def absorbs(self, exc: CanvasRouteError) -> bool:
         """Whether an engine fault goes to escalation or a fallback instead of raising.
@@ -143,7 +148,7 @@ class _Run:
     """The mutable part of one decision run: per-stage reads, answers so far, usage."""
 
     __slots__ = ("answers", "canvas_reads", "checked", "decision", "done", "fault", "gated", "info", "last", "log",
-                 "prompt", "refused", "usage")
+                 "prompt", "refused", "target_failed", "usage")
 
     def __init__(self, decision: Decision, info: EngineInfo | None, fault: CanvasRouteError | None) -> None:
         self.decision, self.info, self.fault = decision, info, fault
@@ -153,10 +158,12 @@ class _Run:
         self.done: dict[str, ReadReport] = {}
         self.last: list[tuple[QuestionRead, Escalated | None, dict[str, Any] | None]] = []
         self.refused: set[str] = set()
-        """Questions the budget turned away."""
+        """Questions the budget (or the breaker's cap on engine faults) turned away."""
         self.gated: dict[str, bool] = {}
         """Each question gated so far (an engine fault or a skip is not), by whether the gate did not
         pass it: what an escalation-rate controller observes (kept only when one steers the decision)."""
+        self.target_failed: dict[str, EscalationError] = {}
+        """Questions whose escalation failed, or was not made because the target's breaker is open."""
         self.checked: list[Plan] = []
         """Each stage's plan, all of it asked, as the length check made it (none: not checked)."""
         self.log = DiagnosticsLog(decision.request)
@@ -272,7 +279,8 @@ class _Run:
         try:
             hedged = await answers
         except EscalationError as exc:  # (its budget grants are refunded as the hedge ends)
-            _with_fault(exc, [reads[q] for q in hedge.asked])
+            self._target_failed([reads[q] for q in hedge.asked if hedge.escalates(reads[q])], exc)
+            hedged = None
         return joined(hedged, rest)
 
     async def _escalate_rest(self, reads: Mapping[str, QuestionRead], restated: str,
@@ -286,45 +294,96 @@ class _Run:
                          and _action(request, r) == "escalate"), key=lambda r: r.error is None)
         if not wanted:
             return None
-        meter, thread = escalation.meter, request.identity.thread_id
-        granted = await meter.take(len(wanted), thread) if meter is not None else len(wanted)
+        breaker = escalation.breaker_state
         try:
+            probe = breaker.admit([r.spec.id for r in wanted]) if breaker is not None else False
+        except BreakerOpen as exc:  # the target is not called: nothing is taken from a budget
+            self._target_failed(wanted, exc)
+            return None
+        meter, thread = escalation.meter, request.identity.thread_id
+        faults = sum(r.error is not None for r in wanted)  # (sorted first)
+        capped = granted = 0  # grants of the engine-fault cap and of the budget, given back if nothing escalates
+        called = False
+        try:
+            if faults and breaker is not None:
+                capped = breaker.take_faults([r.spec.id for r in wanted[:faults]])
+                if capped < faults:
+                    refused, wanted = wanted[capped:faults], wanted[:capped] + wanted[faults:]
+                    self._refuse(refused, cap=escalation.breaker)
+            granted = await meter.take(len(wanted), thread) if meter is not None else len(wanted)
             if granted < len(wanted):
+                if breaker is not None and capped > granted:  # engine faults the budget refused: their cap grants back
+                    breaker.refund_faults(capped - granted)
+                    capped = granted
                 self._refuse(wanted[granted:])
             wanted = wanted[:granted]
             if not wanted:
+                if breaker is not None:
+                    breaker.abandoned(probe)
                 return None
-            result = await self._call(wanted, restated)
-        except EscalationError as exc:
-            if meter is not None and granted:
-                await meter.refund(granted, thread)  # nothing was escalated
-            _with_fault(exc, wanted)
+            called = True
+            result = await self._call(wanted, restated, probe=probe)
+        except EscalationError as exc:  # the target failed: nothing was escalated
+            await _give_back(meter, granted, breaker, capped, thread)
+            self._target_failed(wanted, exc)
+            return None
         except BaseException:
-            if meter is not None and granted:
-                await meter.refund(granted, thread)  # nothing was escalated
+            await _give_back(meter, granted, breaker, capped, thread)
+            if breaker is not None and not called:
+                breaker.abandoned(probe)
             raise
         for key in ("input_tokens", "output_tokens"):
             self.usage[key] += result.usage.get(key, 0)
         return result
 
-    def _refuse(self, spent: Sequence[QuestionRead]) -> None:
-        """Mark the questions the budget turned away, or raise as `over_budget` says."""
+    def _refuse(self, spent: Sequence[QuestionRead], cap: Breaker | None = None) -> None:
+        """Mark the questions the budget turned away (`cap`: the breaker's cap on what engine faults
+        escalate), or raise as `over_budget` says."""
         action = self.decision.request.outcomes.over_budget
-        if action == "raise":
-            raise BudgetExhausted(f"escalation budget spent; {len(spent)} question(s) could not escalate",
-                                  hint="raise the budget, or set OutcomePolicy(over_budget='answer' | 'fallback')")
-        for r in spent:
-            if r.error is not None and action == "answer":
-                raise BudgetExhausted(f"engine failed ({r.error}) and the escalation budget is spent",
-                                      hint="an engine fault never becomes a cheap answer: give it "
-                                           "OutcomePolicy(over_budget='fallback') and a fallback option")
+        if cap is None:
+            if action == "raise":
+                raise BudgetExhausted(f"escalation budget spent; {len(spent)} question(s) could not escalate",
+                                      hint="raise the budget, or set OutcomePolicy(over_budget='answer' | 'fallback')")
+            for r in spent:
+                if r.error is not None and action == "answer":
+                    raise BudgetExhausted(f"engine failed ({r.error}) and the escalation budget is spent",
+                                          hint="an engine fault never becomes a cheap answer: give it "
+                                               "OutcomePolicy(over_budget='fallback') and a fallback option")
+        elif action != "fallback":  # every question the cap refused is an engine fault
+            r = spent[0]
+            raise BudgetExhausted(
+                f"the canvas engine failed ({r.error}) and engine faults' escalations are capped at "
+                f"{cap.fault_escalations} per {cap.window_s:g} s in this process (Breaker.fault_escalations): "
+                f"{len(spent)} question(s) were not escalated",
+                hint="an engine fault never becomes a cheap answer: bring the canvas engine back; give the questions "
+                     "a fallback (OutcomePolicy(over_budget='fallback', fallback={...})); or raise the cap "
+                     "(Escalation(breaker=Breaker(fault_escalations=...)))") from r.fault
         self.refused.update(r.spec.id for r in spent)
 
-    async def _call(self, wanted: Sequence[QuestionRead], restated: str, hedge: Calls | None = None) -> Escalated:
+    def _target_failed(self, wanted: Sequence[QuestionRead], exc: EscalationError) -> None:
+        """The target did not answer `wanted` (it failed, or its open breaker kept the call from being
+        made): each takes `OutcomePolicy.target_fault`, or this raises as it says (an engine fault
+        never answers from nothing: its fallback, or the error naming both faults)."""
+        outcomes = self.decision.request.outcomes
+        action = outcomes.target_fault
+        falls_back = action == "fallback"
+        if action == "raise" or any(r.error is not None and not (falls_back and r.spec.id in outcomes.fallback)
+                                    for r in wanted):
+            _with_fault(exc, wanted)
+        self.target_failed.update(dict.fromkeys((r.spec.id for r in wanted), exc))
+
+    async def _call(self, wanted: Sequence[QuestionRead], restated: str, hedge: Calls | None = None, *,
+                    probe: bool | None = None) -> Escalated:
         """One call to the target for `wanted`, asked what the canvas had: the state and its images,
         the instructions, the parents' answers (`restated`, and per question for decision targets);
         `hedge`: a hedge's, beside the re-reads (its span says how it ended), counted there. The
-        target calls it made (a malformed reply's retry among them) count as they go out."""
+        target calls it made (a malformed reply's retry among them) count as they go out. The target's
+        breaker learns how it ended (`probe`: what its `admit` said; None: not asked yet, so asked here).
+
+        Raises:
+            BreakerOpen: the breaker is open: no call was made.
+            EscalationError: the call failed.
+        """
         request = self.decision.request
         escalation = request.escalation
         assert escalation is not None
@@ -336,6 +395,9 @@ class _Run:
                       restated=restated, parents={q: p for q, p in parents.items() if p},
                       instructions=request.read.instructions, images=request.state.images, canvas=canvas)
         name = target_name(escalation.target)
+        breaker = escalation.breaker_state
+        if probe is None:
+            probe = breaker.admit(list(canvas)) if breaker is not None else False
         calls = hedge if hedge is not None else Calls()
         try:
             with tm.escalation_call(escalation.target, name, list(canvas), hedge=hedge is not None,
@@ -347,9 +409,19 @@ class _Run:
                                           failure="network", retryable=True) from exc
                 call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
                 call.output({**result.answers, **dict.fromkeys(result.refused)}, result.response_model)
+        except EscalationError as exc:
+            if breaker is not None:
+                breaker.failed(probe, exc)
+            raise
+        except BaseException:
+            if breaker is not None:
+                breaker.abandoned(probe)
+            raise
         finally:
             self.log.target_calls += calls.sent
             self.log.ran_on += calls.ran_on
+        if breaker is not None:
+            breaker.answered(probe)
         return result
 
     def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,
@@ -389,12 +461,17 @@ class _Run:
         if spec.id in self.refused:
             base["cause"] = "over_budget"
             action = outcomes.over_budget
+        elif (failed := self.target_failed.get(spec.id)) is not None:
+            base.update(cause="target_fault", escalation_error=f"{type(failed).__name__}: {failed}")
+            action = outcomes.target_fault
         elif canvas_only:
             action = "answer"
         else:
             action = _action(request, r)
             if action == "escalate":  # nothing to escalate to, or the target refused it
                 action = "answer"
+                if request.escalation is None:
+                    self._warn_no_target()
         if cause == "engine_fault" and action != "fallback":
             if action == "answer" and spec.id in self.refused:
                 raise BudgetExhausted(f"question {spec.id!r}: the engine failed and the escalation budget is spent",
@@ -421,12 +498,34 @@ class _Run:
         return _report(base, max(probs, key=probs.__getitem__), probs, "unsure")  # answer and review
 
 
+    def _warn_no_target(self) -> None:
+        """Once per model: questions the gate does not pass answer from the canvas, for want of a target."""
+        decision = self.decision
+        if "no_target" in decision.notices:
+            return
+        decision.notices.add("no_target")
+        model = self.info.model if self.info is not None else decision.name
+        warnings.warn(f"model {model!r} has no escalation target and OutcomePolicy(uncertain='escalate'): the "
+                      "questions its gate does not pass answer from the canvas (path 'unsure', confident=False). Give "
+                      "it escalate_to=..., or say what you mean: OutcomePolicy(uncertain='answer') answers from the "
+                      "canvas on purpose ('fallback', 'review' and 'raise' are the others). This warning is given once "
+                      "per model.", UserWarning, stacklevel=2)
+
+
+async def _give_back(meter: Any, granted: int, breaker: Any, capped: int, thread: str | None) -> None:
+    """Refund an escalation that did not happen: the budget's grants and the engine-fault cap's."""
+    if breaker is not None and capped:
+        breaker.refund_faults(capped)
+    if meter is not None and granted:
+        await meter.refund(granted, thread)
+
+
 def _with_fault(exc: EscalationError, wanted: Sequence[QuestionRead]) -> NoReturn:
     """Raise an escalation's failure; after an engine fault of one of its questions, naming both."""
     fault = next((r.fault for r in wanted if r.fault is not None), None)
     if fault is None:
         raise exc
-    raise EscalationError(
+    raise type(exc)(
         f"{exc.message}, after the canvas engine failed: {type(fault).__name__}: {fault.message}",
         failure=exc.failure, attempts=max(exc.attempts, fault.attempts), retryable=exc.retryable or fault.retryable,
         hint=f"the canvas engine: {fault.hint or 'check it'}; the escalation: {exc.hint or 'check it'}",
@@ -485,9 +584,10 @@ def _skipped(spec: QuestionSpec, asked_if: dict[str, Any] | None) -> ReadReport:
 
 
 def replayable(response: CanvasResponse) -> bool:
-    """Whether a response may be stored: no engine fault and no budget refusal touched it
-    (both are decided again next time, never replayed)."""
-    return not any(r.error or r.cause == "over_budget" for r in response.reads.values())
+    """Whether a response may be stored: no engine fault, no budget refusal and no failed escalation
+    (`target_fault`: a degraded answer, not the target's) touched it; each is decided again next
+    time, never replayed."""
+    return not any(r.error or r.cause in ("over_budget", "target_fault") for r in response.reads.values())
 
 
 def _replay(response: CanvasResponse, span_name: str, attrs: dict[str, Any], latency_s: float,
@@ -504,18 +604,29 @@ def _replay(response: CanvasResponse, span_name: str, attrs: dict[str, Any], lat
 
 
 def _note_faults(span: Any, reports: Sequence[ReadReport], request: DecisionRequest) -> None:
-    """No silent fault: each engine fault a decision absorbed is logged (WARNING), marked on
-    its `decide` span and counted, with what answered instead."""
+    """No silent fault: each engine fault and each target fault a decision absorbed is logged
+    (WARNING), marked on its `decide` span and counted, with what answered instead. (A question the
+    target's open breaker kept from it is marked and counted, not logged: the breaker logged its
+    opening once.)"""
     faults: dict[str, list[ReadReport]] = {}
+    failed: dict[str, list[ReadReport]] = {}
     for r in reports:
         if r.error is not None:
             faults.setdefault(r.error, []).append(r)
+        if r.escalation_error is not None:
+            failed.setdefault(r.escalation_error, []).append(r)
+    target = target_name(request.escalation.target) if request.escalation is not None else None
     for error, hit in faults.items():
         paths = sorted({r.path for r in hit})
-        target = target_name(request.escalation.target) if request.escalation is not None else None
         instead = ", ".join("escalated to " + str(target) if p == "escalated" else p for p in paths)
         logger.warning("engine fault absorbed for question(s) %s (%s): %s",
                        ", ".join(r.question_id for r in hit), instead, error)
+        tm.record_fault(span, error, [r.question_id for r in hit], paths)
+    for error, hit in failed.items():
+        paths = sorted({r.path for r in hit})
+        if not error.startswith(BreakerOpen.__name__ + ":"):
+            logger.warning("escalation to %s failed for question(s) %s (answered %s instead): %s", target,
+                           ", ".join(r.question_id for r in hit), ", ".join(paths), error)
         tm.record_fault(span, error, [r.question_id for r in hit], paths)
 
 

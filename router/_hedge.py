@@ -21,6 +21,11 @@ hedge's): a question far over the gate, one that cannot be re-read, a two-read (
 every question when `OutcomePolicy.uncertain` is not `escalate`, and every question of a hedge
 the budget refused.
 
+Breaker: no hedge starts while the target's breaker is open (`Escalation.breaker`): the hedge is
+`refused` (marked and counted, not logged: the breaker logged its opening) and its questions go
+the sequential way, where the open breaker sends them to `OutcomePolicy.target_fault`. A hedge
+call's failure counts toward opening the breaker as any call's does.
+
 Budget: a hedge takes one grant per question when it starts, all or none (a partial grant is
 given back, and the hedge is `refused`: logged, marked and counted, its questions go the
 sequential way; so is a hedge whose meter raised, as a shared store down: the hedge was optional,
@@ -43,9 +48,10 @@ questions go the sequential way), so a burst of cancelled hedges cannot pile up 
 Faults: a hedge call that fails while the re-reads settle its questions is absorbed (their
 answers stand): logged (WARNING, logger `canvasroute.router`), its `escalate` span marked
 `failed` with an error status, counted (`canvasroute.hedges`, `canvasroute.hedge=failed`). A
-question that still needs the call gets its failure as its escalation's (beside an engine fault
-of its re-reads, both named). An engine fault in the re-reads is recorded on their questions as
-without a hedge; such a question waits for the call when its fault escalates. A timeout is
+question that still needs the call gets its failure as its escalation's and takes
+`OutcomePolicy.target_fault` (beside an engine fault of its re-reads: its fallback, or an error
+naming both). An engine fault in the re-reads is recorded on their questions as without a
+hedge; such a question waits for the call when its fault escalates. A timeout is
 `Escalation.timeout`, a failure like any. Cancelling the decision cancels both.
 
 Traces and counts: a hedge's `escalate` span carries `canvasroute.hedge` (`won`, `cancelled`,
@@ -109,6 +115,8 @@ class Hedging:
     won: set[str] = field(default_factory=set)
     """Questions the call answered before the re-reads ended."""
     outcome: Outcome | None = None
+    needed: bool = False
+    """A question took the call's answer, or needed it (its failure is then that question's, not absorbed here)."""
 
     async def __aenter__(self) -> Self:
         return self
@@ -162,6 +170,11 @@ class Hedging:
         meter, n = self.escalation.meter, len(hedged)
         ids = tuple(r.spec.id for r in hedged)
         threads = SYNC_HEDGES if runs_in_thread(self.escalation.target) else None
+        breaker = self.escalation.breaker_state
+        if breaker is not None and not breaker.allows():  # (not logged per decision: the breaker logged its opening)
+            self.outcome = "refused"
+            self._end(ids)
+            return False
         if threads is not None and threads.busy():
             granted, why = 0, (f"its target is sync and all {threads.size} threads for sync hedge calls are taken "
                                "(calls that cannot be cancelled, still running)")
@@ -199,6 +212,7 @@ class Hedging:
         if not use:
             await cancel(call)
             return None
+        self.needed = True
         await asyncio.wait({call})
         result = call.result()
         return Escalated(result.model, {q: a for q, a in result.answers.items() if q in use},
@@ -224,6 +238,8 @@ class Hedging:
         if failure is not None and exc_type is None:
             if not isinstance(failure, EscalationError):
                 raise failure  # not a target's failure: never absorbed
+            if self.needed:
+                return  # the questions that needed it took its failure (`OutcomePolicy.target_fault`): logged there
             logger.warning("hedge call to %s failed for question(s) %s, whose re-reads settled them (their answers "
                            "stand): %s", target_name(self.escalation.target), ", ".join(self.asked), failure)
 

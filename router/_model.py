@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 from canvasroute.engine import CanvasRouteError, DecisionError, Engine, run_sync
 
+from ._breaker import BreakerState
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
 from ._compat import DECIDE, gate_layer, legacy_request, model_keywords
@@ -84,7 +85,9 @@ class CanvasDecisionModel(BaseDecisionModel):
     """The gate: thresholds, reads, per-question overrides."""
     escalate_to: Any = None
     """Where questions the gate does not pass go: a target (`BaseChatModel`, `Runnable`,
-    `BaseDecisionModel`) or an `Escalation` (target, output, prompt, timeout, budget, meter)."""
+    `BaseDecisionModel`) or an `Escalation` (target, output, prompt, timeout, budget, meter,
+    breaker). None: nowhere; with `OutcomePolicy(uncertain='escalate')` (the default) such
+    questions answer from the canvas (path `unsure`), and the model warns once that they do."""
     outcomes: OutcomePolicy = Field(default_factory=OutcomePolicy)
     """What happens when the gate is not passed, by cause (uncertain, abstained, engine fault,
     over budget), and the fallback options."""
@@ -124,6 +127,9 @@ class CanvasDecisionModel(BaseDecisionModel):
         if value.controller_state is not None and not isinstance(value.controller_state, ControllerState):
             raise ValueError("Escalation.controller_state must implement router.ControllerState, not "
                              f"{type(value.controller_state).__name__}")
+        if value.breaker_state is not None and not isinstance(value.breaker_state, BreakerState):
+            raise ValueError(f"Escalation.breaker_state must be a router.BreakerState, not "
+                             f"{type(value.breaker_state).__name__}")
         return value
 
     def model_post_init(self, context: Any) -> None:
@@ -140,6 +146,9 @@ class CanvasDecisionModel(BaseDecisionModel):
             escalation = replace(escalation, meter=InMemoryBudgetMeter(escalation.budget))
         if escalation is not None and escalation.controller is not None and escalation.controller_state is None:
             escalation = replace(escalation, controller_state=InMemoryControllerState(escalation.controller))
+        if escalation is not None and escalation.breaker is not None and escalation.breaker_state is None:
+            escalation = replace(escalation, breaker_state=BreakerState(escalation.breaker,
+                                                                        target_name(escalation.target)))
         defaults = Defaults(read=self.read, policy=self.policy, outcomes=self.outcomes, escalation=escalation)
         self._kept = _Memo(Planner(self.engine), defaults, own_meter, own_state)
 
@@ -188,6 +197,15 @@ class CanvasDecisionModel(BaseDecisionModel):
         escalation = self._memo.defaults.escalation
         meter = escalation.meter if escalation is not None else None
         return meter.snapshot() if meter is not None else {}
+
+    @property
+    def breaker_counters(self) -> dict[str, Any]:
+        """The escalation breaker's state (`closed`, `open`, `half_open`), its changes of state, short
+        circuits and failed calls, and the engine-fault cap's counts (`BreakerState.snapshot`; empty
+        without a breaker)."""
+        escalation = self._memo.defaults.escalation
+        state = escalation.breaker_state if escalation is not None else None
+        return state.snapshot() if state is not None else {}
 
     @property
     def budget_scope(self) -> str | None:
@@ -276,7 +294,8 @@ class CanvasDecisionModel(BaseDecisionModel):
         caller and the run."""
         if not isinstance(request, DecisionRequest):
             raise TypeError(f"arun takes a DecisionRequest (from model.request(...)), not {type(request).__name__}")
-        return Decision(request, self.engine, self._memo.planner, self.cache, self.model).run()
+        memo = self._memo
+        return Decision(request, self.engine, memo.planner, self.cache, self.model, memo.notices).run()
 
     def run(self, request: DecisionRequest) -> CanvasResponse:
         """Sync `arun`."""
@@ -431,6 +450,8 @@ class _Memo:
     """The model's `canvas_only()` copy, once made."""
     scopes: dict[tuple[str, str, str], str] = field(default_factory=dict)
     """`budget_scope` and `controller_scope` by kind, model name and target name, once worked out."""
+    notices: set[str] = field(default_factory=set)
+    """The warnings the model's decisions have given (each once per model)."""
 
 
 __all__ = ["REQUEST_KEYS", "CanvasDecisionModel", "QuestionSpec"]

@@ -5,12 +5,14 @@ Three frozen values, one concern each:
 - `GatePolicy`: the thresholds a read must pass and how it is read (temperature, samples,
   re-reads, the abstain label, order views), with overrides per question;
 - `OutcomePolicy`: what happens when the gate is not passed, one action per cause
-  (`uncertain`, `abstained`, `engine_fault`, `over_budget`) from one vocabulary,
+  (`uncertain`, `abstained`, `engine_fault`, `over_budget`, `target_fault`) from one vocabulary,
   `ACTIONS`: `escalate`, `answer`, `fallback`, `raise`, `review`;
 - `Escalation`: where an escalated question goes (target, output mode, prompt, timeout),
   what it may spend (`EscalationBudget` and the meter that counts it), the escalation rate it
-  holds (`Controller` and the state that keeps its offsets) and whether a borderline
-  question's target call starts beside its re-reads (`Hedge`).
+  holds (`Controller` and the state that keeps its offsets), whether a borderline
+  question's target call starts beside its re-reads (`Hedge`), and the circuit breaker that
+  keeps a dead target from being called on every decision and an engine outage from flooding it
+  (`Breaker` and its state, `canvasroute.router._breaker`).
 
 A decision's gate is resolved once per question, in one order (`resolve_gate`): the model's
 policy (in code or a policy file, per-question fits included), then each override layer in
@@ -33,7 +35,7 @@ from typing import Any, Literal, Protocol, get_args
 from canvasroute.engine import CalibrationError, DecisionError
 from canvasroute.engine._compat import keep_removed, warn_moved, with_kept
 
-__all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Certificate", "ControlSetting", "Controller", "Escalation",
+__all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Breaker", "Certificate", "ControlSetting", "Controller", "Escalation",
            "EscalationBudget", "EscalationOutput", "GatePolicy", "Hedge", "OutcomePolicy", "check_fallbacks",
            "load_policy", "policy_from_dict", "policy_to_dict", "resolve_gate", "save_policy"]
 
@@ -416,25 +418,35 @@ class OutcomePolicy:
 
     uncertain: Action = "escalate"
     """A read that crossed a threshold after its re-reads. `escalate` with no escalation target
-    answers from the canvas instead (path `unsure`)."""
+    answers from the canvas instead (path `unsure`; the model warns once that it does)."""
 
     abstained: Literal["escalate", "fallback", "answer"] = "escalate"
     """The abstain label won (`GatePolicy.abstain`), however narrowly; `answer` takes the best
     real option. `escalate` needs an escalation target."""
 
     engine_fault: Literal["escalate", "fallback", "raise"] = "escalate"
-    """The engine failed for this question: never a cheap answer. `escalate` with no target raises."""
+    """The engine failed for this question: never a cheap answer. `escalate` with no target raises;
+    past the breaker's cap on what engine faults may escalate (`Breaker.fault_escalations`) the
+    question is over budget (`over_budget`: its fallback, or `BudgetExhausted`)."""
 
     over_budget: Literal["answer", "fallback", "raise"] = "answer"
     """Escalation was wanted but the budget is spent (an engine fault over budget never answers
     from nothing: it takes its fallback, or raises)."""
+
+    target_fault: Literal["answer", "fallback", "raise"] = "answer"
+    """Escalation was wanted but the target failed (`EscalationError`: unreachable, timed out,
+    answering errors or garbage), or its breaker is open so it was not called (`BreakerOpen`):
+    `answer` from the canvas (path `unsure`, the target's fault named in `escalation_error`),
+    `fallback`, or `raise` the target's error. An engine fault whose escalation failed never
+    answers from nothing: it takes its fallback (`fallback`), or raises naming both faults."""
 
     fallback: Mapping[str, str] = field(default_factory=dict)
     """The fallback option per question id (for every `fallback` action)."""
 
     def __post_init__(self) -> None:
         allowed = {"uncertain": ACTIONS, "abstained": ("escalate", "fallback", "answer"),
-                   "engine_fault": ("escalate", "fallback", "raise"), "over_budget": ("answer", "fallback", "raise")}
+                   "engine_fault": ("escalate", "fallback", "raise"), "over_budget": ("answer", "fallback", "raise"),
+                   "target_fault": ("answer", "fallback", "raise")}
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"OutcomePolicy.{name} must be one of {', '.join(choices)}, "
@@ -448,7 +460,7 @@ class OutcomePolicy:
                              "fallback={question id: option}")
 
     def __hash__(self) -> int:
-        return hash((self.uncertain, self.abstained, self.engine_fault, self.over_budget,
+        return hash((self.uncertain, self.abstained, self.engine_fault, self.over_budget, self.target_fault,
                      tuple(sorted(self.fallback.items()))))
 
 
@@ -609,6 +621,56 @@ def _excess(gate: GatePolicy, stats: Figures, threshold: str) -> float:
     return math.inf
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Breaker:
+    """A circuit breaker on the escalation target: a dead target is not called on every decision,
+    and an engine outage cannot send it every decision either.
+
+    The target: `failures` failed calls in a row (network or target failures; each within
+    `window_s` of the last, a call that answers resets the count) open the breaker. While it is
+    open no decision calls the target: each question that wanted it takes `OutcomePolicy.target_fault`
+    at once (by default the canvas answer, path `unsure`, `BreakerOpen` named). After `cooldown_s`
+    it is half open: one decision's call probes the target (the others still do not call it);
+    an answer closes the breaker, a failure opens it for another `cooldown_s`.
+
+    The engine: engine faults may escalate at most `fault_escalations` questions per `window_s`;
+    past that cap an engine fault is over budget (`OutcomePolicy.over_budget`: its fallback, or
+    `BudgetExhausted`), never a cheap answer. Both are counted in this process, per model
+    (`canvasroute.router._breaker` says why). Every change of state is logged (WARNING), marked on
+    the decide span (`canvasroute.guard`) and counted (`canvasroute.guards`), and so is every
+    decision a guard kept from the target.
+
+    Example:
+        ```python
+        Escalation(ChatOpenAI(model="gemma-3-27b"), breaker=Breaker(failures=3, cooldown_s=10))
+        Escalation(target, breaker=Breaker(fault_escalations=None))   # engine faults escalate uncapped
+        ```
+    """
+
+    failures: int = 5
+    """Failed target calls in a row that open the breaker (within `window_s` of each other)."""
+    window_s: float = 30.0
+    """Seconds over which failures add up, and the engine-fault cap's rolling window."""
+    cooldown_s: float = 30.0
+    """Seconds an open breaker keeps decisions off the target before one call probes it."""
+    fault_escalations: int | None = 30
+    """Questions engine faults may escalate per `window_s` (None: no cap). Default: 30 per 30 s, one
+    a second: a restart of the engine rides through; an outage adds at most that to the target's load."""
+
+    def __post_init__(self) -> None:
+        for name in ("failures", "fault_escalations"):
+            value = getattr(self, name)
+            if value is None and name == "fault_escalations":
+                continue
+            least = 1 if name == "failures" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Breaker.{name} must be an integer >= {least}, got {value!r}")
+        for name in ("window_s", "cooldown_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
+                raise ValueError(f"Breaker.{name} must be a positive number of seconds, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Escalation:
     """Where the questions the gate did not pass go, and what they may spend.
@@ -649,6 +711,12 @@ class Escalation:
     decision node with a graph store keeps them in the store, shared by every worker)."""
     hedge: Hedge | None = None
     """Start the target beside a borderline question's re-reads (`Hedge`; None: re-reads first)."""
+    breaker: Breaker | None = field(default_factory=Breaker)
+    """The circuit breaker on the target and the cap on what engine faults escalate (`Breaker`,
+    on by default; None: the target is called for every escalation, engine faults uncapped)."""
+    breaker_state: Any = field(default=None, compare=False)
+    """The `BreakerState` keeping the breaker's counts (None: one per model, in this process; not
+    compared: two escalations set up alike are equal whatever their breakers have seen)."""
 
     def __post_init__(self) -> None:
         if self.output not in get_args(EscalationOutput):
@@ -665,14 +733,19 @@ class Escalation:
             raise ValueError("Escalation.controller_state needs controller= (the rate it holds)")
         if self.hedge is not None and not isinstance(self.hedge, Hedge):
             raise TypeError(f"Escalation.hedge must be a Hedge, not {type(self.hedge).__name__}")
+        if self.breaker is not None and not isinstance(self.breaker, Breaker):
+            raise TypeError(f"Escalation.breaker must be a Breaker, not {type(self.breaker).__name__}")
+        if self.breaker_state is not None and self.breaker is None:
+            raise ValueError("Escalation.breaker_state needs breaker= (the breaker it counts for)")
 
 
 def check_fallbacks(options: Mapping[str, tuple[str, ...]], gates: Mapping[str, GatePolicy],
                     outcomes: OutcomePolicy, has_target: bool) -> None:
     """Before anything is read: every fallback names an option, every question an uncertain or
-    abstained read sends to its fallback has one, and every abstaining question has somewhere to
-    go. (An engine fault or a spent budget with no fallback option for its question raises when
-    it happens: an engine fault never becomes a cheap answer.)
+    abstained read, or a failed escalation (`target_fault='fallback'`), sends to its fallback has
+    one, and every abstaining question has somewhere to go. (An engine fault or a spent budget
+    with no fallback option for its question raises when it happens: an engine fault never becomes
+    a cheap answer.)
 
     Raises:
         DecisionError: naming the question and what it lacks.
@@ -682,6 +755,9 @@ def check_fallbacks(options: Mapping[str, tuple[str, ...]], gates: Mapping[str, 
             raise DecisionError(f"fallback {option!r} is not an option of {qid!r}",
                                 hint=f"one of {list(options[qid])[:8]}")
     wants = ["uncertain"] if outcomes.uncertain == "fallback" else []
+    if has_target and outcomes.target_fault == "fallback" and "escalate" in (
+            outcomes.uncertain, outcomes.abstained, outcomes.engine_fault):
+        wants.append("target_fault")  # any question may escalate, and its escalation may fail
     if not (wants or (outcomes.abstained != "answer" and any(g.abstain for g in gates.values()))
             or outcomes.fallback):
         return

@@ -22,15 +22,18 @@ Path = Literal["canvas", "reread", "escalated", "fallback", "unsure", "human", "
 """Who answered. `canvas` and `reread`: the gate passed the canvas answer (at the first read,
 or on the mean of its re-reads). `escalated`: the escalation target answered. `fallback`: the
 question's declared fallback option. `unsure`: the canvas answer stands though the gate did
-not pass it (`OutcomePolicy` said `answer` or `review`, or there was nothing to escalate to).
+not pass it (`OutcomePolicy` said `answer` or `review`, there was nothing to escalate to, or
+the escalation failed: cause `target_fault`).
 `human`: a reviewer chose (graph records only). `skipped`: a dependent question whose
 condition did not hold; it has no answer."""
 
-Cause = Literal["uncertain", "abstained", "engine_fault", "over_budget"]
+Cause = Literal["uncertain", "abstained", "engine_fault", "over_budget", "target_fault"]
 """Why the gate did not pass the canvas answer (`OutcomePolicy` has one action per cause):
 `uncertain` (a threshold was crossed after the re-reads), `abstained` (the abstain label won),
 `engine_fault` (the engine failed for it), `over_budget` (escalation was wanted, the budget
-was spent)."""
+was spent, or engine faults' escalations were capped: `Breaker.fault_escalations`),
+`target_fault` (escalation was wanted, the target failed or its breaker was open:
+`ReadReport.escalation_error` says which)."""
 
 PATHS: tuple[str, ...] = get_args(Path)
 CAUSES: tuple[str, ...] = get_args(Cause)
@@ -143,6 +146,10 @@ class ReadReport(BaseModel):
     if nothing could answer it (its cause's action, `escalate` meaning `answer`)."""
     error: str | None = None
     """The engine fault that sent this question down the escalated/fallback path."""
+    escalation_error: str | None = None
+    """The escalation's failure when the target did not answer a question that wanted it (cause
+    `target_fault`): `EscalationError: ...` (it failed), or `BreakerOpen: ...` (its breaker was
+    open, so it was not called)."""
     asked_if: dict[str, Any] | None = None
     """A dependent question's condition: `{question, answers, parent_answer}` (the parent's
     final answer; None when the parent was itself skipped)."""

@@ -52,9 +52,10 @@ class Target:
 
 
 def model(target: Target, over_budget: str, **budget) -> CanvasDecisionModel:
+    """A failed escalation raises (`target_fault="raise"`): what these tests count is what it spent."""
     return CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0),
                                escalate_to=Escalation(target.runnable, budget=EscalationBudget(**budget)),
-                               outcomes=OutcomePolicy(over_budget=over_budget,
+                               outcomes=OutcomePolicy(over_budget=over_budget, target_fault="raise",
                                                       fallback={"team": "billing", "urgent": "no"}))
 
 

@@ -514,11 +514,13 @@ async def test_a_decision_that_raises_its_outcome_is_observed_as_one_that_answer
 
 
 async def test_a_retryable_failure_is_not_observed_its_retry_is():
-    """A fault that may pass by itself (the target timed out) decided nothing: a retry decides it again
-    and is observed then (once), as `Totals` counts a failed attempt as nothing."""
+    """A fault that may pass by itself (the target timed out, and the model raises it rather than answer
+    degraded) decided nothing: a retry decides it again and is observed then (once), as `Totals` counts
+    a failed attempt as nothing."""
     slow = ScriptedTarget(script={"urgent": "yes"}, faults=[TimeoutError()])
     flaky = CanvasDecisionModel(engine=h_engine(), policy=GatePolicy(max_normalized_entropy=0.3, rereads=0),
-                                escalate_to=Escalation(slow, controller=Controller(target=TARGET)))
+                                escalate_to=Escalation(slow, controller=Controller(target=TARGET)),
+                                outcomes=OutcomePolicy(target_fault="raise"))
     with pytest.raises(EscalationError) as info:
         await flaky.adecide("h=0.9 flaky", {"urgent": URGENT})
     assert info.value.retryable and decisions(flaky) == 0

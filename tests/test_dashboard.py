@@ -516,7 +516,8 @@ def test_older_trace_outcomes_map_onto_paths_and_causes():
     figures = decision_figures(span)
     assert {q: (f["path"], f.get("cause")) for q, f in figures.items()} == {q: want for q, (_, want) in cases.items()}
     assert not any("over_budget" in f for f in figures.values())
-    assert build_report([span]).tally.causes == {"uncertain": 1, "abstained": 3, "engine_fault": 2, "over_budget": 2}
+    assert build_report([span]).tally.causes == {"uncertain": 1, "abstained": 3, "engine_fault": 2, "over_budget": 2,
+                                                 "target_fault": 0}
 
 
 def test_the_runs_panel_counts_cache_hits_apart_as_the_totals_do(tmp_path):

@@ -47,9 +47,11 @@ def uncertain_engine() -> FunctionEngine:
 
 
 def canvas_model(target: Any, **escalation: Any) -> CanvasDecisionModel:
-    """A model that escalates every question to `target` (`escalation`: `Escalation`'s other fields)."""
+    """A model that escalates every question to `target` (`escalation`: `Escalation`'s other fields);
+    a failed escalation raises (`target_fault="raise"`), so these tests read the target's error itself."""
     return CanvasDecisionModel(engine=uncertain_engine(), policy=GatePolicy(rereads=0),
-                               escalate_to=Escalation(target, **escalation))
+                               escalate_to=Escalation(target, **escalation),
+                               outcomes=OutcomePolicy(target_fault="raise"))
 
 
 class Prompts(BaseCallbackHandler):

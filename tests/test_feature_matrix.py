@@ -5,15 +5,15 @@ two steps among them), `depends_on`, abstain with each outcome, every `OutcomePo
 `order_views`, the model's `DecisionCache`, the graph's `NodeCache`, a `Send` fan-out with
 `branch=` beside it, shadow mode, human review, escalation budgets (in memory, or in the
 graph's store shared by the node, a `route_on` edge after it and a second model with a budget
-of its own), an escalation target that answers, fails or is absent, an engine fault at one kind
-of read (discovery, first read, re-read, in-group read) or none, a generated state (an image in
-it, seldom), request-level `instructions` and questions read `alone` (on the model and on the
-node), `think` (with two-step questions), fixed `samples` (on a causal engine too), and a
-calibrated per-question gate under every override layer (a flag's `with_overrides`, the run's
-`Runtime.context.gate` or the request's `gate=`). It runs twice (the engine healed for the
-second run), and once more from scratch. Invariants, not examples:
+of its own), an escalation target that answers, fails (each `OutcomePolicy.target_fault`) or is
+absent, an engine fault at one kind of read (discovery, first read, re-read, in-group read) or
+none, a generated state (an image in it, seldom), request-level `instructions` and questions
+read `alone` (on the model and on the node), `think` (with two-step questions), fixed `samples`
+(on a causal engine too), and a calibrated per-question gate under every override layer (a
+flag's `with_overrides`, the run's `Runtime.context.gate` or the request's `gate=`). It runs
+twice (the engine healed for the second run), and once more from scratch. Invariants, not examples:
 
-(a) no fault and no budget refusal is ever cached or replayed;
+(a) no fault, no budget refusal and no failed escalation is ever cached or replayed;
 (b) every exception that leaves the library is a `CanvasRouteError` with a hint;
 (c) every asked question has exactly one record, its path and cause from the documented sets,
     and they say what happened;
@@ -341,6 +341,7 @@ def setups(draw: st.DrawFn) -> dict[str, Any]:
         "fallback": draw(st.sampled_from([True, True, True, False])),
         "abstain": abstain, "abstained": draw(st.sampled_from(["escalate", "fallback", "answer"])),
         "uncertain": uncertain, "over_budget": draw(st.sampled_from(["answer", "fallback", "raise"])),
+        "target_fault": draw(st.sampled_from(["answer", "answer", "fallback", "raise"])),
         "order_views": draw(st.integers(0, 2)), "rereads": draw(st.integers(0, 2)),
         "samples": draw(st.sampled_from([1, 1, 1, 2])), "causal": draw(st.sampled_from([False, False, True])),
         "think": think, "isolate": draw(st.sampled_from(["auto", "auto", "none", "all"])),
@@ -428,7 +429,8 @@ def build(s: dict[str, Any]) -> Built:
         engine_fault=s["engine_fault"] if fallback or s["engine_fault"] != "fallback" else "escalate",
         uncertain=s["uncertain"] if fallback or s["uncertain"] != "fallback" else "answer",
         abstained=s["abstained"] if fallback or s["abstained"] != "fallback" else "answer",
-        over_budget=s["over_budget"] if fallback or s["over_budget"] != "fallback" else "answer", fallback=fallback)
+        over_budget=s["over_budget"] if fallback or s["over_budget"] != "fallback" else "answer",
+        target_fault=s["target_fault"] if fallback or s["target_fault"] != "fallback" else "answer", fallback=fallback)
     settings = {"policy": gate_of(s), "outcomes": outcomes,
                 "escalate_to": Escalation(target.runnable, budget=budget) if target else None}
     with spelled(s):
@@ -514,6 +516,8 @@ def in_0_1(settings: dict[str, Any], target: Any, budget: EscalationBudget | Non
             rest["over_budget"] = outcomes.over_budget
     elif outcomes.over_budget != "answer":
         rest["over_budget"] = outcomes.over_budget
+    if outcomes.target_fault != "answer":  # 0.1 had no word for it
+        rest["target_fault"] = outcomes.target_fault
     if "fallback" in rest.values():  # an outcome 0.1 could not say that needs the options: 0.2's, together
         return {**old, "outcomes": OutcomePolicy(**rest, fallback=outcomes.fallback)}
     return {**old, "fallback": dict(outcomes.fallback), "outcomes": OutcomePolicy(**rest)}
@@ -692,7 +696,11 @@ def check_records(b: Built, r: Run) -> None:
             continue
         assert rec["answer"] in b.options[qid]
         if read["error"] is not None:  # a fault is never a cheap answer
-            assert cause in ("engine_fault", "over_budget") and path in ("escalated", "fallback"), (path, read)
+            assert cause in ("engine_fault", "over_budget", "target_fault") and path in ("escalated", "fallback"), (
+                path, read)
+        if cause == "target_fault":  # the escalation failed: the target's fault is named
+            assert read["escalation_error"] and b.target is not None and b.target.fails, read
+        assert (read["escalation_error"] is not None) == (cause == "target_fault"), read
         if cause == "abstained":
             assert s["abstain"] and read["canvas_probabilities"] is not None
             assert max(read["canvas_probabilities"], key=read["canvas_probabilities"].get) == ABSTAIN
@@ -702,10 +710,10 @@ def check_records(b: Built, r: Run) -> None:
             given = Target.given(b.options[qid])  # (k): the target's distribution, option by option
             assert read["probabilities"] == pytest.approx({o: given.get(o, 0.0) for o in b.options[qid]}), qid
         elif path == "unsure":
-            assert read["crossed"] or cause == "abstained" or cause == "over_budget", read
+            assert read["crossed"] or cause in ("abstained", "over_budget", "target_fault"), read
         elif path == "fallback":
             assert human or rec["answer"] == b.options[qid][0]
-            assert cause == "engine_fault" or cause == "over_budget" or outcomes.fallback, cause
+            assert cause in ("engine_fault", "over_budget", "target_fault") or outcomes.fallback, cause
         elif path in ("canvas", "reread"):
             assert not read["crossed"]
             routed = s["kinds"][s["qids"].index(qid)] == "many" and read["reads"] >= 2
@@ -758,11 +766,15 @@ def _decisions(r: Run) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+DECIDED_AGAIN = ("over_budget", "target_fault")
+"""Causes no cache may replay: a spent budget, a failed escalation (the canvas's answer standing in)."""
+
+
 def check_cache(b: Built, first: Run, second: Run) -> None:
     """(a) and (f): nothing faulted or refused is stored or replayed; a hit spends nothing."""
     decisions = _decisions(first)
     bad = [recs for recs in decisions.values() if any(
-        rec["read"].get("error") or rec["read"].get("cause") == "over_budget" for rec in recs)]
+        rec["read"].get("error") or rec["read"].get("cause") in DECIDED_AGAIN for rec in recs)]
     if b.s["model_cache"] and not b.s["shadow"] and bad:  # only a decision nothing touched may be a hit
         edge = 1 if b.s["edge"] else 0  # the route_on edge's decision (the same model, no record of its own)
         assert second.hits <= len(decisions) - len(bad) + edge, \
@@ -782,7 +794,7 @@ def check_cache(b: Built, first: Run, second: Run) -> None:
                         groups = rec.values() if isinstance(rec, Mapping) and "read" not in rec else [rec]
                         for one in groups:
                             read = one.get("read", {}) if isinstance(one, Mapping) else {}
-                            assert not (read.get("error") or read.get("cause") == "over_budget"), \
+                            assert not (read.get("error") or read.get("cause") in DECIDED_AGAIN), \
                                 "stored a faulted decision"
 
 

@@ -123,10 +123,16 @@ def never() -> Awaitable[Any]:
     return asyncio.Event().wait()
 
 
-def hedged(canvas: Canvas, target: Any, *, gate: GatePolicy = GATE, **escalation: Any) -> CanvasDecisionModel:
+def hedged(canvas: Canvas, target: Any, *, gate: GatePolicy = GATE, outcomes: OutcomePolicy | None = None,
+           **escalation: Any) -> CanvasDecisionModel:
     escalation.setdefault("hedge", Hedge(band=0.1))
     return CanvasDecisionModel(engine=canvas.engine, policy=gate, escalate_to=Escalation(target, **escalation),
-                               read={"isolate": "none"})
+                               read={"isolate": "none"}, outcomes=outcomes or OutcomePolicy())
+
+
+RAISE = OutcomePolicy(target_fault="raise")
+"""A failed escalation raises (by default a question whose escalation failed answers from the canvas:
+tests/test_guards.py)."""
 
 
 @pytest.fixture
@@ -529,7 +535,7 @@ async def test_a_failed_hedge_whose_rereads_settle_is_absorbed_but_said(spans, c
 async def test_a_failed_hedge_that_a_question_needs_fails_the_decision_as_any_escalation(spans):
     canvas = Canvas(BORDERLINE, BORDERLINE)
     target = ScriptedTarget(script={"urgent": "no"}, faults=[ConnectionError("target down")])
-    model = hedged(canvas, target, budget=EscalationBudget(max_per_window=5))
+    model = hedged(canvas, target, budget=EscalationBudget(max_per_window=5), outcomes=RAISE)
     with pytest.raises(EscalationError) as err:
         await model.adecide(TICKET, ONE)
     assert err.value.failure == "network" and err.value.hint
@@ -541,7 +547,7 @@ async def test_a_hedge_that_times_out_is_a_network_failure(caplog):
     canvas = Canvas(BORDERLINE, BORDERLINE)
     target = ScriptedTarget(script={"urgent": "no"}, hold=Held())  # never answers
     with pytest.raises(EscalationError, match=r"timed out after 0\.05s") as err:
-        await hedged(canvas, target, timeout=0.05).adecide(TICKET, ONE)
+        await hedged(canvas, target, timeout=0.05, outcomes=RAISE).adecide(TICKET, ONE)
     assert err.value.failure == "network" and err.value.retryable
 
 

@@ -20,7 +20,7 @@ from langchain_core.messages import AIMessage
 from pydantic import BaseModel, Field, ValidationError
 
 from canvasroute.engine import EscalationError, VLLMServerEngine
-from canvasroute.router import CanvasDecisionModel, Escalation, GatePolicy
+from canvasroute.router import CanvasDecisionModel, Escalation, GatePolicy, OutcomePolicy
 from canvasroute.router.testing import ScriptedTarget
 
 TICKET = "I was charged twice for my subscription, please refund me now!"
@@ -33,9 +33,11 @@ UNSURE = {label: math.log(0.5) for label in ("A", "B", "C", "yes", "no", "1", "2
 
 
 def unsure_model(target: Any, **escalation: Any) -> CanvasDecisionModel:
-    """A model that escalates everything to `target` (`escalation`: `Escalation`'s other fields)."""
+    """A model that escalates everything to `target` (`escalation`: `Escalation`'s other fields); a
+    failed escalation raises (`target_fault="raise"`), so the target's faults are read as they are."""
     return CanvasDecisionModel(engine=fixed_engine(UNSURE), policy=GatePolicy(rereads=0),
-                               escalate_to=Escalation(target, **escalation))
+                               escalate_to=Escalation(target, **escalation),
+                               outcomes=OutcomePolicy(target_fault="raise"))
 
 
 def test_the_double_sees_the_question_its_options_and_the_canvas_hint_and_its_answer_is_the_escalated_one():

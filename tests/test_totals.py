@@ -25,7 +25,7 @@ from typing_extensions import TypedDict
 
 from canvasroute.engine import DecisionError, run_sync
 from canvasroute.harness import NodeCache, ReviewPolicy, decision_node, merge_decisions, retry_on, run_totals
-from canvasroute.router import CanvasDecisionModel, DecisionCache, GatePolicy, Totals
+from canvasroute.router import CanvasDecisionModel, DecisionCache, GatePolicy, OutcomePolicy, Totals
 from canvasroute.router.testing import ScriptedTarget
 
 UNSURE = {"yes": -0.69, "no": -0.70}
@@ -207,11 +207,13 @@ def test_a_review_counts_the_paused_runs_read_once_and_the_resume_spends_nothing
 
 
 def test_a_failed_attempt_that_a_retry_policy_retries_counts_nothing():
-    """The first escalation times out (retryable, one attempt): the node raises, LangGraph runs it
-    again. The failed attempt finished no decision set: no event, no record, no totals."""
+    """The first escalation times out (retryable, one attempt) and the model raises it
+    (`target_fault="raise"`): the node raises, LangGraph runs it again. The failed attempt finished
+    no decision set: no event, no record, no totals."""
     target = ScriptedTarget(script={"ok": "yes"}, faults=[TimeoutError("slow")])
     engine = fixed_engine(UNSURE)
-    graph = one_node(CanvasDecisionModel(engine=engine, policy=GATE, escalate_to=target), retry=True)
+    graph = one_node(CanvasDecisionModel(engine=engine, policy=GATE, escalate_to=target,
+                                         outcomes=OutcomePolicy(target_fault="raise")), retry=True)
     out, events = run(graph, {"ticket": "Refund me"})
     assert (engine.calls, target.calls, len(events)) == (2, 2, 1)
     assert run_totals(out["decisions"]) == run_totals(events)

@@ -7,9 +7,11 @@ node filters the tables to it. It shows, per graph node
 (`canvasroute.graph.node`, else the decision set): normalized-entropy histograms by path,
 path shares over time, escalation rate (questions with path `escalated`, whatever the
 cause) and why the gate did not pass each question (its cause: uncertain, abstained,
-engine fault, over budget), canvas-vs-escalation agreement (escalated questions whose
-canvas argmax equals the escalation's answer), latency percentiles, and the most uncertain
-decisions; per run (trace file), what its decisions cost beside sending every decision set
+engine fault, over budget, target fault), what the escalation guards did (the target's
+circuit breaker opening, probing and closing, the decisions it kept from the target, the
+engine faults the cap did not escalate), canvas-vs-escalation agreement (escalated questions
+whose canvas argmax equals the escalation's answer), latency percentiles, and the most
+uncertain decisions; per run (trace file), what its decisions cost beside sending every decision set
 to the escalation target ("saved by routing"). It names the model that produced the data
 and warns that tiny and embedded models are near chance.
 

@@ -19,6 +19,7 @@ from .charts import COLORS, duration, entropy_histogram, latency_bars, path_shar
 from .graph import graph_svg, observed_structure
 from .report import (
     CAUSE_WORDS,
+    GUARD_WORDS,
     NEAR_CHANCE_NOTE,
     PATHS,
     Decision,
@@ -152,6 +153,20 @@ def _hedge_kpi(decisions: Sequence[Decision], kpi_id: str = "") -> str:
     return _kpi("hedged", _pct(len(hedged) / len(decisions)),
                 f"{len(hedged)} of {len(decisions)} questions · target first {target}, re-reads first "
                 f"{sum(d.path == 'reread' for d in hedged)}", kpi_id)
+
+
+def _guards_kpi(report: Report, kpi_id: str = "") -> str:
+    """What the escalation guards did: degraded answers, short circuits, engine faults past the cap
+    ("" when no guard acted and no escalation failed)."""
+    degraded = [d for d in report.decisions if d.cause == "target_fault"]
+    if not report.guards and not degraded:
+        return ""
+    count = Counter((g.guard, g.what) for g in report.guards)
+    opened = count["breaker", "open"]
+    return _kpi("escalation guards", f"{len(degraded)}",
+                f"answers without the target (target fault) · breaker opened {opened}, kept "
+                f"{count['breaker', 'short_circuit']} decisions from the target · engine-fault cap refused "
+                f"{count['fault_cap', 'refused']}", kpi_id)
 
 
 def _causes_kpi(tally: Tally, kpi_id: str = "") -> str:
@@ -419,6 +434,38 @@ def _agreement_section(report: Report, index: dict[str, int]) -> str:
             f'equals the escalation model\'s answer.</p>{body}</section>')
 
 
+def _guards_section(report: Report, index: dict[str, int]) -> str:
+    """The escalation guards: what each did, counted, and every change of state, in time order."""
+    degraded = [d for d in report.decisions if d.cause == "target_fault"]
+    if not report.guards and not degraded:
+        return ('<section class="card" id="guards-section"><p class="muted">No escalation guard acted in these traces '
+                "and no escalation failed (<code>Escalation(breaker=Breaker(...))</code>: the target's circuit "
+                "breaker and the cap on what engine faults escalate, on by default).</p></section>")
+    count = Counter((g.guard, g.what) for g in report.guards)
+    kept: Counter[tuple[str, str]] = Counter()
+    for g in report.guards:
+        kept[g.guard, g.what] += len(g.questions)
+    rows = [f'<tr><td>{html.escape(GUARD_WORDS.get(key, " ".join(key)))}</td><td class="num">{n}</td>'
+            f'<td class="num">{kept[key] or "–"}</td></tr>' for key, n in sorted(count.items())]
+    why = Counter(str(d.escalation_error).split(":", 1)[0] for d in degraded)
+    rows += [f'<tr><td>answered without the target: {html.escape(kind)}</td><td class="num">{n}</td>'
+             f'<td class="num">{n}</td></tr>' for kind, n in why.most_common()]
+    changes = "".join(
+        f'<tr><td class="time">{_when(g.time_ns, date=False)}</td><td{_nix(index, g.node)}>{html.escape(g.node)}</td>'
+        f'<td>{html.escape(GUARD_WORDS.get((g.guard, g.what), g.what))}</td><td>{html.escape(g.message)}</td>'
+        f'<td><code>{g.trace_id[:12]}</code></td></tr>'
+        for g in report.guards if g.change)
+    return ('<section class="card" id="guards-section"><p class="muted">The escalation target\'s circuit breaker '
+            "(after repeated failures it is not called until a probe answers; the questions that wanted it take "
+            "<code>OutcomePolicy.target_fault</code>, by default the canvas answer, path unsure, cause target fault) "
+            "and the cap on what engine faults escalate (past it an engine fault is over budget, never a cheap "
+            "answer). Each counts in its own process. Events: how often each happened; questions: how many it "
+            'kept from the target.</p><table id="guard-counts"><thead><tr><th>event</th><th class="num">events</th>'
+            f'<th class="num">questions</th></tr></thead><tbody>{"".join(rows)}</tbody></table>'
+            '<table id="guard-changes"><thead><tr><th>time (UTC)</th><th>node</th><th>change</th><th>what happened'
+            f'</th><th>trace</th></tr></thead><tbody>{changes}</tbody></table></section>')
+
+
 def _latency_section(report: Report) -> str:
     rows: list[tuple[str, Sequence[float]]] = [(f"decide · {n.name}", n.set_latencies) for n in report.nodes.values()]
     rows += [(f"canvas read · {k}", v) for k, v in sorted(report.read_latencies.items())]
@@ -466,6 +513,7 @@ def render(report: Report, *, title: str = "canvasroute decisions", top: int = 2
              f"{replayed_note(report.replayed)}", "kpi-sets"),
         _escalation_kpi(tally, report.escalated, "kpi-escalation"),
         _hedge_kpi(ds, "kpi-hedged"),
+        _guards_kpi(report, "kpi-guards"),
         _causes_kpi(tally, "kpi-causes"),
         _gate_kpi(tally, "kpi-gate"),
         _kpi("canvas vs escalation", _pct(sum(votes) / len(votes) if votes else None),
@@ -495,6 +543,7 @@ generated {_when(time.time_ns())}</div></header>
 <h2>Graph nodes</h2><div class="legend">{legend}</div>{nodes}
 <h2>Guarantees</h2>{_guarantees_section(report, index)}
 <h2>Shadow mode</h2>{_shadow_section(report, index)}
+<h2>Escalation guards</h2>{_guards_section(report, index)}
 <h2>Canvas vs escalation agreement</h2>{_agreement_section(report, index)}
 <h2>Latency</h2>{_latency_section(report)}
 <h2>Most uncertain decisions</h2>{_uncertain_section(report, top, index)}

@@ -18,15 +18,21 @@ from canvasroute.engine import TraceFileError
 from canvasroute.router import Tally
 from canvasroute.router import telemetry as tm
 
-from .traces import SpanRecord, decision_figures
+from .traces import SpanEvent, SpanRecord, decision_figures
 
-__all__ = ["CAUSE_WORDS", "PATHS", "Decision", "NodeStats", "Report", "RunTotals", "ShadowStats", "build_report",
-           "cause_shares", "near_chance", "replayed_span"]
+__all__ = ["CAUSE_WORDS", "GUARD_WORDS", "PATHS", "Decision", "GuardEvent", "NodeStats", "Report", "RunTotals",
+           "ShadowStats", "build_report", "cause_shares", "near_chance", "replayed_span"]
 
 PATHS = Tally.PATHS
 CAUSE_WORDS = {"uncertain": "uncertain", "abstained": "abstained", "engine_fault": "engine fault",
-               "over_budget": "over budget"}
+               "over_budget": "over budget", "target_fault": "target fault"}
 """Why the gate did not pass a question (`Cause`), in words, in `CAUSES` order."""
+GUARD_WORDS = {("breaker", "open"): "breaker opened", ("breaker", "half_open"): "breaker half open (probe)",
+               ("breaker", "closed"): "breaker closed", ("breaker", "short_circuit"): "kept from the target (open)",
+               ("fault_cap", "capped"): "engine-fault cap reached",
+               ("fault_cap", "uncapped"): "engine-fault cap cleared",
+               ("fault_cap", "refused"): "engine faults not escalated (cap)"}
+"""What an escalation guard did (`canvasroute.guard`, `canvasroute.guard.event`), in words."""
 
 
 def cause_shares(tally: Tally) -> str:
@@ -67,6 +73,8 @@ class Decision:
     None: it passed, or nothing was read)."""
     hedged: bool = False
     """The target was asked beside its re-reads (`Escalation.hedge`); `path` says which settled it."""
+    escalation_error: str | None = None
+    """Why its escalation failed (cause `target_fault`): the target's error, or its open breaker."""
 
     @property
     def agrees(self) -> bool | None:
@@ -74,6 +82,27 @@ class Decision:
         if self.path != "escalated" or self.canvas_answer is None:
             return None
         return self.canvas_answer == self.answer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GuardEvent:
+    """One thing an escalation guard did (`Escalation.breaker`), as the decide span it happened in recorded it."""
+
+    time_ns: int
+    node: str
+    guard: str
+    """`breaker` (the target's circuit breaker) or `fault_cap` (the cap on what engine faults escalate)."""
+    what: str
+    """`open`, `half_open`, `closed`, `short_circuit`; `capped`, `uncapped`, `refused` (`GUARD_WORDS`)."""
+    message: str
+    questions: tuple[str, ...]
+    """The questions it kept from the target (a short circuit, a refusal)."""
+    trace_id: str
+
+    @property
+    def change(self) -> bool:
+        """Whether it changed the guard's state (else it kept a decision's questions from the target)."""
+        return self.what not in ("short_circuit", "refused")
 
 
 @dataclass(slots=True)
@@ -238,6 +267,8 @@ class Report:
     """The graph's nodes and edges (a `graph <name>` span, or `--graph`), if any."""
     runs: list[RunTotals] = field(default_factory=list)
     """What each run (trace file) cost, in file order."""
+    guards: list[GuardEvent] = field(default_factory=list)
+    """What the escalation guards did (breaker changes and short circuits, the engine-fault cap), in time order."""
 
     @property
     def decisions(self) -> list[Decision]:
@@ -288,8 +319,10 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
     figures = {s.span_id: decision_figures(s) for s in decides}
     nodes: dict[str, NodeStats] = {}
     models: dict[str, str] = {}
+    guards: list[GuardEvent] = []
     for s in decides:
         node = str(s.attributes.get(tm.GRAPH_NODE) or s.attributes.get(tm.DECISION_SET))
+        guards += [_guard_event(e, s, node) for e in s.events if e.name == tm.GUARD_EVENT]
         stats = nodes.setdefault(node, NodeStats(node))
         stats.errors += s.status == "ERROR"
         models.setdefault(s.name[len("decide "):], "")
@@ -307,7 +340,8 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
                 confidence=_float_or_none(f.get("confidence")), margin=_float_or_none(f.get("margin")),
                 reads=int(f.get("reads") or 0), escalation_model=_str_or_none(f.get("escalation_model")),
                 trace_id=s.trace_id, crossed=tuple(map(str, f.get("crossed") or ())), gate=_str_or_none(f.get("gate")),
-                cause=_str_or_none(f.get("cause")), hedged=f.get("hedged") is True))
+                cause=_str_or_none(f.get("cause")), hedged=f.get("hedged") is True,
+                escalation_error=_str_or_none(f.get("escalation_error"))))
     reads: dict[str, list[float]] = defaultdict(list)
     escalations: list[float] = []
     escalation_models: dict[str, str] = {}
@@ -334,7 +368,16 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
                   read_latencies=dict(reads), escalation_latencies=escalations,
                   start_ns=min(s.start_time_ns for s in decides), end_ns=max(s.end_time_ns for s in decides),
                   spans=len(spans), sources=list(sources), runs=_run_totals(spans, decides, figures, chats),
-                  **_graph_figures(spans))
+                  guards=sorted(guards, key=lambda g: g.time_ns), **_graph_figures(spans))
+
+
+def _guard_event(event: SpanEvent, s: SpanRecord, node: str) -> GuardEvent:
+    """A `canvasroute.guard` event of a decide span, as the dashboard shows it."""
+    a = event.attributes
+    asked = str(a.get(tm.ESCALATED_QUESTIONS) or "")
+    return GuardEvent(time_ns=event.time_ns or s.start_time_ns, node=node, guard=str(a.get(tm.GUARD, "")),
+                      what=str(a.get(tm.GUARD_WHAT, "")), message=str(a.get(tm.FAULT_MESSAGE, "")),
+                      questions=tuple(q for q in asked.split(",") if q), trace_id=s.trace_id)
 
 
 def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],

@@ -41,9 +41,9 @@ be answered; a client that goes away has its work cancelled. Errors are
 | 413 | the body or the state is too large |
 | 415 | not `application/json` or `multipart/form-data`, or an unknown content encoding |
 | 422 | a field, question, feature or template that cannot be used (null state, Box, labels, bounds, unknown model) |
-| 429 | over the request rate, or the escalation budget is spent |
-| 502 | the escalation target or the engine answered garbage or refused |
-| 503 | the engine is unreachable (when the model's policy does not escalate) |
+| 429 | over the request rate, or the escalation budget (or the cap on engine faults' escalations) is spent |
+| 502 | the engine answered garbage or refused, or the escalation target failed (`--on-target-fault raise`) |
+| 503 | the engine is unreachable (when the policy does not escalate), or the target's breaker is open (ditto) |
 | 504 | the engine (or the whole decision) did not finish within `request_timeout` |
 | 529 | every place is taken, no slot freed in time, or the engine itself shed load |
 

@@ -56,7 +56,7 @@ at start for flags), and an uncertified gate that escalates everything passes no
 they say (one that keeps its own threshold, uncertified, claims nothing and takes them).
 
 Outcomes: --on-uncertain escalate|answer, --on-abstain escalate|answer, --on-engine-error
-escalate|raise. A server cannot review (no human lane over HTTP), raise for an uncertain
+escalate|raise, --on-target-fault answer|raise. A server cannot review (no human lane over HTTP), raise for an uncertain
 question (no wire shape) or fall back (fallback options are per question id, and request
 ids are the client's): such a model is refused at start (exit 2), and so is a policy file
 holding outcomes (on_unsure, on_abstain: they are these flags now).
@@ -144,6 +144,7 @@ _ENV = {
     "on_uncertain": "CANVASROUTE_ON_UNCERTAIN",
     "on_abstain": "CANVASROUTE_ON_ABSTAIN",
     "on_engine_error": "CANVASROUTE_ON_ENGINE_ERROR",
+    "on_target_fault": "CANVASROUTE_ON_TARGET_FAULT",
     "host": "CANVASROUTE_HOST",
     "port": "CANVASROUTE_PORT",
     "api_key": "CANVASROUTE_API_KEY",
@@ -244,6 +245,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                          default=_env("on_engine_error", "escalate"),
                          help="engine faults escalate (when a target is set) or answer 503 (504, 529, 502 by the "
                               "fault) (default: %(default)s) [CANVASROUTE_ON_ENGINE_ERROR]")
+    outcome.add_argument("--on-target-fault", choices=SERVED["target_fault"],
+                         default=_env("on_target_fault", "answer"),
+                         help="when the escalation target fails, or its circuit breaker is open: answer from the "
+                              "canvas (path unsure, cause target_fault) or answer 502 (503 while the breaker is "
+                              "open) (default: %(default)s) [CANVASROUTE_ON_TARGET_FAULT]")
     srv = parser.add_argument_group("server")
     srv.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address [CANVASROUTE_HOST]")
     srv.add_argument("--port", type=int, default=_env("port", "8000"), help="bind port [CANVASROUTE_PORT]")
@@ -401,7 +407,7 @@ def build_model(args: argparse.Namespace) -> Any:
 
     policy, target = _policy(args), _controlled(args, _escalation(args))
     outcomes = OutcomePolicy(uncertain=args.on_uncertain, abstained=args.on_abstain,
-                             engine_fault=args.on_engine_error)
+                             engine_fault=args.on_engine_error, target_fault=args.on_target_fault)
     check_outcomes(outcomes, policy, target is not None)
     if args.hedge_band is not None:
         if target is None:

@@ -6,8 +6,11 @@ vLLM's gateway requires `diagnostics` in every 200 (its `systemone-openapi.yaml`
 decision's `CanvasResponse.diagnostics` and read reports; canvasroute adds `constrained`,
 `formats`, `canvas_reads`, `ignored` (request keys it did not read), `refused` (question id ->
 why the escalation target refused it: that question's answer, when there is one, is the
-canvas's, not vouched for), and per question its `path`, `cause` (why the gate did not pass it:
-`uncertain`, `abstained`, `engine_fault`, `over_budget`; null when it passed), `reads` and `gate`
+canvas's, not vouched for), `escalation_errors` (question id -> why its escalation failed, the
+target's error or its open breaker: that question's answer is the canvas's, cause
+`target_fault`), and per question its `path`, `cause` (why the gate did not pass it:
+`uncertain`, `abstained`, `engine_fault`, `over_budget`, `target_fault`; null when it passed),
+`reads` and `gate`
 (the gate it was held to, e.g. `H/lnK <= 0.43`: under an escalation-rate controller, the threshold
 it set for this request).
 """
@@ -31,9 +34,11 @@ def diagnostics(resp: Any, parsed: Parsed, engine: str) -> dict[str, Any]:
     latency = getattr(resp, "latency_s", 0.0)
     refused = {qid: r.refusal for qid, r in reads.items() if r.refusal is not None}
     refused |= {qid: why for qid, why in (getattr(resp, "refusals", None) or {}).items() if qid in parsed.questions}
+    failed = {qid: r.escalation_error for qid, r in reads.items() if getattr(r, "escalation_error", None)}
     out: dict[str, Any] = {"engine": engine, "timing": {"total_ms": latency * 1e3,
                                                         "reads": getattr(resp, "canvas_reads", 0)},
-                           "questions": {}, "ignored": list(parsed.ignored), "refused": refused}
+                           "questions": {}, "ignored": list(parsed.ignored), "refused": refused,
+                           "escalation_errors": failed}
     if diag is None:  # a decision model other than a canvas model: only what any model tells
         return out
     answered = {qid: r for qid, r in reads.items() if r.path != "skipped"}

@@ -19,10 +19,19 @@ their own counts. What it holds:
 | `canvasroute_server_controller_rate` | gauge: its realised rate, decayed, over the questions it controls | |
 | `canvasroute_server_controller_offset` | gauge: its threshold offsets over those questions | `stat` (min, mean, max) |
 | `canvasroute_server_controller_questions` | gauge: questions it holds an offset for | |
+| `canvasroute_server_breaker_state` | gauge: 1 for the escalation breaker's state, else 0 | `state` |
+| `canvasroute_server_breaker_transitions_total` | counter: its changes of state | `state` (entered) |
+| `canvasroute_server_breaker_short_circuits_total` | counter: decisions it kept from the target | |
+| `canvasroute_server_breaker_failures_total` | counter: failed target calls | |
+| `canvasroute_server_fault_cap_escalations` | gauge: engine-fault escalations in the cap's window now | |
+| `canvasroute_server_fault_cap_limit` | gauge: the cap (`Breaker.fault_escalations`; absent when uncapped) | |
+| `canvasroute_server_fault_cap_refused_total` | counter: engine-fault questions past the cap | |
 
 Decisions: `path` is canvas, reread, escalated, fallback, unsure or skipped; `cause` is
-uncertain, abstained, engine_fault or over_budget (`none` when the gate passed). Refusals:
-`reason` is `escalation_refused` (the target refused it), `unsure` (`--refuse-unsure`),
+uncertain, abstained, engine_fault, over_budget or target_fault (`none` when the gate passed).
+The breaker and fault-cap figures are the served model's (`CanvasDecisionModel.breaker_counters`,
+read at scrape; in this process). Refusals: `reason` is `escalation_refused` (the target refused
+it), `target_fault` (`--refuse-unsure`, its escalation failed), `unsure` (`--refuse-unsure`),
 `model_refused` (the decision model refused them all) or `no_answer` (another decision model
 left it unanswered). Hedges: `outcome` is won, cancelled, failed or refused (`Diagnostics.hedges`).
 """
@@ -34,7 +43,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
@@ -95,6 +104,41 @@ class _ControllerCollector:
             yield family
 
 
+class _BreakerCollector:
+    """The served model's escalation breaker and engine-fault cap (`breaker_counters`), read when scraped."""
+
+    STATES = ("closed", "open", "half_open")
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        snap = self.model.breaker_counters
+        if not snap:
+            return
+        state = GaugeMetricFamily("canvasroute_server_breaker_state", "The escalation target's circuit breaker: 1 "
+                                  "for its state", labels=["state"])
+        for name in self.STATES:
+            state.add_metric([name], float(snap["state"] == name))
+        yield state
+        moved = CounterMetricFamily("canvasroute_server_breaker_transitions", "The breaker's changes of state, by "
+                                    "the state entered", labels=["state"])
+        for name in ("open", "half_open", "closed"):
+            moved.add_metric([name], snap[name])
+        yield moved
+        yield CounterMetricFamily("canvasroute_server_breaker_short_circuits", "Decisions whose questions the open "
+                                  "breaker kept from the target", value=snap["short_circuits"])
+        yield CounterMetricFamily("canvasroute_server_breaker_failures", "Failed calls to the escalation target",
+                                  value=snap["failures"])
+        yield GaugeMetricFamily("canvasroute_server_fault_cap_escalations", "Engine-fault escalations in the cap's "
+                                "window now", value=snap["fault_escalations"])
+        if snap["fault_cap"] is not None:
+            yield GaugeMetricFamily("canvasroute_server_fault_cap_limit", "Engine-fault escalations the cap allows "
+                                    "per window", value=snap["fault_cap"])
+        yield CounterMetricFamily("canvasroute_server_fault_cap_refused", "Engine-fault questions past the cap, not "
+                                  "escalated", value=snap["fault_refused"])
+
+
 class Metrics:
     """The server's metrics in their own registry (`model`: the served model, whose escalation-rate
     controller, if it has one, is read at scrape)."""
@@ -124,6 +168,8 @@ class Metrics:
         escalation = getattr(model, "escalation", None)
         if escalation is not None and getattr(escalation, "controller", None) is not None:
             r.register(_ControllerCollector(model))  # the served canvas model's escalation-rate controller
+        if escalation is not None and getattr(escalation, "breaker_state", None) is not None:
+            r.register(_BreakerCollector(model))  # its escalation breaker and engine-fault cap
 
     def decided(self, reads: Mapping[str, Any], hedges: Iterable[str] = ()) -> None:
         """Count each question of an answered decision set by its path and cause, and its hedges."""

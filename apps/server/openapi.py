@@ -206,11 +206,13 @@ class SystemOneResponse(BaseModel):
     model: str = Field(description="The served model that answered (also when the request named an alias).")
     answers: dict[str, SystemOneAnswer] = Field(
         description="One answer per asked question; a question that ask_if skipped has none. A question the "
-                    "escalation target refused keeps the canvas's answer, named in diagnostics.refused.")
+                    "escalation target refused keeps the canvas's answer, named in diagnostics.refused; one whose "
+                    "escalation failed keeps it too, the failure named in diagnostics.escalation_errors.")
     usage: dict[str, int]
     diagnostics: dict[str, Any] = Field(description="How the decision was read, in vLLM's gateway's keys "
                                                     "(stages, skipped, chunks, thought, samples, timing, "
-                                                    "prompt_tokens, questions, ...) and canvasroute's (refused, ...).")
+                                                    "prompt_tokens, questions, ...) and canvasroute's (refused, "
+                                                    "escalation_errors, ...).")
     x_canvasroute: SystemOneExtension
 
 
@@ -221,9 +223,9 @@ _ERRORS = {
     "415": "not application/json or multipart/form-data, or an unknown content encoding",
     "422": "a body that is not JSON (or a multipart body without its request part), a field, question, feature "
            "or answer template that cannot be used, over a bound, or a model this server does not serve",
-    "429": "over the request rate, or the escalation budget is spent",
+    "429": "over the request rate, or the escalation budget (or the cap on engine faults' escalations) is spent",
     "502": "the engine or the escalation model answered garbage or refused",
-    "503": "the engine is unreachable",
+    "503": "the engine is unreachable, or the escalation model's breaker is open",
     "504": "the engine did not answer within the request timeout",
     "529": "the server is at capacity (running and queued), or the engine shed load",
 }

@@ -10,6 +10,7 @@ action the wire has no shape for, and a client must not be blamed (422) for the 
 | `abstained` | `escalate` (needs a target when the gate abstains), `answer` | `fallback` |
 | `engine_fault` | `escalate` (no target: the fault's status, 502/503/504/529), `raise` | `fallback` |
 | `over_budget` | `answer` (path `unsure`, cause `over_budget`), `raise` (429) | `fallback` |
+| `target_fault` | `answer` (path `unsure`, cause `target_fault`), `raise` (502; 503: breaker open) | `fallback` |
 
 Why: `review` sends a question to a human through a graph's `interrupt()`, and HTTP has no such
 lane; `raise` for an uncertain question has no wire shape (`UnsureAnswer` would be a 500); a
@@ -29,6 +30,7 @@ SERVED: dict[str, tuple[str, ...]] = {
     "abstained": ("escalate", "answer"),
     "engine_fault": ("escalate", "raise"),
     "over_budget": ("answer", "raise"),
+    "target_fault": ("answer", "raise"),
 }
 """The actions a served model may take, per `OutcomePolicy` field (the first is the default)."""
 
@@ -64,5 +66,6 @@ def check_outcomes(outcomes: OutcomePolicy, policy: GatePolicy, escalates: bool)
                          "target, or abstained='answer' (canvasroute serve: --on-abstain answer)")
 
 
-_FLAGS = {"uncertain": "on-uncertain", "abstained": "on-abstain", "engine_fault": "on-engine-error"}
+_FLAGS = {"uncertain": "on-uncertain", "abstained": "on-abstain", "engine_fault": "on-engine-error",
+          "target_fault": "on-target-fault"}
 """The `canvasroute serve` flag of each field (serve has no budget of its own: `over_budget` has none)."""

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from canvasroute.engine import (
+    BreakerOpen,
     BudgetExhausted,
     DecisionError,
     EngineOverloaded,
@@ -86,6 +87,9 @@ def from_exception(exc: BaseException) -> Refusal:
         return Refusal(504, "engine_timeout", "the engine did not answer in time; retry later", headers=_RETRY)
     if isinstance(exc, EngineUnavailable):
         return Refusal(503, "engine_unavailable", "the engine is unavailable; retry later", headers=_RETRY)
+    if isinstance(exc, BreakerOpen):
+        return Refusal(503, "escalation_unavailable", "the escalation model is failing and is not being called; "
+                       "retry later", headers=_RETRY)
     if isinstance(exc, EscalationError):
         return Refusal(502, "escalation_failed", "the escalation model failed to answer")
     if isinstance(exc, (EngineRequestError, EngineResponseError)):

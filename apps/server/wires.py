@@ -43,7 +43,8 @@ model's `{"state", "questions"}`."""
 
 EXTENSION_FIELDS = ("path", "confident", "entropy", "normalized_entropy", "margin", "label_mass", "confidence",
                     "reads", "agreement", "stderr", "crossed", "canvas_probabilities", "labels",
-                    "escalation_model", "escalation_confidence", "refusal", "cause", "error", "gate", "hedged")
+                    "escalation_model", "escalation_confidence", "refusal", "cause", "error", "gate", "hedged",
+                   "escalation_error")
 """A read report's figures in each answer's extension object (plain clients ignore it)."""
 SYSTEM_ONE_EXTENSION = "x_canvasroute"
 """The key of canvasroute's own fields on `/v1/systemone`, in each answer and in the reply: System One
@@ -54,7 +55,8 @@ keeps that name.)"""
 
 def extension(report: Any) -> dict[str, Any]:
     """An answer's extension object (`x_canvasroute` on /v1/systemone, `canvasroute` on /v1/decisions):
-    who answered it (path, cause, escalation model, a target's refusal) and the canvas figures."""
+    who answered it (path, cause, escalation model, a target's refusal, a failed escalation's error)
+    and the canvas figures."""
     figures = report.model_dump(mode="json")
     return {k: figures[k] for k in EXTENSION_FIELDS}
 

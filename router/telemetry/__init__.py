@@ -9,6 +9,12 @@ decide <model>                      INTERNAL CHAIN  one decision set; per-questi
     └── chat <target model>         CLIENT   LLM    the escalation model's call
 ```
 
+The escalation guards (`Escalation.breaker`: the target's circuit breaker, the cap on what
+engine faults escalate) mark the decide span during which they change state or keep questions
+from the target with a `canvasroute.guard` event, and count it (`canvasroute.guards`, by
+`canvasroute.guard` and `canvasroute.guard.event`); a target fault a decision absorbed is a
+`canvasroute.fault` event and a `canvasroute.faults` point, as an engine fault is.
+
 A hedge (`Escalation.hedge`) is an `escalate` span that runs beside the re-reads' `canvas_read`,
 marked `canvasroute.hedge` (`won`, `cancelled`, `failed`); the decide span gets a
 `canvasroute.hedge` event per hedge, and the `canvasroute.hedges` counter a point.
@@ -70,6 +76,7 @@ from ._spans import (
     record_content,
     record_controller_fault,
     record_fault,
+    record_guard,
     record_hedge,
     record_reports,
     set_io,
@@ -93,6 +100,7 @@ __all__ = [
     "record_content",
     "record_controller_fault",
     "record_fault",
+    "record_guard",
     "record_hedge",
     "record_reports",
     "set_io",

@@ -30,6 +30,9 @@ __all__ = [
     "GEN_AI_TOKEN_TYPE",
     "GRAPH_NODE",
     "GRAPH_STRUCTURE",
+    "GUARD",
+    "GUARD_EVENT",
+    "GUARD_WHAT",
     "HEDGE",
     "HEDGE_EVENT",
     "HEDGE_RAN_ON",
@@ -149,11 +152,12 @@ QUESTION_KIND = "canvasroute.question.kind"
 DECISION_PREFIX = "canvasroute.decision"
 FIGURES = ("answer", "canvas_answer", "options", "canvas_probabilities", "temperature", "entropy",
            "normalized_entropy", "confidence", "margin", "label_mass", "path", "escalated",
-           "escalation_model", "cause", "reads", "agreement", "crossed", "gate", "hedged")
+           "escalation_model", "cause", "reads", "agreement", "crossed", "gate", "hedged", "escalation_error")
 """Figures recorded per question (`canvas_*`: the canvas read before escalation, with
 `canvas_probabilities` in `options` order, at `temperature`; `crossed`: the thresholds the read
 crossed, absent when it passed; `gate`: `GatePolicy.gate_text`; `path` and `cause`: the outcome
-vocabulary of `ReadReport`; `hedged`: True when the target was asked beside its re-reads)."""
+vocabulary of `ReadReport`; `hedged`: True when the target was asked beside its re-reads;
+`escalation_error`: the target's failure, or its open breaker, that left it unanswered)."""
 FIGURE_KEYS = {figure: f"{DECISION_PREFIX}.{figure}" for figure in FIGURES}
 """Figure -> its attribute key on a question event (`canvasroute.decision.entropy`, ...): a fixed set.
 (Trace files written before 0.2 hold them on the span as `canvasroute.decision.<question id>.<figure>`.)"""
@@ -184,9 +188,10 @@ SHADOW_CANVAS_LATENCY = "canvasroute.shadow.canvas_latency_s"
 SHADOW_CANVAS_ERROR = "canvasroute.shadow.canvas_error"
 """The exception type when the canvas read failed (the graph still follows the router)."""
 FAULT_EVENT = "canvasroute.fault"
-"""Span event on a decide span for each engine fault the decision absorbed: `error.type`,
-`canvasroute.fault.message`, `canvasroute.fault.questions`, `canvasroute.fault.paths` (what
-answered instead); the span also carries `canvasroute.fault` = the error type."""
+"""Span event on a decide span for each engine fault and each escalation target fault the decision
+absorbed: `error.type`, `canvasroute.fault.message`, `canvasroute.fault.questions`,
+`canvasroute.fault.paths` (what answered instead); the span also carries `canvasroute.fault` =
+the error type."""
 FAULT = "canvasroute.fault"
 HEDGE = "canvasroute.hedge"
 """How a hedge (`Escalation.hedge`) ended: `won`, `cancelled`, `failed` or `refused` (the budget turned
@@ -200,6 +205,19 @@ hedge cancelled before its call went out, 0)."""
 HEDGE_EVENT = "canvasroute.hedge"
 """Span event on a decide span for each hedge: `canvasroute.hedge` (how it ended) and
 `canvasroute.escalation.questions` (what it asked)."""
+GUARD = "canvasroute.guard"
+"""Which escalation guard (`Escalation.breaker`) spoke: `breaker` (the target's circuit breaker) or
+`fault_cap` (the cap on what engine faults escalate), on `canvasroute.guard` events and on the
+`canvasroute.guards` metric points."""
+GUARD_EVENT = "canvasroute.guard"
+"""Span event on the decide span during which a guard changed state or kept questions from the
+target: `canvasroute.guard`, `canvasroute.guard.event` (`GUARD_WHAT`), `canvasroute.fault.message`
+(what happened, in words) and, when it kept some, `canvasroute.escalation.questions`."""
+GUARD_WHAT = "canvasroute.guard.event"
+"""What a guard did. The breaker: `open` (it opened), `half_open` (a probe call is let through),
+`closed` (the target answered again), `short_circuit` (a decision's questions were kept from the
+target while open). The fault cap: `capped` (it began refusing), `uncapped` (it grants again),
+`refused` (a decision's engine faults past the cap were not escalated)."""
 FAULT_MESSAGE = "canvasroute.fault.message"
 FAULT_QUESTIONS = "canvasroute.fault.questions"
 FAULT_PATHS = "canvasroute.fault.paths"

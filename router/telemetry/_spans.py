@@ -44,6 +44,9 @@ from ._names import (
     GEN_AI_RESPONSE_MODEL,
     GEN_AI_TOKEN_TYPE,
     GRAPH_NODE,
+    GUARD,
+    GUARD_EVENT,
+    GUARD_WHAT,
     HEDGE,
     HEDGE_EVENT,
     HEDGE_RAN_ON,
@@ -84,7 +87,8 @@ from ._names import (
 )
 
 __all__ = ["Call", "engine_call", "escalation_call", "genai_attributes", "mark_error", "model_call", "provider_of",
-           "record_controller_fault", "record_fault", "record_hedge", "record_reports", "set_io", "set_usage", "span"]
+           "record_controller_fault", "record_fault", "record_guard", "record_hedge", "record_reports", "set_io",
+           "set_usage", "span"]
 
 # -- providers, looked up lazily -------------------------------------------------------
 
@@ -109,6 +113,9 @@ class _Instruments:
         self.hedges_ran_on = meter.create_counter(
             "canvasroute.hedges.ran_on", unit="{call}",
             description="Cancelled hedge calls to a sync target that ran on to their end in a thread")
+        self.guards = meter.create_counter(
+            "canvasroute.guards", unit="{event}",
+            description="Escalation guard events: changes of state, and decisions kept from the target")
         self.controller_faults = meter.create_counter(
             "canvasroute.controller.faults", unit="{decision}",
             description="Decisions whose escalation-rate controller state could not be recorded")
@@ -477,6 +484,7 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
             "canvas_answer": max(canvas, key=canvas.__getitem__) if canvas else None,
             "temperature": gates[r.question_id].temperature if gates is not None and canvas else None,
             "crossed": list(r.crossed) or None, "gate": r.gate, "hedged": r.hedged or None,
+            "escalation_error": r.escalation_error,
         }
         if recording:
             s.add_event(QUESTION_EVENT, {QUESTION_ID: r.question_id, QUESTION_KIND: r.kind,
@@ -515,8 +523,22 @@ def record_hedge(outcome: str, question_ids: Sequence[str]) -> None:
         inst.hedges.add(1, {HEDGE: outcome})
 
 
+def record_guard(guard: str, what: str, message: str, question_ids: Sequence[str] = ()) -> None:
+    """What an escalation guard did (`guard`: `breaker` or `fault_cap`; `what`: `GUARD_WHAT`'s values):
+    a `canvasroute.guard` event on the current (decide) span and a point of `canvasroute.guards`."""
+    s = trace.get_current_span()
+    if s.is_recording():
+        attrs: dict[str, Any] = {GUARD: guard, GUARD_WHAT: what, FAULT_MESSAGE: message}
+        if question_ids:
+            attrs[ESCALATED_QUESTIONS] = ",".join(question_ids)
+        s.add_event(GUARD_EVENT, attrs)
+    inst = _instruments()
+    if inst is not None:
+        inst.guards.add(1, {GUARD: guard, GUARD_WHAT: what})
+
+
 def record_fault(s: Span, error: str, questions: Sequence[str], paths: Sequence[str]) -> None:
-    """An engine fault a decision absorbed: a `canvasroute.fault` event on its span (and the
+    """An engine (or escalation target) fault a decision absorbed: a `canvasroute.fault` event on its span (and the
     span's `canvasroute.fault` attribute) and a point of the `canvasroute.faults` counter."""
     kind = error.split(":", 1)[0]
     if s.is_recording():

@@ -95,11 +95,12 @@ def question_results(request: WireRequest, response: Any, *, refuse_unsure: bool
 
 def refusal_kind(report: Any, refuse_unsure: bool) -> str | None:
     """Why a question with this read report is a refusal on `/v1/decisions`: `escalation_refused`
-    (the target refused it), `unsure` (with `refuse_unsure`: path `unsure`); None: it is answered."""
+    (the target refused it), with `refuse_unsure` `target_fault` (path `unsure` because its
+    escalation failed) or `unsure` (path `unsure` otherwise); None: it is answered."""
     if report.refusal is not None:
         return "escalation_refused"
     if refuse_unsure and report.path == "unsure":
-        return "unsure"
+        return "target_fault" if report.cause == "target_fault" else "unsure"
     return None
 
 
@@ -107,6 +108,8 @@ def _from_report(report: Any, refuse_unsure: bool) -> QuestionResult:
     kind = refusal_kind(report, refuse_unsure)
     if kind == "escalation_refused":
         return QuestionResult(refusal=f"the escalation target refused it: {report.refusal}")
+    if kind == "target_fault":
+        return QuestionResult(refusal=f"the gate did not pass it and its escalation failed: {report.escalation_error}")
     if kind == "unsure":
         return QuestionResult(refusal=f"the gate did not pass it ({report.cause}) and nothing answered it instead")
     confidence = report.escalation_confidence if report.path == "escalated" else None
