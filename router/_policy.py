@@ -23,6 +23,7 @@ as JSON: `{"format": "canvasroute.policy/1", "policy": {...}, "calibration": {..
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -33,9 +34,10 @@ from typing import Any, Literal, Protocol, get_args
 from canvasroute.engine import CalibrationError, DecisionError
 from canvasroute.engine._compat import keep_removed, warn_moved, with_kept
 
-__all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Certificate", "ControlSetting", "Controller", "Escalation",
-           "EscalationBudget", "EscalationOutput", "GatePolicy", "Hedge", "OutcomePolicy", "check_fallbacks",
-           "load_policy", "policy_from_dict", "policy_to_dict", "resolve_gate", "save_policy"]
+__all__ = ["ACTIONS", "AUDIT_THRESHOLDS", "POLICY_FORMAT", "Action", "Audit", "Certificate", "ControlSetting",
+           "Controller", "Escalation", "EscalationBudget", "EscalationOutput", "GatePolicy", "Hedge", "LiveFigures",
+           "OutcomePolicy", "check_fallbacks", "load_policy", "policy_from_dict", "policy_to_dict", "resolve_gate",
+           "save_policy"]
 
 MAX_SAMPLES = 32
 """Reads of one question in a decision, first reads and re-reads each (vLLM's gateway caps samples there too)."""
@@ -126,7 +128,11 @@ class Certificate:
     certified: bool = True
     """False: no threshold could be certified; the gate passes nothing."""
     method: str = "learn-then-test"
-    """How the bound was proved (the calibration's docstring cites it)."""
+    """How the bound was proved (the calibration's docstring cites it; `live-dkelly`: live
+    certification, `canvasroute.router._audit`)."""
+    live: LiveFigures | None = field(default=None, compare=False, repr=False)
+    """A live certificate's figures as they stand now (`Audit`); None: an offline one. Left out of
+    comparisons and `repr` (so of cache keys): they move with every labelled row."""
 
     def __post_init__(self) -> None:
         for name in ("max_error", "escalation_rate"):
@@ -141,6 +147,8 @@ class Certificate:
     def text(self) -> str:
         """What it proved, in words: `certified: error <= 5% at 90%, 400 rows, 22% escalated`, or
         `uncertified: 40 rows cannot certify error <= 5% at 90%`."""
+        if self.live is not None:
+            return self.live.text(self)
         bound = f"error <= {_percent(self.max_error)} at {_percent(self.confidence)}"
         if not self.certified:
             return f"uncertified: {self.rows} rows cannot certify {bound}"
@@ -150,6 +158,38 @@ class Certificate:
 def _percent(x: float, digits: int = 4) -> str:
     """`0.05` as `5%`, `0.025` as `2.5%`."""
     return f"{x * 100:.{digits}g}%"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LiveFigures:
+    """What live certification (`Audit`) shows of one gate now: a live `Certificate`'s moving part.
+
+    What it certifies is disagreement with the labeller (the escalation target, or the people
+    of the review lane), not ground truth: with people as labellers, their error rate.
+    """
+
+    labeller: str
+    """Whose labels the rows carry: the escalation target's name, or `reviewers` (people)."""
+    bound: float
+    """The anytime-valid upper bound, now, on the disagreement rate of the answers this threshold
+    passes (1 with no rows)."""
+    rows: int
+    """Labelled rows the bound rests on, every worker's, since the last reset."""
+    audits: int
+    """Audits spent on this question so far, every worker's (labeller calls for passed answers)."""
+    epoch: int = 1
+    """1, plus one per drift alarm (each alarm resets the rows: `canvasroute.router._audit`)."""
+
+    def text(self, cert: Certificate) -> str:
+        """`certified live: disagreement with gemma <= 5% at 90% (bound 3.2%), 412 rows, 37
+        audits`, or `uncertified live: 37 rows cannot certify disagreement with gemma <= 5% at
+        90% yet (bound 12%), 3 audits`."""
+        claim = f"disagreement with {self.labeller} <= {_percent(cert.max_error)} at {_percent(cert.confidence)}"
+        tail = f", {self.audits} audits" + (f", {self.epoch - 1} drift alarm(s)" if self.epoch > 1 else "")
+        bound = f"bound {_percent(self.bound, 3)}"
+        if cert.certified:
+            return f"certified live: {claim} ({bound}), {self.rows} rows{tail}"
+        return f"uncertified live: {self.rows} rows cannot certify {claim} yet ({bound}){tail}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -577,6 +617,102 @@ def _excess(gate: GatePolicy, stats: Figures, threshold: str) -> float:
     return math.inf
 
 
+AUDIT_THRESHOLDS: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
+"""The candidate thresholds live certification tests by default: H/lnK 0.05, 0.10, ..., 1.0."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Audit:
+    """Live certification: a share of the answers the gate passes is also labelled, in the
+    background, and each question's threshold moves to the loosest one the labelled rows certify.
+
+    Per question, each candidate threshold in `thresholds` (strict to loose, fixed in advance) has
+    an anytime-valid e-process for "the answers it passes disagree with the labeller more than
+    `max_error`"; the gate passes at the loosest candidate whose e-process and every stricter
+    one's reject that at level 1 - `confidence` (fixed-sequence testing), holds at every moment
+    (Ville's inequality), and tightens at once when the evidence breaks: a drift detector resets
+    the question (`canvasroute.router._audit` states the test, what it certifies and under which
+    assumptions). Until some candidate is certified the gate passes nothing: every answer escalates,
+    and the target's answers are the rows. What is certified is disagreement with the labeller (the
+    escalation target, or the people of the review lane), not ground truth unless people label.
+    Live thresholds need one set of reads per decision: questions with re-reads are not certified live.
+
+    Example:
+        ```python
+        Escalation(ChatOpenAI(model="gemma-3-27b"), audit=Audit(rate=0.02, max_error=0.05),
+                   budget=EscalationBudget(max_per_window=600, window_s=60))
+        ```
+    """
+
+    rate: float
+    """Share of the answers the gate passes that are also sent to the labeller, within (0, 1]
+    (each audit is one labelled row; it spends the escalation budget like an escalation)."""
+    max_error: float = 0.05
+    """The disagreement rate to certify for the answers the gate passes, within (0, 1)."""
+    confidence: float = 0.9
+    """With this probability, at every moment, no certified threshold's disagreement rate exceeds
+    `max_error` (per question, while the traffic is stationary), within (0, 1)."""
+    labels: Literal["target", "review"] = "target"
+    """Who labels: the escalation target (asked as an escalation asks, its answers to escalated
+    questions counting too), or people through `reviewer` (the review lane)."""
+    reviewer: Any = None
+    """The labeller for `labels="review"`: a `canvasroute.harness.AuditInbox` (people answer its
+    items), or any `canvasroute.router._audit.Labeller`."""
+    thresholds: tuple[float, ...] = AUDIT_THRESHOLDS
+    """Candidate H/lnK thresholds, strictly increasing within (0, 1], tested strict to loose."""
+    max_pending: int = 64
+    """Audits reserved or in flight at once (per worker); a decision that finds them all taken is
+    not sampled (counted as `dropped`), so the background work stays bounded."""
+    timeout: float | None = None
+    """Seconds one audit may take (None: the escalation's timeout for the target, an hour for the
+    review lane). An audit that times out counts as a disagreement."""
+    alarm: float = 1000.0
+    """The drift detector's threshold (an e-CUSUM: its false alarms come at most once per this many
+    rows on average while the certified rate holds); an alarm resets the question."""
+    sync_every: int = 4
+    """A shared state (a graph store's) reads the other workers' rows and writes its own after this
+    many decisions, or `sync_s` seconds, whichever comes first (state in one process: always)."""
+    sync_s: float = 1.0
+    """Seconds at most between two syncs of a shared state (checked when a decision ends)."""
+    seed: int | None = None
+    """Seeds the draw of which decisions are audited (None: fresh randomness; the draw never looks
+    at the decision)."""
+
+    def __post_init__(self) -> None:
+        checks = (("rate", 0.0 < self.rate <= 1.0, "within (0, 1]"),
+                  ("max_error", 0.0 < self.max_error < 1.0, "within (0, 1)"),
+                  ("confidence", 0.0 < self.confidence < 1.0, "within (0, 1)"),
+                  ("alarm", 1.0 < self.alarm < math.inf, "a finite number > 1"),
+                  ("sync_s", 0.0 < self.sync_s < math.inf, "a positive number of seconds"))
+        for name, ok, what in checks:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
+                raise ValueError(f"Audit.{name} must be {what}, got {value!r}")
+        if self.timeout is not None and not 0.0 < self.timeout < math.inf:
+            raise ValueError(f"Audit.timeout must be a positive number of seconds or None, got {self.timeout!r}")
+        for name in ("max_pending", "sync_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Audit.{name} must be an integer >= 1, got {value!r}")
+        if self.labels not in ("target", "review"):
+            raise ValueError(f"Audit.labels must be 'target' or 'review', got {self.labels!r}")
+        if self.labels == "review" and self.reviewer is None:
+            raise ValueError("Audit(labels='review') needs reviewer= (e.g. canvasroute.harness.AuditInbox())")
+        if self.labels == "target" and self.reviewer is not None:
+            raise ValueError("Audit.reviewer is for labels='review'")
+        grid = self.thresholds
+        if isinstance(grid, (str, bytes)) or not isinstance(grid, Iterable):
+            raise ValueError(f"Audit.thresholds must be a sequence of numbers, got {grid!r}")
+        object.__setattr__(self, "thresholds", grid := tuple(float(t) for t in grid))
+        if not grid or any(not 0.0 < t <= 1.0 for t in grid) or any(a >= b for a, b in itertools.pairwise(grid)):
+            raise ValueError(f"Audit.thresholds must be strictly increasing within (0, 1], got {grid!r}")
+
+    @property
+    def delta(self) -> float:
+        """1 - `confidence`: the chance, per question, that some certified threshold is wrong at some moment."""
+        return 1.0 - self.confidence
+
+
 @dataclass(frozen=True, slots=True)
 class Escalation:
     """Where the questions the gate did not pass go, and what they may spend.
@@ -617,6 +753,12 @@ class Escalation:
     decision node with a graph store keeps them in the store, shared by every worker)."""
     hedge: Hedge | None = None
     """Start the target beside a borderline question's re-reads (`Hedge`; None: re-reads first)."""
+    audit: Audit | None = None
+    """Live certification (`Audit`): a share of the passed answers labelled in the background, each
+    question's threshold the loosest the labelled rows certify (None: the thresholds as the gate says)."""
+    audit_state: Any = None
+    """The `LiveState` keeping the audits' rows (None: one in this process; a decision node with a
+    graph store keeps them in the store, shared by every worker)."""
 
     def __post_init__(self) -> None:
         if self.output not in get_args(EscalationOutput):
@@ -633,6 +775,10 @@ class Escalation:
             raise ValueError("Escalation.controller_state needs controller= (the rate it holds)")
         if self.hedge is not None and not isinstance(self.hedge, Hedge):
             raise TypeError(f"Escalation.hedge must be a Hedge, not {type(self.hedge).__name__}")
+        if self.audit is not None and not isinstance(self.audit, Audit):
+            raise TypeError(f"Escalation.audit must be an Audit, not {type(self.audit).__name__}")
+        if self.audit_state is not None and self.audit is None:
+            raise ValueError("Escalation.audit_state needs audit= (what it certifies)")
 
 
 def check_fallbacks(options: Mapping[str, tuple[str, ...]], gates: Mapping[str, GatePolicy],
@@ -677,7 +823,8 @@ def policy_to_dict(policy: GatePolicy) -> dict[str, Any]:
     out: dict[str, Any] = {f.name: getattr(policy, f.name) for f in fields(GatePolicy)
                            if f.name not in ("per_question", "certificate")}
     if policy.certificate is not None:
-        out["certificate"] = {f.name: getattr(policy.certificate, f.name) for f in fields(Certificate)}
+        out["certificate"] = {f.name: getattr(policy.certificate, f.name) for f in fields(Certificate)
+                              if f.name != "live"}  # (a live certificate's figures are of the moment)
     if policy.per_question:
         out["per_question"] = {qid: policy_to_dict(p) for qid, p in policy.per_question.items()}
     return out

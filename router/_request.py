@@ -13,7 +13,7 @@ DecisionRequest
 ├── read         ReadOptions: instructions, alone, steps, think, images, constrained
 ├── gate         GatePolicy, every override applied once (`resolve_gate`)
 ├── outcomes     OutcomePolicy: what happens when the gate is not passed
-├── escalation   Escalation (target, output, prompt, timeout, budget, meter) or None
+├── escalation   Escalation (target, output, prompt, timeout, budget, meter, controller, hedge, audit) or None
 └── identity     Identity: seed, thread, branch, span attributes; `key` for caches
 ```
 
@@ -30,7 +30,7 @@ from collections.abc import Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.decisions import Choice, Noul, Score
 
@@ -40,6 +40,9 @@ from ._policy import ControlSetting, Escalation, GatePolicy, OutcomePolicy, chec
 from ._questions import Dependencies, QuestionSpec, option_text, parse_depends_on, parse_questions
 from ._schema import schema_questions
 from ._state import read_state
+
+if TYPE_CHECKING:
+    from ._audit import LiveSetting
 
 __all__ = ["MAX_STEPS", "MAX_THINK", "DecisionRequest", "Identity", "QuestionSet", "ReadOptions", "StateView",
            "read_options", "schema_decision"]
@@ -278,6 +281,11 @@ class DecisionRequest:
     """What the escalation-rate controller set, per question it moves (`Escalation.controller`):
     applied once at the start of the run (`canvasroute.router._control.steer`), its thresholds then
     in `gate` and `gates`. None: no controller, or not applied yet."""
+    live: Mapping[str, LiveSetting] | None = None
+    """What live certification set, per question it gates (`Escalation.audit`): the certified
+    threshold and the audit coin, applied once at the start of the run, before the controller
+    (`canvasroute.router._audit.steer`), its thresholds and live certificates then in `gate` and
+    `gates`. None: no audit, or not applied yet."""
 
     @cached_property
     def key(self) -> str:
@@ -301,6 +309,12 @@ class DecisionRequest:
         if self.escalation is None or self.escalation.budget is None or meter is None:
             return self
         return replace(self, escalation=replace(self.escalation, meter=meter))
+
+    def audited_by(self, state: Any) -> DecisionRequest:
+        """This decision with its live certification's rows kept by `state` (e.g. a graph store's)."""
+        if self.escalation is None or self.escalation.audit is None or state is None:
+            return self
+        return replace(self, escalation=replace(self.escalation, audit_state=state))
 
     def controlled_by(self, state: Any) -> DecisionRequest:
         """This decision with its escalation-rate controller's offsets kept by `state` (e.g. a graph store's)."""

@@ -9,6 +9,11 @@ decide <model>                      INTERNAL CHAIN  one decision set; per-questi
     └── chat <target model>         CLIENT   LLM    the escalation model's call
 ```
 
+An audit (live certification, `Escalation.audit`) is an `escalate` span marked `canvasroute.audit`,
+started in the background after its decide span ended (its child); the decide span gets a
+`canvasroute.audit` event (`sent` or `dropped`), and the `canvasroute.audits` counter points by
+outcome (`sent`, `dropped`, `labelled`, `failed`).
+
 A hedge (`Escalation.hedge`) is an `escalate` span that runs beside the re-reads' `canvas_read`,
 marked `canvasroute.hedge` (`won`, `cancelled`, `failed`); the decide span gets a
 `canvasroute.hedge` event per hedge, and the `canvasroute.hedges` counter a point.
@@ -67,6 +72,8 @@ from ._spans import (
     mark_error,
     model_call,
     provider_of,
+    record_audit,
+    record_audit_fault,
     record_content,
     record_controller_fault,
     record_fault,
@@ -90,6 +97,8 @@ __all__ = [
     "mark_error",
     "model_call",
     "provider_of",
+    "record_audit",
+    "record_audit_fault",
     "record_content",
     "record_controller_fault",
     "record_fault",
