@@ -64,17 +64,20 @@ delta_e`, for this question, with any dependence between candidates. The gate ti
 when a crossing is lost (the counts moved back), and when the drift detector below fires.
 
 **Drift.** Stationarity is what Ville needs; old rows also make a cumulative e-value slow to
-notice a change. So each question runs an e-detector on the rows at its certified threshold (an
-e-CUSUM: `D = max(D, 1) * (1 + g (Z - max_error))`, `g = min(1/(1 - a), 1/(2a))`, tuned to
-detect a doubling; Shin, Ramdas, Rinaldo, "E-detectors: a nonparametric framework for sequential
-change detection", 2024). While the certified rate holds, each factor has mean <= 1, and false
-alarms come at most once per `Audit.alarm` rows on average. An alarm resets the question: a new
+notice a change. So each candidate runs an e-detector on its rows: the mean of four e-CUSUMs,
+`D = max(D, 1) * (1 + g (Z - max_error))`, each with the Kelly bet `g` against a rate 1.5, 2, 3
+or 5 times `max_error` (Shin, Ramdas, Rinaldo, "E-detectors: a nonparametric framework for
+sequential change detection", NEJSDS 2024; a mean of e-detectors is one). The certified
+candidate's detector can fire: while its rate holds, each factor has mean <= 1, and false alarms
+come at most once per `Audit.alarm` of its rows on average. An alarm resets the question: a new
 epoch, its rows from zero, the gate passing nothing again until the new rows certify. Epoch e
 tests at `delta_e = delta * 6 / (pi^2 e^2)` (their sum is delta), so over every epoch of a
-stationary stream the chance that any certified candidate is wrong at any moment stays <=
-delta. Under drift nothing holds between a change and its alarm: the certified threshold may
-pass answers worse than `max_error` for the detector's delay (`canvasroute bench --only live`
-measures it); after the alarm, the guarantee holds again if the traffic then stays put.
+stationary stream the chance that any certified candidate is wrong at any moment stays <= delta.
+Under drift nothing holds between a change and its alarm (or the e-value's own loss of the
+threshold): the certified threshold may pass answers worse than `max_error` for the detector's
+delay, which grows as the change shrinks (a change to 1.5 times the target takes on the order of
+a thousand rows at the threshold: `canvasroute bench --only live` measures it); after the alarm
+the guarantee holds again if the traffic then stays put.
 
 **Across workers.** Each worker (a `StoreLiveState` per process) owns one item in the graph
 store holding, per question, its epoch and its counts per candidate, read and written by the
@@ -84,7 +87,7 @@ function of the counts, the pooled value is the e-value of the merged row sequen
 each worker's rows are in order, and the guarantee needs only that which worker's next row is
 counted first does not depend on its label (labelling delays independent of the answers). A
 worker that sees a later epoch adopts it and zeroes its own counts; its alarm starts one. Its
-detector reads its own rows one by one and the others' in batches at each read (restarting only
+detectors read its own rows one by one and the others' in batches at each read (restarting only
 between batches: fewer false alarms, no validity lost).
 
 **With the rest.** The escalation-rate controller steers on top of the live threshold: a live
@@ -173,7 +176,7 @@ def log_evalue(n: int, k: int, a: float) -> float:
 
     Example:
         ```python
-        log_evalue(70, 0, 0.05) > math.log(10)   # True: 70 agreeing rows certify 5 % at 90 %
+        log_evalue(71, 0, 0.05) > math.log(10)   # True: 71 agreeing rows certify 5 % at 90 %
         ```
     """
     if n <= 0:
@@ -188,12 +191,12 @@ def log_evalue(n: int, k: int, a: float) -> float:
 @functools.lru_cache(maxsize=4096)
 def upper_bound(n: int, k: int, delta: float) -> float:
     """The anytime-valid upper confidence bound on the disagreement rate at level `delta`:
-    `inf{a : E(a) >= 1/delta}` (1 with no rows), to 1e-6."""
+    `inf{a : E(a) >= 1/delta}` (1 with no rows), to 1e-5 (rounded up)."""
     goal = -math.log(delta)
     if n <= 0:
         return 1.0
     low, high = k / n, 1.0  # E(a) grows with a; at the observed rate it is below 1
-    while high - low > 1e-6:
+    while high - low > 1e-5:
         mid = (low + high) / 2
         low, high = (low, mid) if log_evalue(n, k, mid) >= goal else (mid, high)
     return high
@@ -215,10 +218,19 @@ def certified_index(n: Sequence[int], k: Sequence[int], max_error: float, delta:
     return found
 
 
-def _detector_logs(a: float) -> tuple[float, float]:
-    """The e-CUSUM's log factors for a row with `Z = 0` and with `Z = 1` (bet g, tuned to a doubling)."""
-    g = min(1.0 / (1.0 - a), 0.5 / a)
-    return math.log1p(-g * a), math.log1p(g * (1.0 - a))
+DRIFTS = (1.5, 2.0, 3.0, 5.0)
+"""The disagreement rates, as multiples of `max_error`, the drift detector's e-CUSUMs are tuned to."""
+
+
+def _detector_logs(a: float) -> tuple[tuple[float, float], ...]:
+    """Per e-CUSUM of the detector, the log factors of a row with `Z = 0` and with `Z = 1`: the Kelly
+    bet `g = (r' - a) / (a (1 - a))` against a rate `r'` in `DRIFTS` (below 1)."""
+    out = []
+    for m in DRIFTS:
+        r = min(m * a, (1.0 + a) / 2.0)
+        g = (r - a) / (a * (1.0 - a))
+        out.append((math.log1p(-g * a), math.log1p(g * (1.0 - a))))
+    return tuple(out)
 
 
 # -- what a decision was set -----------------------------------------------------------------
@@ -282,8 +294,7 @@ class _TargetLabeller:
 class _Question:
     """One question's rows in this worker: counts per candidate in the current epoch."""
 
-    __slots__ = ("alarms", "audits", "bound", "certified", "detector", "epoch", "k", "n", "ok", "on", "other_audits",
-                 "watching")
+    __slots__ = ("alarms", "audits", "bound", "certified", "detector", "epoch", "k", "n", "ok", "on", "other_audits")
 
     def __init__(self, size: int) -> None:
         self.epoch = 1
@@ -294,11 +305,11 @@ class _Question:
         self.on = [0] * size
         """The other workers' rows per candidate of this epoch, as last read."""
         self.ok = [0] * size
-        self.detector = 0.0
-        """log D of the e-CUSUM on the rows at the watched candidate."""
-        self.watching = -1
+        self.detector = [[0.0] * len(DRIFTS) for _ in range(size)]
+        """Per candidate, log D of each e-CUSUM of its drift detector (the certified one's can fire)."""
         self.certified = -1
-        self.bound = 1.0
+        self.bound: float | None = 1.0
+        """The bound at the certified candidate (or the strictest); None: not worked out since the counts moved."""
         self.audits = 0
         """Audits this worker sent for the question (all epochs)."""
         self.other_audits = 0
@@ -355,6 +366,7 @@ class InMemoryLiveState:
         self._rng = random.Random(audit.seed)
         self._lock = threading.RLock()
         self._detector = _detector_logs(audit.max_error)
+        self._alarm = math.log(audit.alarm)
         self.counts = {"decisions": 0, "sampled": 0, "audits": 0, "free": 0, "rows": 0, "disagreements": 0,
                        "declined": 0, "dropped_slots": 0, "dropped_budget": 0, "failed": 0, "alarms": 0}
         """This worker's totals: decisions observed, sampled ones, audits sent, free rows, rows counted,
@@ -376,8 +388,9 @@ class InMemoryLiveState:
                     out[qid] = (-1, 1, LiveFigures(labeller=labeller, bound=1.0, rows=0, audits=0))
                     continue
                 at = max(q.certified, 0)
-                out[qid] = (q.certified, q.epoch, LiveFigures(labeller=labeller, bound=q.bound, rows=q.n[at] + q.on[at],
-                                                              audits=q.audits + q.other_audits, epoch=q.epoch))
+                out[qid] = (q.certified, q.epoch, LiveFigures(labeller=labeller, bound=self._bound(q),
+                                                              rows=q.n[at] + q.on[at], audits=q.audits + q.other_audits,
+                                                              epoch=q.epoch))
         return out
 
     def draw(self, settings: Mapping[str, LiveSetting]) -> tuple[dict[str, LiveSetting], Ticket | None]:
@@ -454,24 +467,30 @@ class InMemoryLiveState:
         for j in range(first, len(audit.thresholds)):
             q.n[j] += 1
             q.k[j] += z
-        if q.watching >= 0 and first <= q.watching and self._watch(q, 1, int(z)):
-            return
+            self._feed(q, j, 1, int(z))
         self._recompute(q)
+        self._check(q)
 
-    def _watch(self, q: _Question, n: int, k: int) -> bool:
-        """Feed `n` rows (`k` disagreements) to the question's detector; True: it fired (the question was reset)."""
-        down, up = self._detector
-        q.detector = max(q.detector, 0.0) + (n - k) * down + k * up
-        if q.detector < math.log(self.audit.alarm):
-            return False
+    def _feed(self, q: _Question, j: int, n: int, k: int) -> None:
+        """Feed candidate j's drift detector `n` rows, `k` of them disagreements (a batch: no restart within)."""
+        q.detector[j] = [max(d, 0.0) + (n - k) * down + k * up
+                         for d, (down, up) in zip(q.detector[j], self._detector, strict=True)]
+
+    def _check(self, q: _Question) -> None:
+        """Reset the question when the drift detector of its certified candidate fired."""
+        c = q.certified
+        if c < 0:
+            return
+        found = q.detector[c]
+        top = max(found)
+        if top + math.log(math.fsum(math.exp(d - top) for d in found) / len(found)) < self._alarm:
+            return
         self._reset(q, q.epoch + 1)
         q.alarms += 1
         self.counts["alarms"] += 1
         logger.warning("live certification: drift alarm at H/lnK <= %g (epoch %d): the gate passes nothing until "
-                       "new rows certify a threshold", self.audit.thresholds[max(q.watching, 0)],
-                       q.epoch - 1)
+                       "new rows certify a threshold", self.audit.thresholds[c], q.epoch - 1)
         self._alarmed()
-        return True
 
     def _alarmed(self) -> None:
         """A drift alarm was raised here (a shared state writes it at once)."""
@@ -479,19 +498,30 @@ class InMemoryLiveState:
     def _reset(self, q: _Question, epoch: int) -> None:
         size = len(self.audit.thresholds)
         q.epoch, q.n, q.k, q.on, q.ok = epoch, [0] * size, [0] * size, [0] * size, [0] * size
-        q.detector, q.watching, q.certified, q.bound = 0.0, -1, -1, 1.0
+        q.detector = [[0.0] * len(DRIFTS) for _ in range(size)]
+        q.certified, q.bound = -1, None
 
     def _recompute(self, q: _Question) -> None:
-        """The certified candidate and its bound from the pooled counts; the detector follows it."""
+        """The certified candidate from the pooled counts (its bound worked out when asked)."""
         audit = self.audit
         delta = epoch_delta(audit.delta, q.epoch)
         n = [a + b for a, b in zip(q.n, q.on, strict=True)]
         k = [a + b for a, b in zip(q.k, q.ok, strict=True)]
         q.certified = certified_index(n, k, audit.max_error, delta)
-        at = max(q.certified, 0)
-        q.bound = upper_bound(n[at], k[at], delta)
-        if q.certified != q.watching:
-            q.watching, q.detector = q.certified, 0.0
+        q.bound = None
+
+    def _bound(self, q: _Question) -> float:
+        """The question's bound now: at its certified candidate, or the strictest (the caller holds the lock)."""
+        if q.bound is None:
+            at = max(q.certified, 0)
+            q.bound = upper_bound(q.n[at] + q.on[at], q.k[at] + q.ok[at], epoch_delta(self.audit.delta, q.epoch))
+        return q.bound
+
+    def certified(self, qid: str) -> tuple[int, int]:
+        """A question's certified candidate (-1: none) and epoch, as held now."""
+        with self._lock:
+            q = self._questions.get(qid)
+            return (q.certified, q.epoch) if q is not None else (-1, 1)
 
     def _question(self, qid: str) -> _Question:
         found = self._questions
@@ -534,12 +564,12 @@ class InMemoryLiveState:
                 on = [sum(int(v["n"][j]) for v in same if len(v.get("n", ())) == size) for j in range(size)]
                 ok = [sum(int(v["k"][j]) for v in same if len(v.get("k", ())) == size) for j in range(size)]
                 q.other_audits = sum(int(v.get("audits", 0)) for v in values)
-                w = q.watching
-                new_n, new_k = (on[w] - q.on[w], ok[w] - q.ok[w]) if w >= 0 else (0, 0)
+                for j in range(size):
+                    if (new := on[j] - q.on[j]) > 0 and (wrong := ok[j] - q.ok[j]) >= 0:
+                        self._feed(q, j, new, wrong)  # the other workers' new rows, as one batch
                 q.on, q.ok = on, ok
-                if new_n > 0 and new_k >= 0 and self._watch(q, new_n, new_k):
-                    continue
                 self._recompute(q)
+                self._check(q)
 
     # -- shared states override these --------------------------------------------------------
 
@@ -593,7 +623,8 @@ class InMemoryLiveState:
             for qid, q in self._questions.items():
                 at = max(q.certified, 0)
                 questions[qid] = {"threshold": audit.thresholds[q.certified] if q.certified >= 0 else None,
-                                  "bound": q.bound, "rows": q.n[at] + q.on[at], "audits": q.audits + q.other_audits,
+                                  "bound": self._bound(q), "rows": q.n[at] + q.on[at],
+                                  "audits": q.audits + q.other_audits,
                                   "epoch": q.epoch, "alarms": q.alarms}
             return {"max_error": audit.max_error, "confidence": audit.confidence, "rate": audit.rate,
                     "labels": audit.labels, "counts": dict(self.counts), "pending": self._pending,

@@ -666,9 +666,10 @@ class Audit:
     timeout: float | None = None
     """Seconds one audit may take (None: the escalation's timeout for the target, an hour for the
     review lane). An audit that times out counts as a disagreement."""
-    alarm: float = 1000.0
-    """The drift detector's threshold (an e-CUSUM: its false alarms come at most once per this many
-    rows on average while the certified rate holds); an alarm resets the question."""
+    alarm: float = 100.0
+    """The drift detector's threshold (e-CUSUMs on the certified threshold's rows: while its rate
+    holds, false alarms come at most once per this many of its rows on average, far fewer while it
+    is under `max_error`); an alarm resets the question (it passes nothing until certified again)."""
     sync_every: int = 4
     """A shared state (a graph store's) reads the other workers' rows and writes its own after this
     many decisions, or `sync_s` seconds, whichever comes first (state in one process: always)."""

@@ -32,6 +32,10 @@ Every figure is a ratio or a distribution measured side by side in one run:
 14. `hedge`       hedged escalation vs none on a simulated stream (borderline first reads,
                   re-reads that settle a known share, lognormal engine and target latencies):
                   p50/p99 of the decisions over the gate and the extra target calls.
+15. `live`        live certification on generated streams with known truth (stationary, abrupt
+                  and slow drift): how often the certified threshold's true disagreement exceeds
+                  the target, coverage after 1k/10k decisions against the oracle, audits spent,
+                  decisions to tighten after a drift; and 4 workers on one store end to end.
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -53,7 +57,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway", "isolation", "structure", "risk", "controller", "hedge")
+            "gateway", "isolation", "structure", "risk", "controller", "hedge", "live")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         "risk": lambda: _risk(args.quick),
         "controller": lambda: _controller(args.quick),
         "hedge": lambda: _hedge(args.quick),
+        "live": lambda: _live(args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -196,3 +201,9 @@ def _hedge(quick: bool) -> Section:
     from .hedge import run_hedge
 
     return run_hedge(quick)
+
+
+def _live(quick: bool) -> Section:
+    from .live import run_live
+
+    return run_live(quick)
