@@ -253,6 +253,8 @@ class StoreLiveState(InMemoryLiveState):
             raise TypeError(f"store must be a langgraph BaseStore, not {type(store).__name__}")
         super().__init__(audit)
         self.items = WorkerItems(store, ("canvasroute", "audit", scope), audit.sync_every, audit.sync_s)
+        self._fired = False
+        """A drift alarm was raised here since the last write."""
 
     def __repr__(self) -> str:
         return (f"StoreLiveState({type(self.items.store).__name__}, {self.audit!r}, "
@@ -268,11 +270,16 @@ class StoreLiveState(InMemoryLiveState):
         await self.items.write(self._mine)
 
     async def sync(self) -> None:
-        """Write this worker's rows and read every other worker's, now."""
+        """Write this worker's rows and read every other worker's, now (and write again when what it
+        read raised an alarm here)."""
         await self.items.write(self._mine, now=True)
+        self._fired = False
         await self.items.read(self._merged, now=True)
+        if self._fired:
+            await self.items.write(self._mine, now=True)
 
     def _alarmed(self) -> None:
+        self._fired = True
         self.items.write_now()
 
     def _mine(self) -> dict[str, Any]:

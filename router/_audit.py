@@ -109,13 +109,14 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import functools
 import logging
 import math
 import random
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -583,16 +584,19 @@ class InMemoryLiveState:
 
     # -- background audits -------------------------------------------------------------------
 
-    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run an audit in the background of the running loop (`drain` waits for it, `aclose` cancels it)."""
+    def spawn(self, work: Coroutine[Any, Any, None], abandon: Callable[[], None]) -> None:
+        """Run an audit in the background of the running loop (`drain` waits for it, `aclose` cancels
+        it); `abandon` settles it when it is cancelled before it ever ran."""
         task = asyncio.get_running_loop().create_task(work)
         with self._lock:
             self._tasks.add(task)
-        task.add_done_callback(self._done)
+        task.add_done_callback(lambda t: self._done(t, abandon))
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, task: asyncio.Task[None], abandon: Callable[[], None]) -> None:
         with self._lock:
             self._tasks.discard(task)
+        if task.cancelled():
+            abandon()
 
     def _running(self) -> list[asyncio.Task[None]]:
         loop = asyncio.get_running_loop()
@@ -765,9 +769,9 @@ async def observe(request: DecisionRequest, reports: Sequence[ReadReport], span:
         entry = state.enqueue(rows, done=False)
         state.sent(list(ask))
         tm.record_audit(span, "sent", list(ask))
-        held, ticket = ticket, None  # the audit holds the slot now
-        answers = {r.question_id: r.answer for r in reports}
-        state.spawn(_audit(request, state, entry, ask, answers, held))
+        job = _Audit(request, state, entry, ask, {r.question_id: r.answer for r in reports}, ticket)
+        ticket = None  # the audit holds the slot now
+        state.spawn(job.run(), job.abandon)
     finally:
         if ticket is not None:
             ticket.release()
@@ -794,56 +798,90 @@ def _plain(spec: QuestionSpec) -> QuestionSpec:
     return replace(spec, options=spec.answer_options, abstain=False) if spec.abstain else spec
 
 
-async def _audit(request: DecisionRequest, state: InMemoryLiveState, entry: _Entry,
-                 ask: Mapping[str, tuple[float, str]], answers: Mapping[str, str | None],
-                 ticket: Ticket | None) -> None:
-    """One audit in the background: the labeller asked, its rows counted in order (or dropped)."""
-    escalation = request.escalation
-    assert escalation is not None and escalation.audit is not None
-    audit: Audit = escalation.audit
-    labeller: Labeller = audit.reviewer if audit.labels == "review" else _TargetLabeller(escalation)
-    timeout = audit.timeout or (escalation.timeout if audit.labels == "target" else REVIEW_TIMEOUT)
-    ids = list(ask)
-    rows: dict[str, tuple[float, bool]] | None = None
-    meter, thread = escalation.meter, request.identity.thread_id
-    refund = audit.labels == "target" and meter is not None
-    try:
+@dataclass(slots=True, eq=False)
+class _Audit:
+    """One audit in the background: the labeller asked, its rows counted in order (or dropped), settled once."""
+
+    request: DecisionRequest
+    state: InMemoryLiveState
+    entry: _Entry
+    ask: Mapping[str, tuple[float, str]]
+    """Per question asked: its score and the canvas answer."""
+    answers: Mapping[str, str | None]
+    """The decision's final answers (a dependent question's parents are restated)."""
+    ticket: Ticket | None
+    settled: bool = False
+
+    async def run(self) -> None:
+        request, state, ask = self.request, self.state, self.ask
+        escalation = request.escalation
+        assert escalation is not None and escalation.audit is not None
+        audit: Audit = escalation.audit
+        labeller: Labeller = audit.reviewer if audit.labels == "review" else _TargetLabeller(escalation)
+        timeout = audit.timeout or (escalation.timeout if audit.labels == "target" else REVIEW_TIMEOUT)
+        ids = list(ask)
+        rows: dict[str, tuple[float, bool]] | None = None
         try:
-            labels = await asyncio.wait_for(labeller.label(_asked(request, ids, answers)), timeout)
-        except TimeoutError:
-            if audit.labels == "target":
-                raise EscalationError(f"audit by {labeller.name} timed out after {timeout}s",
-                                      failure="network", retryable=True) from None
-            labels = {}  # nobody answered in time: a disagreement
-        rows = {}
-        for qid, (score, canvas) in ask.items():
-            label = labels.get(qid)
-            if label is None:
-                state.count("declined")
-            rows[qid] = (score, label is None or label != canvas)
-        refund = False
-        tm.record_audit(None, "labelled", ids)
-    except EscalationError as exc:
-        if exc.failure == "format":  # a reply outside the options: the labeller's, for this item
-            rows, refund = {qid: (score, True) for qid, (score, _) in ask.items()}, False
-            state.count("declined", len(ask))
+            try:
+                labels = await asyncio.wait_for(labeller.label(_asked(request, ids, self.answers)), timeout)
+            except TimeoutError:
+                if audit.labels == "target":
+                    raise EscalationError(f"audit by {labeller.name} timed out after {timeout}s",
+                                          failure="network", retryable=True) from None
+                labels = {}  # nobody answered in time: a disagreement
+            rows = {}
+            for qid, (score, canvas) in ask.items():
+                label = labels.get(qid)
+                if label is None:
+                    state.count("declined")
+                rows[qid] = (score, label is None or label != canvas)
             tm.record_audit(None, "labelled", ids)
-        else:
-            state.dropped("failed")
-            logger.warning("live certification: audit of %s by %s failed (dropped, not counted): %s",
-                           ", ".join(ids), labeller.name, exc)
+        except EscalationError as exc:
+            if exc.failure == "format":  # a reply outside the options: the labeller's, for this item
+                rows = {qid: (score, True) for qid, (score, _) in ask.items()}
+                state.count("declined", len(ask))
+                tm.record_audit(None, "labelled", ids)
+            else:
+                logger.warning("live certification: audit of %s by %s failed (dropped, not counted): %s",
+                               ", ".join(ids), labeller.name, exc)
+                tm.record_audit(None, "failed", ids)
+        except asyncio.CancelledError:
+            await self._settle(None)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a labeller's own fault: logged, counted, the audit dropped
+            logger.warning("live certification: audit of %s by %s raised (dropped, not counted): %s: %s",
+                           ", ".join(ids), labeller.name, type(exc).__name__, exc)
             tm.record_audit(None, "failed", ids)
-    except asyncio.CancelledError:
-        state.dropped("failed")
-        raise
-    except Exception as exc:  # noqa: BLE001 - a labeller's own fault: logged, counted, the audit dropped
-        state.dropped("failed")
-        logger.warning("live certification: audit of %s by %s raised (dropped, not counted): %s: %s",
-                       ", ".join(ids), labeller.name, type(exc).__name__, exc)
-        tm.record_audit(None, "failed", ids)
-    finally:
-        state.resolve(entry, rows)
-        if ticket is not None:
-            ticket.release()
-        if refund and meter is not None:
-            await asyncio.shield(meter.refund(len(ask), thread))  # nothing was labelled
+        await self._settle(rows)
+
+    async def _settle(self, rows: dict[str, tuple[float, bool]] | None) -> None:
+        """Count the rows (None: dropped: counted as failed, its budget grant given back), once."""
+        if self.settled:
+            return
+        self._close(rows)
+        escalation = self.request.escalation
+        assert escalation is not None and escalation.audit is not None
+        meter = escalation.meter
+        if rows is None and escalation.audit.labels == "target" and meter is not None:
+            await asyncio.shield(meter.refund(len(self.ask), self.request.identity.thread_id))  # nothing labelled
+
+    def _close(self, rows: dict[str, tuple[float, bool]] | None) -> None:
+        self.settled = True
+        if rows is None:
+            self.state.dropped("failed")
+        self.state.resolve(self.entry, rows)
+        if self.ticket is not None:
+            self.ticket.release()
+
+    def abandon(self) -> None:
+        """Settle an audit cancelled before it ran (as `aclose` does at shutdown): dropped; its budget
+        grant is given back when the loop still runs."""
+        if self.settled:
+            return
+        self._close(None)
+        escalation = self.request.escalation
+        meter = escalation.meter if escalation is not None else None
+        if meter is not None and escalation is not None and escalation.audit is not None \
+                and escalation.audit.labels == "target":
+            with contextlib.suppress(RuntimeError):  # no loop left: nothing to give back to
+                asyncio.get_running_loop().create_task(meter.refund(len(self.ask), self.request.identity.thread_id))

@@ -35,7 +35,7 @@ from typing_extensions import TypedDict
 from canvasroute.apps.bench.controller import entropy_probs
 from canvasroute.apps.bench.live import AUDIT, LiveStream, end_to_end, oracle, simulate, true_rate
 from canvasroute.apps.server import create_app
-from canvasroute.engine import CanvasRead, EscalationError, FunctionEngine
+from canvasroute.engine import CanvasRead, FunctionEngine
 from canvasroute.harness import AuditInbox, NodeCache, StoreLiveState, decision_node, merge_decisions
 from canvasroute.router import (
     Audit,
@@ -55,7 +55,6 @@ from canvasroute.router import (
 )
 from canvasroute.router import telemetry as tm
 from canvasroute.router._audit import (
-    LiveSetting,
     certified_index,
     epoch_delta,
     log_evalue,
@@ -386,3 +385,309 @@ async def test_refusals_count_as_disagreements_and_transport_faults_drop_the_aud
     assert (counts["failed"], counts["rows"], counts["audits"]) == (1, WARM, WARM - CERTIFY + 1), counts
     assert "audit of urgent by scripted failed (dropped, not counted)" in caplog.text  # no silent fault
     assert model.live_counters["pending"] == 0
+
+
+# -- with the rest ---------------------------------------------------------------------------------
+
+
+async def test_audits_spend_the_escalation_budget_and_never_go_past_it():
+    budget = EscalationBudget(max_per_window=WARM + 3, window_s=3600)
+    model = live_model(budget=budget)
+    await warm(model)  # 83 escalations, then 2 audits: 85 grants
+    assert model.budget_counters["granted"] == WARM
+    for i in range(4):  # 3 more grants: one audit or escalation each, then the budget is spent
+        await model.adecide(state(0.1, i=i) + "more", {"urgent": URGENT})
+    await drain(model)
+    meter = model.budget_counters
+    assert meter["granted"] == WARM + 3 and meter["in_window"] == WARM + 3, meter  # never past the cap
+    counts = model.live_counters["counts"]
+    assert counts["audits"] == WARM - CERTIFY + 3 and counts["dropped_budget"] == 1, counts  # refused: not sent
+
+
+async def test_the_controller_only_tightens_a_live_certified_gate_and_a_moved_gate_claims_nothing():
+    model = live_model(controller=Controller(target=0.5, step=0.05, resolution=0.0))
+    await warm(model)  # (the controller leaves an uncertified gate alone: it passes nothing whatever it says)
+    for i in range(5):  # every answer passes, half should escalate: the controller tightens, as it may
+        report = (await model.adecide(state(0.1, i=i) + "ctl", {"urgent": URGENT})).reads["urgent"]
+    threshold = float(report.gate.split("<= ")[1])
+    assert threshold < 0.6 and "certified" not in report.gate, report.gate  # moved: it claims nothing
+    await drain(model)
+    assert live(model)["rows"] > WARM, "decisions gated tighter still feed the rows"
+    loosen = live_model(controller=Controller(target=0.1, step=0.05, resolution=0.0))
+    await warm(loosen)  # (its last two answers passed: it tightened a little)
+    await loosen.adecide(state(0.8) + "ctl", {"urgent": URGENT})
+    for i in range(5):  # every answer escalates, 10 % should: it would loosen, but a certified gate only tightens
+        report = (await loosen.adecide(state(0.8, i=i) + "ctl", {"urgent": URGENT})).reads["urgent"]
+        assert report.path == "escalated" and report.gate.startswith("H/lnK <= 0.6 (certified live"), report.gate
+    assert loosen.controller_counters["questions"]["urgent"]["offset"] <= 0.0
+
+
+async def test_hedged_and_re_read_questions_ride_beside_a_live_one():
+    policy = GatePolicy(max_normalized_entropy=0.5, rereads=0, per_question={
+        "angry": GatePolicy(max_normalized_entropy=0.5, rereads=2)})
+    tgt = ScriptedTarget(script=lambda qid, options, prompt: "no" if qid == "angry" else truthful(qid, options, prompt))
+    model = live_model(policy=policy, tgt=tgt, hedge=Hedge(band=0.5))
+    await warm(model)
+    response = await model.adecide(state(0.1, i=1) + " h2", {"urgent": URGENT, "angry": HEDGED})
+    urgent, angry = response.reads["urgent"], response.reads["angry"]
+    assert urgent.path == "canvas" and "certified live" in urgent.gate
+    assert angry.gate == "H/lnK <= 0.5" and angry.reads == 1  # re-read, not live: its gate is its own
+    high = await model.adecide("h=0.6 canvas=yes truth=yes #h", {"urgent": URGENT, "angry": HEDGED})
+    assert high.reads["angry"].hedged and high.reads["angry"].path == "escalated"
+    assert not high.reads["urgent"].hedged  # a live question reads once: nothing to race
+    await drain(model)
+    assert set(model.live_counters["questions"]) == {"urgent"}
+
+
+async def test_a_decision_cache_replays_at_the_same_live_threshold_and_a_hit_is_not_a_row():
+    model = live_model(cache=DecisionCache())
+    await warm(model)
+    a = await model.adecide(state(0.1, i=500), {"urgent": URGENT})
+    await drain(model)
+    rows = model.live_counters["counts"]["rows"]
+    b = await model.adecide(state(0.1, i=500), {"urgent": URGENT})
+    assert b.replayed == "decision_cache" and model.cache.hits == 1  # the bound moved; the key did not
+    await drain(model)
+    assert model.live_counters["counts"]["rows"] == rows and model.live_counters["pending"] == 0
+    assert a.reads["urgent"].gate.split(" (")[0] == b.reads["urgent"].gate.split(" (")[0] == "H/lnK <= 0.6"
+    key_before = model.request(state(0.1, i=9), {"urgent": URGENT}).key
+    live_state = model.escalation.audit_state
+    live_state.enqueue({"urgent": (0.1, True)}, done=True)  # the figures move, the claim does not
+    from canvasroute.router._audit import live_steered
+
+    assert live_steered(model.request(state(0.1, i=9), {"urgent": URGENT})).key == \
+        live_steered(model.request(state(0.1, i=9), {"urgent": URGENT})).key
+    assert model.request(state(0.1, i=9), {"urgent": URGENT}).key == key_before
+
+
+class Ticket(TypedDict, total=False):
+    ticket: str
+    decisions: Annotated[dict, merge_decisions]
+
+
+def one_node_graph(node: Any, **compile: Any) -> Any:
+    builder = StateGraph(Ticket)
+    builder.add_node("triage", node, **({"cache_policy": node.cache_policy()} if "cache" in compile else {}))
+    builder.add_edge(START, "triage")
+    builder.add_edge("triage", END)
+    return builder.compile(**compile)
+
+
+async def test_a_node_cache_key_names_the_live_threshold_and_its_miss_is_decided_with_it():
+    model = live_model()
+    node = decision_node(model, {"urgent": URGENT}, inputs="ticket")
+    graph = one_node_graph(node, cache=NodeCache(InMemoryCache()))
+    cold = node.cache_key({"ticket": state(0.1, i=1)})
+    out = await graph.ainvoke({"ticket": state(0.1, i=1)})
+    assert out["decisions"]["urgent"]["path"] == "escalated"  # nothing certified when its key was made
+    await warm(model)
+    warm_key = node.cache_key({"ticket": state(0.1, i=1)})
+    assert warm_key != cold, "a certified threshold is another gate"
+    again = await graph.ainvoke({"ticket": state(0.1, i=1)})
+    assert again["decisions"]["urgent"]["path"] == "canvas"
+    assert "certified live" in again["decisions"]["urgent"]["read"]["gate"]
+
+
+async def test_a_decision_node_in_a_graph_with_a_store_shares_its_rows_there_with_no_wiring():
+    store = InMemoryStore()
+    model = live_model(Audit(rate=1.0, thresholds=GRID, seed=0, sync_every=1))
+    graph = one_node_graph(decision_node(model, {"urgent": URGENT}, inputs="ticket"), store=store)
+    for i in range(3):
+        await graph.ainvoke({"ticket": state(0.1, i=i)})
+    scope = model.live_scope
+    assert scope is not None
+    items = store.search(("canvasroute", "audit", scope))
+    assert len(items) == 1 and items[0].value["questions"]["urgent"]["n"] == [3, 3]
+    assert model.live_counters["counts"]["decisions"] == 0, "the store's state decided, not the model's own"
+
+
+async def test_four_workers_on_one_store_pool_their_rows_and_an_alarm_resets_them_all():
+    store = InMemoryStore()
+    audit = Audit(rate=1.0, thresholds=GRID, seed=0, sync_every=1, alarm=20.0)
+    states = [StoreLiveState(store, audit, scope="pool") for _ in range(4)]
+    workers = [live_model(audit, audit_state=s) for s in states]
+    for i in range(CERTIFY + 1):  # turns: no worker alone has the rows to certify
+        await workers[i % 4].adecide(state(0.1, i=i) + "pool", {"urgent": URGENT})
+    for s in states:
+        await s.sync()
+    assert all(s.certified("urgent") == (1, 1) for s in states)  # pooled counts certify, every worker
+    mine = [s.mine()["urgent"]["n"][0] for s in states]
+    assert max(mine) < CERTIFY and sum(mine) >= CERTIFY
+    assert workers[0].live_counters["workers"] == 4
+    for _ in range(3000):  # a long good past at worker 0, which every worker reads
+        states[0].enqueue({"urgent": (0.1, False)}, done=True)
+    await states[0].sync()
+    for i in range(20):  # disagreements at worker 1 only: its alarm starts a new epoch
+        await workers[1].adecide(state(0.1, truth="no", i=i) + "bad", {"urgent": URGENT})
+        await states[1].drain()
+        if states[1].certified("urgent")[1] > 1:
+            break
+    await states[1].sync()
+    for s in states:
+        await s.sync()
+    assert {s.certified("urgent") for s in states} == {(-1, 2)}  # every worker adopted the new epoch
+    assert all(s.mine()["urgent"]["n"] == [0, 0] for s in states)
+
+
+@pytest.mark.services
+async def test_workers_on_a_real_postgres_store_pool_their_rows(postgres_dsn):
+    from langgraph.store.postgres import AsyncPostgresStore
+
+    audit = Audit(rate=1.0, thresholds=GRID, seed=0, sync_every=1)
+    async with AsyncPostgresStore.from_conn_string(postgres_dsn) as store:
+        await store.setup()
+        states = [StoreLiveState(store, audit, scope="postgres") for _ in range(4)]
+        workers = [live_model(audit, audit_state=s) for s in states]
+        for i in range(CERTIFY + 8):
+            await workers[i % 4].adecide(state(0.1, i=i) + "pg", {"urgent": URGENT})
+        for s in states:
+            await s.drain()
+            await s.sync()
+        items = await store.asearch(("canvasroute", "audit", "postgres"))
+    assert len(items) == 4 and sum(i.value["questions"]["urgent"]["n"][0] for i in items) == CERTIFY + 8
+    assert all(s.certified("urgent") == (1, 1) for s in states)
+    passed = (await workers[0].adecide(state(0.1, i=999) + "pg", {"urgent": URGENT})).reads["urgent"]
+    assert passed.path == "canvas" and "certified live" in passed.gate
+
+
+async def test_the_review_lane_labels_audits_blind_from_any_process_sharing_the_store():
+    store = InMemoryStore()
+    inbox = AuditInbox(store, poll_s=0.01)
+    other = AuditInbox(store, poll_s=0.01)  # a reviewer's tool in another process, on the same store
+    audit = Audit(rate=1.0, thresholds=GRID, labels="review", reviewer=inbox, seed=0, timeout=5.0)
+    model = live_model(audit)
+    report = (await model.adecide(state(0.1, canvas="yes", truth="no"), {"urgent": URGENT})).reads["urgent"]
+    assert report.path == "escalated"  # people label: the target's answer is not a row
+    for _ in range(200):
+        if pending := await other.apending():
+            break
+        await asyncio.sleep(0.01)
+    assert len(pending) == 1
+    item = pending[0]
+    assert item["questions"]["urgent"]["options"] == ["yes", "no"] and "truth=no" in item["state"]
+    assert "probabilities" not in str(item) and "answer" not in item["questions"]["urgent"]  # blind
+    with pytest.raises(Exception, match="not an option"):
+        other.answer(item["key"], {"urgent": "maybe"})
+    await other.aanswer(item["key"], {"urgent": "no"})
+    await drain(model)
+    counts = model.live_counters["counts"]
+    assert counts["rows"] == 1 and counts["disagreements"] == 1 and counts["audits"] == 1
+    assert model.live_counters["questions"]["urgent"]["threshold"] is None
+    assert "disagreement with reviewers" in (await model.adecide(state(0.2), {"urgent": URGENT})).reads["urgent"].gate
+    expiring = live_model(Audit(rate=1.0, thresholds=GRID, labels="review", reviewer=AuditInbox(poll_s=0.01),
+                                seed=0, timeout=0.05))
+    await expiring.adecide(state(0.1), {"urgent": URGENT})
+    await drain(expiring)
+    counts = expiring.live_counters["counts"]
+    assert counts["rows"] == 1 and counts["disagreements"] == 1 and counts["declined"] == 1  # nobody: against it
+    assert not expiring.escalation.audit.reviewer.pending()  # withdrawn
+
+
+async def test_closing_cancels_the_audits_in_flight_and_drops_their_rows():
+    gate = asyncio.Event()
+
+    async def never(call: int) -> None:
+        if call >= CERTIFY:  # the audits (the calls after the warm-up's escalations) never answer
+            await gate.wait()
+
+    model = live_model(tgt=ScriptedTarget(script=truthful, hold=never))
+    for i in range(CERTIFY + 2):
+        await model.adecide(state(0.1, i=i), {"urgent": URGENT})
+    live_state = model.escalation.audit_state
+    assert live_state.snapshot()["pending"] == 2 and live_state.counts["audits"] == 2
+    await live_state.aclose()
+    counts = model.live_counters["counts"]
+    assert counts["failed"] == 2 and counts["rows"] == CERTIFY and live_state.snapshot()["pending"] == 0
+
+
+def test_a_live_certificate_keeps_its_figures_out_of_keys_and_policy_files(tmp_path):
+    figures = LiveFigures(labeller="gemma", bound=0.031, rows=412, audits=37)
+    cert = Certificate(max_error=0.05, confidence=0.9, rows=0, escalation_rate=0.0, method="live-dkelly",
+                       live=figures)
+    moved = Certificate(max_error=0.05, confidence=0.9, rows=0, escalation_rate=0.0, method="live-dkelly",
+                        live=LiveFigures(labeller="gemma", bound=0.02, rows=500, audits=40))
+    assert cert == moved and hash(cert) == hash(moved) and repr(cert) == repr(moved)
+    assert cert.text == "certified live: disagreement with gemma <= 5% at 90% (bound 3.1%), 412 rows, 37 audits"
+    gate = GatePolicy(max_normalized_entropy=0.35, rereads=0, certificate=cert)
+    assert gate.gate_text.startswith("H/lnK <= 0.35 (certified live: disagreement with gemma")
+    path = save_policy(tmp_path / "p.json", gate)
+    assert '"live":' not in path.read_text() and load_policy(path).certificate.live is None
+
+
+# -- traces, metrics, both wires ---------------------------------------------------------------------
+
+
+def _metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_both_wires_serve_live_gates_and_metrics_show_the_bound():
+    model = live_model()
+    await warm(model)
+    app = create_app(model)
+    question = {"urgent": {"type": "noul", "instructions": "Urgent?"}}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        r = await http.post("/v1/systemone", json={"state": state(0.1, i=1) + " wire", "questions": question})
+        assert r.status_code == 200, r.text
+        d = await http.post("/v1/decisions", json={"model": "function", "input": state(0.1, i=2) + " wire",
+                                                   "questions": [{"type": "predicate", "name": "urgent",
+                                                                  "instructions": "Urgent?"}]})
+        assert d.status_code == 200, d.text
+        await drain(model)
+        scraped = _metrics((await http.get("/metrics")).text)
+    assert "certified live" in r.json()["answers"]["urgent"]["canvasroute"]["gate"]
+    assert "certified live" in d.json()["answers"][0]["canvasroute"]["gate"]
+    assert scraped[("canvasroute_server_live_max_error", ())] == 0.05
+    assert scraped[("canvasroute_server_live_questions", (("state", "certified"),))] == 1
+    assert scraped[("canvasroute_server_live_threshold", (("stat", "max"),))] == 0.6
+    assert 0 < scraped[("canvasroute_server_live_bound", (("stat", "max"),))] <= 0.05
+    assert scraped[("canvasroute_server_live_audits_total", ())] == WARM - CERTIFY + 2
+    assert scraped[("canvasroute_server_live_dropped_total", (("reason", "budget"),))] == 0
+
+
+def test_serve_flags_give_the_served_model_its_audit():
+    from test_server import _args
+
+    from canvasroute.apps.server import cli as serve
+
+    base = ["--engine-url", "http://127.0.0.1:9", "--escalate-url", "http://127.0.0.1:11/v1",
+            "--escalate-model", "big", "--rereads", "0"]
+    model = serve.build_model(_args([*base, "--audit-rate", "0.02", "--audit-max-error", "0.1",
+                                     "--target-escalation", "0.2", "--hedge-band", "0.1"]))
+    escalation = model.escalation
+    assert escalation.audit == Audit(rate=0.02, max_error=0.1) and escalation.controller is not None
+    assert escalation.hedge is not None and isinstance(escalation.audit_state, InMemoryLiveState)
+    assert serve.build_model(_args(base)).escalation.audit is None
+    with pytest.raises(ValueError, match="needs an escalation target"):
+        serve.build_model(_args(["--engine-url", "http://127.0.0.1:9", "--audit-rate", "0.1"]))
+    with pytest.raises(ValueError, match="needs --audit-rate"):
+        serve.build_model(_args([*base, "--audit-confidence", "0.95"]))
+    with pytest.raises(ValueError, match="read once"):
+        serve.build_model(_args([*base[:-2], "--audit-rate", "0.1"]))  # default re-reads
+    with pytest.raises(ValueError, match=r"Audit\.rate"):
+        serve.build_model(_args([*base, "--audit-rate", "2"]))
+
+
+async def test_the_dashboard_shows_live_guarantees_as_they_stood_last(spans):
+    from canvasroute.apps.observability.page import render
+    from canvasroute.apps.observability.report import build_report
+    from canvasroute.apps.observability.traces import span_record
+
+    model = live_model()
+    await warm(model)
+    await model.adecide(state(0.1, i=3) + "dash", {"urgent": URGENT})
+    await drain(model)
+    records = [span_record(s) for s in spans.get_finished_spans()]
+    report = build_report(records)
+    html = render(report)
+    assert 'id="live-guarantees"' in html and "certified live: disagreement with scripted" in html
+    assert report.runs[0].audits == WARM - CERTIFY + 1
+
+
+async def test_the_bench_end_to_end_run_certifies_through_four_workers():
+    stream = LiveStream("stationary", 2500, 2500, seed=5)
+    figures, spent = await end_to_end(stream, Audit(rate=0.05), 4, EscalationBudget(max_per_window=10_000,
+                                                                                     window_s=3600))
+    assert figures["ever over target"] == 0.0 and figures["first certified"] is not None
+    assert spent["refused"] == 0 and spent["granted"] > 0 and figures["audits/decision"] > 0

@@ -381,11 +381,11 @@ def _controlled(args: argparse.Namespace, target: Any) -> Any:
 
 def _audited(args: argparse.Namespace, target: Any) -> Any:
     """The escalation with the live certification the flags ask for (`Escalation(audit=Audit(...))`)."""
-    rate, others = args.audit_rate, {k: v for k, v in (("max_error", args.audit_max_error),
-                                                        ("confidence", args.audit_confidence)) if v is not None}
+    rate, max_error, confidence = args.audit_rate, args.audit_max_error, args.audit_confidence
     if rate is None:
-        if others:
-            raise ValueError(f"--audit-{next(iter(others)).replace('_', '-')} needs --audit-rate")
+        for flag, value in (("--audit-max-error", max_error), ("--audit-confidence", confidence)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --audit-rate")
         return target
     if target is None:
         raise ValueError("--audit-rate needs an escalation target: --escalate-url, --escalate-decisions or "
@@ -393,7 +393,9 @@ def _audited(args: argparse.Namespace, target: Any) -> Any:
     from canvasroute.router import Audit, Escalation
 
     escalation = target if isinstance(target, Escalation) else Escalation(target)
-    return dataclasses.replace(escalation, audit=Audit(rate=float(rate), **{k: float(v) for k, v in others.items()}))
+    audit = Audit(rate=float(rate), max_error=0.05 if max_error is None else float(max_error),
+                  confidence=0.9 if confidence is None else float(confidence))
+    return dataclasses.replace(escalation, audit=audit)
 
 
 def build_model(args: argparse.Namespace) -> Any:
