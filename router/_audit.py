@@ -124,7 +124,7 @@ from canvasroute.engine import EscalationError
 
 from . import telemetry as tm
 from ._escalation import Asked, Restated, escalate, target_name
-from ._policy import Audit, Certificate, GatePolicy, LiveFigures
+from ._policy import Audit, Certificate, GatePolicy, LiveFigures, LiveSetting
 from ._questions import QuestionSpec
 
 if TYPE_CHECKING:
@@ -235,22 +235,6 @@ def _detector_logs(a: float) -> tuple[tuple[float, float], ...]:
 
 
 # -- what a decision was set -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LiveSetting:
-    """What live certification set for one question of one decision (`DecisionRequest.live`)."""
-
-    threshold: float | None
-    """The certified threshold the gate passed at (None: nothing certified, the gate passed nothing)."""
-    index: int
-    """Its candidate's index in `Audit.thresholds` (-1: none)."""
-    epoch: int
-    """The question's epoch (1, plus one per drift alarm)."""
-    rate: float
-    """The chance this decision's coin samples the question (1: its labels come free)."""
-    sampled: bool | None = None
-    """Whether the coin sampled it (None: not drawn yet: a node cache key's request)."""
 
 
 def live_gated(gate: GatePolicy) -> bool:

@@ -36,6 +36,7 @@ from canvasroute.engine._compat import keep_removed, warn_moved, with_kept
 
 __all__ = ["ACTIONS", "AUDIT_THRESHOLDS", "POLICY_FORMAT", "Action", "Audit", "Certificate", "ControlSetting",
            "Controller", "Escalation", "EscalationBudget", "EscalationOutput", "GatePolicy", "Hedge", "LiveFigures",
+           "LiveSetting",
            "OutcomePolicy", "check_fallbacks", "load_policy", "policy_from_dict", "policy_to_dict", "resolve_gate",
            "save_policy"]
 
@@ -562,6 +563,22 @@ class ControlSetting:
     """The lowest offset this question may take here."""
     high: float
     """The highest offset (0 for a certified gate, unless `loosen_certified`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSetting:
+    """What live certification set for one question of one decision (`DecisionRequest.live`)."""
+
+    threshold: float | None
+    """The certified threshold the gate passed at (None: nothing certified, the gate passed nothing)."""
+    index: int
+    """Its candidate's index in `Audit.thresholds` (-1: none)."""
+    epoch: int
+    """The question's epoch (1, plus one per drift alarm)."""
+    rate: float
+    """The chance this decision's coin samples the question (1: its labels come free)."""
+    sampled: bool | None = None
+    """Whether the coin sampled it (None: not drawn yet: a node cache key's request)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

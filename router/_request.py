@@ -30,19 +30,24 @@ from collections.abc import Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from langchain_core.decisions import Choice, Noul, Score
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 
-from ._policy import ControlSetting, Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gates
+from ._policy import (
+    ControlSetting,
+    Escalation,
+    GatePolicy,
+    LiveSetting,
+    OutcomePolicy,
+    check_fallbacks,
+    resolve_gates,
+)
 from ._questions import Dependencies, QuestionSpec, option_text, parse_depends_on, parse_questions
 from ._schema import schema_questions
 from ._state import read_state
-
-if TYPE_CHECKING:
-    from ._audit import LiveSetting
 
 __all__ = ["MAX_STEPS", "MAX_THINK", "DecisionRequest", "Identity", "QuestionSet", "ReadOptions", "StateView",
            "read_options", "schema_decision"]

@@ -29,13 +29,14 @@ from langchain_core.exceptions import ModelRefusalError
 from langgraph.cache.memory import InMemoryCache
 from langgraph.graph import END, START, StateGraph
 from langgraph.store.memory import InMemoryStore
+from langgraph.types import Send
 from prometheus_client.parser import text_string_to_metric_families
 from typing_extensions import TypedDict
 
 from canvasroute.apps.bench.controller import entropy_probs
 from canvasroute.apps.bench.live import AUDIT, LiveStream, end_to_end, oracle, simulate, true_rate
 from canvasroute.apps.server import create_app
-from canvasroute.engine import CanvasRead, FunctionEngine
+from canvasroute.engine import CanvasRead, EngineUnavailable, FunctionEngine
 from canvasroute.harness import AuditInbox, NodeCache, StoreLiveState, decision_node, merge_decisions
 from canvasroute.router import (
     Audit,
@@ -75,8 +76,11 @@ _TRUTH = re.compile(r"truth=(yes|no)")
 
 
 def engine() -> FunctionEngine:
-    """Reads 'h=<x> canvas=<yes|no>' as a yes/no distribution of normalized entropy x, its mass on `canvas`."""
+    """Reads 'h=<x> canvas=<yes|no>' as a yes/no distribution of normalized entropy x, its mass on
+    `canvas`; a state that says `engine-down` fails."""
     def rows(read: CanvasRead) -> list[dict[int, float]]:
+        if "engine-down" in read.messages[-1]["content"]:
+            raise EngineUnavailable("engine down")
         found = _STATE.search(read.messages[-1]["content"])
         assert found is not None, read.messages[-1]["content"]
         yes, no = entropy_probs(float(found.group(1)), 2, 0 if found.group(2) == "yes" else 1)
@@ -691,3 +695,27 @@ async def test_the_bench_end_to_end_run_certifies_through_four_workers():
                                                                                      window_s=3600))
     assert figures["ever over target"] == 0.0 and figures["first certified"] is not None
     assert spent["refused"] == 0 and spent["granted"] > 0 and figures["audits/decision"] > 0
+
+
+async def test_engine_faults_shadow_reads_and_send_branches_feed_the_rows_as_decisions_do(caplog):
+    model = live_model()
+    with caplog.at_level(logging.WARNING, logger="canvasroute.router"):
+        faulted = (await model.adecide(state(0.1) + " engine-down", {"urgent": URGENT})).reads["urgent"]
+    assert faulted.path == "escalated" and faulted.error and "engine fault absorbed" in caplog.text
+    assert model.live_counters["counts"]["rows"] == 0, "no canvas read: no row (the fault is not a gate outcome)"
+    shadow = await model.arun(model.request(state(0.1), {"urgent": URGENT}).canvas_only())
+    assert "live" not in (shadow.reads["urgent"].gate or "") and model.live_counters["counts"]["decisions"] == 1
+
+    class Fan(TypedDict, total=False):
+        tickets: list[str]
+        ticket: str
+        decisions: Annotated[dict, merge_decisions]
+
+    builder = StateGraph(Fan)
+    builder.add_node("triage", decision_node(model, {"urgent": URGENT}, inputs="ticket", branch="ticket"))
+    builder.add_conditional_edges(START, lambda s: [Send("triage", {"ticket": t}) for t in s["tickets"]], ["triage"])
+    builder.add_edge("triage", END)
+    out = await builder.compile().ainvoke({"tickets": [state(0.1, i=i) + " fan" for i in range(4)]})
+    assert len(out["decisions"]["urgent"]) == 4  # one record per branch
+    await drain(model)
+    assert model.live_counters["counts"]["rows"] == 4  # each branch one decision, one row
