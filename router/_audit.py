@@ -8,7 +8,8 @@ certified. What follows states the rows, the test, what it certifies, and under 
 **The rows.** Before a decision is read, one uniform draw `u` (the audit coin, from its own
 random generator, never from the decision) samples each live question of it with rate `pi`:
 `pi = 1` while the question passes nothing and its uncertain answers escalate to the target that
-labels (every answer escalates, and its label costs no extra call), else `pi = Audit.rate`. A
+labels (every answer escalates, and its label costs no extra call), `BOOST` times `Audit.rate`
+while a drift is suspected (below), else `pi = Audit.rate`; `pi` depends on the past only. A
 sampled question whose canvas read passed or would pass at some candidate (its only crossing,
 if any, is the entropy threshold, and it did not abstain) is one row `(s, Z)`: `s` its
 normalized entropy, `Z = 1` when the canvas answer (its best real option) differs from the
@@ -61,7 +62,10 @@ holding at every n).
 candidate. A certified set that holds a true null holds the first true null of the sequence,
 whose e-process crossed: so `P(at any time some certified candidate has r_j > max_error) <=
 delta_e`, for this question, with any dependence between candidates. The gate tightens at once
-when a crossing is lost (the counts moved back), and when the drift detector below fires.
+when a crossing is lost (the counts moved back), and when the drift detector below fires. The
+sequence starts at the strictest candidate whatever the traffic: a grid whose first thresholds
+the reads never reach certifies nothing (a worker says so in its log after `STALLED` rows), so
+start `Audit.thresholds` where the traffic is (an offline calibration shows where).
 
 **Drift.** Stationarity is what Ville needs; old rows also make a cumulative e-value slow to
 notice a change. So each candidate runs an e-detector on its rows: the mean of four e-CUSUMs,
@@ -69,7 +73,9 @@ notice a change. So each candidate runs an e-detector on its rows: the mean of f
 or 5 times `max_error` (Shin, Ramdas, Rinaldo, "E-detectors: a nonparametric framework for
 sequential change detection", NEJSDS 2024; a mean of e-detectors is one). The certified
 candidate's detector can fire: while its rate holds, each factor has mean <= 1, and false alarms
-come at most once per `Audit.alarm` of its rows on average. An alarm resets the question: a new
+come at most once per `Audit.alarm` of its rows on average. Half-way to an alarm the question is
+audited `BOOST` times faster (a rate chosen from the past: the rows stay a sample of the traffic,
+and a suspected drift is confirmed or cleared sooner). An alarm resets the question: a new
 epoch, its rows from zero, the gate passing nothing again until the new rows certify. Epoch e
 tests at `delta_e = delta * 6 / (pi^2 e^2)` (their sum is delta), so over every epoch of a
 stationary stream the chance that any certified candidate is wrong at any moment stays <= delta.
@@ -140,6 +146,11 @@ KEEP = 4096
 """Questions a state keeps (least recently decided dropped first)."""
 METHOD = "live-dkelly"
 """`Certificate.method` of a live certificate."""
+STALLED = 200
+"""Rows at the loosest candidate, none at the strictest, after which a worker says the grid starts too low."""
+BOOST = 4.0
+"""How much faster a question is audited while its certified candidate's drift detector is half-way to
+an alarm (the rate still at most 1): a suspected drift is confirmed, or cleared, sooner."""
 REVIEW_TIMEOUT = 3600.0
 """Seconds an audit in the review lane waits for a person (`Audit.timeout` None)."""
 
@@ -279,7 +290,8 @@ class _TargetLabeller:
 class _Question:
     """One question's rows in this worker: counts per candidate in the current epoch."""
 
-    __slots__ = ("alarms", "audits", "bound", "certified", "detector", "epoch", "k", "n", "ok", "on", "other_audits")
+    __slots__ = ("alarms", "audits", "bound", "certified", "detector", "epoch", "k", "n", "ok", "on", "other_audits",
+                 "suspect", "warned")
 
     def __init__(self, size: int) -> None:
         self.epoch = 1
@@ -300,6 +312,10 @@ class _Question:
         self.other_audits = 0
         self.alarms = 0
         """Drift alarms this worker raised."""
+        self.warned = False
+        """Whether this worker said that no row reaches the strictest candidate."""
+        self.suspect = False
+        """The certified candidate's drift detector is half-way to an alarm: audits come faster (`BOOST`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -385,7 +401,7 @@ class InMemoryLiveState:
             u = self._rng.random()
             self.counts["decisions"] += 1
             drawn = {qid: replace(s, sampled=u < s.rate) for qid, s in settings.items()}
-            needs = [qid for qid, s in drawn.items() if s.sampled and (s.threshold is not None or s.rate < 1.0)]
+            needs = [qid for qid, s in drawn.items() if s.sampled and not s.free]
             ticket = None
             if needs:
                 if self._pending < self.audit.max_pending:
@@ -462,13 +478,17 @@ class InMemoryLiveState:
                          for d, (down, up) in zip(q.detector[j], self._detector, strict=True)]
 
     def _check(self, q: _Question) -> None:
-        """Reset the question when the drift detector of its certified candidate fired."""
+        """Reset the question when the drift detector of its certified candidate fired (suspect it when
+        the detector is half-way there)."""
         c = q.certified
+        q.suspect = False
         if c < 0:
             return
         found = q.detector[c]
         top = max(found)
-        if top + math.log(math.fsum(math.exp(d - top) for d in found) / len(found)) < self._alarm:
+        level = top + math.log(math.fsum(math.exp(d - top) for d in found) / len(found))
+        q.suspect = level >= self._alarm / 2
+        if level < self._alarm:
             return
         self._reset(q, q.epoch + 1)
         q.alarms += 1
@@ -484,7 +504,7 @@ class InMemoryLiveState:
         size = len(self.audit.thresholds)
         q.epoch, q.n, q.k, q.on, q.ok = epoch, [0] * size, [0] * size, [0] * size, [0] * size
         q.detector = [[0.0] * len(DRIFTS) for _ in range(size)]
-        q.certified, q.bound = -1, None
+        q.certified, q.bound, q.suspect = -1, None, False
 
     def _recompute(self, q: _Question) -> None:
         """The certified candidate from the pooled counts (its bound worked out when asked)."""
@@ -494,6 +514,11 @@ class InMemoryLiveState:
         k = [a + b for a, b in zip(q.k, q.ok, strict=True)]
         q.certified = certified_index(n, k, audit.max_error, delta)
         q.bound = None
+        if n[0] == 0 and n[-1] >= STALLED and not q.warned:
+            q.warned = True
+            logger.warning("live certification: %d rows, none at or below the strictest candidate H/lnK <= %g: the "
+                           "test starts there, so nothing can be certified; give Audit(thresholds=...) a grid that "
+                           "starts where the traffic is", n[-1], audit.thresholds[0])
 
     def _bound(self, q: _Question) -> float:
         """The question's bound now: at its certified candidate, or the strictest (the caller holds the lock)."""
@@ -501,6 +526,17 @@ class InMemoryLiveState:
             at = max(q.certified, 0)
             q.bound = upper_bound(q.n[at] + q.on[at], q.k[at] + q.ok[at], epoch_delta(self.audit.delta, q.epoch))
         return q.bound
+
+    def rate(self, qid: str, free: bool) -> float:
+        """The chance a decision's coin samples the question now: 1 while nothing is certified and its
+        labels come free (`free`: the target labels and uncertain answers escalate to it), `Audit.rate`
+        times `BOOST` (at most 1) while its certified candidate's detector is half-way to an alarm, else
+        `Audit.rate`. It depends on the past only, so the sampled rows stay a sample of the traffic."""
+        with self._lock:
+            q = self._questions.get(qid)
+            if q is None or q.certified < 0:
+                return 1.0 if free else self.audit.rate
+            return min(1.0, self.audit.rate * BOOST) if q.suspect else self.audit.rate
 
     def certified(self, qid: str) -> tuple[int, int]:
         """A question's certified candidate (-1: none) and epoch, as held now."""
@@ -654,7 +690,8 @@ def live_steered(request: DecisionRequest, pinned: Mapping[str, tuple[int, int]]
         threshold = audit.thresholds[index] if index >= 0 else None
         cert = Certificate(max_error=audit.max_error, confidence=audit.confidence, rows=0, escalation_rate=0.0,
                            certified=index >= 0, method=METHOD, live=figures)
-        settings[qid] = LiveSetting(threshold, index, epoch, 1.0 if index < 0 and free else audit.rate)
+        settings[qid] = LiveSetting(threshold, index, epoch, 1.0 if index < 0 and free else state.rate(qid, False),
+                                    index < 0 and free)
         changed[qid] = replace(gates[qid], per_question={}, certificate=cert,
                                max_normalized_entropy=threshold if threshold is not None else audit.thresholds[0])
     gate = replace(request.gate, per_question={**request.gate.per_question, **changed})
@@ -733,6 +770,9 @@ async def observe(request: DecisionRequest, reports: Sequence[ReadReport], span:
             if rows:
                 state.count("free", len(rows))
                 state.enqueue(rows, done=True)
+            return
+        if ticket is None:  # (no slot was reserved when it was drawn: audits stay bounded, this one is dropped)
+            state.dropped("slots")
             return
         meter, thread = escalation.meter, request.identity.thread_id
         if audit.labels == "target" and meter is not None:

@@ -576,7 +576,10 @@ class LiveSetting:
     epoch: int
     """The question's epoch (1, plus one per drift alarm)."""
     rate: float
-    """The chance this decision's coin samples the question (1: its labels come free)."""
+    """The chance this decision's coin samples the question."""
+    free: bool = False
+    """Its label comes free: it passes nothing, and its answers escalate to the target that labels
+    (so a sampled one needs no audit, and no audit slot)."""
     sampled: bool | None = None
     """Whether the coin sampled it (None: not drawn yet: a node cache key's request)."""
 

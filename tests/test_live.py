@@ -719,3 +719,12 @@ async def test_engine_faults_shadow_reads_and_send_branches_feed_the_rows_as_dec
     assert len(out["decisions"]["urgent"]) == 4  # one record per branch
     await drain(model)
     assert model.live_counters["counts"]["rows"] == 4  # each branch one decision, one row
+
+
+def test_a_grid_the_traffic_never_reaches_at_its_start_says_so(caplog):
+    live_state = InMemoryLiveState(Audit(rate=0.1))  # the default grid starts at H/lnK <= 0.05
+    with caplog.at_level(logging.WARNING, logger="canvasroute.router"):
+        for _ in range(250):
+            live_state.enqueue({"team": (0.4, False)}, done=True)
+    assert live_state.certified("team") == (-1, 1)  # 250 agreeing rows, but none where the sequence starts
+    assert caplog.text.count("none at or below the strictest candidate H/lnK <= 0.05") == 1
