@@ -27,7 +27,9 @@ not. A gate the controller moved drops its certificate for that decision (as any
 the bound was proved on the certified threshold, and Learn then Test's sequence does not cover
 every stricter one), so its `gate` text claims nothing it was not proved for; held at its
 certified threshold it keeps it. An update that would leave the bounds stops at them (it is not
-integrated), so the offset never winds up past what it can apply. An uncertified gate
+integrated), so the offset never winds up past what it can apply. Under live certification
+(`Escalation.audit`) the base is the live certified threshold, set before the controller steers
+(`canvasroute.router._audit`), and a live certificate is a certificate: only tightened, unless told. An uncertified gate
 (`certified=False`) passes nothing whatever its threshold: the controller leaves it alone, as it
 does a gate without an entropy threshold.
 

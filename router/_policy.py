@@ -9,8 +9,9 @@ Three frozen values, one concern each:
   `ACTIONS`: `escalate`, `answer`, `fallback`, `raise`, `review`;
 - `Escalation`: where an escalated question goes (target, output mode, prompt, timeout),
   what it may spend (`EscalationBudget` and the meter that counts it), the escalation rate it
-  holds (`Controller` and the state that keeps its offsets) and whether a borderline
-  question's target call starts beside its re-reads (`Hedge`).
+  holds (`Controller` and the state that keeps its offsets), whether a borderline
+  question's target call starts beside its re-reads (`Hedge`), and whether each question's
+  threshold is certified on the live traffic (`Audit`, `canvasroute.router._audit`).
 
 A decision's gate is resolved once per question, in one order (`resolve_gate`): the model's
 policy (in code or a policy file, per-question fits included), then each override layer in
