@@ -454,14 +454,13 @@ async def test_a_decision_cache_replays_at_the_same_live_threshold_and_a_hit_is_
     await drain(model)
     assert model.live_counters["counts"]["rows"] == rows and model.live_counters["pending"] == 0
     assert a.reads["urgent"].gate.split(" (")[0] == b.reads["urgent"].gate.split(" (")[0] == "H/lnK <= 0.6"
-    key_before = model.request(state(0.1, i=9), {"urgent": URGENT}).key
-    live_state = model.escalation.audit_state
-    live_state.enqueue({"urgent": (0.1, True)}, done=True)  # the figures move, the claim does not
     from canvasroute.router._audit import live_steered
 
-    assert live_steered(model.request(state(0.1, i=9), {"urgent": URGENT})).key == \
-        live_steered(model.request(state(0.1, i=9), {"urgent": URGENT})).key
-    assert model.request(state(0.1, i=9), {"urgent": URGENT}).key == key_before
+    before = live_steered(model.request(state(0.1, i=9), {"urgent": URGENT}))
+    model.escalation.audit_state.enqueue({"urgent": (0.1, True)}, done=True)  # the figures move, the claim does not
+    after = live_steered(model.request(state(0.1, i=9), {"urgent": URGENT}))
+    assert before.gates["urgent"].gate_text != after.gates["urgent"].gate_text  # one more row, another bound
+    assert before.key == after.key
 
 
 class Ticket(TypedDict, total=False):
