@@ -457,7 +457,7 @@ async def test_a_decision_cache_replays_at_the_same_live_threshold_and_a_hit_is_
     from canvasroute.router._audit import live_steered
 
     before = live_steered(model.request(state(0.1, i=9), {"urgent": URGENT}))
-    model.escalation.audit_state.enqueue({"urgent": (0.1, True)}, done=True)  # the figures move, the claim does not
+    model.escalation.audit_state.enqueue({"urgent": (0.1, False)}, done=True)  # the figures move, the claim does not
     after = live_steered(model.request(state(0.1, i=9), {"urgent": URGENT}))
     assert before.gates["urgent"].gate_text != after.gates["urgent"].gate_text  # one more row, another bound
     assert before.key == after.key
