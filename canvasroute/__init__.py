@@ -57,12 +57,14 @@ if TYPE_CHECKING:
         embedded_engine,
     )
     from canvasroute.harness import (
+        AuditInbox,
         DecisionEdge,
         DecisionNode,
         NodeCache,
         ReviewPolicy,
         StoreBudgetMeter,
         StoreControllerState,
+        StoreLiveState,
         decision_node,
         merge_decisions,
         retry_on,
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
         run_totals,
     )
     from canvasroute.router import (
+        Audit,
         Breaker,
         CanvasDecisionModel,
         CanvasResponse,
@@ -105,19 +108,22 @@ _LAYERS = {
         "UnsupportedQuestion", "UnsureAnswer", "VLLMEngine", "VLLMServerEngine", "embedded_engine",
     ],
     "router": [
-        "Breaker", "CanvasDecisionModel", "CanvasResponse", "Certificate", "Controller", "DecisionCache",
+        "Audit", "Breaker", "CanvasDecisionModel", "CanvasResponse", "Certificate", "Controller", "DecisionCache",
         "DecisionRequest", "Escalation", "EscalationBudget", "GatePolicy", "Hedge", "JsonlSpanExporter",
         "OutcomePolicy", "ReadOptions", "ReadReport", "SystemOneDecisionModel", "Tally", "Totals", "add_otlp_exporter",
         "answers_to_schema", "load_policy", "questions_from_schema", "save_policy",
     ],
     "harness": [
-        "DecisionEdge", "DecisionNode", "NodeCache", "ReviewPolicy", "StoreBudgetMeter", "StoreControllerState",
-        "decision_node", "merge_decisions", "retry_on", "route_on", "run_totals",
+        "AuditInbox", "DecisionEdge", "DecisionNode", "NodeCache", "ReviewPolicy", "StoreBudgetMeter",
+        "StoreControllerState", "StoreLiveState", "decision_node", "merge_decisions", "retry_on", "route_on",
+        "run_totals",
     ],
 }
 _HOME = {name: layer for layer, names in _LAYERS.items() for name in names}
 
 __all__ = [
+    "Audit",
+    "AuditInbox",
     "Batching",
     "Breaker",
     "BreakerOpen",
@@ -166,6 +172,7 @@ __all__ = [
     "ReviewPolicy",
     "StoreBudgetMeter",
     "StoreControllerState",
+    "StoreLiveState",
     "SystemOneDecisionModel",
     "Tally",
     "Timeout",

@@ -17,6 +17,9 @@
   (a node whose graph has a store uses one for its model's budget).
 - `StoreControllerState`: an escalation-rate controller's offsets kept in a LangGraph store,
   shared by workers (a node whose graph has a store uses one for its model's controller).
+- `StoreLiveState`: live certification's labelled rows kept in a LangGraph store, shared by
+  workers (likewise for its model's `Audit`); `AuditInbox`: people label audited answers (the
+  review lane as live certification's labeller), in a store any process can answer from.
 
 The applications built on this layer (CLI, server, bench, eval, calibrate, dashboard,
 demo) live above it, in `canvasroute.apps`.
@@ -27,6 +30,7 @@ Names are imported on first use, so `canvasroute --help` does not load LangGraph
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._audit_inbox import AuditInbox
     from ._context import decision_seed
     from ._edge import DecisionEdge, route_on
     from ._node import DecisionNode, decision_node, retry_on
@@ -35,18 +39,20 @@ if TYPE_CHECKING:
     from ._review import TASK_NAME as DECISION_TASK
     from ._review import ReviewPolicy
     from ._store_budget import StoreBudgetMeter
-    from ._store_control import StoreControllerState
+    from ._store_control import StoreControllerState, StoreLiveState
 
 __all__ = [
     "DECISION_EVENT",
     "DECISION_TASK",
     "REVIEW_EVENT",
+    "AuditInbox",
     "DecisionEdge",
     "DecisionNode",
     "NodeCache",
     "ReviewPolicy",
     "StoreBudgetMeter",
     "StoreControllerState",
+    "StoreLiveState",
     "decision_node",
     "decision_seed",
     "merge_decisions",
@@ -59,12 +65,14 @@ _LAZY = {
     "DECISION_EVENT": "._records",
     "DECISION_TASK": "._review",
     "REVIEW_EVENT": "._records",
+    "AuditInbox": "._audit_inbox",
     "DecisionEdge": "._edge",
     "DecisionNode": "._node",
     "NodeCache": "._node_cache",
     "ReviewPolicy": "._review",
     "StoreBudgetMeter": "._store_budget",
     "StoreControllerState": "._store_control",
+    "StoreLiveState": "._store_control",
     "decision_node": "._node",
     "decision_seed": "._context",
     "merge_decisions": "._records",

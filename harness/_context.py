@@ -5,7 +5,7 @@ Read once per node (or edge) run from the `RunnableConfig` and LangGraph's `Runt
 (`GraphCall.request`): the run's model (`Runtime.context.decision_model`), its gate
 (`Runtime.context.gate`, applied over the model's policy for every question), the seed of
 where it runs, the thread, span attributes, and the graph store's budget meter and
-escalation-rate controller state.
+escalation-rate controller state and live certification's rows.
 
 Also what a node can tell about the graph running it: a checkpointer (a review lane pauses
 with `interrupt()`, which only a checkpointed graph can resume) and its state keys (a node's
@@ -40,7 +40,7 @@ from canvasroute.router.telemetry import GEN_AI_CONVERSATION_ID, GRAPH_NODE
 
 from ._records import answers_only
 from ._store_budget import store_meter
-from ._store_control import store_controller
+from ._store_control import store_controller, store_live
 
 Inputs = str | Callable[[Any], Any] | None
 """What a decision reads: None (the graph state, minus the output key), a state key,
@@ -82,6 +82,7 @@ class GraphCall:
         if self.store is not None:
             request = request.metered(store_meter(self.model, self.store))
             request = request.controlled_by(store_controller(self.model, self.store))
+            request = request.audited_by(store_live(self.model, self.store))
         return request if branch is None else replace(request, identity=replace(request.identity, branch=branch))
 
 

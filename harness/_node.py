@@ -54,6 +54,7 @@ from langgraph.types import CachePolicy, Command, RetryPolicy
 from canvasroute.engine import CanvasRouteError, DecisionError
 from canvasroute.engine._compat import moved_keywords, renaming
 from canvasroute.router import CanvasDecisionModel, CanvasResponse, DecisionRequest, ReadOptions, Totals, read_options
+from canvasroute.router._audit import live_steered
 from canvasroute.router._control import steered
 from canvasroute.router._request import schema_decision
 
@@ -224,7 +225,8 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         decision_state = select_inputs(state, self.inputs, self.output_key)
         request = self.model.request(decision_state, questions, read=self.read, depends_on=self.depends_on)
         branch = branch_key(self.branch, state, {}) if self.branch is not None else None
-        if request.escalation is not None and request.escalation.controller is not None:
+        if request.escalation is not None and (request.escalation.controller is not None
+                                               or request.escalation.audit is not None):
             request = self._pins.pin(request, branch)
         blob = json.dumps([self.name, request.key, self.model.model, branch])
         return hashlib.sha256(blob.encode()).hexdigest()
@@ -297,7 +299,8 @@ class DecisionNode(Runnable[Any, Command[Any]]):
         decision_state = select_inputs(state, self.inputs, self.output_key)
         request = call.request("node", questions, decision_state, depends_on=self.depends_on, read=self.read,
                                branch=branch)
-        if self._node_cache and request.escalation is not None and request.escalation.controller is not None:
+        if self._node_cache and request.escalation is not None and (request.escalation.controller is not None
+                                                                    or request.escalation.audit is not None):
             keyed = request if call.model is self.model else self.model.request(  # a run's model: the key's request
                 decision_state, questions, read=self.read, depends_on=self.depends_on)
             request = self._pins.pinned(request, keyed, branch)
@@ -434,44 +437,51 @@ def pin_key(request: DecisionRequest, branch: str | None) -> PinKey:
 
 
 class Pins:
-    """The escalation-rate controller's thresholds a node cache key was computed with, by what the
-    key's request decides on (`pin_key`: questions, dependencies, read options, state; and branch),
-    so the run a miss brings decides with those: LangGraph computes the key before it runs the
-    node, and another decision may move the controller in between. One pin per decision: when a
-    second key of the same decision (and branch) is computed before the first key's run reads its
-    pin (concurrent runs of one decision), both runs decide with the later key's thresholds, and
-    the first key's cache entry holds a decision made with them. Bounded (`KEEP`); the state is the
-    one the node last ran with (a graph store's); an evicted pin's run steers itself."""
+    """The thresholds a node cache key was computed with, by what the key's request decides on
+    (`pin_key`: questions, dependencies, read options, state; and branch): the escalation-rate
+    controller's, and live certification's certified candidates (`Escalation.audit`), so the run a
+    miss brings decides with those: LangGraph computes the key before it runs the node, and another
+    decision may move them in between. One pin per decision: when a second key of the same decision
+    (and branch) is computed before the first key's run reads its pin (concurrent runs of one
+    decision), both runs decide with the later key's thresholds, and the first key's cache entry
+    holds a decision made with them. Bounded (`KEEP`); the states are the ones the node last ran
+    with (a graph store's); an evicted pin's run steers itself."""
 
     KEEP = 1024
 
     def __init__(self) -> None:
-        self._pins: OrderedDict[PinKey, dict[str, float]] = OrderedDict()
+        self._pins: OrderedDict[PinKey, tuple[dict[str, float], dict[str, tuple[int, int]]]] = OrderedDict()
         self._lock = threading.Lock()
         self.state: Any = None
         """The controller state of the node's last run (None: the model's own)."""
+        self.live: Any = None
+        """The live certification state of the node's last run (None: the model's own)."""
 
     def pin(self, request: DecisionRequest, branch: str | None) -> DecisionRequest:
-        """`request` steered as the controller stands now, its thresholds kept for its run."""
-        steered_ = steered(request.controlled_by(self.state))
+        """`request` with its live and controlled thresholds as they stand now, kept for its run."""
+        steered_ = steered(live_steered(request.audited_by(self.live)).controlled_by(self.state))
         key = pin_key(request, branch)
         with self._lock:
-            self._pins[key] = {qid: s.threshold for qid, s in (steered_.controlled or {}).items()}
+            self._pins[key] = ({qid: s.threshold for qid, s in (steered_.controlled or {}).items()},
+                               {qid: (s.index, s.epoch) for qid, s in (steered_.live or {}).items()})
             self._pins.move_to_end(key)
             while len(self._pins) > self.KEEP:
                 self._pins.popitem(last=False)
         return steered_
 
     def pinned(self, request: DecisionRequest, keyed: DecisionRequest, branch: str | None) -> DecisionRequest:
-        """`request` (the run's) steered by the thresholds its cache key named (`keyed`: a request
+        """`request` (the run's) set to the thresholds its cache key named (`keyed`: a request
         deciding on what `cache_key`'s request did, the run's own when the run has the node's
-        model), or left to steer itself when no key was computed for it."""
+        model), or left to set itself when no key was computed for it."""
         assert request.escalation is not None
-        self.state = request.escalation.controller_state
+        self.state, self.live = request.escalation.controller_state, request.escalation.audit_state
         key = pin_key(keyed, branch)
         with self._lock:
             pin = self._pins.get(key)
-        return request if pin is None else steered(request, pin)
+        if pin is None:
+            return request
+        thresholds, lives = pin
+        return steered(live_steered(request, lives), thresholds)
 
 
 def complete(config: RunnableConfig | None) -> RunnableConfig:

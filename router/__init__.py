@@ -9,12 +9,13 @@ _model       CanvasDecisionModel: builds requests (`request`) and runs them (`ar
 _request     DecisionRequest: state as read, questions, read options, gate, outcomes, escalation, identity
 _questions   the one validator (model, client, server), canvas views of questions, dependencies
 _state       how a state is rendered as text, and its images
-_policy      GatePolicy, OutcomePolicy, Escalation, EscalationBudget, Controller, Hedge, Breaker; gate overrides;
-             policy files
+_policy      GatePolicy, OutcomePolicy, Escalation, EscalationBudget, Controller, Hedge, Breaker, Audit; gate
+             overrides; policy files
 _plan        chunks that fit a canvas, one-token labels, prompts, two-read routes, length checks
 _read        samples, per-chunk re-reads, in-group reads, thoughts -> per-question distributions
 _decision    one run: stages, escalation under the budget (_budget), the outcome rules, reports
 _control     the escalation-rate controller: thresholds set at a run's start, outcomes observed at its end
+_audit       live certification: thresholds certified on the live traffic's labelled rows, at every moment
 _hedge       hedged escalation: a borderline question's target call raced against its re-reads
 _breaker     the escalation guards' state: the target's circuit breaker, the cap on what engine faults escalate
 _escalation  the target call: prompt, structured output, reading the reply
@@ -29,6 +30,7 @@ Public modules beside this surface: `canvasroute.router.telemetry` (span and att
 
 from typing import Any
 
+from ._audit import InMemoryLiveState, Labeller
 from ._breaker import BreakerState
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
@@ -38,6 +40,7 @@ from ._model import CanvasDecisionModel
 from ._policy import (
     ACTIONS,
     MAX_SAMPLES,
+    Audit,
     Breaker,
     Certificate,
     Controller,
@@ -46,6 +49,7 @@ from ._policy import (
     EscalationBudget,
     GatePolicy,
     Hedge,
+    LiveFigures,
     OutcomePolicy,
     load_policy,
     resolve_gate,
@@ -101,6 +105,7 @@ __all__ = [
     "PATHS",
     "REPLAYS",
     "Asked",
+    "Audit",
     "Breaker",
     "BreakerState",
     "BudgetMeter",
@@ -122,8 +127,11 @@ __all__ = [
     "Identity",
     "InMemoryBudgetMeter",
     "InMemoryControllerState",
+    "InMemoryLiveState",
     "JsonlSpanExporter",
     "Labelled",
+    "Labeller",
+    "LiveFigures",
     "OutcomePolicy",
     "QuestionCalibration",
     "QuestionSet",

@@ -30,6 +30,9 @@ certified threshold it keeps it. An update that would leave the bounds stops at 
 integrated), so the offset never winds up past what it can apply. Only the offset is rounded to the
 resolution, never the base: a gate at offset 0 is gated at its own threshold exactly (a calibrated
 0.431518 stays 0.431518, certificate and all), a moved one at the base plus whole grid steps.
+Under live certification (`Escalation.audit`) the base is the live certified threshold, set
+before the controller steers (`canvasroute.router._audit`), and a live certificate is a
+certificate: only tightened, unless told.
 
 An uncertified gate that passes nothing (`Certificate.passes_nothing`) does so whatever its
 threshold: the controller leaves it alone, as it does a gate without an entropy threshold; one

@@ -16,7 +16,9 @@ target call beside a borderline question's re-reads, `canvasroute.router._hedge`
 absorbed fault is logged (WARNING, logger `canvasroute.router`), marked on the `decide` span
 and counted (`canvasroute.faults`).
 An escalation-rate controller (`canvasroute.router._control`) sets the thresholds at the start
-of a run and observes its outcomes at the end.
+of a run and observes its outcomes at the end; live certification (`canvasroute.router._audit`)
+sets its certified thresholds before it, and at the end takes the sampled answers' rows (free
+labels now, audits in the background).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from canvasroute.engine import (
     defuse,
 )
 
+from . import _audit as live
 from . import telemetry as tm
 from ._control import observe, steer
 from ._escalation import Asked, Calls, Escalated, Restated, escalate, target_name
@@ -75,6 +78,10 @@ class Decision:
     """The model's name, for spans when the engine cannot say its own."""
     notices: set[str] = field(default_factory=set)
     """The model's warnings given so far (each is given once per model)."""
+    ticket: Any = None
+    """A sampled decision's audit slot (live certification), until its end hands it on or back."""
+    live_fault: Exception | None = None
+    """The fault that kept live certification's shared state from refreshing at the start (None: none)."""
 
     def absorbs(self, exc: CanvasRouteError) -> bool:
         """Whether an engine fault goes to escalation or a fallback instead of raising.
@@ -88,6 +95,23 @@ class Decision:
         return action == "fallback" or (action == "escalate" and request.escalation is not None)
 
     async def run(self) -> CanvasResponse:
+        escalation = self.request.escalation
+        if escalation is not None and escalation.audit is not None and self.request.mode != "canvas_only":
+            return await self._audited()
+        return await self._run()
+
+    async def _audited(self) -> CanvasResponse:
+        """`_run` under live certification: its certified thresholds set first (the controller steers
+        on top), the audit coin drawn, and its slot given back however the run ends."""
+        self.request, ticket, self.live_fault = await live.steer(self.request)
+        self.ticket = ticket
+        try:
+            return await self._run()
+        finally:
+            if self.ticket is not None:
+                self.ticket.release()
+
+    async def _run(self) -> CanvasResponse:
         start = time.perf_counter()
         refresh_fault = None
         if self.request.escalation is not None and self.request.escalation.controller is not None:
@@ -130,6 +154,9 @@ class Decision:
             tm.record_reports(span, reports, latency, model, request.gates, attrs)
             if observed:
                 await observe(request, run.gated, span, refresh_fault)  # once per decision (a cache hit returned)
+            if request.live:
+                ticket, self.ticket = self.ticket, None
+                await live.observe(request, reports, span, ticket, self.live_fault)  # once per decision
         response = CanvasResponse.model_validate({
             "model": model,
             "answers": {r.question_id: answer_of(specs[r.question_id], r) for r in reports if r.path != "skipped"},

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 from canvasroute.engine import CanvasRouteError, DecisionError, Engine, run_sync
 
+from ._audit import InMemoryLiveState, live_gated
 from ._breaker import BreakerState
 from ._budget import BudgetMeter, InMemoryBudgetMeter
 from ._cache import DecisionCache
@@ -130,6 +131,9 @@ class CanvasDecisionModel(BaseDecisionModel):
         if value.breaker_state is not None and not isinstance(value.breaker_state, BreakerState):
             raise ValueError(f"Escalation.breaker_state must be a router.BreakerState, not "
                              f"{type(value.breaker_state).__name__}")
+        if value.audit_state is not None and not isinstance(value.audit_state, InMemoryLiveState):
+            raise ValueError("Escalation.audit_state must be a router.InMemoryLiveState (or a harness "
+                             f"StoreLiveState), not {type(value.audit_state).__name__}")
         return value
 
     def model_post_init(self, context: Any) -> None:
@@ -149,8 +153,13 @@ class CanvasDecisionModel(BaseDecisionModel):
         if escalation is not None and escalation.breaker is not None and escalation.breaker_state is None:
             escalation = replace(escalation, breaker_state=BreakerState(escalation.breaker,
                                                                         target_name(escalation.target)))
+        own_audit = escalation is not None and escalation.audit_state is not None
+        if escalation is not None and escalation.audit is not None:
+            _check_audited(self.policy)
+            if escalation.audit_state is None:
+                escalation = replace(escalation, audit_state=InMemoryLiveState(escalation.audit))
         defaults = Defaults(read=self.read, policy=self.policy, outcomes=self.outcomes, escalation=escalation)
-        self._kept = _Memo(Planner(self.engine), defaults, own_meter, own_state)
+        self._kept = _Memo(Planner(self.engine), defaults, own_meter, own_state, own_audit)
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy of this model with `update`'s fields changed: the model its fields build.
@@ -232,6 +241,23 @@ class CanvasDecisionModel(BaseDecisionModel):
         if escalation is None or escalation.controller is None or self._memo.own_state:
             return None
         return self._scope(escalation, "controller", escalation.controller)
+
+    @property
+    def live_counters(self) -> dict[str, Any]:
+        """Live certification's claim, counts and, per question, its certified threshold, bound,
+        rows, audits and epoch (`InMemoryLiveState.snapshot`; empty without an audit)."""
+        escalation = self._memo.defaults.escalation
+        state = escalation.audit_state if escalation is not None else None
+        return state.snapshot() if state is not None else {}
+
+    @property
+    def live_scope(self) -> str | None:
+        """What names this model's live certification rows in a shared store (`Escalation.name`, else
+        its model name, target and audit), or None without an audit or with a state of its own."""
+        escalation = self._memo.defaults.escalation
+        if escalation is None or escalation.audit is None or self._memo.own_audit:
+            return None
+        return self._scope(escalation, "audit", escalation.audit)
 
     def _scope(self, escalation: Escalation, kind: str, value: Any) -> str:
         """`escalation.name`, else a hash of the model name, the target and `value` (the budget or
@@ -432,6 +458,18 @@ class CanvasDecisionModel(BaseDecisionModel):
         return config
 
 
+def _check_audited(policy: GatePolicy) -> None:
+    """An audit needs some question it can certify live: an entropy threshold and one read (no re-reads).
+
+    Raises:
+        ValueError: no question of `policy` (its default or an override) reads once.
+    """
+    if not any(live_gated(g) for g in (policy, *policy.per_question.values())):
+        raise ValueError("Escalation(audit=...) certifies questions that are read once: give the gate rereads=0 "
+                         "(and an entropy threshold); with re-reads, which reads a decision gets depends on the "
+                         "threshold, so the rows of one threshold do not describe another")
+
+
 @dataclass(slots=True)
 class _Memo:
     """What a model keeps between decisions: its plans, parsed question sets, resolved escalation."""
@@ -444,12 +482,14 @@ class _Memo:
     """The caller gave the escalation its meter (a graph store does not replace it)."""
     own_state: bool = False
     """The caller gave the escalation its controller state (a graph store does not replace it)."""
+    own_audit: bool = False
+    """The caller gave the escalation its live certification state (a graph store does not replace it)."""
     served: str | None = None
     """The engine's served model name, once known (for callback tracers)."""
     only: CanvasDecisionModel | None = None
     """The model's `canvas_only()` copy, once made."""
     scopes: dict[tuple[str, str, str], str] = field(default_factory=dict)
-    """`budget_scope` and `controller_scope` by kind, model name and target name, once worked out."""
+    """`budget_scope`, `controller_scope` and `live_scope` by kind, model name and target name, once worked out."""
     notices: set[str] = field(default_factory=set)
     """The warnings the model's decisions have given (each once per model)."""
 

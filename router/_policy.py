@@ -10,9 +10,10 @@ Three frozen values, one concern each:
 - `Escalation`: where an escalated question goes (target, output mode, prompt, timeout),
   what it may spend (`EscalationBudget` and the meter that counts it), the escalation rate it
   holds (`Controller` and the state that keeps its offsets), whether a borderline
-  question's target call starts beside its re-reads (`Hedge`), and the circuit breaker that
-  keeps a dead target from being called on every decision and an engine outage from flooding it
-  (`Breaker` and its state, `canvasroute.router._breaker`).
+  question's target call starts beside its re-reads (`Hedge`), the circuit breaker that keeps a
+  dead target from being called on every decision and an engine outage from flooding it
+  (`Breaker` and its state, `canvasroute.router._breaker`), and whether each question's
+  threshold is certified on the live traffic (`Audit`, `canvasroute.router._audit`).
 
 A decision's gate is resolved once per question, in one order (`resolve_gate`): the model's
 policy (in code or a policy file, per-question fits included), then each override layer in
@@ -25,6 +26,7 @@ as JSON: `{"format": "canvasroute.policy/1", "policy": {...}, "calibration": {..
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,9 +37,10 @@ from typing import Any, Literal, Protocol, get_args
 from canvasroute.engine import CalibrationError, DecisionError
 from canvasroute.engine._compat import keep_removed, warn_moved, with_kept
 
-__all__ = ["ACTIONS", "POLICY_FORMAT", "Action", "Breaker", "Certificate", "ControlSetting", "Controller", "Escalation",
-           "EscalationBudget", "EscalationOutput", "GatePolicy", "Hedge", "OutcomePolicy", "check_fallbacks",
-           "load_policy", "policy_from_dict", "policy_to_dict", "resolve_gate", "save_policy"]
+__all__ = ["ACTIONS", "AUDIT_THRESHOLDS", "POLICY_FORMAT", "Action", "Audit", "Breaker", "Certificate",
+           "ControlSetting", "Controller", "Escalation", "EscalationBudget", "EscalationOutput", "GatePolicy", "Hedge",
+           "LiveFigures", "LiveSetting", "OutcomePolicy", "check_fallbacks", "load_policy", "policy_from_dict",
+           "policy_to_dict", "resolve_gate", "save_policy"]
 
 MAX_SAMPLES = 32
 """Reads of one question in a decision, first reads and re-reads each (vLLM's gateway caps samples there too)."""
@@ -132,7 +135,8 @@ class Certificate:
     certified: bool = True
     """False: no bound was proved; what the gate does then is `fallback`'s."""
     method: str = "learn-then-test"
-    """How the bound was proved (the calibration's docstring cites it)."""
+    """How the bound was proved (the calibration's docstring cites it; `live-dkelly`: live
+    certification, `canvasroute.router._audit`)."""
     asked: float | None = None
     """The bound the calibration asked for, when the rows proved only the looser `max_error`
     (`calibrate(uncertified="looser")`); None: `max_error` is what was asked."""
@@ -142,6 +146,9 @@ class Certificate:
     family: int = 1
     """Questions certified together: the bound holds for all of them at once with probability
     `confidence` (each tested at `(1 - confidence) / family`, Bonferroni)."""
+    live: LiveFigures | None = field(default=None, compare=False, repr=False)
+    """A live certificate's figures as they stand now (`Audit`); None: an offline one. Left out of
+    comparisons and `repr` (so of cache keys): they move with every labelled row."""
 
     def __post_init__(self) -> None:
         for name in ("max_error", "escalation_rate"):
@@ -168,7 +175,9 @@ class Certificate:
         """What it proved, in words: `certified: error <= 5% at 90%, 400 rows, 22% escalated`,
         `certified: error <= 8.1% at 90% (asked 5%), ...`, `... at 90% for 3 questions jointly, ...`,
         or `uncertified: 40 rows cannot certify error <= 5% at 90%` (`; gated on its own threshold`
-        when it falls back to the gate's own thresholds)."""
+        when it falls back to the gate's own thresholds); a live certificate's (`Audit`) its own."""
+        if self.live is not None:
+            return self.live.text(self)
         joint = f" for {self.family} questions jointly" if self.family > 1 else ""
         if not self.certified:
             own = "; gated on its own threshold" if self.fallback == "threshold" else ""
@@ -182,6 +191,38 @@ class Certificate:
 def _percent(x: float, digits: int = 4) -> str:
     """`0.05` as `5%`, `0.025` as `2.5%`."""
     return f"{x * 100:.{digits}g}%"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LiveFigures:
+    """What live certification (`Audit`) shows of one gate now: a live `Certificate`'s moving part.
+
+    What it certifies is disagreement with the labeller (the escalation target, or the people
+    of the review lane), not ground truth: with people as labellers, their error rate.
+    """
+
+    labeller: str
+    """Whose labels the rows carry: the escalation target's name, or `reviewers` (people)."""
+    bound: float
+    """The anytime-valid upper bound, now, on the disagreement rate of the answers this threshold
+    passes (1 with no rows)."""
+    rows: int
+    """Labelled rows the bound rests on, every worker's, since the last reset."""
+    audits: int
+    """Audits spent on this question so far, every worker's (labeller calls for passed answers)."""
+    epoch: int = 1
+    """1, plus one per drift alarm (each alarm resets the rows: `canvasroute.router._audit`)."""
+
+    def text(self, cert: Certificate) -> str:
+        """`certified live: disagreement with gemma <= 5% at 90% (bound 3.2%), 412 rows, 37
+        audits`, or `uncertified live: 37 rows cannot certify disagreement with gemma <= 5% at
+        90% yet (bound 12%), 3 audits`."""
+        claim = f"disagreement with {self.labeller} <= {_percent(cert.max_error)} at {_percent(cert.confidence)}"
+        tail = f", {self.audits} audits" + (f", {self.epoch - 1} drift alarm(s)" if self.epoch > 1 else "")
+        bound = f"bound {_percent(self.bound, 3)}"
+        if cert.certified:
+            return f"certified live: {claim} ({bound}), {self.rows} rows{tail}"
+        return f"uncertified live: {self.rows} rows cannot certify {claim} yet ({bound}){tail}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -568,6 +609,25 @@ class ControlSetting:
     """The highest offset (0 for a certified gate, unless `loosen_certified`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class LiveSetting:
+    """What live certification set for one question of one decision (`DecisionRequest.live`)."""
+
+    threshold: float | None
+    """The certified threshold the gate passed at (None: nothing certified, the gate passed nothing)."""
+    index: int
+    """Its candidate's index in `Audit.thresholds` (-1: none)."""
+    epoch: int
+    """The question's epoch (1, plus one per drift alarm)."""
+    rate: float
+    """The chance this decision's coin samples the question."""
+    free: bool = False
+    """Its label comes free: it passes nothing, and its answers escalate to the target that labels
+    (so a sampled one needs no audit, and no audit slot)."""
+    sampled: bool | None = None
+    """Whether the coin sampled it (None: not drawn yet: a node cache key's request)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Hedge:
     """Hedged escalation: a borderline question's target call starts beside its re-reads.
@@ -671,6 +731,103 @@ class Breaker:
                 raise ValueError(f"Breaker.{name} must be a positive number of seconds, got {value!r}")
 
 
+AUDIT_THRESHOLDS: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
+"""The candidate thresholds live certification tests by default: H/lnK 0.05, 0.10, ..., 1.0."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Audit:
+    """Live certification: a share of the answers the gate passes is also labelled, in the
+    background, and each question's threshold moves to the loosest one the labelled rows certify.
+
+    Per question, each candidate threshold in `thresholds` (strict to loose, fixed in advance) has
+    an anytime-valid e-process for "the answers it passes disagree with the labeller more than
+    `max_error`"; the gate passes at the loosest candidate whose e-process and every stricter
+    one's reject that at level 1 - `confidence` (fixed-sequence testing), holds at every moment
+    (Ville's inequality), and tightens at once when the evidence breaks: a drift detector resets
+    the question (`canvasroute.router._audit` states the test, what it certifies and under which
+    assumptions). Until some candidate is certified the gate passes nothing: every answer escalates,
+    and the target's answers are the rows. What is certified is disagreement with the labeller (the
+    escalation target, or the people of the review lane), not ground truth unless people label.
+    Live thresholds need one set of reads per decision: questions with re-reads are not certified live.
+
+    Example:
+        ```python
+        Escalation(ChatOpenAI(model="gemma-3-27b"), audit=Audit(rate=0.02, max_error=0.05),
+                   budget=EscalationBudget(max_per_window=600, window_s=60))
+        ```
+    """
+
+    rate: float
+    """Share of the answers the gate passes that are also sent to the labeller, within (0, 1]
+    (each audit is one labelled row; it spends the escalation budget like an escalation)."""
+    max_error: float = 0.05
+    """The disagreement rate to certify for the answers the gate passes, within (0, 1)."""
+    confidence: float = 0.9
+    """With this probability, at every moment, no certified threshold's disagreement rate exceeds
+    `max_error` (per question, while the traffic is stationary), within (0, 1)."""
+    labels: Literal["target", "review"] = "target"
+    """Who labels: the escalation target (asked as an escalation asks, its answers to escalated
+    questions counting too), or people through `reviewer` (the review lane)."""
+    reviewer: Any = None
+    """The labeller for `labels="review"`: a `canvasroute.harness.AuditInbox` (people answer its
+    items), or any `canvasroute.router._audit.Labeller`."""
+    thresholds: tuple[float, ...] = AUDIT_THRESHOLDS
+    """Candidate H/lnK thresholds, strictly increasing within (0, 1], tested strict to loose."""
+    max_pending: int = 64
+    """Audits reserved or in flight at once (per worker); a decision that finds them all taken is
+    not sampled (counted as `dropped`), so the background work stays bounded."""
+    timeout: float | None = None
+    """Seconds one audit may take (None: the escalation's timeout for the target, an hour for the
+    review lane). An audit that times out counts as a disagreement."""
+    alarm: float = 100.0
+    """The drift detector's threshold (e-CUSUMs on the certified threshold's rows: while its rate
+    holds, false alarms come at most once per this many of its rows on average, far fewer while it
+    is under `max_error`); an alarm resets the question (it passes nothing until certified again)."""
+    sync_every: int = 4
+    """A shared state (a graph store's) reads the other workers' rows and writes its own after this
+    many decisions, or `sync_s` seconds, whichever comes first (state in one process: always)."""
+    sync_s: float = 1.0
+    """Seconds at most between two syncs of a shared state (checked when a decision ends)."""
+    seed: int | None = None
+    """Seeds the draw of which decisions are audited (None: fresh randomness; the draw never looks
+    at the decision)."""
+
+    def __post_init__(self) -> None:
+        checks = (("rate", 0.0 < self.rate <= 1.0, "within (0, 1]"),
+                  ("max_error", 0.0 < self.max_error < 1.0, "within (0, 1)"),
+                  ("confidence", 0.0 < self.confidence < 1.0, "within (0, 1)"),
+                  ("alarm", 1.0 < self.alarm < math.inf, "a finite number > 1"),
+                  ("sync_s", 0.0 < self.sync_s < math.inf, "a positive number of seconds"))
+        for name, ok, what in checks:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
+                raise ValueError(f"Audit.{name} must be {what}, got {value!r}")
+        if self.timeout is not None and not 0.0 < self.timeout < math.inf:
+            raise ValueError(f"Audit.timeout must be a positive number of seconds or None, got {self.timeout!r}")
+        for name in ("max_pending", "sync_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Audit.{name} must be an integer >= 1, got {value!r}")
+        if self.labels not in ("target", "review"):
+            raise ValueError(f"Audit.labels must be 'target' or 'review', got {self.labels!r}")
+        if self.labels == "review" and self.reviewer is None:
+            raise ValueError("Audit(labels='review') needs reviewer= (e.g. canvasroute.harness.AuditInbox())")
+        if self.labels == "target" and self.reviewer is not None:
+            raise ValueError("Audit.reviewer is for labels='review'")
+        grid = self.thresholds
+        if isinstance(grid, (str, bytes)) or not isinstance(grid, Iterable):
+            raise ValueError(f"Audit.thresholds must be a sequence of numbers, got {grid!r}")
+        object.__setattr__(self, "thresholds", grid := tuple(float(t) for t in grid))
+        if not grid or any(not 0.0 < t <= 1.0 for t in grid) or any(a >= b for a, b in itertools.pairwise(grid)):
+            raise ValueError(f"Audit.thresholds must be strictly increasing within (0, 1], got {grid!r}")
+
+    @property
+    def delta(self) -> float:
+        """1 - `confidence`: the chance, per question, that some certified threshold is wrong at some moment."""
+        return 1.0 - self.confidence
+
+
 @dataclass(frozen=True, slots=True)
 class Escalation:
     """Where the questions the gate did not pass go, and what they may spend.
@@ -717,6 +874,12 @@ class Escalation:
     breaker_state: Any = field(default=None, compare=False)
     """The `BreakerState` keeping the breaker's counts (None: one per model, in this process; not
     compared: two escalations set up alike are equal whatever their breakers have seen)."""
+    audit: Audit | None = None
+    """Live certification (`Audit`): a share of the passed answers labelled in the background, each
+    question's threshold the loosest the labelled rows certify (None: the thresholds as the gate says)."""
+    audit_state: Any = None
+    """The `LiveState` keeping the audits' rows (None: one in this process; a decision node with a
+    graph store keeps them in the store, shared by every worker)."""
 
     def __post_init__(self) -> None:
         if self.output not in get_args(EscalationOutput):
@@ -737,6 +900,10 @@ class Escalation:
             raise TypeError(f"Escalation.breaker must be a Breaker, not {type(self.breaker).__name__}")
         if self.breaker_state is not None and self.breaker is None:
             raise ValueError("Escalation.breaker_state needs breaker= (the breaker it counts for)")
+        if self.audit is not None and not isinstance(self.audit, Audit):
+            raise TypeError(f"Escalation.audit must be an Audit, not {type(self.audit).__name__}")
+        if self.audit_state is not None and self.audit is None:
+            raise ValueError("Escalation.audit_state needs audit= (what it certifies)")
 
 
 def check_fallbacks(options: Mapping[str, tuple[str, ...]], gates: Mapping[str, GatePolicy],
@@ -785,7 +952,8 @@ def policy_to_dict(policy: GatePolicy) -> dict[str, Any]:
     out: dict[str, Any] = {f.name: getattr(policy, f.name) for f in fields(GatePolicy)
                            if f.name not in ("per_question", "certificate")}
     if policy.certificate is not None:
-        out["certificate"] = {f.name: getattr(policy.certificate, f.name) for f in fields(Certificate)}
+        out["certificate"] = {f.name: getattr(policy.certificate, f.name) for f in fields(Certificate)
+                              if f.name != "live"}  # (a live certificate's figures are of the moment)
     if policy.per_question:
         out["per_question"] = {qid: policy_to_dict(p) for qid, p in policy.per_question.items()}
     return out

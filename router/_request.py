@@ -13,7 +13,7 @@ DecisionRequest
 ├── read         ReadOptions: instructions, alone, steps, think, images, constrained
 ├── gate         GatePolicy, every override applied once (`resolve_gate`)
 ├── outcomes     OutcomePolicy: what happens when the gate is not passed
-├── escalation   Escalation (target, output, prompt, timeout, budget, meter) or None
+├── escalation   Escalation (target, output, prompt, timeout, budget, meter, controller, hedge, audit) or None
 └── identity     Identity: seed, thread, branch, span attributes; `key` for caches
 ```
 
@@ -36,7 +36,15 @@ from langchain_core.decisions import Choice, Noul, Score
 
 from canvasroute.engine import SPECIAL_CANDIDATES, DecisionError, defuse
 
-from ._policy import ControlSetting, Escalation, GatePolicy, OutcomePolicy, check_fallbacks, resolve_gates
+from ._policy import (
+    ControlSetting,
+    Escalation,
+    GatePolicy,
+    LiveSetting,
+    OutcomePolicy,
+    check_fallbacks,
+    resolve_gates,
+)
 from ._questions import Dependencies, QuestionSpec, option_text, parse_depends_on, parse_questions
 from ._schema import schema_questions
 from ._state import read_state
@@ -278,6 +286,11 @@ class DecisionRequest:
     """What the escalation-rate controller set, per question it moves (`Escalation.controller`):
     applied once at the start of the run (`canvasroute.router._control.steer`), its thresholds then
     in `gate` and `gates`. None: no controller, or not applied yet."""
+    live: Mapping[str, LiveSetting] | None = None
+    """What live certification set, per question it gates (`Escalation.audit`): the certified
+    threshold and the audit coin, applied once at the start of the run, before the controller
+    (`canvasroute.router._audit.steer`), its thresholds and live certificates then in `gate` and
+    `gates`. None: no audit, or not applied yet."""
 
     @cached_property
     def key(self) -> str:
@@ -301,6 +314,12 @@ class DecisionRequest:
         if self.escalation is None or self.escalation.budget is None or meter is None:
             return self
         return replace(self, escalation=replace(self.escalation, meter=meter))
+
+    def audited_by(self, state: Any) -> DecisionRequest:
+        """This decision with its live certification's rows kept by `state` (e.g. a graph store's)."""
+        if self.escalation is None or self.escalation.audit is None or state is None:
+            return self
+        return replace(self, escalation=replace(self.escalation, audit_state=state))
 
     def controlled_by(self, state: Any) -> DecisionRequest:
         """This decision with its escalation-rate controller's offsets kept by `state` (e.g. a graph store's)."""

@@ -38,6 +38,10 @@ Every figure is a ratio or a distribution measured side by side in one run:
                   distribution (`CausalServerEngine`): decisions/s and p50 beside the DiffusionGemma
                   read (`--vllm-url`) on the same CPU and beside the same causal model asked for the
                   answers as generated JSON on the same server (skipped without `--causal-url`).
+16. `live`        live certification on generated streams with known truth (stationary, abrupt
+                  and slow drift): how often the certified threshold's true disagreement exceeds
+                  the target, coverage after 1k/10k decisions against the oracle, audits spent,
+                  decisions to tighten after a drift; and 4 workers on one store end to end.
 
 `--quick` runs each with fewer iterations (well under a minute); the full run takes a
 few minutes on 2 cores. Figures depend on the machine and its load: see BENCHMARKS.md
@@ -59,7 +63,7 @@ from .common import Section, loop_ns, machine
 __all__ = ["SECTIONS", "configure", "run"]
 
 SECTIONS = ("overhead", "throughput", "packing", "canvas_vs_ar", "vllm", "affinity", "inprocess", "clients",
-            "gateway", "isolation", "structure", "risk", "controller", "hedge", "causal")
+            "gateway", "isolation", "structure", "risk", "controller", "hedge", "causal", "live")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         "controller": lambda: _controller(args.quick),
         "hedge": lambda: _hedge(args.quick),
         "causal": lambda: _causal(args.causal_url, args.vllm_url, args.quick),
+        "live": lambda: _live(args.quick),
     }
     start = time.perf_counter()
     info = machine()
@@ -212,3 +217,7 @@ def _causal(causal_url: str | None, vllm_url: str | None, quick: bool) -> Sectio
     from .causal import run_causal
 
     return run_causal(causal_url, vllm_url, quick)
+def _live(quick: bool) -> Section:
+    from .live import run_live
+
+    return run_live(quick)

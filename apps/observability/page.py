@@ -324,34 +324,67 @@ def _node_section(node: NodeStats, report: Report, buckets: int, index: dict[str
 
 
 def _guarantees_section(report: Report, index: dict[str, int]) -> str:
-    """Each certified (or uncertified) gate in words, beside what its question did in these traces."""
+    """Each certified (or uncertified) gate in words, beside what its question did in these traces;
+    then each live-certified question (`Escalation.audit`) as it stood last."""
     groups: dict[tuple[str, str, str], list[Decision]] = defaultdict(list)
+    live: dict[tuple[str, str], list[Decision]] = defaultdict(list)
     for d in report.decisions:
-        if d.gate and _CERTIFIED in d.gate:
+        if d.gate and _LIVE in d.gate:
+            live[(d.node, d.question)].append(d)
+        elif d.gate and _CERTIFIED in d.gate:
             groups[(d.node, d.question, d.gate)].append(d)
-    if not groups:
+    if not groups and not live:
         return ('<section class="card" id="guarantees-section"><p class="muted">No certified gate in these traces '
-                '(<code>canvasroute calibrate --max-error 0.05 --confidence 0.9</code> writes one).</p></section>')
-    rows = []
-    for (node, question, gate), xs in sorted(groups.items()):
-        passed = sum(x.path in ("canvas", "reread") for x in xs)
-        rows.append(f'<tr><td{_nix(index, node)}>{_cell(node)}</td><td><code>{_cell(question)}</code></td>'
-                    f'<td>{html.escape(gate)}</td><td class="num">{len(xs)}</td>'
-                    f'<td class="num">{_pct(passed / len(xs))}</td>'
-                    f'<td class="num">{_pct(sum(x.path == "escalated" for x in xs) / len(xs))}</td>'
-                    f'<td>{_causes(xs)}</td></tr>')
-    return ('<section class="card" id="guarantees-section"><p class="muted">A certified gate '
-            '(<code>canvasroute calibrate --max-error</code>) bounds the error rate of the answers it passes, with the '
-            'stated probability over its calibration rows, while live reads are drawn like those rows; an '
-            'uncertified one passes nothing, or keeps its own threshold and says so. Its words say the bound and '
-            'the share of calibration rows it escalated: a live share far from that one is a sign the traffic '
-            'has drifted, and the bound then '
-            'says nothing. Traces carry no gold answers: the live error rate is not measured here.</p>'
-            '<table id="guarantees"><thead><tr><th>node</th><th>question</th><th>gate</th><th class="num">n</th>'
-            '<th class="num">passed</th><th class="num">escalated</th><th>gate not passed</th></tr></thead>'
-            f'<tbody>{"".join(rows)}</tbody></table></section>')
+                '(<code>canvasroute calibrate --max-error 0.05 --confidence 0.9</code> writes one; '
+                '<code>Escalation(audit=Audit(rate=0.02))</code> certifies live).</p></section>')
+    out = ['<section class="card" id="guarantees-section">']
+    if groups:
+        rows = []
+        for (node, question, gate), xs in sorted(groups.items()):
+            passed = sum(x.path in ("canvas", "reread") for x in xs)
+            rows.append(f'<tr><td{_nix(index, node)}>{_cell(node)}</td><td><code>{_cell(question)}</code>'
+                        f'</td><td>{html.escape(gate)}</td><td class="num">{len(xs)}</td>'
+                        f'<td class="num">{_pct(passed / len(xs))}</td>'
+                        f'<td class="num">{_pct(sum(x.path == "escalated" for x in xs) / len(xs))}</td>'
+                        f'<td>{_causes(xs)}</td></tr>')
+        out.append('<p class="muted">A certified gate (<code>canvasroute calibrate --max-error</code>) bounds the '
+                   'error rate of the answers it passes, with the stated probability over its calibration rows, '
+                   'while live reads are drawn like those rows; an uncertified one passes nothing, or keeps its own '
+                   'threshold and says so. Its words say the bound and the share of calibration rows it escalated: a '
+                   'live share far from that one is a sign the traffic has drifted, and the bound then says nothing. '
+                   'Traces carry no gold answers: the live error rate is not measured here.</p>'
+                   '<table id="guarantees"><thead><tr><th>node</th><th>question</th><th>gate</th>'
+                   '<th class="num">n</th><th class="num">passed</th><th class="num">escalated</th>'
+                   f'<th>gate not passed</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
+    if live:
+        rows = []
+        for (node, question), xs in sorted(live.items()):
+            last = max(xs, key=lambda x: x.time_ns)
+            passed = sum(x.path in ("canvas", "reread") for x in xs)
+            threshold = f"{last.live_threshold:g}" if last.live_threshold is not None else "nothing"
+            rows.append(f'<tr><td{_nix(index, node)}>{_cell(node)}</td><td><code>{_cell(question)}</code>'
+                        f'</td><td class="num">{html.escape(threshold)}</td>'
+                        f'<td class="num">{"–" if last.live_bound is None else f"{last.live_bound:.1%}"}</td>'
+                        f'<td class="num">{last.live_rows if last.live_rows is not None else "–"}</td>'
+                        f'<td class="num">{last.live_audits if last.live_audits is not None else "–"}</td>'
+                        f'<td class="num">{len(xs)}</td><td class="num">{_pct(passed / len(xs))}</td>'
+                        f'<td>{html.escape(last.gate or "")}</td></tr>')
+        out.append('<p class="muted">Live certification (<code>Escalation(audit=Audit(...))</code>) labels a share '
+                   'of the passed answers in the background and passes at the loosest threshold whose anytime-valid '
+                   'bound certifies the target: with the stated probability, at every moment, the answers it passes '
+                   'disagree with the labeller (the escalation target, or reviewers) at most that often, while the '
+                   'traffic is stationary. It certifies disagreement with the labeller, not truth. As it stood at '
+                   'the last decision in these traces:</p>'
+                   '<table id="live-guarantees"><thead><tr><th>node</th><th>question</th>'
+                   '<th class="num">certified threshold</th><th class="num">bound</th><th class="num">rows</th>'
+                   '<th class="num">audits</th><th class="num">n</th><th class="num">passed</th><th>gate</th></tr>'
+                   f'</thead><tbody>{"".join(rows)}</tbody></table>')
+    out.append("</section>")
+    return "".join(out)
 
 
+_LIVE = "certified live: "
+"""In a gate's words (`GatePolicy.gate_text`) when live certification gates it (`uncertified live: `, too)."""
 _CERTIFIED = "certified: "
 """In a gate's words (`GatePolicy.gate_text`) when it holds a certificate, certified or not."""
 
@@ -372,7 +405,9 @@ def _runs_section(report: Report) -> str:
         return "–" if value is None else ("≈ " if estimate else "") + seconds(value)
 
     def hedges(r: RunTotals) -> str:
-        return f" ({r.hedges} hedged, {r.hedges_cancelled} cancelled)" if r.hedges else ""
+        parts = [f"{r.hedges} hedged, {r.hedges_cancelled} cancelled"] if r.hedges else []
+        parts += [f"{r.audits} audits"] if r.audits else []
+        return f" ({'; '.join(parts)})" if parts else ""
 
     def replayed(n: int) -> str:
         return f' <span class="muted">+ {n} replayed</span>' if n else ""

@@ -75,6 +75,15 @@ class Decision:
     """The target was asked beside its re-reads (`Escalation.hedge`); `path` says which settled it."""
     escalation_error: str | None = None
     """Why its escalation failed (cause `target_fault`): the target's error, or its open breaker."""
+    live_threshold: float | None = None
+    """Live certification (`Escalation.audit`): the certified threshold the gate passed at (None:
+    none certified, or no live certification)."""
+    live_bound: float | None = None
+    """... the anytime-valid bound on its disagreement rate when decided."""
+    live_rows: int | None = None
+    """... the labelled rows the bound rested on."""
+    live_audits: int | None = None
+    """... the audits spent on the question by then."""
 
     @property
     def agrees(self) -> bool | None:
@@ -213,6 +222,9 @@ class RunTotals:
     """Seconds of the cancelled hedges (in `target_s`)."""
     cancelled_calls: int = 0
     """Target calls of the cancelled hedges (in `target_calls`; a hedge cancelled before it was sent made none)."""
+    audits: int = 0
+    """Target calls made as audits (live certification's labeller, `escalate` spans marked
+    `canvasroute.audit`): in `target_calls`, as they are target work."""
 
     @property
     def calls_saved(self) -> int:
@@ -239,7 +251,8 @@ class RunTotals:
                          self.target_s + other.target_s, self.canvas_tokens + other.canvas_tokens,
                          self.decide_s + other.decide_s, self.replayed + other.replayed,
                          self.hedges + other.hedges, self.hedges_cancelled + other.hedges_cancelled,
-                         self.cancelled_s + other.cancelled_s, self.cancelled_calls + other.cancelled_calls)
+                         self.cancelled_s + other.cancelled_s, self.cancelled_calls + other.cancelled_calls,
+                         self.audits + other.audits)
 
 
 @dataclass(slots=True)
@@ -341,7 +354,9 @@ def build_report(spans: Sequence[SpanRecord], sources: Sequence[str] = ()) -> Re
                 reads=int(f.get("reads") or 0), escalation_model=_str_or_none(f.get("escalation_model")),
                 trace_id=s.trace_id, crossed=tuple(map(str, f.get("crossed") or ())), gate=_str_or_none(f.get("gate")),
                 cause=_str_or_none(f.get("cause")), hedged=f.get("hedged") is True,
-                escalation_error=_str_or_none(f.get("escalation_error"))))
+                escalation_error=_str_or_none(f.get("escalation_error")),
+                live_threshold=_float_or_none(f.get("live_threshold")), live_bound=_float_or_none(f.get("live_bound")),
+                live_rows=_int_or_none(f.get("live_rows")), live_audits=_int_or_none(f.get("live_audits"))))
     reads: dict[str, list[float]] = defaultdict(list)
     escalations: list[float] = []
     escalation_models: dict[str, str] = {}
@@ -413,6 +428,7 @@ def _run_totals(spans: Sequence[SpanRecord], decides: Sequence[SpanRecord],
             run.target_calls += calls
             run.target_s += s.duration_s
             run.hedges += tm.HEDGE in s.attributes
+            run.audits += tm.AUDIT in s.attributes
             if s.attributes.get(tm.HEDGE) == "cancelled":  # its calls are target calls (`Totals`), not a call's time
                 run.hedges_cancelled += 1
                 run.cancelled_calls += calls
@@ -467,6 +483,10 @@ def _graph_figures(spans: Sequence[SpanRecord]) -> dict[str, Any]:
 
 def _float_or_none(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _int_or_none(v: Any) -> int | None:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _str_or_none(v: Any) -> str | None:

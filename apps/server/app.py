@@ -349,6 +349,9 @@ def create_app(
         except Exception as exc:  # noqa: BLE001 - the engine may come up after the server
             log.warning("engine not ready at startup: %s", exc)
         yield
+        live = canvas.escalation.audit_state if canvas is not None and canvas.escalation is not None else None
+        if live is not None:
+            await live.aclose()  # audits still in the background: cancelled, their rows dropped
         engine = getattr(model, "engine", None)
         if close_engine and engine is not None:
             await engine.aclose()

@@ -77,6 +77,14 @@ The engine: --engine-url names an OpenAI-compatible server; what it serves picks
 first use (DiffusionGemma's structured read: VLLMServerEngine; a plain causal model: read at each
 slot for its exact label distribution, CausalServerEngine), unless --engine-kind says it.
 
+Live certification: --audit-rate 0.02 also sends 2 % of the answers the gate passes to the
+escalation target, in the background (within its budget), and moves each question's threshold to
+the loosest candidate the labelled rows certify: with probability --audit-confidence (0.9), at
+every moment, no certified threshold passes answers that disagree with the target more than
+--audit-max-error (0.05) of the time, while the traffic is stationary; a drift detector tightens it.
+Until a threshold is certified the gate passes nothing (everything escalates, and labels itself).
+It needs --rereads 0. Each answer's gate says the bound, rows and audits; /metrics shows them.
+
 Escalation targets (one of): --escalate-url URL --escalate-model NAME, an OpenAI-compatible
 chat server (its structured output); --escalate-decisions URL --escalate-model NAME, an OpenAI
 Decisions server (its base URL, .../v1: OpenAI, another canvasroute serve; asked through
@@ -141,6 +149,9 @@ _ENV = {
     "target_escalation": "CANVASROUTE_TARGET_ESCALATION",
     "controller_step": "CANVASROUTE_CONTROLLER_STEP",
     "hedge_band": "CANVASROUTE_HEDGE_BAND",
+    "audit_rate": "CANVASROUTE_AUDIT_RATE",
+    "audit_max_error": "CANVASROUTE_AUDIT_MAX_ERROR",
+    "audit_confidence": "CANVASROUTE_AUDIT_CONFIDENCE",
     "on_uncertain": "CANVASROUTE_ON_UNCERTAIN",
     "on_abstain": "CANVASROUTE_ON_ABSTAIN",
     "on_engine_error": "CANVASROUTE_ON_ENGINE_ERROR",
@@ -241,6 +252,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="hedged escalation: a question whose first read is over the gate by at most BAND (on its "
                           "0..1 figures) asks the target beside its re-reads, and the first to settle it answers "
                           "(Escalation(hedge=Hedge(band=BAND))); off by default [CANVASROUTE_HEDGE_BAND]")
+    esc.add_argument("--audit-rate", type=float, metavar="RATE", default=_env("audit_rate"),
+                     help="live certification: send this share (0..1] of the answers the gate passes to the "
+                          "escalation target too, in the background and within its budget, and move each "
+                          "question's threshold to the loosest one the labelled rows certify at every moment "
+                          "(needs a target and --rereads 0) [CANVASROUTE_AUDIT_RATE]")
+    esc.add_argument("--audit-max-error", type=float, metavar="RATE", default=_env("audit_max_error"),
+                     help="the disagreement rate with the target to certify for passed answers (default 0.05; "
+                          "needs --audit-rate) [CANVASROUTE_AUDIT_MAX_ERROR]")
+    esc.add_argument("--audit-confidence", type=float, metavar="P", default=_env("audit_confidence"),
+                     help="the confidence of that bound, at every moment (default 0.9; needs --audit-rate) "
+                          "[CANVASROUTE_AUDIT_CONFIDENCE]")
     outcome.add_argument("--on-engine-error", choices=SERVED["engine_fault"],
                          default=_env("on_engine_error", "escalate"),
                          help="engine faults escalate (when a target is set) or answer 503 (504, 529, 502 by the "
@@ -395,6 +417,25 @@ def _controlled(args: argparse.Namespace, target: Any) -> Any:
     return Escalation(target, controller=Controller(target=rate, **({} if step is None else {"step": step})))
 
 
+def _audited(args: argparse.Namespace, target: Any) -> Any:
+    """The escalation with the live certification the flags ask for (`Escalation(audit=Audit(...))`)."""
+    rate, max_error, confidence = args.audit_rate, args.audit_max_error, args.audit_confidence
+    if rate is None:
+        for flag, value in (("--audit-max-error", max_error), ("--audit-confidence", confidence)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --audit-rate")
+        return target
+    if target is None:
+        raise ValueError("--audit-rate needs an escalation target: --escalate-url, --escalate-decisions or "
+                         "--escalate-systemone (it labels the audited answers)")
+    from canvasroute.router import Audit, Escalation
+
+    escalation = target if isinstance(target, Escalation) else Escalation(target)
+    audit = Audit(rate=float(rate), max_error=0.05 if max_error is None else float(max_error),
+                  confidence=0.9 if confidence is None else float(confidence))
+    return dataclasses.replace(escalation, audit=audit)
+
+
 def build_model(args: argparse.Namespace) -> Any:
     """The `CanvasDecisionModel` the flags describe (its outcomes checked before the engine is built).
 
@@ -415,6 +456,7 @@ def build_model(args: argparse.Namespace) -> Any:
                              "--escalate-systemone or --escalate-causal")
         escalation = target if isinstance(target, Escalation) else Escalation(target)  # (a controller's, too)
         target = dataclasses.replace(escalation, hedge=Hedge(band=args.hedge_band))
+    target = _audited(args, target)
     return CanvasDecisionModel(engine=_engine(args), policy=policy, escalate_to=target, outcomes=outcomes)
 
 

@@ -26,6 +26,15 @@ their own counts. What it holds:
 | `canvasroute_server_fault_cap_escalations` | gauge: engine-fault escalations in the cap's window now | |
 | `canvasroute_server_fault_cap_limit` | gauge: the cap (`Breaker.fault_escalations`; absent when uncapped) | |
 | `canvasroute_server_fault_cap_refused_total` | counter: engine-fault questions past the cap | |
+| `canvasroute_server_live_max_error`, `..._confidence` | gauges: the claim (`--audit-max-error`, ...) | |
+| `canvasroute_server_live_questions` | gauge: questions live certification gates | `state` |
+| `canvasroute_server_live_threshold` | gauge: certified thresholds, over certified questions | `stat` |
+| `canvasroute_server_live_bound` | gauge: their anytime-valid bounds on disagreement | `stat` |
+| `canvasroute_server_live_audits_total` | counter: audits sent (this worker) | |
+| `canvasroute_server_live_rows_total` | counter: labelled rows counted (this worker) | |
+| `canvasroute_server_live_alarms_total` | counter: drift alarms (this worker) | |
+| `canvasroute_server_live_dropped_total` | counter: sampled decisions left out | `reason` |
+| `canvasroute_server_live_pending` | gauge: audits reserved or in flight | |
 
 Decisions: `path` is canvas, reread, escalated, fallback, unsure or skipped; `cause` is
 uncertain, abstained, engine_fault, over_budget or target_fault (`none` when the gate passed).
@@ -34,6 +43,9 @@ read at scrape; in this process). Refusals: `reason` is `escalation_refused` (th
 it), `target_fault` (`--refuse-unsure`, its escalation failed), `unsure` (`--refuse-unsure`),
 `model_refused` (the decision model refused them all) or `no_answer` (another decision model
 left it unanswered). Hedges: `outcome` is won, cancelled, failed or refused (`Diagnostics.hedges`).
+Live certification (`--audit-rate`): `state` is certified or uncertified; `stat` min, mean, max;
+`reason` slots (every audit slot taken), budget (the escalation budget refused it) or failed (the
+labeller's transport).
 """
 
 from __future__ import annotations
@@ -139,6 +151,52 @@ class _BreakerCollector:
                                   "escalated", value=snap["fault_refused"])
 
 
+class _LiveCollector:
+    """The served model's live certification (`--audit-rate`), read when scraped (question ids stay
+    out of the labels: a client names them)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        snap = self.model.live_counters
+        if not snap:
+            return
+        questions = list((snap.get("questions") or {}).values())
+        certified = [q for q in questions if q["threshold"] is not None]
+        yield GaugeMetricFamily("canvasroute_server_live_max_error", "Disagreement rate live certification "
+                                "certifies for the answers the gate passes", value=snap["max_error"])
+        yield GaugeMetricFamily("canvasroute_server_live_confidence", "Confidence at which it certifies it, at "
+                                "every moment", value=snap["confidence"])
+        family = GaugeMetricFamily("canvasroute_server_live_questions", "Questions live certification gates",
+                                   labels=["state"])
+        family.add_metric(["certified"], len(certified))
+        family.add_metric(["uncertified"], len(questions) - len(certified))
+        yield family
+        for name, key, text in (("threshold", "threshold", "Certified H/lnK thresholds"),
+                                ("bound", "bound", "Anytime-valid upper bounds on the certified thresholds' "
+                                                   "disagreement rates")):
+            if certified:
+                values = [float(q[key]) for q in certified]
+                stats = GaugeMetricFamily(f"canvasroute_server_live_{name}", f"{text}, over the certified "
+                                          "questions", labels=["stat"])
+                for stat, value in (("min", min(values)), ("mean", sum(values) / len(values)), ("max", max(values))):
+                    stats.add_metric([stat], value)
+                yield stats
+        counts = snap["counts"]
+        for name, value, text in (("audits", counts["audits"], "Audits sent to the labeller"),
+                                  ("rows", counts["rows"], "Labelled rows counted (audits and free escalated labels)"),
+                                  ("alarms", counts["alarms"], "Drift alarms (each resets its question)")):
+            yield CounterMetricFamily(f"canvasroute_server_live_{name}", f"{text}, this worker", value=value)
+        dropped = CounterMetricFamily("canvasroute_server_live_dropped", "Sampled decisions left out of the rows, "
+                                      "this worker", labels=["reason"])
+        for reason, key in (("slots", "dropped_slots"), ("budget", "dropped_budget"), ("failed", "failed")):
+            dropped.add_metric([reason], counts[key])
+        yield dropped
+        yield GaugeMetricFamily("canvasroute_server_live_pending", "Audits reserved or in flight",
+                                value=snap["pending"])
+
+
 class Metrics:
     """The server's metrics in their own registry (`model`: the served model, whose escalation-rate
     controller, if it has one, is read at scrape)."""
@@ -170,6 +228,8 @@ class Metrics:
             r.register(_ControllerCollector(model))  # the served canvas model's escalation-rate controller
         if escalation is not None and getattr(escalation, "breaker_state", None) is not None:
             r.register(_BreakerCollector(model))  # its escalation breaker and engine-fault cap
+        if escalation is not None and getattr(escalation, "audit", None) is not None:
+            r.register(_LiveCollector(model))  # the served canvas model's live certification
 
     def decided(self, reads: Mapping[str, Any], hedges: Iterable[str] = ()) -> None:
         """Count each question of an answered decision set by its path and cause, and its hedges."""

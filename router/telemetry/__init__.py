@@ -15,6 +15,11 @@ from the target with a `canvasroute.guard` event, and count it (`canvasroute.gua
 `canvasroute.guard` and `canvasroute.guard.event`); a target fault a decision absorbed is a
 `canvasroute.fault` event and a `canvasroute.faults` point, as an engine fault is.
 
+An audit (live certification, `Escalation.audit`) is an `escalate` span marked `canvasroute.audit`,
+started in the background after its decide span ended (its child); the decide span gets a
+`canvasroute.audit` event (`sent` or `dropped`), and the `canvasroute.audits` counter points by
+outcome (`sent`, `dropped`, `labelled`, `failed`).
+
 A hedge (`Escalation.hedge`) is an `escalate` span that runs beside the re-reads' `canvas_read`,
 marked `canvasroute.hedge` (`won`, `cancelled`, `failed`); the decide span gets a
 `canvasroute.hedge` event per hedge, and the `canvasroute.hedges` counter a point.
@@ -73,6 +78,8 @@ from ._spans import (
     mark_error,
     model_call,
     provider_of,
+    record_audit,
+    record_audit_fault,
     record_content,
     record_controller_fault,
     record_fault,
@@ -97,6 +104,8 @@ __all__ = [
     "mark_error",
     "model_call",
     "provider_of",
+    "record_audit",
+    "record_audit_fault",
     "record_content",
     "record_controller_fault",
     "record_fault",

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 __all__ = [
+    "AUDIT",
+    "AUDIT_EVENT",
+    "AUDIT_FAULT",
+    "AUDIT_OUTCOME",
     "CACHE_HIT",
     "CANVAS_READS",
     "CONTROLLER_FAULT",
@@ -152,12 +156,16 @@ QUESTION_KIND = "canvasroute.question.kind"
 DECISION_PREFIX = "canvasroute.decision"
 FIGURES = ("answer", "canvas_answer", "options", "canvas_probabilities", "temperature", "entropy",
            "normalized_entropy", "confidence", "margin", "label_mass", "path", "escalated",
-           "escalation_model", "cause", "reads", "agreement", "crossed", "gate", "hedged", "escalation_error")
+           "escalation_model", "cause", "reads", "agreement", "crossed", "gate", "hedged", "escalation_error",
+           "live_threshold", "live_bound", "live_rows", "live_audits")
 """Figures recorded per question (`canvas_*`: the canvas read before escalation, with
 `canvas_probabilities` in `options` order, at `temperature`; `crossed`: the thresholds the read
 crossed, absent when it passed; `gate`: `GatePolicy.gate_text`; `path` and `cause`: the outcome
 vocabulary of `ReadReport`; `hedged`: True when the target was asked beside its re-reads;
-`escalation_error`: the target's failure, or its open breaker, that left it unanswered)."""
+`escalation_error`: the target's failure, or its open breaker, that left it unanswered;
+`live_*`, under live certification (`Audit`): the certified threshold the gate passed at (absent
+while it passes nothing), the current bound on its disagreement rate, the rows it rests on and
+the audits spent on the question, every worker's)."""
 FIGURE_KEYS = {figure: f"{DECISION_PREFIX}.{figure}" for figure in FIGURES}
 """Figure -> its attribute key on a question event (`canvasroute.decision.entropy`, ...): a fixed set.
 (Trace files written before 0.2 hold them on the span as `canvasroute.decision.<question id>.<figure>`.)"""
@@ -225,6 +233,18 @@ CONTROLLER_FAULT = "canvasroute.controller.fault"
 """On a decide span whose escalation-rate controller could not record its outcomes (a shared
 store down): the error type. The decision's answers stand; the fault is logged and counted
 (`canvasroute.controller.faults`)."""
+AUDIT = "canvasroute.audit"
+"""True on the `escalate` span of an audit (live certification: the labeller asked about an answer
+the gate passed, in the background)."""
+AUDIT_EVENT = "canvasroute.audit"
+"""Span event on a decide span whose sampled answers were sent to the labeller (or dropped because
+the budget refused them): `canvasroute.audit.outcome` and `canvasroute.escalation.questions`."""
+AUDIT_OUTCOME = "canvasroute.audit.outcome"
+"""`sent`, `dropped` (the budget refused it), `labelled` or `failed` (the labeller's transport: not
+counted), on audit events and on the `canvasroute.audits` metric points."""
+AUDIT_FAULT = "canvasroute.audit.fault"
+"""On a decide span whose live certification state could not be read or written (a shared store
+down): the error type. The answers stand; logged and counted (`canvasroute.audit.faults`)."""
 # metric attributes (low cardinality: developer-defined names only)
 METRIC_PATH = "canvasroute.path"
 METRIC_CAUSE = "canvasroute.cause"

@@ -23,6 +23,10 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from ._names import (
+    AUDIT,
+    AUDIT_EVENT,
+    AUDIT_FAULT,
+    AUDIT_OUTCOME,
     CONTROLLER_FAULT,
     DECISION_SET,
     ERROR_TYPE,
@@ -87,8 +91,8 @@ from ._names import (
 )
 
 __all__ = ["Call", "engine_call", "escalation_call", "genai_attributes", "mark_error", "model_call", "provider_of",
-           "record_controller_fault", "record_fault", "record_guard", "record_hedge", "record_reports", "set_io",
-           "set_usage", "span"]
+           "record_audit", "record_audit_fault", "record_controller_fault", "record_fault", "record_guard",
+           "record_hedge", "record_reports", "set_io", "set_usage", "span"]
 
 # -- providers, looked up lazily -------------------------------------------------------
 
@@ -116,6 +120,12 @@ class _Instruments:
         self.guards = meter.create_counter(
             "canvasroute.guards", unit="{event}",
             description="Escalation guard events: changes of state, and decisions kept from the target")
+        self.audits = meter.create_counter(
+            "canvasroute.audits", unit="{question}",
+            description="Answers the gate passed sent to live certification's labeller, by outcome")
+        self.audit_faults = meter.create_counter(
+            "canvasroute.audit.faults", unit="{decision}",
+            description="Decisions whose live certification state could not be read or written")
         self.controller_faults = meter.create_counter(
             "canvasroute.controller.faults", unit="{decision}",
             description="Decisions whose escalation-rate controller state could not be recorded")
@@ -373,7 +383,7 @@ def engine_call(info: Any, batch: Sequence[Any], kind: str, seed: int | None = N
 
 @contextmanager
 def escalation_call(target: Any, name: str, question_ids: Sequence[str], *, hedge: bool = False,
-                    calls: Any = None) -> Iterator[Call]:
+                    calls: Any = None, audit: bool = False) -> Iterator[Call]:
     """Spans `escalate <model>` (CHAIN) and, under it, `chat <model>` (LLM, GenAI `chat`
     attributes and metrics) around one escalation call; `Call.usage`/`output` write the chat span.
     `calls` (a `Calls`): what went out, written when the call ends (`canvasroute.escalation.calls`).
@@ -382,10 +392,12 @@ def escalation_call(target: Any, name: str, question_ids: Sequence[str], *, hedg
     `cancelled`, when the re-reads settled its questions first: no fault, so both spans end
     without an error and the cancellation goes on once they have ended. A cancelled one whose
     sync target ran on in its thread also carries `canvasroute.hedge.ran_on` and is counted
-    (`canvasroute.hedges.ran_on`).
+    (`canvasroute.hedges.ran_on`). An audit's (live certification's labeller asked in the
+    background) carries `canvasroute.audit`.
     """
     cancelled: asyncio.CancelledError | None = None
-    with span(f"{OPERATION_ESCALATE} {name}", {ESCALATED_QUESTIONS: ",".join(question_ids)}) as outer:
+    attributes: dict[str, Any] = {ESCALATED_QUESTIONS: ",".join(question_ids), **({AUDIT: True} if audit else {})}
+    with span(f"{OPERATION_ESCALATE} {name}", attributes) as outer:
         set_io(outer, input={"questions": list(question_ids)})
         attrs = {**genai_attributes(OPERATION_CHAT, provider_of(target), name),
                  ESCALATED_QUESTIONS: ",".join(question_ids)}
@@ -486,6 +498,11 @@ def record_reports(s: Span, reports: Sequence[Any], duration_s: float, model: st
             "crossed": list(r.crossed) or None, "gate": r.gate, "hedged": r.hedged or None,
             "escalation_error": r.escalation_error,
         }
+        cert = gates[r.question_id].certificate if recording and gates is not None else None
+        if cert is not None and cert.live is not None:
+            gate = gates[r.question_id]  # type: ignore[index]
+            values.update(live_threshold=gate.max_normalized_entropy if cert.certified else None,
+                          live_bound=cert.live.bound, live_rows=cert.live.rows, live_audits=cert.live.audits)
         if recording:
             s.add_event(QUESTION_EVENT, {QUESTION_ID: r.question_id, QUESTION_KIND: r.kind,
                                          **{FIGURE_KEYS[k]: v for k, v in values.items() if v is not None}})
@@ -559,3 +576,24 @@ def record_controller_fault(s: Span, exc: BaseException) -> None:
     inst = _instruments()
     if inst is not None:
         inst.controller_faults.add(1, {ERROR_TYPE: kind})
+
+
+def record_audit(s: Span | None, outcome: str, question_ids: Sequence[str]) -> None:
+    """Answers sent to (or dropped before) live certification's labeller, or what it did with them:
+    a `canvasroute.audit` event on `s` (the decide span; None: none) and points of `canvasroute.audits`."""
+    if s is not None and s.is_recording():
+        s.add_event(AUDIT_EVENT, {AUDIT_OUTCOME: outcome, ESCALATED_QUESTIONS: ",".join(question_ids)})
+    inst = _instruments()
+    if inst is not None:
+        inst.audits.add(len(question_ids), {AUDIT_OUTCOME: outcome})
+
+
+def record_audit_fault(s: Span, exc: BaseException) -> None:
+    """A live certification state that could not be read or written (its answers stand): the span's
+    `canvasroute.audit.fault` attribute and a point of `canvasroute.audit.faults`."""
+    kind = type(exc).__qualname__
+    if s.is_recording():
+        s.set_attribute(AUDIT_FAULT, kind)
+    inst = _instruments()
+    if inst is not None:
+        inst.audit_faults.add(1, {ERROR_TYPE: kind})
