@@ -108,6 +108,9 @@ async def test_cascade_is_the_mix_the_gate_decided():
 
 
 async def test_a_failing_target_scores_wrong_never_as_an_answer():
+    """Alone, a failing target's answers score wrong (none). In the cascade, as served by default
+    (`OutcomePolicy.target_fault="answer"`), a question it failed keeps the canvas's answer, path
+    `unsure` and cause `target_fault`, and the decision counts as a failure of the cascade."""
     def broken(messages):
         raise RuntimeError("target down")
 
@@ -116,7 +119,10 @@ async def test_a_failing_target_scores_wrong_never_as_an_answer():
     assert ev.target.failures == 5 and ev.cascade.failures == 3
     assert all(it.target_answer is None for it in ev.items)
     escalating_rows = {it.row for it in ev.items if it.normalized_entropy > 0.5}
-    assert all(it.cascade_answer is None for it in ev.items if it.row in escalating_rows)
+    assert len(escalating_rows) == 3 and ev.cascade.tally.causes["target_fault"] == 3
+    for it in ev.items:
+        if it.row in escalating_rows:
+            assert (it.cascade_answer, it.cascade_path) == (it.canvas_answer, "unsure")
 
 
 def test_the_cli_prints_json_and_writes_the_plot(tmp_path, monkeypatch, capsys):

@@ -35,11 +35,16 @@ OVER_MAX_PARAMETERS = {
     "canvasroute.DecisionNode": 13,
     "canvasroute.decision_node": 13,
     "canvasroute.GatePolicy": 13,
+    "canvasroute.Escalation": 14,
 }
 """Over the bound, and why: a decision node is configured where it is added to a graph
 (questions, inputs, route, review, shadow, fan-out, history), each a value of its own; 13 is
 "about 12" (issue #28). `GatePolicy`'s thirteenth field is `certificate`, a record of what a
-calibration proved (issue #35), not a knob a caller sets. An entry may only go down, and goes
+calibration proved (issue #35), not a knob a caller sets. `Escalation`'s ten knobs are joined by
+four holders of where its counts live (`meter`, `controller_state`, and since issues #39 and #40
+`breaker_state` and `audit_state`), each None by default and made by the model or the graph store,
+so a caller sets at most the two that are shared across workers; grouping them into one state value
+is the way down. An entry may only go down, and goes
 away at 12 or fewer."""
 RECORDS = {
     "canvasroute.ReadReport": "one question's figures, as the library built them",

@@ -74,7 +74,8 @@ class Arm:
     hedges: int = 0
     """Of the target calls, hedges started beside re-reads (`Escalation.hedge`)."""
     failures: int = 0
-    """Rows whose target call failed (their answers score as wrong)."""
+    """Rows whose target call failed (alone: their answers score as wrong; in the cascade: a decision
+    that raised, or one whose failed questions answered degraded, `target_fault`)."""
     input_tokens: int = 0
     output_tokens: int = 0
     latencies: list[float] = field(default_factory=list)
@@ -181,6 +182,9 @@ async def evaluate(engine: Engine, rows: Sequence[Row], *, policy: GatePolicy, t
                 cascade.add(time.perf_counter() - start, None)
             else:
                 cascade.add_response(time.perf_counter() - start, resp)
+                # the target failed (or its breaker was open) and the decision answered degraded, as served
+                # (`OutcomePolicy.target_fault`): an answer, the canvas's, but a failure of the cascade all the same
+                cascade.failures += any(r.cause == "target_fault" for r in resp.reads.values())
         for qid in rows[n].gold:
             if resp is not None:
                 items[n, qid] = replace(items[n, qid], cascade_answer=resp.reads[qid].answer,
