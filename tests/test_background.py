@@ -112,7 +112,8 @@ def test_background_work_starts_for_selected_tests_only_beside_the_others_and_re
     result.assert_outcomes(passed=3, errors=1, skipped=1, deselected=1)
     ran = [line.split()[0] for line in result.outlines if "::test_" in line and line.rstrip().endswith("]")]
     assert ran[0] == "test_b_plain.py::test_plain", ran  # the module taking no background work runs first
-    result.stdout.fnmatch_lines(["*background job broken exited 1 (* s after its start); its output:*",
+    result.stdout.fnmatch_lines(["*background job broken exited 1 (the test asked * s after its start; the job: "
+                                 "* CPU-s in * s of wall time (* s blocked)); its output:*",
                                  "*the job says why*", "*RuntimeError: boom*"])
     marks = sorted(p.name for p in marks_dir.iterdir())
     # the job ran in a process of its own; the deselected job (`unused`) never started; a start
@@ -219,7 +220,7 @@ def test_stop_ends_what_a_job_left_running_after_it_exited(jobs: str) -> None:
 @pytest.mark.parametrize("fails", [False, True], ids=["returns", "fails"])
 def test_a_job_leaving_a_thread_running_is_done_when_its_function_is(
         jobs: str, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
-    monkeypatch.setattr(background, "JOB_WAIT_S", 30)  # not 600 s when it hangs; the thread sleeps 60 s
+    monkeypatch.setattr(background, "JOB_IDLE_S", 30)  # not 600 s blocked when it hangs; the thread sleeps 60 s
     run = background.Job("leaves_a_thread_and_fails" if fails else "leaves_a_thread", jobs)
     try:
         if fails:

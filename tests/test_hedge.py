@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import fresh_tracer_provider, label_rows, until
+from conftest import fresh_tracer_provider, label_rows
+from deadlines import until
 from lanes import State
 from langchain_core.decisions import BaseDecisionModel, Noul
 from langchain_core.exceptions import ModelRefusalError

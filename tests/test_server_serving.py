@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import httpx
-from conftest import until
+from deadlines import until
 from prometheus_client.parser import text_string_to_metric_families
 from services import child_env
 from test_server_hostile import BODY, KEY, _wait, model, recorded

@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import unavailable, until  # noqa: E402
+from conftest import unavailable  # noqa: E402
+from deadlines import until  # noqa: E402
 
 from canvasroute import engine  # noqa: E402
 from canvasroute.engine import Batching, CanvasRead, EngineOverloaded, EngineRequestError, TransformersEngine  # noqa: E402
