@@ -160,9 +160,9 @@ class Job:
         output = self.log.read_text(errors="replace")
         result = self.folder / "result.pickle"
         if code != 0 or not result.is_file():
-            said = overdue if code is None else f"background job {self.name} exited {code}"
-            pytest.fail(f"{said} (the test asked {asked - self.started:.0f} s after its start; the job: "
-                        f"{figures}); its output:\n{output[-6000:]}", pytrace=False)
+            said = overdue if code is None else f"background job {self.name} exited {code}, {figures}"
+            pytest.fail(f"{said} (the test asked {asked - self.started:.0f} s after its start); "
+                        f"its output:\n{output[-6000:]}", pytrace=False)
         waited = time.monotonic() - asked
         FIGURES.append(f"background job {self.name}: {figures}; the test waited {waited:.1f} s for it")
         print(f"{output}background job {self.name}: {figures}; the test waited {waited:.1f} s for it")

@@ -8,10 +8,10 @@ it measured):
   judged by what it did, not by the clock: `Watch(pid, cpu_s=..., idle_s=...)` is overdue once the
   process and its descendants used `cpu_s` CPU-seconds without finishing (spinning: stuck), or
   spent `idle_s` seconds neither running nor waiting for a CPU (blocked on something that does
-  not come: stuck). Time spent runnable but waiting for a CPU counts for neither (from the kernel's
-  /proc/PID/task/TID/schedstat): a job at nice 19 beside a CPU hog is starved, not stuck, and
-  its deadline stays open however long that takes.
-- A wait in this process (`until`, `bounded`, `wait_until`, and `patience(s)` for a timeout handed
+  not come: stuck). Time spent runnable but waiting for a CPU counts for neither (a thread in state
+  R now, or run-queue time in /proc/PID/task/TID/schedstat): a job at nice 19 beside a CPU hog is
+  starved, not stuck, and its deadline stays open however long that takes.
+- A wait in this process (`until`, `holds`, `bounded`, and `patience(s)` for a timeout handed
   to the code under test) is `s` seconds of a quiet 2-core machine, stretched by `scale()`: the CPU
   speed factor (a calibrated loop's CPU time against the reference machine's) times the contention
   from work outside the suite (busy cores in /proc/stat that are not the suite's own processes).
@@ -21,9 +21,10 @@ Every wait polls; nothing sleeps for its deadline, so a quiet machine runs the s
 `CANVASROUTE_TEST_SCALE=3` sets a floor under the scale (a machine known to be slow in ways the
 measure misses). Example (in a test):
     ```python
-    from deadlines import Watch, bounded, patience, until, wait_until
+    from deadlines import Watch, bounded, holds, patience, until, wait_until
 
     await until(lambda: server.reads >= 2, within=10, what="the second read")  # 10 s, stretched
+    holds(started.is_set, within=5, what="the read starting")  # the same, off the event loop
     resp = await bounded(model.adecide(ticket, questions), 60)  # TimeoutError once overdue
     wait_until(ready, Watch(proc.pid, cpu_s=60, idle_s=60, what="the server"), proc=proc, log=log)
     ```
@@ -62,6 +63,9 @@ SAMPLE_EVERY_S = 2.0
 """How often `scale()` samples the machine (it is asked far more often)."""
 SMOOTHING_S = 20.0
 """The time constant of the moving average of the outside load."""
+LAST_RESORT_S = 3600.0
+"""The wall seconds after which any `Watch` is overdue, starved or not: only a machine that gives the
+work no CPU for an hour gets there (the suite takes under 10 minutes on a quiet 2-core machine)."""
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -120,20 +124,20 @@ def descendants(pid: int, procs: dict[int, Proc]) -> set[int]:
     return found
 
 
-def _runnable_ns(pid: int) -> int:
-    """Nanoseconds the threads of `pid` (alive now) ran or waited on a run queue (schedstat)."""
-    total = 0
+def _threads(pid: int) -> tuple[int, bool]:
+    """Of the threads of `pid` alive now: the nanoseconds they ran or waited on a run queue (schedstat,
+    0 where the kernel keeps none), and whether one is runnable now (state R: running, or waiting for a
+    CPU; the kernel adds a wait to schedstat only once the thread runs)."""
+    total, runnable = 0, False
     with contextlib.suppress(OSError):
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                    runnable = runnable or f.read().rsplit(b")", 1)[1].split()[0] == b"R"
                 with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
                     ran, waited, _ = f.read().split()
                 total += int(ran) + int(waited)
-    return total
-
-
-def _schedstat() -> bool:
-    return Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").is_file()
+    return total, runnable
 
 
 # -- the machine's pace: scale() ------------------------------------------------------------------
@@ -285,9 +289,9 @@ class Deadline:
         self._scale = scale()
 
     def _count(self) -> None:
-        now = time.monotonic()
-        self.spent += (now - self._at) / self._scale
-        self._at, self._scale = now, scale()
+        now, pace_now = time.monotonic(), scale()
+        self.spent += (now - self._at) / max(self._scale, pace_now)  # the slower pace of the interval's two ends
+        self._at, self._scale = now, pace_now
 
     def overdue(self) -> str | None:
         self._count()
@@ -303,8 +307,9 @@ class Deadline:
 
 class Watch:
     """A process tree's deadline, in what the tree did: `cpu_s` CPU-seconds (× the CPU speed factor)
-    used without finishing, or `idle_s` seconds in which none of its threads ran or waited to run.
-    Counted from construction (make it when the process starts); checked at most every `every_s`."""
+    used without finishing, or `idle_s` seconds in which none of its threads ran or waited to run
+    (and, as a last resort, `LAST_RESORT_S` of wall time). Counted from construction (make it when
+    the process starts, or when the wait on it starts); checked at most every `every_s`."""
 
     def __init__(self, pid: int, *, cpu_s: float, idle_s: float, what: str, every_s: float = 0.5) -> None:
         self.pid, self.what, self.every_s = pid, what, every_s
@@ -314,7 +319,6 @@ class Watch:
         self._base: int | None = None
         self._most = 0
         self._runnable: dict[tuple[int, int], int] = {}
-        self._schedstat = _schedstat()
         self._why: str | None = None
         self._sample()
 
@@ -327,19 +331,20 @@ class Watch:
         self._most = max(self._most, ticks - self._base)  # a descendant left to init takes its ticks along
         self.cpu = self._most / TICK
         elapsed, self._at = now - self._at, now
-        if self._schedstat:
-            runnable = {(p.pid, p.started): _runnable_ns(p.pid) for p in tree}
-            # a process new since the last sample counts whole: it started within the interval
-            wanted = sum(max(0, ns - self._runnable.get(key, 0)) for key, ns in runnable.items()) / 1e9
-            self._runnable = runnable
-            self.idle += max(0.0, elapsed - wanted)  # no thread ran or waited for a CPU: blocked
-        else:
-            self.idle += elapsed
+        threads = {(p.pid, p.started): _threads(p.pid) for p in tree}
+        if not any(runnable for _, runnable in threads.values()):  # none runnable now: blocked, but since when?
+            # the run-queue time since the last sample says how much of it the tree wanted the CPU
+            # (a process new since then counts whole: it started within the interval)
+            wanted = sum(max(0, ns - self._runnable.get(key, 0)) for key, (ns, _) in threads.items()) / 1e9
+            self.idle += max(0.0, elapsed - wanted)
+        self._runnable = {key: ns for key, (ns, _) in threads.items()}
         if self.cpu > self.cpu_limit:
-            self._why = f"used {self.cpu:.0f} CPU-s without finishing (its budget: {self.cpu_limit:.0f})"
+            self._why = f"used {self.cpu:.3g} CPU-s without finishing (its budget: {self.cpu_limit:.3g})"
         elif self.idle > self.idle_limit:
-            self._why = (f"spent {self.idle:.0f} s neither running nor waiting for a CPU "
-                         f"(its budget: {self.idle_limit:.0f} s)")
+            self._why = (f"spent {self.idle:.3g} s neither running nor waiting for a CPU "
+                         f"(its budget: {self.idle_limit:.3g} s)")
+        elif now - self.started > LAST_RESORT_S:
+            self._why = f"ran {now - self.started:.0f} s of wall time (the last resort: {LAST_RESORT_S:.0f} s)"
 
     def overdue(self) -> str | None:
         if self._why is None and time.monotonic() - self._at >= self.every_s:
@@ -375,19 +380,30 @@ async def until(check: Callable[[], bool], *, within: float = 10.0, what: str = 
         await asyncio.sleep(0.005)
 
 
+def holds(check: Callable[[], bool], *, within: float = 10.0, what: str = "the condition") -> None:
+    """`until` off the event loop (a test driving a server in a thread): poll `check` every 20 ms."""
+    deadline = Deadline(within, what)
+    while not check():
+        if why := deadline.overdue():
+            raise Overdue(why.replace("did not happen", "did not hold", 1))
+        time.sleep(0.02)
+
+
 async def bounded(aw: Awaitable[T], seconds: float, what: str = "it") -> T:
-    """Await `aw`, raising TimeoutError once `seconds` of the reference machine passed (stretched by
-    the scale as it goes): `asyncio.wait_for` for a test's own bound on the code under test."""
+    """Await `aw` (in this task, as `asyncio.timeout` does), raising TimeoutError once `seconds` of the
+    reference machine passed, counted by a `Deadline` (the scale re-read as it goes): `asyncio.wait_for`
+    for a test's own bound on the code under test."""
     deadline = Deadline(seconds, what)
     loop = asyncio.get_running_loop()
-    timeout = asyncio.timeout(loop.time() + deadline.wall_left())
+    timeout = asyncio.timeout(None)
 
-    def stretch() -> None:  # the scale moved: so does the end
-        if not timeout.expired():
-            timeout.reschedule(loop.time() + deadline.wall_left())
-            handle[0] = loop.call_later(1.0, stretch)
+    def check() -> None:  # the deadline decides, at most a second apart
+        if deadline.overdue():
+            timeout.reschedule(loop.time())
+        else:
+            handle[0] = loop.call_later(min(1.0, max(0.005, deadline.wall_left())), check)
 
-    handle = [loop.call_later(1.0, stretch)]
+    handle = [loop.call_later(min(1.0, max(0.005, deadline.wall_left())), check)]
     try:
         async with timeout:
             return await aw

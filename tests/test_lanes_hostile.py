@@ -17,6 +17,7 @@ import ssl
 import time
 
 import pytest
+from deadlines import patience
 from rawserver import CLOSE, SILENT, Flood, Hold, Later, RawServer, loopback_delivered, ok
 from test_lanes import connection, self_signed
 
@@ -166,7 +167,7 @@ LENIENT = {
 @pytest.mark.parametrize("reply", LENIENT.values(), ids=LENIENT.keys())
 async def test_lenient_framing_is_refused_at_once_and_the_connection_dropped(reply):
     async with RawServer(reply, ok(b'{"n": 2}')) as server:
-        conn = connection(server.url, timeout=10)
+        conn = connection(server.url, timeout=patience(10))
         started = time.monotonic()
         with pytest.raises(EngineUnavailable) as info:
             await conn.request("GET", "/")
@@ -302,7 +303,7 @@ async def test_retry_after_as_an_http_date_or_seconds_is_honoured(header, monkey
 
 async def test_aclose_is_final_even_for_a_request_in_flight():
     async with RawServer(SILENT, ok()) as server:
-        conn = connection(server.url, timeout=30, retries=3)
+        conn = connection(server.url, timeout=patience(30), retries=3)
         task = asyncio.create_task(conn.request("GET", "/"))
         await server.until(lambda: len(server.heads) == 1)  # in flight at the (silent) server
         started = time.monotonic()
