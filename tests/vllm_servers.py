@@ -28,7 +28,7 @@ import httpx
 import pytest
 from background import run_folder, starts_in_background, take
 from conftest import IMPORT_ROOT, ROOT, _free_port, unavailable
-from deadlines import FIGURES, Watch, patience
+from deadlines import FIGURES, Watch, descendants, patience, processes
 
 SCRIPT = ROOT / "scripts" / "vllm_cpu.sh"
 FIXTURES = ("vllm_url", "second_vllm_url", "spare_vllm", "causal_vllm_url")
@@ -60,21 +60,7 @@ def _alive(pid: int) -> bool:
 
 def _children(pid: int) -> set[int]:
     """Every descendant of pid (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
+    return descendants(pid, processes()) - {pid}
 
 
 class VLLMServer:
