@@ -12,8 +12,10 @@ Two ways in: `starts_in_background(fixture, start)` for a fixture that owns a lo
 (tests/vllm_servers.py: the vLLM servers), and `@job` for a function whose return value is the
 fixture: it runs in a fresh interpreter (this file as a script), its value comes back pickled, and
 if it fails, each test taking it fails with its output. Work needed only later (the jobs, Phoenix,
-the in-process vLLM load) runs under `NICE`, so the test being run keeps its core. conftest loads
-this module as a plugin.
+the in-process vLLM load) runs under `NICE`, so the test being run keeps its core. Starved that way,
+it may take any wall time: a fixture waits for a job while its processes work, and fails it only once
+they used its CPU-seconds (`JOB_CPU_S`, or `@job(cpu_s=...)`) or sat blocked `JOB_IDLE_S`
+(tests/deadlines.py `Watch`). conftest loads this module as a plugin.
 
 Example (in a test module):
     ```python
@@ -145,7 +147,7 @@ class Job:
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, process_group=0)
-        self.started = time.monotonic()
+        self.started, self.started_at = time.monotonic(), time.time()
         self.watch = Watch(self.proc.pid, cpu_s=cpu_s, idle_s=JOB_IDLE_S, what=f"background job {name}")
 
     def result(self) -> Any:
@@ -163,9 +165,12 @@ class Job:
             said = overdue if code is None else f"background job {self.name} exited {code}, {figures}"
             pytest.fail(f"{said} (the test asked {asked - self.started:.0f} s after its start); "
                         f"its output:\n{output[-6000:]}", pytrace=False)
-        waited = time.monotonic() - asked
-        FIGURES.append(f"background job {self.name}: {figures}; the test waited {waited:.1f} s for it")
-        print(f"{output}background job {self.name}: {figures}; the test waited {waited:.1f} s for it")
+        ran = self.log.stat().st_mtime - self.started_at  # its last word: when it was done
+        said = (f"background job {self.name}: {self.watch.cpu:.1f} CPU-s in {ran:.0f} s of wall time "
+                f"({self.watch.idle:.0f} s blocked); the test asked {asked - self.started:.0f} s after its start "
+                f"and waited {time.monotonic() - asked:.1f} s for it")
+        FIGURES.append(said)
+        print(f"{output}{said}")
         return pickle.loads(result.read_bytes())
 
     def stop(self) -> None:

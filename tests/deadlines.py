@@ -93,6 +93,8 @@ class Proc:
     """CPU ticks of its own (user and system, every thread)."""
     reaped: int
     """CPU ticks of the children it waited for (theirs and their own reaped children's)."""
+    dead: bool
+    """A zombie: exited, not yet reaped (its CPU times are final)."""
 
 
 def processes() -> dict[int, Proc]:
@@ -106,7 +108,8 @@ def processes() -> dict[int, Proc]:
             except (OSError, IndexError):
                 continue
             found[int(name)] = Proc(pid=int(name), ppid=int(rest[1]), started=int(rest[19]),
-                                    ticks=int(rest[11]) + int(rest[12]), reaped=int(rest[13]) + int(rest[14]))
+                                    ticks=int(rest[11]) + int(rest[12]), reaped=int(rest[13]) + int(rest[14]),
+                                    dead=rest[0] in (b"Z", b"X"))
     return found
 
 
@@ -277,6 +280,10 @@ class Limit(Protocol):
         """Wall seconds it stays open at least, at the pace seen now (how long to block before asking again)."""
         ...
 
+    def done(self) -> None:
+        """The work ended (a process: exited, not yet reaped): what it did is final."""
+        ...
+
 
 class Deadline:
     """`seconds` of the quiet reference machine, counted at the machine's pace: each wall second
@@ -304,6 +311,9 @@ class Deadline:
         self._count()
         return max(0.0, (self.seconds - self.spent) * self._scale)
 
+    def done(self) -> None:
+        pass
+
 
 class Watch:
     """A process tree's deadline, in what the tree did: `cpu_s` CPU-seconds (× the CPU speed factor)
@@ -320,9 +330,12 @@ class Watch:
         self._most = 0
         self._runnable: dict[tuple[int, int], int] = {}
         self._why: str | None = None
+        self._ended: float | None = None
         self._sample()
 
     def _sample(self) -> None:
+        if self._ended is not None:
+            return
         now = time.monotonic()
         procs = processes()
         tree = [procs[pid] for pid in descendants(self.pid, procs) if pid in procs]
@@ -332,7 +345,9 @@ class Watch:
         self.cpu = self._most / TICK
         elapsed, self._at = now - self._at, now
         threads = {(p.pid, p.started): _threads(p.pid) for p in tree}
-        if not any(runnable for _, runnable in threads.values()):  # none runnable now: blocked, but since when?
+        if self.pid not in procs or procs[self.pid].dead:  # it exited: its figures are final
+            self._ended = now
+        elif not any(runnable for _, runnable in threads.values()):  # none runnable now: blocked, but since when?
             # the run-queue time since the last sample says how much of it the tree wanted the CPU
             # (a process new since then counts whole: it started within the interval)
             wanted = sum(max(0, ns - self._runnable.get(key, 0)) for key, (ns, _) in threads.items()) / 1e9
@@ -356,10 +371,15 @@ class Watch:
     def wall_left(self) -> float:
         return self.every_s
 
-    def figures(self) -> str:
-        """What it did so far: CPU-seconds in wall seconds, and the seconds it was blocked."""
+    def done(self) -> None:
+        """Sample a last time (call it before the process is reaped: a zombie keeps its CPU times) and stop."""
         self._sample()
-        return (f"{self.cpu:.1f} CPU-s in {time.monotonic() - self.started:.0f} s of wall time "
+        self._ended = time.monotonic()
+
+    def figures(self) -> str:
+        """What it did (so far, or until `done`): CPU-seconds in wall seconds, and the seconds it was blocked."""
+        self._sample()
+        return (f"{self.cpu:.1f} CPU-s in {(self._ended or time.monotonic()) - self.started:.0f} s of wall time "
                 f"({self.idle:.0f} s blocked)")
 
 
@@ -435,13 +455,21 @@ def wait_until(check: Callable[[], bool], limit: Limit, *, what: str, proc: subp
     raise Overdue(f"{why}" + (f"; log tail:\n{tail}" if tail else ""))
 
 
-def wait(proc: subprocess.Popen[Any], limit: Limit) -> int | None:
-    """Wait for `proc` to exit: its exit status, or None once `limit` passed (it still runs)."""
-    while True:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return proc.wait(timeout=max(0.01, min(1.0, limit.wall_left())))
+def wait(proc: subprocess.Popen[Any], limit: Limit, every_s: float = 0.05) -> int | None:
+    """Wait for `proc` to exit (polling every `every_s`): its exit status, or None once `limit` passed
+    (it still runs). Seen exited before it is reaped, so `limit.done()` reads what it did whole."""
+    while proc.returncode is None:
+        try:
+            exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped already (Popen.poll elsewhere)
+            break
+        if exited:
+            limit.done()
+            break
         if limit.overdue():
             return None
+        time.sleep(every_s)
+    return proc.wait()
 
 
 def kill_tree(pid: int) -> None:
