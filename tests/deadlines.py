@@ -497,7 +497,8 @@ def run(argv: Sequence[str], *, cpu_s: float, idle_s: float = 300.0, what: str |
     """`subprocess.run(argv, capture_output=True, text=True, **popen)` bounded by a `Watch` on the
     child's process tree instead of a wall-clock timeout; `Overdue` (with its output) once it passes."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-    out, err = finish(proc, Watch(proc.pid, cpu_s=cpu_s, idle_s=idle_s, what=what or " ".join(map(str, argv[:3]))))
+    what = what or f"`{' '.join(map(str, argv[:3]))}`"
+    out, err = finish(proc, Watch(proc.pid, cpu_s=cpu_s, idle_s=idle_s, what=what))
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
