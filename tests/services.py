@@ -34,7 +34,7 @@ PHOENIX_VENV = Path(os.environ.get("CANVASROUTE_PHOENIX_VENV",
                                    Path.home() / ".cache" / "canvasroute" / "phoenix-venv"))
 PHOENIX_CPU_S = 300
 """The CPU-seconds Phoenix may use starting, or ingesting what a test sent, before it counts as stuck
-(it runs at nice 19: wall time says nothing; `phoenix_watch`)."""
+(it runs at nice 19: wall time says nothing; `Phoenix.watch`)."""
 PHOENIX_IDLE_S = 120
 """The seconds Phoenix may spend all blocked (neither running nor waiting for a CPU) while a test waits on it."""
 
@@ -155,7 +155,7 @@ def postgres_dsn() -> Iterator[str]:
     def ready() -> bool:
         import psycopg
 
-        with psycopg.connect(dsn, connect_timeout=max(2, round(patience(2)))) as conn:
+        with psycopg.connect(dsn, connect_timeout=round(patience(2))) as conn:
             return conn.execute("select 1").fetchone() == (1,)
 
     wait_for(ready, proc, starting(proc, "PostgreSQL"), "PostgreSQL", log)

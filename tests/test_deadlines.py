@@ -26,9 +26,12 @@ CPU = min(os.sched_getaffinity(0))
 """The one CPU the starvation test pins its processes to (so one hog is enough, whatever the cores)."""
 
 
-def _pinned(*argv: str, nice: int = 0) -> list[str]:
-    """`argv` on `CPU` alone, at `nice`."""
-    return ["taskset", "-c", str(CPU), "nice", "-n", str(nice), *argv]
+def _pinned(argv: list[str], nice: int = 0) -> subprocess.Popen:
+    """`argv` started, then held to `CPU` alone at `nice` (its first milliseconds run as it was started)."""
+    proc = subprocess.Popen(argv)
+    os.sched_setaffinity(proc.pid, {CPU})
+    os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
+    return proc
 
 
 def _alive(pid: int) -> bool:
@@ -63,11 +66,11 @@ def _ticks(pid: int) -> int:
 def test_a_starved_child_keeps_its_deadline_open_beside_a_cpu_hog():
     """At nice 19 on one CPU beside a hog, a child needing a few CPU-milliseconds waits seconds for
     them: more wall time than both of its budgets, and its deadline stays open (it wanted the CPU)."""
-    hog = subprocess.Popen(_pinned(sys.executable, "-S", "-c", HOG))
+    hog = _pinned([sys.executable, "-S", "-c", HOG])
     try:
         time.sleep(0.2)  # the hog runs
-        code = "import time\nwhile time.process_time() < 0.03: pass"
-        child = subprocess.Popen(_pinned(sys.executable, "-S", "-c", code, nice=19))
+        code = "import time\nwhile time.process_time() < 0.08: pass"
+        child = _pinned([sys.executable, "-S", "-c", code], nice=19)
         watch = Watch(child.pid, cpu_s=1.0, idle_s=1.0, what="the starved child", every_s=0.05)
         started = time.monotonic()
         overdue = None
