@@ -134,9 +134,10 @@ _JOBS: dict[str, Callable[[Path], Any]] = {}
 
 
 class Job:
-    """One run of a `@job` function in a fresh interpreter: started on construction, `result()` waits."""
+    """One run of a `@job` function in a fresh interpreter: started on construction, `result()` waits
+    while its `Watch` (`cpu_s`, `idle_s`; None: `JOB_CPU_S`, `JOB_IDLE_S`) says it works."""
 
-    def __init__(self, name: str, module: str, cpu_s: float = JOB_CPU_S) -> None:
+    def __init__(self, name: str, module: str, cpu_s: float | None = None, idle_s: float | None = None) -> None:
         self.name, self.folder = name, run_folder() / name
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder.mkdir(parents=True)
@@ -148,7 +149,8 @@ class Job:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, process_group=0)
         self.started, self.started_at = time.monotonic(), time.time()
-        self.watch = Watch(self.proc.pid, cpu_s=cpu_s, idle_s=JOB_IDLE_S, what=f"background job {name}")
+        self.watch = Watch(self.proc.pid, cpu_s=JOB_CPU_S if cpu_s is None else cpu_s,
+                           idle_s=JOB_IDLE_S if idle_s is None else idle_s, what=f"background job {name}")
 
     def result(self) -> Any:
         """Wait for what is left of the run (until it exits or its `Watch` says it is stuck); its
@@ -180,24 +182,30 @@ class Job:
         self.proc.wait()
 
 
-def job(function: Callable[[Path], Any] | None = None, *, cpu_s: float = JOB_CPU_S) -> Any:
+def job(function: Callable[[Path], Any] | None = None, *, cpu_s: float | None = None,
+        idle_s: float | None = None) -> Any:
     """A session fixture named as `function`, whose value is `function(work)` computed in a child process
-    (`@job`, or `@job(cpu_s=...)` for a job that may use more or less than `JOB_CPU_S` CPU-seconds).
+    (`@job`, or `@job(cpu_s=..., idle_s=...)` for a job that may use more CPU-seconds than `JOB_CPU_S`,
+    or sit blocked longer than `JOB_IDLE_S`: a download).
 
     `work` is a fresh folder of the job's own, kept until the run ends; the value must pickle. The
     child imports the function's module as the suite does (tests/ on `sys.path`, conftest first, so
     this checkout's import root), so the function can use the module's helpers; it must not count on
     anything a fixture or an earlier test set up in the suite's process."""
     if function is None:
-        return functools.partial(job, cpu_s=cpu_s)
+        return functools.partial(job, cpu_s=cpu_s, idle_s=idle_s)
     name, module = function.__name__, function.__module__
     _JOBS[name] = function
-    starts_in_background(name, lambda: Job(name, module, cpu_s))
+
+    def start() -> Job:
+        return Job(name, module, cpu_s, idle_s)
+
+    starts_in_background(name, start)
 
     @pytest.fixture(scope="session", name=name)
     def fixture() -> Iterator[Any]:
         started = take(name)
-        run = started if isinstance(started, Job) else Job(name, module, cpu_s)
+        run = started if isinstance(started, Job) else start()
         try:
             yield run.result()
         finally:

@@ -391,15 +391,15 @@ def test_a_venv_without_the_extras_names_the_pip_command_for_each_and_serve_help
     traceback; the dashboard and calibrate (without its plots) need none."""
     python, cli = str(installed / "bin" / "python"), str(installed / "bin" / "canvasroute")
 
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=_clean_env(), timeout=300)
+    def here(*args: str) -> subprocess.CompletedProcess[str]:
+        return run(args, cwd=tmp_path, env=_clean_env(), cpu_s=120)
 
-    present = run(python, "-c", NO_EXTRAS)
+    present = here(python, "-c", NO_EXTRAS)
     assert present.returncode == 0 and json.loads(present.stdout) == [], present.stdout + present.stderr
-    version = run(cli, "--version")
+    version = here(cli, "--version")
     release = importlib.import_module("canvasroute").__version__
     assert (version.returncode, version.stdout.strip()) == (0, f"canvasroute {release}")
-    helped = run(cli, "serve", "--help")
+    helped = here(cli, "serve", "--help")
     assert helped.returncode == 0 and "usage: canvasroute serve" in helped.stdout, helped.stderr[-2000:]
     assert "pip install 'canvasroute[serve]'" in helped.stdout
     data = str(ROOT / "data" / "examples" / "decisions.jsonl")
@@ -407,11 +407,11 @@ def test_a_venv_without_the_extras_names_the_pip_command_for_each_and_serve_help
                         (("demo", "--engine-url", "http://127.0.0.1:9"), "otel"),
                         (("eval", data, "--limit", "2", "--no-plots"), "local"),
                         (("calibrate", data, "--limit", "2", "-o", "p.json"), "local")):
-        done = run(cli, *args)
+        done = here(cli, *args)
         assert done.returncode == 2, (args, done.stdout[-1000:], done.stderr[-2000:])
         assert f"pip install 'canvasroute[{extra}]'" in done.stderr and "Traceback" not in done.stderr, (
             args, done.stderr[-2000:])
-    names = run(python, "-c", PUBLIC_NAMES)
+    names = here(python, "-c", PUBLIC_NAMES)
     assert json.loads(names.stdout) == {
         "create_app": ["ExtraMissing", "serve", "pip install 'canvasroute[serve]'"],
         "TransformersEngine": ["ExtraMissing", "local", "pip install 'canvasroute[local]'"],
@@ -420,9 +420,9 @@ def test_a_venv_without_the_extras_names_the_pip_command_for_each_and_serve_help
     }, names.stderr[-2000:]
     spans = tmp_path / "spans.jsonl"
     _escalated_spans(spans)  # written here, with the SDK
-    dashboard = run(cli, "dashboard", str(spans), "-o", "report.html")
+    dashboard = here(cli, "dashboard", str(spans), "-o", "report.html")
     assert dashboard.returncode == 0 and (tmp_path / "report.html").is_file(), dashboard.stderr[-2000:]
-    calibrated = run(cli, "calibrate", "--from-traces", str(spans), "-o", "policy.json")
+    calibrated = here(cli, "calibrate", "--from-traces", str(spans), "-o", "policy.json")
     assert calibrated.returncode == 0 and (tmp_path / "policy.json").is_file(), calibrated.stderr[-2000:]
     assert "pip install 'canvasroute[plots]'" in calibrated.stderr and "Traceback" not in calibrated.stderr
 

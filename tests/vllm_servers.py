@@ -28,7 +28,7 @@ import httpx
 import pytest
 from background import run_folder, starts_in_background, take
 from conftest import IMPORT_ROOT, ROOT, _free_port, unavailable
-from deadlines import FIGURES, Watch, descendants, patience, processes
+from deadlines import FIGURES, Watch, descendants, patience, processes, run
 
 SCRIPT = ROOT / "scripts" / "vllm_cpu.sh"
 FIXTURES = ("vllm_url", "second_vllm_url", "spare_vllm", "causal_vllm_url")
@@ -118,8 +118,8 @@ def _converted_error() -> str | None:
 
     if (embedded_cache_dir() / "config.json").is_file():
         return None
-    made = subprocess.run([sys.executable, "-c", "from canvasroute.engine import embedded_engine; embedded_engine()"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(IMPORT_ROOT)})
+    made = run([sys.executable, "-c", "from canvasroute.engine import embedded_engine; embedded_engine()"],
+               env={**os.environ, "PYTHONPATH": str(IMPORT_ROOT)}, cpu_s=300)
     return None if made.returncode == 0 else f"could not convert the embedded SmolLM2: {made.stderr[-2000:]}"
 
 
@@ -175,7 +175,7 @@ def causal_vllm_url() -> Iterator[str]:
     embedded engine's converted weights, served name `smollm2` (tests need `@pytest.mark.vllm`)."""
     if url := os.environ.get("CANVASROUTE_CAUSAL_VLLM_URL"):
         try:
-            httpx.get(f"{url}/v1/models", timeout=10).raise_for_status()
+            httpx.get(f"{url}/v1/models", timeout=patience(10)).raise_for_status()
         except httpx.HTTPError:
             unavailable(f"CANVASROUTE_CAUSAL_VLLM_URL={url} does not answer")
         yield url
