@@ -12,8 +12,10 @@ Two ways in: `starts_in_background(fixture, start)` for a fixture that owns a lo
 (tests/vllm_servers.py: the vLLM servers), and `@job` for a function whose return value is the
 fixture: it runs in a fresh interpreter (this file as a script), its value comes back pickled, and
 if it fails, each test taking it fails with its output. Work needed only later (the jobs, Phoenix,
-the in-process vLLM load) runs under `NICE`, so the test being run keeps its core. conftest loads
-this module as a plugin.
+the in-process vLLM load) runs under `NICE`, so the test being run keeps its core. Starved that way,
+it may take any wall time: a fixture waits for a job while its processes work, and fails it only once
+they used its CPU-seconds (`JOB_CPU_S`, or `@job(cpu_s=...)`) or sat blocked `JOB_IDLE_S`
+(tests/deadlines.py `Watch`). conftest loads this module as a plugin.
 
 Example (in a test module):
     ```python
@@ -48,9 +50,15 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import pytest
+from deadlines import FIGURES, Watch, wait
 
-JOB_WAIT_S = 600
-"""How long a test waits for what is left of its job (at low priority the job may have had little CPU before)."""
+JOB_CPU_S = 300
+"""The CPU-seconds a job (and everything it starts) may use before it counts as stuck (`@job(cpu_s=...)`
+sets its own). A job runs at nice 19: starved beside the suite it may take any wall time, and only
+what it did counts (tests/deadlines.py `Watch`)."""
+JOB_IDLE_S = 600
+"""The seconds a job's processes may spend all blocked (neither running nor waiting for a CPU: a
+download, a hang) before it counts as stuck."""
 JOB_HASH_SEED = "0"
 """A job's PYTHONHASHSEED, unless the suite runs under one: the same job gives the same result every run
 (schemathesis draws through sets of names, so a run's cases, derandomized or not, follow the hash seed)."""
@@ -126,9 +134,10 @@ _JOBS: dict[str, Callable[[Path], Any]] = {}
 
 
 class Job:
-    """One run of a `@job` function in a fresh interpreter: started on construction, `result()` waits."""
+    """One run of a `@job` function in a fresh interpreter: started on construction, `result()` waits
+    while its `Watch` (`cpu_s`, `idle_s`; None: `JOB_CPU_S`, `JOB_IDLE_S`) says it works."""
 
-    def __init__(self, name: str, module: str) -> None:
+    def __init__(self, name: str, module: str, cpu_s: float | None = None, idle_s: float | None = None) -> None:
         self.name, self.folder = name, run_folder() / name
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder.mkdir(parents=True)
@@ -139,23 +148,31 @@ class Job:
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, process_group=0)
-        self.started = time.monotonic()
+        self.started, self.started_at = time.monotonic(), time.time()
+        self.watch = Watch(self.proc.pid, cpu_s=JOB_CPU_S if cpu_s is None else cpu_s,
+                           idle_s=JOB_IDLE_S if idle_s is None else idle_s, what=f"background job {name}")
 
     def result(self) -> Any:
-        """Wait for what is left of the run; its return value, or fail the test with its output."""
+        """Wait for what is left of the run (until it exits or its `Watch` says it is stuck); its
+        return value, or fail the test with its output."""
         asked = time.monotonic()
-        try:
-            code: int | None = self.proc.wait(timeout=JOB_WAIT_S)
-        except subprocess.TimeoutExpired:
+        code = wait(self.proc, self.watch)
+        overdue = self.watch.overdue() if code is None else None
+        figures = self.watch.figures()
+        if code is None:
             self.stop()
-            code = None
         output = self.log.read_text(errors="replace")
         result = self.folder / "result.pickle"
         if code != 0 or not result.is_file():
-            said = f"was not done {JOB_WAIT_S} s after the test asked" if code is None else f"exited {code}"
-            pytest.fail(f"background job {self.name} {said} ({asked - self.started:.0f} s after its start); "
+            said = overdue if code is None else f"background job {self.name} exited {code}, {figures}"
+            pytest.fail(f"{said} (the test asked {asked - self.started:.0f} s after its start); "
                         f"its output:\n{output[-6000:]}", pytrace=False)
-        print(f"{output}background job {self.name}: the test waited {time.monotonic() - asked:.1f} s for it")
+        ran = self.log.stat().st_mtime - self.started_at  # its last word: when it was done
+        said = (f"background job {self.name}: {self.watch.cpu:.1f} CPU-s in {ran:.0f} s of wall time "
+                f"({self.watch.idle:.0f} s blocked); the test asked {asked - self.started:.0f} s after its start "
+                f"and waited {time.monotonic() - asked:.1f} s for it")
+        FIGURES.append(said)
+        print(f"{output}{said}")
         return pickle.loads(result.read_bytes())
 
     def stop(self) -> None:
@@ -165,21 +182,30 @@ class Job:
         self.proc.wait()
 
 
-def job(function: Callable[[Path], Any]) -> Any:
-    """A session fixture named as `function`, whose value is `function(work)` computed in a child process.
+def job(function: Callable[[Path], Any] | None = None, *, cpu_s: float | None = None,
+        idle_s: float | None = None) -> Any:
+    """A session fixture named as `function`, whose value is `function(work)` computed in a child process
+    (`@job`, or `@job(cpu_s=..., idle_s=...)` for a job that may use more CPU-seconds than `JOB_CPU_S`,
+    or sit blocked longer than `JOB_IDLE_S`: a download).
 
     `work` is a fresh folder of the job's own, kept until the run ends; the value must pickle. The
     child imports the function's module as the suite does (tests/ on `sys.path`, conftest first, so
     this checkout's import root), so the function can use the module's helpers; it must not count on
     anything a fixture or an earlier test set up in the suite's process."""
+    if function is None:
+        return functools.partial(job, cpu_s=cpu_s, idle_s=idle_s)
     name, module = function.__name__, function.__module__
     _JOBS[name] = function
-    starts_in_background(name, lambda: Job(name, module))
+
+    def start() -> Job:
+        return Job(name, module, cpu_s, idle_s)
+
+    starts_in_background(name, start)
 
     @pytest.fixture(scope="session", name=name)
     def fixture() -> Iterator[Any]:
         started = take(name)
-        run = started if isinstance(started, Job) else Job(name, module)
+        run = started if isinstance(started, Job) else start()
         try:
             yield run.result()
         finally:

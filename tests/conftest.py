@@ -12,7 +12,6 @@ the time spent per marker group.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import os
 import socket
@@ -66,23 +65,16 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-async def until(check: Callable[[], bool], *, within: float = 10.0, what: str = "the condition") -> None:
-    """Poll `check` every 5 ms until it holds, failing the test after `within` seconds: for a state
-    that signals no event (a queue's length, a counter in a fake), instead of a sleep that hopes."""
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, f"{what} did not hold within {within:g} s"
-        await asyncio.sleep(0.005)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-pytest_plugins = ("background", "services", "vllm_servers")
-"""tests/background.py: slow work started at collection and run beside the foreground tests (`@job`);
+pytest_plugins = ("deadlines", "background", "services", "vllm_servers")
+"""tests/deadlines.py: how every wait in the suite is bounded (by what a process did, or by wall time
+stretched to the machine's pace), reported in the session header; tests/background.py: slow work
+started at collection and run beside the foreground tests (`@job`);
 tests/services.py: the PostgreSQL, LangGraph Server, Phoenix and Chromium fixtures; tests/vllm_servers.py:
 the real vLLM CPU servers (started in the background). By name everywhere."""
 

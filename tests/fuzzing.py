@@ -29,6 +29,12 @@ keep-alive between two requests, and the server closing the idle connection just
 reuses it resets it (seen once in CI: `ConnectionResetError` on a request the server answers 422).
 That is the race of an idle connection, not a fault of the server, whose own timeouts
 tests/test_server_hostile.py checks."""
+REQUEST_S = 300.0
+"""A fuzzed server's `request_timeout`; its client waits a minute more. Starved at nice 19, a request that
+takes milliseconds of CPU may take any wall time, and a 504 would read as a fault the engine did not raise:
+the job's `Watch` (tests/background.py: CPU-seconds used, seconds all blocked) is what says it is stuck."""
+CLIENT_S = REQUEST_S + 60
+"""The fuzzing client's timeout per request."""
 
 
 def run_cases(strategies: Sequence[Any], examples: int, check: Callable[[Any], None]) -> float:

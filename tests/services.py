@@ -27,12 +27,16 @@ import httpx
 import pytest
 from background import NICE, run_folder, starts_in_background, take
 from conftest import IMPORT_ROOT, ROOT, _free_port, unavailable
+from deadlines import FIGURES, Limit, Overdue, Watch, patience, wait_until
 
 PYTHON = sys.executable
 PHOENIX_VENV = Path(os.environ.get("CANVASROUTE_PHOENIX_VENV",
                                    Path.home() / ".cache" / "canvasroute" / "phoenix-venv"))
-PHOENIX_WAIT_S = 120
-"""How long the Phoenix fixture waits for it to answer (it starts at low priority, at collection)."""
+PHOENIX_CPU_S = 300
+"""The CPU-seconds Phoenix may use starting, or ingesting what a test sent, before it counts as stuck
+(it runs at nice 19: wall time says nothing; `Phoenix.watch`)."""
+PHOENIX_IDLE_S = 120
+"""The seconds Phoenix may spend all blocked (neither running nor waiting for a CPU) while a test waits on it."""
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -45,23 +49,21 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def wait_for(check: Callable[[], bool], proc: subprocess.Popen | None, timeout: float, what: str,
+def wait_for(check: Callable[[], bool], proc: subprocess.Popen, limit: Limit, what: str,
              log: Path | None = None) -> float:
-    """Poll `check` until it is true; return the seconds it took, or report the service unavailable."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if proc is not None and proc.poll() is not None:
-            break
-        try:
-            if check():
-                return time.monotonic() - start
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.25)
-    tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
-    stop(proc)
-    unavailable(f"{what} did not start within {timeout:.0f}s; log tail:\n{tail}")
-    raise AssertionError("unreachable")
+    """Poll `check` until it is true; the seconds it took, or (it exited, or `limit` passed: a `Watch`
+    on the service's processes) stop it and report the service unavailable, with its log's tail."""
+    try:
+        return wait_until(check, limit, what=what, proc=proc, log=log)
+    except Overdue as exc:
+        stop(proc)
+        unavailable(f"{what} did not start: {exc}")
+        raise AssertionError("unreachable") from None
+
+
+def starting(proc: subprocess.Popen, what: str, cpu_s: float = 120, idle_s: float = 120) -> Watch:
+    """The deadline of a service's start: `cpu_s` CPU-seconds, `idle_s` seconds all blocked."""
+    return Watch(proc.pid, cpu_s=cpu_s, idle_s=idle_s, what=what)
 
 
 def stop(proc: subprocess.Popen | None, timeout: float = 10) -> None:
@@ -153,10 +155,10 @@ def postgres_dsn() -> Iterator[str]:
     def ready() -> bool:
         import psycopg
 
-        with psycopg.connect(dsn, connect_timeout=2) as conn:
+        with psycopg.connect(dsn, connect_timeout=round(patience(2))) as conn:
             return conn.execute("select 1").fetchone() == (1,)
 
-    wait_for(ready, proc, 60, "PostgreSQL", log)
+    wait_for(ready, proc, starting(proc, "PostgreSQL"), "PostgreSQL", log)
     print(f"\n[services] PostgreSQL ready in {time.monotonic() - started:.1f}s at {dsn}")
     try:
         yield dsn
@@ -209,14 +211,16 @@ def langgraph_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LangG
                                  "--host", "127.0.0.1", "--port", str(port), "--no-browser", "--no-reload"],
                                 cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: httpx.get(f"{url}/ok", timeout=2).status_code == 200, proc, 120, "langgraph dev", log)
+    start = starting(proc, "langgraph dev", cpu_s=240)  # /ok, then every graph registered
+    wait_for(lambda: httpx.get(f"{url}/ok", timeout=patience(2)).status_code == 200, proc, start, "langgraph dev",
+             log)
     # graphs are registered after /ok answers; wait until every one is listed
     wanted = set(config["graphs"])
     def registered() -> bool:
-        found = httpx.post(f"{url}/assistants/search", json={"limit": 100}, timeout=5).json()
+        found = httpx.post(f"{url}/assistants/search", json={"limit": 100}, timeout=patience(5)).json()
         return wanted <= {a["graph_id"] for a in found}
 
-    wait_for(registered, proc, 60, "graph registration", log)
+    wait_for(registered, proc, start, "graph registration", log)
     server = LangGraphServer(url, log, time.monotonic() - started)
     print(f"\n[services] langgraph dev ready in {server.startup_s:.1f}s at {url}")
     try:
@@ -248,12 +252,18 @@ class Phoenix:
             self.proc = subprocess.Popen([*NICE, str(exe), "serve"], cwd=self.work, env=env, stdout=out,
                                          stderr=subprocess.STDOUT, process_group=0)
         self.url = f"http://127.0.0.1:{port}"
+        self.start = self.watch()
+
+    def watch(self) -> Watch:
+        """A deadline on what Phoenix does from now on (`PHOENIX_CPU_S`, `PHOENIX_IDLE_S`): for a wait on it."""
+        return Watch(self.proc.pid, cpu_s=PHOENIX_CPU_S, idle_s=PHOENIX_IDLE_S, what="Phoenix")
 
     def ready(self) -> Phoenix:
-        """Wait (up to `PHOENIX_WAIT_S`) until it answers `/healthz`; it, or the test reports it unavailable."""
-        wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200, self.proc,
-                 PHOENIX_WAIT_S, "Phoenix", self.log)
+        """Wait until it answers `/healthz` (its start's `Watch` open); it, or the test reports it unavailable."""
+        wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=patience(2)).status_code == 200, self.proc,
+                 self.start, "Phoenix", self.log)
         print(f"\n[services] Phoenix ready {time.monotonic() - self.started:.1f}s after its start at {self.url}")
+        FIGURES.append(f"Phoenix started: {self.start.figures()}")
         return self
 
     def stop(self) -> None:
@@ -265,7 +275,7 @@ class Phoenix:
         cursor = None
         while True:
             params: dict[str, object] = {"limit": 1000, **({"cursor": cursor} if cursor else {})}
-            r = httpx.get(f"{self.url}/v1/projects/{project}/spans", params=params, timeout=10)
+            r = httpx.get(f"{self.url}/v1/projects/{project}/spans", params=params, timeout=patience(10))
             if r.status_code == 404:
                 return []
             r.raise_for_status()
@@ -276,7 +286,7 @@ class Phoenix:
                 return out
 
     def sessions(self, project: str) -> list[dict]:
-        r = httpx.get(f"{self.url}/v1/projects/{project}/sessions", params={"limit": 100}, timeout=10)
+        r = httpx.get(f"{self.url}/v1/projects/{project}/sessions", params={"limit": 100}, timeout=patience(10))
         r.raise_for_status()
         return r.json()["data"]
 

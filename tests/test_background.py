@@ -20,6 +20,7 @@ from pathlib import Path
 
 import background
 import pytest
+from deadlines import Deadline, Watch
 
 pytest_plugins = ("pytester",)
 
@@ -43,6 +44,13 @@ def answer(work: Path) -> dict:
 def broken(work: Path) -> None:
     print("the job says why")
     raise RuntimeError("boom")
+
+
+@job(cpu_s=2)
+def spins(work: Path) -> None:
+    print("the job spins")
+    while True:
+        pass
 
 
 @job
@@ -89,6 +97,10 @@ def test_gets_the_failure(broken):
     pass
 
 
+def test_gets_the_spinning(spins):
+    pass
+
+
 def test_deselected(unused):
     pass
 
@@ -108,12 +120,21 @@ def test_background_work_starts_for_selected_tests_only_beside_the_others_and_re
         def test_plain():
             pass
         '''))
-    result = pytester.runpytest_subprocess("-p", "background", "-v", "-p", "no:cacheprovider", "-k", "not deselected")
-    result.assert_outcomes(passed=3, errors=1, skipped=1, deselected=1)
+    result = pytester.runpytest_subprocess("-p", "deadlines", "-p", "background", "-v", "-p", "no:cacheprovider",
+                                           "-k", "not deselected")
+    result.assert_outcomes(passed=3, errors=2, skipped=1, deselected=1)
     ran = [line.split()[0] for line in result.outlines if "::test_" in line and line.rstrip().endswith("]")]
     assert ran[0] == "test_b_plain.py::test_plain", ran  # the module taking no background work runs first
-    result.stdout.fnmatch_lines(["*background job broken exited 1 (* s after its start); its output:*",
+    result.stdout.fnmatch_lines(["*background job broken exited 1, * CPU-s in * s of wall time (* s blocked) "
+                                 "(the test asked * s after its start); its output:*",
                                  "*the job says why*", "*RuntimeError: boom*"])
+    # a job that spins is stuck once it used its CPU-seconds, whatever the wall time (tests/deadlines.py)
+    result.stdout.fnmatch_lines(["*background job spins used * CPU-s without finishing (its budget: 2), * CPU-s in * "
+                                 "(the test asked * s after its start); its output:*",
+                                 "*the job spins*"])
+    result.stdout.fnmatch_lines(["deadlines (tests/deadlines.py): CPU speed x*waits stretched x*"])  # the header
+    result.stdout.fnmatch_lines(["deadlines: waits stretched x* to x* in this run*",
+                                 "  background job answer: * CPU-s in * s of wall time (* s blocked)*"])
     marks = sorted(p.name for p in marks_dir.iterdir())
     # the job ran in a process of its own; the deselected job (`unused`) never started; a start
     # no test took is stopped at the end of the run
@@ -189,9 +210,9 @@ def _alive(pid: int) -> bool:
 
 
 def _ended(pids: list[int], within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
+    deadline = Deadline(within_s)
     while any(_alive(pid) for pid in pids):
-        if time.monotonic() > deadline:
+        if deadline.overdue():
             return False
         time.sleep(0.05)
     return True
@@ -219,11 +240,11 @@ def test_stop_ends_what_a_job_left_running_after_it_exited(jobs: str) -> None:
 @pytest.mark.parametrize("fails", [False, True], ids=["returns", "fails"])
 def test_a_job_leaving_a_thread_running_is_done_when_its_function_is(
         jobs: str, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
-    monkeypatch.setattr(background, "JOB_WAIT_S", 30)  # not 600 s when it hangs; the thread sleeps 60 s
+    monkeypatch.setattr(background, "JOB_IDLE_S", 30)  # not 600 s blocked when it hangs; the thread sleeps 60 s
     run = background.Job("leaves_a_thread_and_fails" if fails else "leaves_a_thread", jobs)
     try:
         if fails:
-            said = r"(?s)leaves_a_thread_and_fails exited 1 .*RuntimeError: boom"
+            said = r"(?s)leaves_a_thread_and_fails exited 1, .*RuntimeError: boom"
             with pytest.raises(pytest.fail.Exception, match=said):
                 run.result()
         else:
@@ -239,9 +260,9 @@ def test_a_job_ends_with_what_it_started_when_its_parent_is_killed(jobs: str, tm
     parent = subprocess.Popen([sys.executable, "-c", STARTS_A_JOB, jobs], env=env, stdin=subprocess.DEVNULL)
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 60
+        starting = Watch(parent.pid, cpu_s=60, idle_s=60, what="the job starting")  # the job is below it
         while not (marks / "pids").is_file():
-            assert parent.poll() is None and time.monotonic() < deadline, "the job did not start"
+            assert parent.poll() is None and not (why := starting.overdue()), why or "its parent exited"
             time.sleep(0.05)
         pids = [int(pid) for pid in (marks / "pids").read_text().split()]  # the job, the sleep it started
         assert all(_alive(pid) for pid in pids)

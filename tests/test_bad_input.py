@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+from deadlines import patience
 from langchain_core.decisions import Box, Choice, Noul, Score
 from langchain_core.messages import AIMessage, HumanMessage
 
@@ -89,7 +90,7 @@ async def test_template_text_cannot_forge_tokens_on_the_real_server(vllm_url):
                 sent.append(json.loads(request.content))
             return await super().handle_async_request(request)
 
-    engine = VLLMServerEngine(Connection(vllm_url, timeout=120, transport=Recording()))
+    engine = VLLMServerEngine(Connection(vllm_url, timeout=patience(120), transport=Recording()))
     model = CanvasDecisionModel(engine=engine, policy=GatePolicy(max_normalized_entropy=None, rereads=0))
     await model.adecide(BENIGN, QUESTIONS, seed=SEED)
     hostile = TEMPLATE_TEXT[1] + TEMPLATE_TEXT[3]

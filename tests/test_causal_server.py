@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from deadlines import patience
 from langchain_core.decisions import Choice, Noul, Score
 from rawserver import RawServer, ok
 
@@ -196,8 +197,8 @@ async def test_the_echo_readout_gives_the_same_rows_and_a_server_with_neither_is
     read = CanvasRead(messages=({"role": "system", "content": "Answer."}, {"role": "user", "content": "Hi"}),
                       canvas=(57, 28, 34, 198, 57, 28, 34, 2), slots=(2, 6), label_ids=(34, 35), constrained=False)
     exact = CausalServerEngine(causal_vllm_url)
-    echo = CausalServerEngine(Connection(causal_vllm_url, timeout=120, transport=Dropping("logprob_token_ids")),
-                              vocab_size=49152)
+    echo = CausalServerEngine(Connection(causal_vllm_url, timeout=patience(120),
+                                         transport=Dropping("logprob_token_ids")), vocab_size=49152)
     try:
         [want] = await exact.read([read])
         [got] = await echo.read([read])
@@ -208,7 +209,8 @@ async def test_the_echo_readout_gives_the_same_rows_and_a_server_with_neither_is
     finally:
         await exact.aclose()
         await echo.aclose()
-    unsized = CausalServerEngine(Connection(causal_vllm_url, timeout=120, transport=Dropping("logprob_token_ids")))
+    unsized = CausalServerEngine(Connection(causal_vllm_url, timeout=patience(120),
+                                            transport=Dropping("logprob_token_ids")))
     with pytest.raises(EngineResponseError, match="vocabulary size") as sized:
         await unsized.info()
     assert "vocab_size=" in str(sized.value)
@@ -333,8 +335,8 @@ def test_serve_on_the_causal_server_answers_both_wires(causal_vllm_url, tmp_path
     argv = ["--engine-url", causal_vllm_url + "/v1", "--max-normalized-entropy", "0", "--rereads", "0",
             "--escalate-causal", causal_vllm_url + "/v1", "--target-escalation", "0.5"]
     with serving(argv, tmp_path, "causal") as url:
-        systemone = httpx.post(f"{url}/v1/systemone", json={"state": TICKET, "questions": jev}, timeout=120)
-        decided = sdk(url, timeout=120).decisions.create(model="smollm2", input=TICKET, questions=wire)
+        systemone = httpx.post(f"{url}/v1/systemone", json={"state": TICKET, "questions": jev}, timeout=patience(120))
+        decided = sdk(url, timeout=patience(120)).decisions.create(model="smollm2", input=TICKET, questions=wire)
         seen = metrics_of(url)
     reader = CanvasDecisionModel.reader(CausalServerEngine(causal_vllm_url))
     questions = {"urgent": Noul(instructions=jev["urgent"]["instructions"]),

@@ -25,6 +25,7 @@ import httpx
 import pytest
 from background import job
 from conftest import ROOT, _free_port, fixed_engine
+from deadlines import Watch, finish
 from langchain_core.decisions import Choice, Noul
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.runnables import RunnableLambda
@@ -305,7 +306,9 @@ def keys_per_hash_seed(work: Path) -> list[tuple[int, int, str, str]]:
     procs = {seed: subprocess.Popen([sys.executable, "-c", _KEY_SCRIPT, str(ROOT / "src"),
                                      tests], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env=child_env(PYTHONHASHSEED=str(seed))) for seed in (0, 1, 2, 3)}
-    outputs = {seed: proc.communicate(timeout=300) for seed, proc in procs.items()}
+    watches = {seed: Watch(proc.pid, cpu_s=120, idle_s=120, what=f"the keys under PYTHONHASHSEED={seed}")
+               for seed, proc in procs.items()}
+    outputs = {seed: finish(proc, watches[seed]) for seed, proc in procs.items()}
     return [(seed, procs[seed].returncode, *outputs[seed]) for seed in procs]
 
 

@@ -15,6 +15,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Annotated
 
+import deadlines
 import pytest
 from conftest import ROOT, fresh_tracer_provider, label_rows
 from langchain_core.decisions import Choice, Noul
@@ -232,7 +233,7 @@ class _Dom(HTMLParser):
 
 def _browse(exe: str, *args: str) -> subprocess.CompletedProcess:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--disable-dev-shm-usage"]
-    return subprocess.run([exe, *flags, *args], check=False, capture_output=True, text=True, timeout=120)
+    return deadlines.run([exe, *flags, *args], cpu_s=120)
 
 
 @pytest.mark.vllm

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import deadlines
 import openai
 import pytest
 import yaml
@@ -365,10 +366,9 @@ def test_every_vllm_serve_line_parses_with_vllm_032s_own_parser():
         check_page_bash(page_blocks(page), found)
     check_page_bash(blocks((ROOT / "README.md").read_text(), "README.md"), found)
     venv = Path(os.environ.get("CANVASROUTE_VLLM_VENV", Path.home() / ".cache" / "canvasroute" / "vllm-venv"))
-    run = subprocess.run([str(venv / "bin" / "python"), "-c", vllm_parse_script(found.vllm_serve)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    parsed = json.loads(run.stdout.strip().splitlines()[-1])
+    done = deadlines.run([str(venv / "bin" / "python"), "-c", vllm_parse_script(found.vllm_serve)], cpu_s=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(parsed) == len(found.vllm_serve)
     dgemma = [p for p in parsed if "diffusiongemma" in p["model"]]
     assert len(dgemma) >= 5 and {p["model"] for p in dgemma} == {
@@ -471,8 +471,8 @@ def test_the_site_builds_strictly(tmp_path):
     """`mkdocs build --strict` (scripts/docs.sh build): broken links and anchors, omitted pages and API
     references that do not resolve are errors; every page is built, and the API page has every name."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    built = deadlines.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                          cwd=ROOT, env=env, cpu_s=300)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-5000:]
     assert "WARNING" not in built.stderr, built.stderr[-5000:]
     for page in PAGES:

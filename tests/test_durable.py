@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT
+from deadlines import Watch, finish
 from langgraph.checkpoint.postgres import PostgresSaver
 from services import PYTHON, child_env
 
@@ -32,17 +33,17 @@ def _spawn(dsn: str, thread: str, log: Path, markers: Path, *args: str) -> subpr
 
 def _run(dsn: str, thread: str, log: Path, markers: Path, *args: str) -> dict[str, Any]:
     proc = _spawn(dsn, thread, log, markers, *args)
-    out, err = proc.communicate(timeout=120)
+    out, err = finish(proc, Watch(proc.pid, cpu_s=120, idle_s=120, what="the durable worker"))
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out)
 
 
-def _kill_at(proc: subprocess.Popen, marker: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
+def _kill_at(proc: subprocess.Popen, marker: Path) -> None:
+    working = Watch(proc.pid, cpu_s=120, idle_s=120, what=f"the worker, on its way to {marker.name},")
     while not marker.exists():
         if proc.poll() is not None:
             raise AssertionError(f"worker exited before {marker.name}: {proc.stderr.read()[-3000:]}")
-        assert time.monotonic() < deadline, f"worker never reached {marker.name}"
+        assert not (why := working.overdue()), why
         time.sleep(0.05)
     proc.kill()  # SIGKILL: no cleanup, no final checkpoint write
     proc.wait(10)

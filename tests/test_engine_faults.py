@@ -1,7 +1,7 @@
 """With the engine down, every decision is escalated, falls back, or raises as configured.
 
 None is answered from nothing (no canvas/reread path without a read), none hangs (each
-decision is bounded by `asyncio.wait_for`), none is lost (N concurrent decisions end
+decision is bounded by `deadlines.bounded`), none is lost (N concurrent decisions end
 in exactly N outcomes). Faults: a closed port (connection refused), an
 `httpx.MockTransport` answering 500, a transport that sleeps past the read timeout, a
 real socket that accepts and never answers, and (against the REAL vLLM server) a server
@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from deadlines import bounded, patience
 from langchain_core.decisions import Choice, Noul
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
@@ -52,7 +53,7 @@ QUESTIONS = {
 }
 FALLBACK = {"team": "tech", "urgent": "yes"}
 DEADLINE = 20.0
-"""Seconds any one decision may take before the test calls it hung."""
+"""Seconds any one decision may take before the test calls it hung (a quiet machine's: `bounded` stretches them)."""
 
 
 class Target:
@@ -100,7 +101,7 @@ def outcome(result: CanvasResponse | BaseException) -> str:
 async def decide_all(model: CanvasDecisionModel, n: int = N) -> Counter:
     """n concurrent decisions (distinct states), each bounded; counts how each ended."""
     results = await asyncio.gather(
-        *(asyncio.wait_for(model.adecide(f"ticket {i}: I was charged twice.", QUESTIONS), DEADLINE)
+        *(bounded(model.adecide(f"ticket {i}: I was charged twice.", QUESTIONS), DEADLINE)
           for i in range(n)), return_exceptions=True)
     counts = Counter(outcome(r) for r in results)
     assert sum(counts.values()) == n  # none lost
@@ -150,7 +151,7 @@ async def test_connection_refused(mode, has_target):
 async def test_the_escalated_report_records_the_fault():
     target = Target()
     engine = VLLMServerEngine(Connection(f"http://127.0.0.1:{closed_port()}", retries=0))
-    resp = await asyncio.wait_for(make_model(engine, "escalate", target).adecide("hi", QUESTIONS), DEADLINE)
+    resp = await bounded(make_model(engine, "escalate", target).adecide("hi", QUESTIONS), DEADLINE)
     assert resp.canvas_reads == 0 and resp.usage["input_tokens"] == 0
     for qid, answer in (("team", "billing"), ("urgent", "no")):
         r = resp.reads[qid]
@@ -262,9 +263,11 @@ def reads_fail(fault: str) -> FailingPaths:
 async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, has_target):
     target = Target() if has_target else None
     transport = reads_fail(fault)
-    retries = 1 if fault == "500" else 0  # a timeout costs the full 2 s per try
+    retries = 1 if fault == "500" else 0  # a timeout costs the full 2 s (stretched) per try
     info = await VLLMServerEngine(vllm_url).info()  # discovery (one real read) with the default timeout
-    engine = VLLMServerEngine(Connection(vllm_url, timeout=2.0, retries=Retries(max_retries=retries, backoff=0.001),
+    # 2 s of a quiet machine: a read that sleeps times out, a /tokenize the busy real server answers does not
+    engine = VLLMServerEngine(Connection(vllm_url, timeout=patience(2.0),
+                                         retries=Retries(max_retries=retries, backoff=0.001),
                                          transport=transport),
                               canvas_width=info.canvas_width, vocab_size=info.vocab_size)
     model = make_model(engine, mode, target)
@@ -281,7 +284,7 @@ async def test_real_server_plans_then_reads_fail(vllm_url, fault, error, mode, h
 async def test_real_server_faulty_reads_are_reported_on_the_escalated_answers(vllm_url):
     target = Target()
     engine = VLLMServerEngine(Connection(vllm_url, retries=0, transport=reads_fail("500")))
-    resp = await asyncio.wait_for(make_model(engine, "escalate", target).adecide("hi", QUESTIONS), DEADLINE)
+    resp = await bounded(make_model(engine, "escalate", target).adecide("hi", QUESTIONS), DEADLINE)
     assert resp.canvas_reads == 1  # the first read was attempted (and failed); no re-reads
     for r in resp.reads.values():
         assert r.path == "escalated" and r.reads == 0 and r.labels  # the plan (labels) was made

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import httpx
 import pytest
+from deadlines import patience
 from langchain_core.decisions import Choice, Noul
 
 from canvasroute.engine import (
@@ -143,7 +144,8 @@ async def test_the_real_server_gets_exactly_one_thought_block(vllm_url, thinking
                 bodies.append(__import__("json").loads(request.content))
             return await super().handle_async_request(request)
 
-    engine = VLLMServerEngine(Connection(vllm_url, timeout=120, transport=Recording()), enable_thinking=thinking)
+    engine = VLLMServerEngine(Connection(vllm_url, timeout=patience(120), transport=Recording()),
+                              enable_thinking=thinking)
     info = await engine.info()
     assert info.canvas_prefix == (THOUGHT_SCAFFOLD if thinking else "")
     resp = await CanvasDecisionModel(engine=engine, policy=GatePolicy(rereads=0)).adecide("hi", QUESTIONS)
@@ -275,7 +277,7 @@ async def test_loopback_server_specials_are_discovered_and_inert():
 
 @pytest.mark.vllm
 async def test_real_server_specials_are_discovered_and_inert(vllm_url):
-    engine = VLLMServerEngine(Connection(vllm_url, timeout=120))
+    engine = VLLMServerEngine(Connection(vllm_url, timeout=patience(120)))
     info = await engine.info()
     assert {"<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<pad>"} <= set(info.special_tokens)
 

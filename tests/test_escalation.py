@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import deadlines
 import pytest
 from conftest import smollm2_ar_server
 from langchain_core.callbacks import BaseCallbackHandler
@@ -89,7 +90,8 @@ def reply(answer: dict, usage: tuple[int, int] = (100, 10), **kwargs: Any) -> AI
 
 
 def bounded(coro, seconds: float = 30):
-    return asyncio.wait_for(coro, seconds)
+    """The test's bound on a decision: `seconds` of a quiet machine, stretched to this one's pace."""
+    return deadlines.bounded(coro, seconds, what="the decision")
 
 
 @pytest.mark.parametrize(("said", "answer"), [("Billing", "Billing"), ("billing ", "billing "), ("", ""),
@@ -512,7 +514,7 @@ def smollm2(server, **kwargs: Any):
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(base_url=server.url + "/v1", model="smollm2", api_key="x", logprobs=True, top_logprobs=5,
-                      max_retries=0, timeout=120, **kwargs)
+                      max_retries=0, timeout=deadlines.patience(300), **kwargs)
 
 
 def _requests_since(server, n: int) -> list[dict]:
@@ -524,7 +526,7 @@ def _requests_since(server, n: int) -> list[dict]:
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
     before = len(ar_server.requests)
-    model = canvas_model(smollm2(ar_server))
+    model = canvas_model(smollm2(ar_server), timeout=deadlines.patience(300))  # the test's bound is the guard
     resp = await bounded(model.adecide(STATE, {"team": TEAM}), 300)
     r = resp.reads["team"]
     assert r.path == "escalated" and r.escalation_model == "smollm2" and not r.confident
@@ -548,7 +550,7 @@ async def test_real_ar_escalation_with_a_distribution_from_logprobs(ar_server):
 @pytest.mark.asyncio(loop_scope="module")  # ChatOpenAI caches its async HTTP client: one loop, like an app
 async def test_real_ar_structured_output_answers_three_questions_in_one_call(ar_server):
     before = len(ar_server.requests)
-    model = canvas_model(smollm2(ar_server), timeout=240)  # a 2-core CI box: ~10 s per prefill
+    model = canvas_model(smollm2(ar_server), timeout=deadlines.patience(300))  # a 2-core CI box: ~10 s per prefill
     resp = await bounded(model.adecide(STATE, ALL), 300)
     (sent,) = _requests_since(ar_server, before)  # three questions, one guided answer
     for qid in ALL:
@@ -570,7 +572,8 @@ async def test_real_ar_text_replies_are_retried_once_when_malformed_then_typed(a
     invalid reply."""
     before = len(ar_server.requests)
     try:
-        resp = await bounded(canvas_model(smollm2(ar_server), output="text").adecide(STATE, ALL), 300)
+        model = canvas_model(smollm2(ar_server), output="text", timeout=deadlines.patience(300))
+        resp = await bounded(model.adecide(STATE, ALL), 300)
     except EscalationError as exc:
         sent = _requests_since(ar_server, before)
         assert len(sent) == 2 and "outside the allowed options" in str(exc) and exc.failure == "format"

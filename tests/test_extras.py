@@ -19,6 +19,7 @@ import tomllib
 
 import pytest
 from conftest import IMPORT_ROOT, ROOT
+from deadlines import run
 
 from canvasroute import ExtraMissing, __version__
 from canvasroute.apps.cli import main
@@ -42,8 +43,7 @@ sys.meta_path.insert(0, Hide())
 
 def _without(hide: set[str], code: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(IMPORT_ROOT)}
-    return subprocess.run([sys.executable, "-c", HIDDEN.format(hide=sorted(hide)) + code], capture_output=True,
-                          text=True, env=env, timeout=120, check=False)
+    return run([sys.executable, "-c", HIDDEN.format(hide=sorted(hide)) + code], env=env, cpu_s=60)
 
 
 def test_the_extras_table_is_pyprojects():

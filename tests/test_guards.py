@@ -26,7 +26,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,8 @@ from typing import Annotated, Any
 
 import httpx
 import pytest
-from conftest import fixed_engine, until
+from conftest import fixed_engine
+from deadlines import Watch, patience, until, wait, wait_until
 from langchain_core.decisions import Noul
 from langgraph.cache.memory import InMemoryCache
 from langgraph.checkpoint.memory import InMemorySaver
@@ -443,7 +443,7 @@ def closed_port() -> int:
 
 
 def metrics_of(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{url}/metrics", timeout=patience(10)).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -458,9 +458,10 @@ def test_both_wires_answer_a_degraded_decision_in_their_own_vocabulary():
     decisions = {"model": "function", "input": TICKET,
                  "questions": [{"type": "predicate", "name": "urgent", "instructions": "Urgent?"}]}
     with run_in_thread(create_app(model)) as url, run_in_thread(create_app(model, refuse_unsure=True)) as strict:
-        jev = [httpx.post(f"{url}/v1/systemone", json=systemone, timeout=30) for _ in range(3)]
-        openai = httpx.post(f"{url}/v1/decisions", json=decisions, timeout=30)
-        refused = httpx.post(f"{strict}/v1/decisions", json=decisions, timeout=30).json()
+        limit_s = patience(30)
+        jev = [httpx.post(f"{url}/v1/systemone", json=systemone, timeout=limit_s) for _ in range(3)]
+        openai = httpx.post(f"{url}/v1/decisions", json=decisions, timeout=limit_s)
+        refused = httpx.post(f"{strict}/v1/decisions", json=decisions, timeout=limit_s).json()
         seen, seen_strict = metrics_of(url), metrics_of(strict)
     assert [r.status_code for r in jev] == [200] * 3 and openai.status_code == 200
     for body in (r.json() for r in jev):
@@ -488,7 +489,7 @@ def test_on_target_fault_raise_answers_502_then_503_while_the_breaker_is_open():
     model = unsure_model(Escalation(dead(), breaker=Breaker(failures=1)), outcomes=OutcomePolicy(target_fault="raise"))
     body = {"state": TICKET, "questions": {"urgent": {"type": "noul", "instructions": "Urgent?"}}}
     with run_in_thread(create_app(model)) as url:
-        failed, open_ = (httpx.post(f"{url}/v1/systemone", json=body, timeout=30) for _ in range(2))
+        failed, open_ = (httpx.post(f"{url}/v1/systemone", json=body, timeout=patience(30)) for _ in range(2))
         assert (failed.status_code, failed.json()["error"]["type"]) == (502, "escalation_failed")
         assert (open_.status_code, open_.json()["error"]["type"]) == (503, "escalation_unavailable")
         assert open_.headers["retry-after"] == "1"
@@ -518,19 +519,16 @@ def serve_process(argv: list[str], tmp_path: Any, name: str) -> Iterator[tuple[s
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"{name} did not start"
-            time.sleep(0.2)
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=patience(2)).status_code == 200,
+                   Watch(proc.pid, cpu_s=90, idle_s=60, what=name), what=f"{name} starting", proc=proc,
+                   log=tmp_path / f"{name}.log")
         yield url, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
+            if wait(proc, Watch(proc.pid, cpu_s=60, idle_s=60, what=f"{name} stopping")) is None:
+                proc.kill()
+                proc.wait()
         log.close()
 
 
@@ -552,7 +550,7 @@ def test_serve_escalate_systemone_keeps_answering_when_its_target_is_killed_mid_
         lock = threading.Lock()
 
         def one(i: int) -> None:
-            reply = httpx.post(f"{a}/v1/systemone", json={**body, "state": f"{TICKET} ({i})"}, timeout=60)
+            reply = httpx.post(f"{a}/v1/systemone", json={**body, "state": f"{TICKET} ({i})"}, timeout=patience(60))
             with lock:
                 done.append((reply.status_code, reply.json()))
                 if len(done) == kill_after:

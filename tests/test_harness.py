@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import pytest
 from conftest import assert_snapshot, fixed_engine, label_rows
+from deadlines import bounded, patience
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models import GenericFakeChatModel
@@ -177,7 +178,7 @@ async def test_sync_invoke_and_async_ainvoke_take_the_same_branch():
 
 async def test_async_nodes_accept_a_timeout_policy():
     node = decision_node(CanvasDecisionModel(engine=fixed_engine(SURE_TECH)), {"team": TEAM}, route=("team", TEAMS))
-    graph = triage_graph(node, timeout=30)  # LangGraph refuses timeouts on sync-only nodes at compile time
+    graph = triage_graph(node, timeout=patience(30))  # LangGraph refuses them on sync-only nodes at compile time
     assert (await graph.ainvoke({"ticket": "Crash"}))["lane"] == "tech"
 
 
@@ -662,7 +663,7 @@ async def test_parallel_decision_nodes_read_concurrently(mode):
     barrier = asyncio.Barrier(2)
 
     async def rows(read):
-        await asyncio.wait_for(barrier.wait(), 20)  # passes only if both reads are in flight at once
+        await bounded(barrier.wait(), 20, what="both reads in flight")  # passes only if both are at once
         return label_rows(engine, SURE_TECH, read)
 
     engine = FunctionEngine(rows)

@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import fresh_tracer_provider, label_rows, until
+from conftest import fresh_tracer_provider, label_rows
+from deadlines import patience, until
 from lanes import State
 from langchain_core.decisions import BaseDecisionModel, Noul
 from langchain_core.exceptions import ModelRefusalError
@@ -480,7 +481,7 @@ async def test_a_sync_targets_cancelled_hedge_runs_on_is_counted_and_its_threads
 
     def hold(call: int) -> None:  # in the target's thread: it answers once the test says so
         arrived[call].set()
-        release.wait(10)
+        release.wait(patience(10))  # the test releases it; this only keeps a failed test from hanging
 
     target = SyncScriptedTarget(script={"urgent": "no"}, hold=hold)
 

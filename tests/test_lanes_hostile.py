@@ -17,6 +17,7 @@ import ssl
 import time
 
 import pytest
+from deadlines import patience
 from rawserver import CLOSE, SILENT, Flood, Hold, Later, RawServer, loopback_delivered, ok
 from test_lanes import connection, self_signed
 
@@ -166,11 +167,12 @@ LENIENT = {
 @pytest.mark.parametrize("reply", LENIENT.values(), ids=LENIENT.keys())
 async def test_lenient_framing_is_refused_at_once_and_the_connection_dropped(reply):
     async with RawServer(reply, ok(b'{"n": 2}')) as server:
-        conn = connection(server.url, timeout=10)
+        timeout = patience(10)
+        conn = connection(server.url, timeout=timeout)
         started = time.monotonic()
         with pytest.raises(EngineUnavailable) as info:
             await conn.request("GET", "/")
-        assert not isinstance(info.value, EngineTimeout) and time.monotonic() - started < 5
+        assert not isinstance(info.value, EngineTimeout) and time.monotonic() - started < timeout / 2
         assert (await conn.request("GET", "/")).data == {"n": 2}
         await conn.aclose()
     assert server.connections == 2
@@ -255,11 +257,12 @@ async def test_certificates_are_not_retried_and_verify_and_client_certificates_a
     tls.load_cert_chain(cert, key)
     async with RawServer(ok(b'{"n": 1}'), ok(b'{"n": 2}'), tls=tls) as server:
         attempts = []
-        conn = connection(server.url, retries=3, backoff=0.5, cooldown=60)
+        backoff = patience(0.5)
+        conn = connection(server.url, retries=3, backoff=backoff, cooldown=60)
         started = time.monotonic()
         with pytest.raises(EngineUnavailable, match="certificate was refused") as info:
             await conn.request("GET", "/", on_attempt=lambda: attempts.append(1))
-        assert len(attempts) == 1 and time.monotonic() - started < 0.5  # no retry, no backoff
+        assert len(attempts) == 1 and time.monotonic() - started < backoff  # no retry, no backoff
         assert info.value.retryable is False and "verify=" in info.value.hint
         assert "is the" not in info.value.hint
         for trusted in (connection(server.url, verify=cert), connection(server.url, verify=False)):
@@ -302,14 +305,15 @@ async def test_retry_after_as_an_http_date_or_seconds_is_honoured(header, monkey
 
 async def test_aclose_is_final_even_for_a_request_in_flight():
     async with RawServer(SILENT, ok()) as server:
-        conn = connection(server.url, timeout=30, retries=3)
+        timeout = patience(30)
+        conn = connection(server.url, timeout=timeout, retries=3)
         task = asyncio.create_task(conn.request("GET", "/"))
         await server.until(lambda: len(server.heads) == 1)  # in flight at the (silent) server
         started = time.monotonic()
         await conn.aclose()
         with pytest.raises(EngineUnavailable) as info:
             await task
-        assert time.monotonic() - started < 5 and not isinstance(info.value, EngineTimeout)
+        assert time.monotonic() - started < timeout / 6 and not isinstance(info.value, EngineTimeout)
         assert conn.lanes == (0, 0)  # nothing went back into a lane
         with pytest.raises(EngineUnavailable, match="closed") as later:
             await conn.request("GET", "/")

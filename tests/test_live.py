@@ -24,6 +24,7 @@ from typing import Annotated, Any
 import httpx
 import numpy as np
 import pytest
+from deadlines import Deadline, patience
 from langchain_core.decisions import BaseDecisionModel, Noul
 from langchain_core.exceptions import ModelRefusalError
 from langgraph.cache.memory import InMemoryCache
@@ -557,13 +558,13 @@ async def test_the_review_lane_labels_audits_blind_from_any_process_sharing_the_
     store = InMemoryStore()
     inbox = AuditInbox(store, poll_s=0.01)
     other = AuditInbox(store, poll_s=0.01)  # a reviewer's tool in another process, on the same store
-    audit = Audit(rate=1.0, thresholds=GRID, labels="review", reviewer=inbox, seed=0, timeout=5.0)
+    audit = Audit(rate=1.0, thresholds=GRID, labels="review", reviewer=inbox, seed=0, timeout=patience(5.0))
     model = live_model(audit)
     report = (await model.adecide(state(0.1, canvas="yes", truth="no"), {"urgent": URGENT})).reads["urgent"]
     assert report.path == "escalated"  # people label: the target's answer is not a row
-    for _ in range(200):
-        if pending := await other.apending():
-            break
+    reaching = Deadline(2.0, "the audit reaching the other inbox")
+    while not (pending := await other.apending()):
+        assert not (why := reaching.overdue()), why
         await asyncio.sleep(0.01)
     assert len(pending) == 1
     item = pending[0]

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 from conftest import fresh_tracer_provider
+from deadlines import patience
 from langchain_core.decisions import Choice, Noul, Score
 
 from canvasroute.engine import Connection, Limits, VLLMServerEngine
@@ -89,7 +90,7 @@ async def test_ten_thousand_decisions_at_concurrency_256_with_bounded_memory():
         await asyncio.gather(produce(), *(work() for _ in range(CONCURRENCY)))
         gc.collect()
         rss["end"] = rss_mb()
-        async with httpx.AsyncClient(timeout=5) as http:
+        async with httpx.AsyncClient(timeout=patience(5)) as http:
             stats = (await http.get(f"{server.url}/_loopback/stats")).json()
 
         assert outcomes == Counter({"canvas": DECISIONS})  # none lost, none re-read or escalated

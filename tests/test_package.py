@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from background import job
 from conftest import IMPORT_ROOT, LAYERS, ROOT
+from deadlines import run
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 ORDER = ("engine", "router", "harness", "apps")
@@ -202,13 +203,12 @@ def test_one_decision_node_run_stays_within_its_structure():
     from canvasroute.apps.bench.structure import MAX_MODULES, MAX_RETURNS
 
     env = {**os.environ, "PYTHONPATH": str(IMPORT_ROOT)}
-    done = subprocess.run([sys.executable, "-m", "canvasroute", "bench", "--json", "--only", "structure"],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    done = run([sys.executable, "-m", "canvasroute", "bench", "--json", "--only", "structure"], env=env, cpu_s=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout)["sections"]["structure"]["rows"]
-    run = next(r for r in rows if r["path"].startswith("decision_node"))
-    assert run["hops"] > run["modules"] >= 5  # the trace saw the run (engine, router, harness)
-    assert run["modules"] <= MAX_MODULES and run["returns"] <= MAX_RETURNS, run
+    row = next(r for r in rows if r["path"].startswith("decision_node"))
+    assert row["hops"] > row["modules"] >= 5  # the trace saw the run (engine, router, harness)
+    assert row["modules"] <= MAX_MODULES and row["returns"] <= MAX_RETURNS, row
 
 
 def test_the_import_surface_lists_what_it_serves():
@@ -236,7 +236,7 @@ def everything_imported(work: Path) -> subprocess.CompletedProcess[str]:
             "        importlib.import_module(m)\n"
             "print(sorted(n for n in sys.modules if n.split('.')[0] in ('engine', 'router', 'harness', 'apps')))")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    return run([sys.executable, "-c", code], env=env, cwd="/", cpu_s=120)
 
 
 @pytest.mark.slow
@@ -307,14 +307,13 @@ def installed(work: Path) -> Path:
     """A fresh venv holding the built wheel (and mypy), as a user's project would: built and installed
     by a background job, beside the suite."""
     dist = work / "dist"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)],
-                           capture_output=True, text=True, timeout=600)
+    built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)], cpu_s=120)
     assert built.returncode == 0, built.stderr[-3000:]
     wheel = next(dist.glob("canvasroute-*.whl"))
     venv = work / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                          str(wheel), "mypy"], capture_output=True, text=True, timeout=900)
+    assert run([sys.executable, "-m", "venv", str(venv)], cpu_s=60).returncode == 0
+    pip = run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+               str(wheel), "mypy"], cpu_s=300)
     assert pip.returncode == 0, pip.stderr[-3000:]
     return venv
 
@@ -335,8 +334,9 @@ def _clean_env() -> dict[str, str]:
 
 @pytest.mark.services
 def test_the_wheel_installs_only_canvasroute(installed):
-    shown = subprocess.run([str(installed / "bin" / "python"), "-m", "pip", "show", "-f", "canvasroute"],
-                           capture_output=True, text=True, check=True, env=_clean_env()).stdout
+    pip = run([str(installed / "bin" / "python"), "-m", "pip", "show", "-f", "canvasroute"], env=_clean_env(), cpu_s=60)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    shown = pip.stdout
     files = [line.strip() for line in shown.split("Files:", 1)[1].splitlines() if line.strip()]
     tops = {f.split("/")[0] for f in files if not f.startswith("..")}
     assert tops == {"canvasroute", next(t for t in tops if t.endswith(".dist-info"))}, tops
@@ -344,31 +344,28 @@ def test_the_wheel_installs_only_canvasroute(installed):
                      "canvasroute/harness/_node.py", "canvasroute/router/telemetry/__init__.py"):
         assert expected in files, expected
     assert not any(f.startswith(("tests/", "examples/", "engine/", "router/", "harness/")) for f in files)
-    meta = subprocess.run([str(installed / "bin" / "python"), "-c",
-                           "import importlib.metadata as m, canvasroute; d = m.metadata('canvasroute');"
-                           "print(d['License-Expression'], canvasroute.__version__ == d['Version'],"
-                           " bool(d.get_all('Classifier')), bool(d.get_all('Project-URL')))"],
-                          capture_output=True, text=True, check=True, env=_clean_env()).stdout.split()
-    assert meta == ["Apache-2.0", "True", "True", "True"]
+    meta = run([str(installed / "bin" / "python"), "-c",
+                "import importlib.metadata as m, canvasroute; d = m.metadata('canvasroute');"
+                "print(d['License-Expression'], canvasroute.__version__ == d['Version'],"
+                " bool(d.get_all('Classifier')), bool(d.get_all('Project-URL')))"], env=_clean_env(), cpu_s=60)
+    assert meta.stdout.split() == ["Apache-2.0", "True", "True", "True"], meta.stderr[-2000:]
 
 
 @pytest.mark.services
 def test_a_project_with_its_own_router_engine_and_harness_modules_uses_the_package(installed, project):
-    run = subprocess.run([str(installed / "bin" / "python"), "app.py"], cwd=project, capture_output=True, text=True,
-                         env=_clean_env(), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split()[:1] == ["ok"] and "canvasroute.router._types" in run.stdout
-    cli = subprocess.run([str(installed / "bin" / "canvasroute"), "--help"], cwd=project, capture_output=True,
-                         text=True, env=_clean_env(), timeout=120)
+    app = run([str(installed / "bin" / "python"), "app.py"], cwd=project, env=_clean_env(), cpu_s=120)
+    assert app.returncode == 0, app.stderr[-3000:]
+    assert app.stdout.split()[:1] == ["ok"] and "canvasroute.router._types" in app.stdout
+    cli = run([str(installed / "bin" / "canvasroute"), "--help"], cwd=project, env=_clean_env(), cpu_s=60)
     assert cli.returncode == 0 and "dashboard" in cli.stdout
 
 
 @pytest.mark.services
 def test_mypy_strict_passes_on_a_typed_user_script(installed, project):
-    run = subprocess.run([str(installed / "bin" / "python"), "-m", "mypy", "--strict", "--no-incremental",
-                          "app.py"], cwd=project, capture_output=True, text=True, env=_clean_env(), timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "missing library stubs or py.typed marker" not in run.stdout
+    checked = run([str(installed / "bin" / "python"), "-m", "mypy", "--strict", "--no-incremental", "app.py"],
+                  cwd=project, env=_clean_env(), cpu_s=300)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-2000:]
+    assert "missing library stubs or py.typed marker" not in checked.stdout
 
 
 NO_EXTRAS = """
@@ -399,15 +396,15 @@ def test_a_venv_without_the_extras_names_the_pip_command_for_each_and_serve_help
     traceback; the dashboard and calibrate (without its plots) need none."""
     python, cli = str(installed / "bin" / "python"), str(installed / "bin" / "canvasroute")
 
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=_clean_env(), timeout=300)
+    def here(*args: str) -> subprocess.CompletedProcess[str]:
+        return run(args, cwd=tmp_path, env=_clean_env(), cpu_s=120)
 
-    present = run(python, "-c", NO_EXTRAS)
+    present = here(python, "-c", NO_EXTRAS)
     assert present.returncode == 0 and json.loads(present.stdout) == [], present.stdout + present.stderr
-    version = run(cli, "--version")
+    version = here(cli, "--version")
     release = importlib.import_module("canvasroute").__version__
     assert (version.returncode, version.stdout.strip()) == (0, f"canvasroute {release}")
-    helped = run(cli, "serve", "--help")
+    helped = here(cli, "serve", "--help")
     assert helped.returncode == 0 and "usage: canvasroute serve" in helped.stdout, helped.stderr[-2000:]
     assert "pip install 'canvasroute[serve]'" in helped.stdout
     data = str(ROOT / "data" / "examples" / "decisions.jsonl")
@@ -415,11 +412,11 @@ def test_a_venv_without_the_extras_names_the_pip_command_for_each_and_serve_help
                         (("demo", "--engine-url", "http://127.0.0.1:9"), "otel"),
                         (("eval", data, "--limit", "2", "--no-plots"), "local"),
                         (("calibrate", data, "--limit", "2", "-o", "p.json"), "local")):
-        done = run(cli, *args)
+        done = here(cli, *args)
         assert done.returncode == 2, (args, done.stdout[-1000:], done.stderr[-2000:])
         assert f"pip install 'canvasroute[{extra}]'" in done.stderr and "Traceback" not in done.stderr, (
             args, done.stderr[-2000:])
-    names = run(python, "-c", PUBLIC_NAMES)
+    names = here(python, "-c", PUBLIC_NAMES)
     assert json.loads(names.stdout) == {
         "create_app": ["ExtraMissing", "serve", "pip install 'canvasroute[serve]'"],
         "TransformersEngine": ["ExtraMissing", "local", "pip install 'canvasroute[local]'"],
@@ -428,9 +425,9 @@ def test_a_venv_without_the_extras_names_the_pip_command_for_each_and_serve_help
     }, names.stderr[-2000:]
     spans = tmp_path / "spans.jsonl"
     _escalated_spans(spans)  # written here, with the SDK
-    dashboard = run(cli, "dashboard", str(spans), "-o", "report.html")
+    dashboard = here(cli, "dashboard", str(spans), "-o", "report.html")
     assert dashboard.returncode == 0 and (tmp_path / "report.html").is_file(), dashboard.stderr[-2000:]
-    calibrated = run(cli, "calibrate", "--from-traces", str(spans), "-o", "policy.json")
+    calibrated = here(cli, "calibrate", "--from-traces", str(spans), "-o", "policy.json")
     assert calibrated.returncode == 0 and (tmp_path / "policy.json").is_file(), calibrated.stderr[-2000:]
     assert "pip install 'canvasroute[plots]'" in calibrated.stderr and "Traceback" not in calibrated.stderr
 
@@ -477,12 +474,11 @@ def editable(work: Path) -> Path:
     """A fresh venv with this checkout installed editable (`pip install -e .`), mypy and pyright (its
     first run fetches the pyright npm package, done here, in the background)."""
     venv = work / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                          "-e", str(ROOT), "mypy", "pyright"], capture_output=True, text=True, timeout=900)
+    assert run([sys.executable, "-m", "venv", str(venv)], cpu_s=60).returncode == 0
+    pip = run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+               "-e", str(ROOT), "mypy", "pyright"], cpu_s=300)
     assert pip.returncode == 0, pip.stderr[-3000:]
-    warm = subprocess.run([str(venv / "bin" / "pyright"), "--version"], capture_output=True, text=True, timeout=600,
-                          env=_clean_env())
+    warm = run([str(venv / "bin" / "pyright"), "--version"], env=_clean_env(), cpu_s=120)
     assert warm.returncode == 0, warm.stdout[-2000:] + warm.stderr[-2000:]
     return venv
 
@@ -491,14 +487,13 @@ def editable(work: Path) -> Path:
 def test_an_editable_install_shows_mypy_and_pyright_the_real_types(editable, tmp_path):
     (tmp_path / "user.py").write_text(USER_TYPES)
     python = str(editable / "bin" / "python")
-    mypy = subprocess.run([python, "-m", "mypy", "--no-incremental", "user.py"], cwd=tmp_path, capture_output=True,
-                          text=True, env=_clean_env(), timeout=600)
+    mypy = run([python, "-m", "mypy", "--no-incremental", "user.py"], cwd=tmp_path, env=_clean_env(), cpu_s=300)
     seen = [line.split("Revealed type is ", 1)[1].strip('"') for line in mypy.stdout.splitlines()
             if "Revealed type is" in line]
     assert mypy.returncode == 0 and seen == list(REVEALED), mypy.stdout[-3000:]
     (tmp_path / "pyrightconfig.json").write_text(json.dumps({"venvPath": str(editable.parent), "venv": editable.name}))
-    pyright = subprocess.run([str(editable / "bin" / "pyright"), "--outputjson", "user.py"], cwd=tmp_path,
-                             capture_output=True, text=True, env=_clean_env(), timeout=600)
+    pyright = run([str(editable / "bin" / "pyright"), "--outputjson", "user.py"], cwd=tmp_path, env=_clean_env(),
+                  cpu_s=300)
     told = [d["message"] for d in json.loads(pyright.stdout)["generalDiagnostics"] if d["severity"] == "information"]
     assert told == [f'Type of "{expr}" is "{shown}"' for expr, shown in (
         ("model", "CanvasDecisionModel"), ("resp", "CanvasResponse"),

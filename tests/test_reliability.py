@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 from conftest import _free_port, fresh_tracer_provider
+from deadlines import bounded, patience
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -87,10 +88,10 @@ def outcome(result: CanvasResponse | BaseException) -> str:
 
 
 async def decide_all(model: CanvasDecisionModel, n: int, limit_s: float = 60) -> Counter[str]:
-    """n concurrent decisions, each bounded by `limit_s` seconds; how each ended, counted."""
+    """n concurrent decisions, each bounded by `limit_s` seconds (stretched: `bounded`); how each ended, counted."""
     async def one(i: int):
         try:
-            return await asyncio.wait_for(model.adecide(f"{TICKET} (#{i})", QUESTIONS), limit_s)
+            return await bounded(model.adecide(f"{TICKET} (#{i})", QUESTIONS), limit_s, what="a decision")
         except CanvasRouteError:
             raise
         except TimeoutError:
@@ -129,7 +130,7 @@ async def test_every_fault_ends_escalated_fallback_or_typed_error(name, mode):
     async with LoopbackVLLM() as server:
         # only the read-timeout fault needs a short read timeout; the others get room, so a slow
         # CI core (two of them, the suite running) never turns a healthy reply into a retry
-        timeout = 0.5 if error is EngineTimeout else 10.0
+        timeout = 0.5 if error is EngineTimeout else patience(10.0)
         retries = Retries(max_retries=1, backoff=0.001)
         engine = VLLMServerEngine(Connection(server.url, timeout=timeout, retries=retries))
         model = make_model(engine, mode)
@@ -179,7 +180,7 @@ async def test_transient_faults_then_recovery_answer_from_the_canvas():
 
 async def test_a_slow_server_within_the_timeout_still_answers():
     async with LoopbackVLLM() as server:
-        engine = VLLMServerEngine(Connection(server.url, timeout=5, retries=0))
+        engine = VLLMServerEngine(Connection(server.url, timeout=patience(5), retries=0))
         model = make_model(engine, "raise")
         server.inject(Fault(delay=0.2), times=None)
         assert await decide_all(model, N) == Counter({"answered": N})
@@ -230,7 +231,7 @@ async def test_a_connect_timeout_is_an_engine_timeout():
 
 
 def _stats(url: str) -> int:
-    return httpx.get(f"{url}/_loopback/stats", timeout=5).json()["reads"]
+    return httpx.get(f"{url}/_loopback/stats", timeout=patience(5)).json()["reads"]
 
 
 async def test_replicas_share_reads_and_survive_losing_one_mid_run():
@@ -248,7 +249,7 @@ async def test_replicas_share_reads_and_survive_losing_one_mid_run():
         async def worker(ids: Iterator[int]) -> None:
             nonlocal killed_at
             for i in ids:
-                resp = await asyncio.wait_for(model.adecide(f"{TICKET} (#{i})", QUESTIONS), 30)
+                resp = await bounded(model.adecide(f"{TICKET} (#{i})", QUESTIONS), 30, what="a decision")
                 done[outcome(resp)] += 1
                 if killed_at is None and sum(done.values()) >= 100:
                     killed_at = sum(done.values())
@@ -268,7 +269,7 @@ async def test_replicas_share_reads_and_survive_losing_one_mid_run():
 @pytest.mark.vllm
 async def test_real_vllm_killed_mid_run_every_decision_accounted_for(spare_vllm):
     url, pid = spare_vllm.url, spare_vllm.pid
-    engine = VLLMServerEngine(Connection(url, timeout=Timeout(read=20, connect=2),
+    engine = VLLMServerEngine(Connection(url, timeout=Timeout(read=patience(20), connect=patience(2)),
                                          retries=Retries(max_retries=2, backoff=0.05, replica_cooldown=0.5)))
     models = {mode: make_model(engine, mode, policy=GatePolicy(rereads=2)) for mode in MODES}
     for model in models.values():  # discovery and plans, while the server is up
@@ -277,7 +278,7 @@ async def test_real_vllm_killed_mid_run_every_decision_accounted_for(spare_vllm)
 
     async def one(mode: str, i: int):
         try:
-            return mode, await asyncio.wait_for(models[mode].adecide(f"{TICKET} (#{i})", QUESTIONS), 120)
+            return mode, await bounded(models[mode].adecide(f"{TICKET} (#{i})", QUESTIONS), 120, what="a decision")
         except CanvasRouteError as exc:
             return mode, exc
         except TimeoutError:

@@ -13,6 +13,7 @@ import uuid
 
 import httpx
 import pytest
+from deadlines import patience
 from langchain_core.decisions import Choice, Noul
 
 from canvasroute.engine import Connection, VLLMServerEngine
@@ -26,11 +27,11 @@ _FINISHED = re.compile(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+-]+)$",
 
 
 def finished(url: str) -> int:
-    return int(sum(float(v) for v in _FINISHED.findall(httpx.get(f"{url}/metrics", timeout=10).text)))
+    return int(sum(float(v) for v in _FINISHED.findall(httpx.get(f"{url}/metrics", timeout=patience(10)).text)))
 
 
 async def reads_per_server(urls: list[str], affinity: bool) -> list[int]:
-    engine = VLLMServerEngine(Connection(urls, timeout=120), affinity=affinity)
+    engine = VLLMServerEngine(Connection(urls, timeout=patience(120)), affinity=affinity)
     try:
         await engine.info()  # discovery first: only the decision's reads are counted below
         before = [finished(u) for u in urls]

@@ -13,10 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from deadlines import Watch, bounded, finish, patience, run, wait_until
 from langchain_core.decisions import Choice, Noul, Score
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -81,7 +81,7 @@ def test_typesafe_sdk_gets_typed_answers_from_our_server_on_real_vllm(vllm_url):
     state = "I was charged twice for my subscription and nobody answers."
     with run_in_thread(app) as url:
         # the SDK's defaults: model "jev-latest" (an alias here), zstd only when installed
-        with TypeSafeClient(api_key=KEY, base_url=url, retry=RetryPolicy(max_retries=0), timeout=60) as jev:
+        with TypeSafeClient(api_key=KEY, base_url=url, retry=RetryPolicy(max_retries=0), timeout=patience(60)) as jev:
             result = jev.system_one(state=state, questions=questions)
             listed = jev.models.list()
             with pytest.raises(TypeSafeUnprocessableEntityError, match="Box questions have no canvas form"):
@@ -176,7 +176,7 @@ JEV_ANSWER_KEYS = {"noul": {"type", "noul"}, "choice": {"type", "choice", "proba
 
 
 async def _gateway(url: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=patience(120)) as http:
         return await http.post(f"{url}/v1/systemone", json=body)
 
 
@@ -510,7 +510,7 @@ async def test_timeouts_running_are_504_and_waiting_are_529():
                      request_timeout=0.3)
     async with client(app) as http:
         first = asyncio.ensure_future(http.post("/v1/systemone", json=BODY))
-        await asyncio.wait_for(reading.wait(), 10)  # the first holds the only slot
+        await bounded(reading.wait(), 10, what="the first read")  # the first holds the only slot
         second = await http.post("/v1/systemone", json=BODY)
         first = await first
     assert (first.status_code, first.json()["error"]["type"]) == (504, "timeout")
@@ -799,9 +799,8 @@ def test_serve_refuses_at_start_an_outcome_it_cannot_honour(tmp_path, monkeypatc
 
 
 def test_canvasroute_serve_exits_2_on_an_outcome_it_cannot_honour(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine-url", "http://127.0.0.1:9"],
-                          cwd=tmp_path, env=child_env(CANVASROUTE_ON_UNCERTAIN="raise"), capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = run([sys.executable, "-m", "canvasroute.apps.cli", "serve", "--engine-url", "http://127.0.0.1:9"],
+               cwd=tmp_path, env=child_env(CANVASROUTE_ON_UNCERTAIN="raise"), cpu_s=60)
     assert proc.returncode == 2, proc.stderr
     assert "OutcomePolicy.uncertain='raise' cannot be served over HTTP" in proc.stderr
 
@@ -851,20 +850,14 @@ def test_canvasroute_serve_answers_over_http(vllm_url, tmp_path):
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
-        r = httpx.post(f"{url}/v1/systemone", json=BODY, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
-        denied = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10)
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=patience(2)).status_code == 200,
+                   Watch(proc.pid, cpu_s=60, idle_s=60, what="canvasroute serve"), what="canvasroute serve", proc=proc)
+        r = httpx.post(f"{url}/v1/systemone", json=BODY, headers={"authorization": f"Bearer {KEY}"},
+                       timeout=patience(60))
+        denied = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=patience(10))
     finally:
         proc.send_signal(signal.SIGINT)
-        out = proc.communicate(timeout=30)[0]
+        out = finish(proc, Watch(proc.pid, cpu_s=30, idle_s=30, what="canvasroute serve stopping"))[0]
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "tiny-dgemma"
     assert {a["x_canvasroute"]["reads"] for a in r.json()["answers"].values()} == {1}  # CANVASROUTE_REREADS=0

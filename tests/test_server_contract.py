@@ -23,7 +23,7 @@ import pytest
 import requests
 import schemathesis
 from background import job
-from fuzzing import PATIENT, run_cases
+from fuzzing import CLIENT_S, PATIENT, REQUEST_S, run_cases
 from gateway_contract import GATEWAY_CONTRACT, STRICTER
 from schemathesis import GenerationMode
 from schemathesis.core.failures import Failure, FailureGroup
@@ -62,7 +62,7 @@ def gateway_fuzz(work: Path) -> dict[str, Any]:
     operation = schema["/v1/systemone"]["POST"]
     strategies = [operation.as_strategy(generation_mode=GenerationMode.POSITIVE)] * 3 + [
         operation.as_strategy(generation_mode=GenerationMode.NEGATIVE)]
-    app = create_app(_model(), request_timeout=10)
+    app = create_app(_model(), request_timeout=REQUEST_S)
     seen: dict[tuple[str, int], int] = {}
     kinds: dict[str, int] = {}
     problems: list[str] = []
@@ -71,7 +71,7 @@ def gateway_fuzz(work: Path) -> dict[str, Any]:
     with run_in_thread(app, limits=PATIENT) as url, requests.Session() as session:
         def fuzz(case):
             next(calls)
-            response = case.call(base_url=url, session=session, timeout=15)
+            response = case.call(base_url=url, session=session, timeout=CLIENT_S)
             mode, status = case.meta.generation.mode.value, response.status_code
             seen[(mode, status)] = seen.get((mode, status), 0) + 1
             where = f"{mode} -> {status}: {json.dumps(case.body, default=str)[:200]} => {response.text[:300]}"

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from deadlines import Watch, patience, wait, wait_until
 from decisions_server import PNG, REFUSE, DecisionsServer, Known
 from langchain_core.decisions import BaseDecisionModel, Noul
 from langchain_core.decisions import Choice as LCChoice
@@ -104,7 +105,7 @@ def decisions_target(url: str, model: str, **kwargs: Any) -> OpenAIDecisions:
 
 
 def metrics_of(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{url}/metrics", timeout=patience(10)).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -206,7 +207,7 @@ def test_a_question_the_escalation_target_refused_is_a_refusal_the_others_keep_i
         cascade = function_model(uniform, escalate_to=decisions_target(big.url, "big-decider"))
         with run_in_thread(create_app(cascade)) as url:
             decision = sdk(url).decisions.create(model="function", input=TICKET, questions=QUESTIONS)
-            systemone = httpx.post(f"{url}/v1/systemone", timeout=30, json={"state": TICKET, "questions": {
+            systemone = httpx.post(f"{url}/v1/systemone", timeout=patience(30), json={"state": TICKET, "questions": {
                 "flag": {"type": "choice", "instructions": "Flag it?", "criteria": {"yes": None, "no": None}}}})
             seen = metrics_of(url)
         sent = big.bodies[0]
@@ -240,7 +241,7 @@ def test_a_refusal_downstream_of_a_systemone_target_stays_a_refusal_upstream():
         jev = SystemOneDecisionModel(Connection(b, retries=0), model="jev-latest")
         with run_in_thread(create_app(function_model(uniform, escalate_to=jev))) as a:
             decision = sdk(a).decisions.create(model="function", input=TICKET, questions=QUESTIONS)
-            systemone = httpx.post(f"{a}/v1/systemone", timeout=30, json={"state": TICKET, "questions": {
+            systemone = httpx.post(f"{a}/v1/systemone", timeout=patience(30), json={"state": TICKET, "questions": {
                 "flag": {"type": "choice", "instructions": "Flag it?", "criteria": {"yes": None, "no": None}}}})
             seen = metrics_of(a)
     urgent, team, severity, flag = decision.answers
@@ -263,8 +264,8 @@ def test_refuse_unsure_refuses_what_the_gate_did_not_pass_and_nothing_answered()
     body = {"model": "function", "input": TICKET, "questions": QUESTIONS[:2]}
     model = function_model(uniform)  # no target: every question stays unsure
     with run_in_thread(create_app(model, refuse_unsure=True)) as strict, run_in_thread(create_app(model)) as lenient:
-        refused = httpx.post(f"{strict}/v1/decisions", json=body, timeout=30).json()
-        answered = httpx.post(f"{lenient}/v1/decisions", json=body, timeout=30).json()
+        refused = httpx.post(f"{strict}/v1/decisions", json=body, timeout=patience(30)).json()
+        answered = httpx.post(f"{lenient}/v1/decisions", json=body, timeout=patience(30)).json()
         seen = metrics_of(strict)
     assert [a["type"] for a in refused["answers"]] == ["refusal", "refusal"]
     assert [a["canvasroute"]["path"] for a in refused["answers"]] == ["unsure", "unsure"]
@@ -273,7 +274,7 @@ def test_refuse_unsure_refuses_what_the_gate_did_not_pass_and_nothing_answered()
     assert seen[("canvasroute_server_refusals_total", (("reason", "unsure"),))] == 2
     confident_model = function_model(confident)
     with run_in_thread(create_app(confident_model, refuse_unsure=True)) as url:
-        passed = httpx.post(f"{url}/v1/decisions", json=body, timeout=30).json()
+        passed = httpx.post(f"{url}/v1/decisions", json=body, timeout=patience(30)).json()
     assert [a["type"] for a in passed["answers"]] == ["predicate", "choice"]  # the gate passed them: answered
 
 
@@ -289,10 +290,10 @@ def test_the_escalation_budget_holds_on_this_wire_too():
     with run_in_thread(create_app(cascade())) as answers, \
             run_in_thread(create_app(cascade(), refuse_unsure=True)) as refuses, \
             run_in_thread(create_app(cascade(over_budget="raise"))) as raises:
-        first = [httpx.post(f"{u}/v1/decisions", json=body, timeout=30).json()["answers"][0]
+        first = [httpx.post(f"{u}/v1/decisions", json=body, timeout=patience(30)).json()["answers"][0]
                  for u in (answers, refuses, raises)]
-        spent = httpx.post(f"{answers}/v1/decisions", json=body, timeout=30).json()["answers"][0]
-        refused = httpx.post(f"{refuses}/v1/decisions", json=body, timeout=30).json()["answers"][0]
+        spent = httpx.post(f"{answers}/v1/decisions", json=body, timeout=patience(30)).json()["answers"][0]
+        refused = httpx.post(f"{refuses}/v1/decisions", json=body, timeout=patience(30)).json()["answers"][0]
         limited = _status_error(lambda: sdk(raises).decisions.create(**body))
     assert {a["canvasroute"]["path"] for a in first} == {"escalated"}
     assert (spent["type"], spent["canvasroute"]["path"], spent["canvasroute"]["cause"]) == (
@@ -347,9 +348,9 @@ def test_errors_are_openais_shape_with_the_sdks_exception_classes():
         wrong_key = _status_error(lambda: sdk(url, key="wrong").decisions.create(
             model="function", input="x", questions=QUESTIONS[:1]))
         too_large = _status_error(lambda: create(input="x" * 30_000))
-        not_json = httpx.post(f"{url}/v1/decisions", content=b"{", timeout=10,
+        not_json = httpx.post(f"{url}/v1/decisions", content=b"{", timeout=patience(10),
                               headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
-        multipart = httpx.post(f"{url}/v1/decisions", files={"request": b"{}"}, timeout=10,
+        multipart = httpx.post(f"{url}/v1/decisions", files={"request": b"{}"}, timeout=patience(10),
                                headers={"authorization": f"Bearer {KEY}"})
     assert type(bad_field) is openai.BadRequestError
     assert (bad_field.param, bad_field.code, bad_field.type) == ("questions[0].choices", "array_below_min_length",
@@ -404,9 +405,10 @@ def test_both_wires_share_admission_metrics_ids_and_the_access_log(spans, caplog
     auth = {"authorization": f"Bearer {KEY}"}
     body = {"model": "function", "input": TICKET, "questions": QUESTIONS[:2]}
     with caplog.at_level("INFO", logger="canvasroute.server.access"), run_in_thread(app) as url:
-        ok = httpx.post(f"{url}/v1/decisions", json=body, headers={**auth, "x-request-id": "req-42"}, timeout=30)
-        denied = httpx.post(f"{url}/v1/decisions", json=body, timeout=30)
-        jev = httpx.post(f"{url}/v1/systemone", headers=auth, timeout=30, json={"state": TICKET, "questions": {
+        limit_s = patience(30)
+        ok = httpx.post(f"{url}/v1/decisions", json=body, headers={**auth, "x-request-id": "req-42"}, timeout=limit_s)
+        denied = httpx.post(f"{url}/v1/decisions", json=body, timeout=limit_s)
+        jev = httpx.post(f"{url}/v1/systemone", headers=auth, timeout=limit_s, json={"state": TICKET, "questions": {
             "urgent": {"type": "noul", "instructions": "Is this urgent?"}}})
         seen = metrics_of(url)
     assert ok.status_code == 200 and ok.headers["x-request-id"] == "req-42"
@@ -431,7 +433,7 @@ def test_both_wires_share_admission_metrics_ids_and_the_access_log(spans, caplog
 
 def test_the_openapi_document_describes_the_decisions_route():
     with run_in_thread(create_app(function_model())) as url:
-        doc = httpx.get(f"{url}/openapi.json", timeout=10).json()
+        doc = httpx.get(f"{url}/openapi.json", timeout=patience(10)).json()
     post = doc["paths"]["/v1/decisions"]["post"]
     assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/DecisionsRequest")
     assert {"200", "400", "401", "404", "429", "503", "529"} <= set(post["responses"])
@@ -499,7 +501,8 @@ async def test_the_sdks_against_serve_on_real_vllm_answer_what_the_model_decides
         images = _status_error(lambda: sdk(url).decisions.create(model="tiny-dgemma", input=TRAFFIC,
                                                                  questions=QUESTIONS[:1]))
         timings: dict[str, list[float]] = {"/v1/decisions": [], "/v1/systemone": []}
-        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEY}"}, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEY}"},
+                                     timeout=patience(120)) as http:
             for _ in range(3):
                 for route, body in (("/v1/decisions", {"model": "tiny-dgemma", "input": TICKET,
                                                        "questions": QUESTIONS[:2]}),
@@ -551,20 +554,15 @@ def serving(argv: list[str], tmp_path: Any, name: str) -> Iterator[str]:
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"{name} did not start"
-            time.sleep(0.2)
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=patience(2)).status_code == 200,
+                   Watch(proc.pid, cpu_s=90, idle_s=60, what=name), what=f"{name} starting", proc=proc,
+                   log=tmp_path / f"{name}.log")
         yield url
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        if wait(proc, Watch(proc.pid, cpu_s=60, idle_s=60, what=f"{name} stopping")) is None:
+            proc.kill()
+            proc.wait()
         log.close()
         assert proc.returncode == 0, (tmp_path / f"{name}.log").read_text()
 
@@ -622,7 +620,7 @@ def test_a_refusal_stays_a_refusal_through_serve_escalate_systemone_on_real_vllm
             serving(["--engine-url", vllm_url, "--max-normalized-entropy", "0", "--rereads", "0",
                      "--escalate-systemone", b], tmp_path, "a") as a:
         cascaded = sdk(a).decisions.create(**body)
-        from_b = httpx.post(f"{b}/v1/systemone", timeout=60, json={"state": TICKET, "questions": {
+        from_b = httpx.post(f"{b}/v1/systemone", timeout=patience(60), json={"state": TICKET, "questions": {
             "secret": {"type": "noul", "instructions": "Is a card number shown?"}}}).json()
         seen = metrics_of(a)
     answers = {x.name: x for x in cascaded.answers}

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
+from deadlines import bounded
 
 from canvasroute.engine import (
     CanvasRead,
@@ -284,7 +285,7 @@ async def test_an_answer_that_never_comes_is_bounded_by_the_attempt_deadline():
     engine = engine_for(never, retries=1, timeout=Timeout(read=0.05, connect=0.05), vocab_size=VOCAB,
                         canvas_width=WIDTH, model=MODEL)
     with pytest.raises(EngineTimeout):
-        await asyncio.wait_for(engine.tokenize("hello"), 5)
+        await bounded(engine.tokenize("hello"), 5, what="the attempt deadline")
     assert calls["/tokenize"] == 2
 
 

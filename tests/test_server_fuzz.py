@@ -20,7 +20,7 @@ import pytest
 import requests
 import schemathesis
 from background import job
-from fuzzing import PATIENT, run_cases
+from fuzzing import CLIENT_S, PATIENT, REQUEST_S, run_cases
 from schemathesis import GenerationMode
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
@@ -88,7 +88,7 @@ def systemone_fuzz(work: Path) -> dict[str, Any]:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             strategies += [operation.as_strategy(generation_mode=mode)] * weight
     model, faults = faulty_model()
-    app = create_app(model, api_key=KEY, request_timeout=10)
+    app = create_app(model, api_key=KEY, request_timeout=REQUEST_S)
     seen: dict[int, int] = {}
     problems: list[str] = []
 
@@ -98,7 +98,7 @@ def systemone_fuzz(work: Path) -> dict[str, Any]:
         def fuzz(case):
             if next(calls) % 10:  # one in ten keeps whatever authorization the fuzzer made up
                 authorize(case)
-            response = case.call(base_url=url, session=session, timeout=15)
+            response = case.call(base_url=url, session=session, timeout=CLIENT_S)
             seen[response.status_code] = seen.get(response.status_code, 0) + 1
             text = response.text
             where = f"{case.method} {case.path} -> {response.status_code}: {text[:300]}"
@@ -147,7 +147,7 @@ def decisions_fuzz(work: Path) -> dict[str, Any]:
     strategies = [operation.as_strategy(generation_mode=mode) for mode in (GenerationMode.POSITIVE,
                                                                            GenerationMode.NEGATIVE)]
     model, faults = faulty_model()
-    app = create_app(model, api_key=KEY, request_timeout=10)
+    app = create_app(model, api_key=KEY, request_timeout=REQUEST_S)
     seen: dict[int, int] = {}
     problems: list[str] = []
     calls = itertools.count()
@@ -159,7 +159,7 @@ def decisions_fuzz(work: Path) -> dict[str, Any]:
                 authorize(case)
             if n % 5 and isinstance(case.body, dict) and "model" in case.body:
                 case.body["model"] = "secret-dgemma"  # the served name (else nearly every case is a 404)
-            response = case.call(base_url=url, session=session, timeout=15)
+            response = case.call(base_url=url, session=session, timeout=CLIENT_S)
             seen[response.status_code] = seen.get(response.status_code, 0) + 1
             where = f"{case.method} {case.path} -> {response.status_code}: {response.text[:300]}"
             if response.status_code >= 500 and response.status_code not in (503, 504, 529):

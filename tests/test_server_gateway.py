@@ -16,6 +16,7 @@ import httpx
 import httpx2
 import jsonschema
 import pytest
+from deadlines import patience
 from gateway_contract import GATEWAY_CONTRACT
 from test_core_read import Recording
 from typesafe_sdk import SystemOneResponse
@@ -51,7 +52,7 @@ async def gateway(vllm_url):
     model = CanvasDecisionModel(engine=VLLMServerEngine(Connection(vllm_url, transport=transport)),
                                 policy=GatePolicy(max_normalized_entropy=0.0))  # the random model: always unsure
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(model)), base_url="http://serve.test",
-                                 timeout=120) as http:
+                                 timeout=patience(120)) as http:
         async def post(body=None, **kwargs):
             r = await http.post("/v1/systemone", json=body, **kwargs) if body is not None else \
                 await http.post("/v1/systemone", **kwargs)

@@ -5,6 +5,7 @@ returned), Prometheus metrics at /metrics, JSON logs, and a bounded graceful shu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -16,10 +17,10 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import httpx
-from conftest import until
+from deadlines import Watch, holds, patience, until, wait
 from prometheus_client.parser import text_string_to_metric_families
 from services import child_env
-from test_server_hostile import BODY, KEY, _wait, model, recorded
+from test_server_hostile import BODY, KEY, model, recorded
 
 from canvasroute.apps.server import ConnectionLimits, create_app, run_in_thread
 from canvasroute.engine import Connection, FunctionEngine, VLLMServerEngine
@@ -29,11 +30,11 @@ from canvasroute.router import CanvasDecisionModel, GatePolicy
 
 def _socket(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=10)
+    return socket.create_connection((host, int(port)), timeout=patience(10))
 
 
 def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{url}/metrics", timeout=patience(10)).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -46,15 +47,16 @@ def test_connections_are_capped_and_a_slow_request_head_is_408_however_it_drips(
         silent = _socket(url)
         for s in drippers:
             s.sendall(b"POST /v1/systemone HTTP/1.1\r\nhost: x\r\n")
-        assert _wait(lambda: app.state.metrics.registry.get_sample_value("canvasroute_server_connections") == 4)
+        holds(lambda: app.state.metrics.registry.get_sample_value("canvasroute_server_connections") == 4,
+              within=5, what="four connections open")
         extra = _socket(url)  # the fifth: over the cap
         assert extra.recv(200).startswith(b"HTTP/1.1 503")
         extra.close()
-        started = time.monotonic()
+        started, dripping = time.monotonic(), patience(5)
         replies = []
         for s in drippers:  # a byte every 0.1 s does not keep a head alive
             got = b""
-            while time.monotonic() - started < 5:
+            while time.monotonic() - started < dripping:
                 try:
                     s.sendall(b"x")
                     s.settimeout(0.1)
@@ -66,10 +68,10 @@ def test_connections_are_capped_and_a_slow_request_head_is_408_however_it_drips(
                 except OSError:
                     break
             replies.append(got)
-        silent.settimeout(5)
+        silent.settimeout(dripping)
         assert silent.recv(200) == b""  # nothing ever came: closed without a word
-        assert time.monotonic() - started < 3
-        ok = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10)  # room again
+        assert time.monotonic() - started < dripping * 3 / 5  # the head timeout ended them, not the dripping
+        ok = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=patience(10))  # room again
         seen = _metrics(url)
         for s in (*drippers, silent):
             s.close()
@@ -86,13 +88,13 @@ def loopback_in_thread() -> Iterator[LoopbackVLLM]:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     server = LoopbackVLLM()
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(patience(10))
     try:
         yield server
     finally:
-        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(patience(10))
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        thread.join(patience(10))
         loop.close()
 
 
@@ -101,9 +103,11 @@ def test_the_callers_request_id_is_logged_sent_to_vllm_with_each_read_and_return
         decider = CanvasDecisionModel(engine=VLLMServerEngine(Connection(vllm.url, retries=0)),
                                       policy=GatePolicy(rereads=0))
         with run_in_thread(create_app(decider)) as url, recorded("canvasroute.server.access") as log:
-            mine = httpx.post(f"{url}/v1/systemone", json=BODY, headers={"x-request-id": "caller-req-7"}, timeout=30)
-            theirs = httpx.post(f"{url}/v1/systemone", json=BODY, headers={"x-request-id": "x" * 200}, timeout=30)
-            assert _wait(lambda: len(log.records) == 2)
+            mine = httpx.post(f"{url}/v1/systemone", json=BODY, headers={"x-request-id": "caller-req-7"},
+                              timeout=patience(30))
+            theirs = httpx.post(f"{url}/v1/systemone", json=BODY, headers={"x-request-id": "x" * 200},
+                                timeout=patience(30))
+            holds(lambda: len(log.records) == 2, within=5, what="two access log lines")
         read_headers = [h for h in vllm.headers if "x-session-id" in h]  # the reads (not /tokenize, /v1/models)
     assert mine.status_code == 200 and mine.headers["x-request-id"] == "caller-req-7"
     assert mine.json()["x_canvasroute"]["decision_id"].startswith("decision-")
@@ -119,11 +123,12 @@ def test_metrics_count_requests_decisions_latency_and_rejections():
     app = create_app(model(), api_key=KEY)
     auth = {"authorization": f"Bearer {KEY}"}
     with run_in_thread(app) as url:
-        assert httpx.post(f"{url}/v1/systemone", json=BODY, headers=auth, timeout=10).status_code == 200
-        assert httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10).status_code == 401
+        limit_s = patience(10)
+        assert httpx.post(f"{url}/v1/systemone", json=BODY, headers=auth, timeout=limit_s).status_code == 200
+        assert httpx.post(f"{url}/v1/systemone", json=BODY, timeout=limit_s).status_code == 401
         assert httpx.post(f"{url}/v1/systemone", content=b"{", headers=auth | {"content-type": "application/json"},
-                          timeout=10).status_code == 422  # malformed JSON: a validation failure (issue 39.5)
-        r = httpx.get(f"{url}/metrics", timeout=10)
+                          timeout=limit_s).status_code == 422  # malformed JSON: a validation failure (issue 39.5)
+        r = httpx.get(f"{url}/metrics", timeout=limit_s)
         seen = _metrics(url)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     route = ("route", "/v1/systemone")
@@ -144,7 +149,7 @@ def test_metrics_count_each_question_by_the_path_that_answered_it_and_its_cause(
     cascade = CanvasDecisionModel(engine=unsure, policy=GatePolicy(max_normalized_entropy=0.5, rereads=1),
                                   escalate_to=model())  # the sure model answers what the unsure one cannot
     with run_in_thread(create_app(cascade)) as url:
-        r = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=10)
+        r = httpx.post(f"{url}/v1/systemone", json=BODY, timeout=patience(10))
         seen = _metrics(url)
     assert r.status_code == 200
     assert {a["x_canvasroute"]["path"] for a in r.json()["answers"].values()} == {"escalated"}
@@ -172,11 +177,11 @@ def test_a_stuck_request_delays_shutdown_only_by_the_shutdown_timeout():
         client = threading.Thread(target=lambda: answers.append(
             httpx.post(f"{url}/v1/systemone", json=BODY, timeout=60)))
         client.start()
-        assert started.wait(10)
+        holds(started.is_set, within=10, what="the stuck read starting")
         stopping = time.monotonic()
     stopped = time.monotonic() - stopping
-    client.join(10)
-    assert stopped < 8  # not the 120 s request timeout, nor the 60 s read
+    client.join(patience(10))
+    assert stopped < patience(8)  # not the 120 s request timeout, nor the 60 s read
     (r,) = answers
     assert (r.status_code, r.json()["error"]["type"]) == (503, "shutting_down")
     assert app.state.gate.running == 0
@@ -198,14 +203,14 @@ async def test_canvasroute_serve_logs_json_with_the_request_id_and_stops_within_
             cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            async with httpx.AsyncClient(timeout=30) as http:
-                for _ in range(300):
-                    try:
+            async with httpx.AsyncClient(timeout=patience(30)) as http:
+                serving = Watch(proc.pid, cpu_s=60, idle_s=60, what="canvasroute serve")
+                while True:
+                    with contextlib.suppress(httpx.HTTPError):
                         if (await http.get(f"{url}/health")).status_code == 200:
                             break
-                    except httpx.HTTPError:
-                        pass
                     assert proc.poll() is None
+                    assert not (why := serving.overdue()), why
                     await asyncio.sleep(0.2)
                 ok = await http.post(f"{url}/v1/systemone", json=BODY, headers={"x-request-id": "req-json-1"})
                 vllm.inject(Fault(delay=60), times=None)  # every later read hangs
@@ -214,15 +219,15 @@ async def test_canvasroute_serve_logs_json_with_the_request_id_and_stops_within_
                 proc.send_signal(signal.SIGTERM)
                 stopping = time.monotonic()
                 answer = await stuck
-                code = await asyncio.to_thread(proc.wait, 30)
+                code = await asyncio.to_thread(wait, proc, Watch(proc.pid, cpu_s=30, idle_s=30, what="serve stopping"))
                 stopped = time.monotonic() - stopping
         finally:
             if proc.poll() is None:
                 proc.kill()
-            out = proc.communicate(timeout=30)[0]
+            out = proc.communicate()[0]  # it exited, or was killed: what is left of its output
     assert ok.status_code == 200 and ok.headers["x-request-id"] == "req-json-1"
     assert (answer.status_code, answer.json()["error"]["type"]) == (503, "shutting_down")
-    assert code in (0, -signal.SIGTERM) and stopped < 8, out  # uvicorn re-raises the signal it handled
+    assert code in (0, -signal.SIGTERM) and stopped < patience(8), out  # uvicorn re-raises the signal it handled
     lines = [json.loads(line) for line in out.splitlines() if line.strip()]  # every line is JSON
     access = [r for r in lines if r["logger"] == "canvasroute.server.access"]
     assert access[0]["request_id"] == "req-json-1" and access[0]["status"] == 200

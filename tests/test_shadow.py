@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import pytest
 from conftest import fixed_engine, smollm2_ar_server
+from deadlines import patience
 from langchain_core.decisions import Choice, Noul
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
@@ -179,7 +180,7 @@ def test_shadowing_a_chat_openai_router_on_the_ar_server(ar_server, spans):
     from langchain_openai import ChatOpenAI
 
     chat = ChatOpenAI(base_url=ar_server.url + "/v1", model="smollm2", api_key="x", max_tokens=4, max_retries=0,
-                      timeout=120)
+                      timeout=patience(120))
     prompt = ChatPromptTemplate.from_messages([
         ("system", "Route the support ticket. Reply with one word: billing or tech."), ("human", "{ticket}")])
     # SmolLM2 is near chance: whatever it says, map it onto a lane so the graph can go on

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT
+from deadlines import Watch, finish
 from langgraph.store.memory import InMemoryStore
 from langgraph.store.postgres import PostgresStore
 from services import PYTHON, child_env
@@ -41,7 +42,7 @@ def _spawn(dsn: str, scope: str, n: int, per_window: int, per_thread: int, *flag
 
 
 def _result(proc: subprocess.Popen) -> dict[str, Any]:
-    out, err = proc.communicate(timeout=120)
+    out, err = finish(proc, Watch(proc.pid, cpu_s=120, idle_s=120, what="the budget worker"))
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out)
 

@@ -7,6 +7,7 @@ import os
 
 import httpx
 import pytest
+from deadlines import patience
 from langchain_core.decisions import Box, Choice, ClassifierResponse, Noul, Score
 from langchain_core.messages import HumanMessage
 from opentelemetry.trace import SpanKind
@@ -230,7 +231,7 @@ async def test_a_server_can_front_any_decision_model():
     with run_in_thread(create_app(confident_model(), api_key=KEY)) as upstream_url:
         proxy = create_app(SystemOneDecisionModel(Connection(upstream_url, api_key=KEY), model="upstream"))
         with run_in_thread(proxy) as url:
-            async with httpx.AsyncClient(timeout=30) as http:
+            async with httpx.AsyncClient(timeout=patience(30)) as http:
                 r = await http.post(f"{url}/v1/systemone", json={"state": STATE, "questions": {
                     qid: q.model_dump(mode="json") for qid, q in QUESTIONS.items()}})
                 models = (await http.get(f"{url}/v1/models")).json()
@@ -382,7 +383,7 @@ async def test_a_refusal_behind_a_systemone_server_is_a_refusal_of_the_canvas_mo
             resp = await model.ainvoke({"state": STATE, "questions": {"team": QUESTIONS["team"],
                                                                       "urgent": QUESTIONS["urgent"]}})
             with run_in_thread(create_app(jev)) as proxy:  # a server fronting the client: no guess to give
-                async with httpx.AsyncClient(timeout=30) as http:
+                async with httpx.AsyncClient(timeout=patience(30)) as http:
                     fronted = (await http.post(f"{proxy}/v1/systemone", json={"state": STATE, "questions": {
                         "team": QUESTIONS["team"].model_dump(mode="json")}})).json()
                     decided = (await http.post(f"{proxy}/v1/decisions", json={"model": "downstream", "input": STATE,

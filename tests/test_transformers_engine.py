@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import unavailable, until  # noqa: E402
+from conftest import unavailable  # noqa: E402
+from deadlines import patience, until  # noqa: E402
 
 from canvasroute import engine  # noqa: E402
 from canvasroute.engine import Batching, CanvasRead, EngineOverloaded, EngineRequestError, TransformersEngine  # noqa: E402
@@ -262,7 +263,7 @@ async def test_batcher_queue_bound_and_shared_failure():
 
     def slow(items):
         started.set()
-        release.wait(10)
+        release.wait(patience(10))  # the test releases it; this only keeps a failed test from hanging
         if "boom" in items:
             raise RuntimeError("forward failed")
         return [x.upper() for x in items]

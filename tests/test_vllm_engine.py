@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from background import NICE, run_folder, starts_in_background, take
 from conftest import CACHE, IMPORT_ROOT, TINY_DGEMMA, unavailable
+from deadlines import Watch, wait
 
 from canvasroute import engine
 from canvasroute.engine import CanvasRead
@@ -86,12 +87,17 @@ class InProcess:
     def run(self, spec: dict) -> tuple[int, str, str]:
         """Send the reads; its exit status, stdout and stderr once it is done."""
         assert self.proc.stdin is not None
+        # from now: what is left of loading vLLM (it may have waited on its stdin for minutes), then the reads
+        watch = Watch(self.proc.pid, cpu_s=600, idle_s=300, what="vLLM in process")
         try:
             self.proc.stdin.write(json.dumps(spec))
             self.proc.stdin.close()
         except BrokenPipeError:  # it died starting vLLM: its stderr says why
             pass
-        code = self.proc.wait(timeout=600)
+        code = wait(self.proc, watch)
+        if code is None:
+            self.stop()
+            pytest.fail(f"{watch.overdue()}; its stderr:\n{(self.folder / 'stderr').read_text()[-3000:]}")
         return code, (self.folder / "stdout").read_text(), (self.folder / "stderr").read_text()
 
     def stop(self) -> None:

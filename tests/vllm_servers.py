@@ -28,12 +28,16 @@ import httpx
 import pytest
 from background import run_folder, starts_in_background, take
 from conftest import IMPORT_ROOT, ROOT, _free_port, unavailable
+from deadlines import FIGURES, Watch, descendants, patience, processes, run
 
 SCRIPT = ROOT / "scripts" / "vllm_cpu.sh"
 FIXTURES = ("vllm_url", "second_vllm_url", "spare_vllm", "causal_vllm_url")
 """The fixtures that each own one server (in the order they are started)."""
-START_LIMIT_S = 420
-"""How long a start may take, counted from the start itself (three starting beside the suite on two cores)."""
+START_CPU_S = 600
+"""The CPU-seconds a server's processes may use starting before it counts as stuck (a start takes
+about 70 s of one core; three start beside the suite on two cores, so wall time says nothing)."""
+START_IDLE_S = 300
+"""The seconds its processes may spend all blocked (neither running nor waiting for a CPU) starting."""
 
 
 @functools.cache
@@ -56,21 +60,7 @@ def _alive(pid: int) -> bool:
 
 def _children(pid: int) -> set[int]:
     """Every descendant of pid (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
+    return descendants(pid, processes()) - {pid}
 
 
 class VLLMServer:
@@ -85,23 +75,26 @@ class VLLMServer:
                                  capture_output=True, text=True, check=True)
         self.pid = int(started.stdout.strip().splitlines()[-1])
         self.started = time.monotonic()
+        self.watch = Watch(self.pid, cpu_s=START_CPU_S, idle_s=START_IDLE_S, what="the vLLM server")
         self.family: set[int] = set()
 
     def ready(self) -> str:
-        """Wait until it answers `GET /v1/models` (or died, or ran past the limit); its URL."""
+        """Wait until it answers `GET /v1/models` (or died, or its `Watch` says it is stuck); its URL."""
+        why = None
         while True:  # asked at least once: a server started long ago may have been ready for minutes
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/v1/models", timeout=patience(2)).status_code == 200:
                     self.family = _children(self.pid)
+                    FIGURES.append(f"vLLM server on port {self.port} started: {self.watch.figures()}")
                     return self.url
             except httpx.HTTPError:
                 pass
-            if time.monotonic() - self.started > START_LIMIT_S or not _alive(self.pid):
+            if not _alive(self.pid) or (why := self.watch.overdue()):
                 break
             time.sleep(0.5)
         tail = self.log.read_text()[-3000:] if self.log.exists() else "(no log)"
         self.stop()
-        unavailable(f"vLLM server did not start; log tail:\n{tail}")
+        unavailable(f"vLLM server did not start ({why or 'it exited'}); log tail:\n{tail}")
         raise AssertionError("unreachable")  # unavailable raises
 
     def stop(self) -> None:
@@ -125,8 +118,8 @@ def _converted_error() -> str | None:
 
     if (embedded_cache_dir() / "config.json").is_file():
         return None
-    made = subprocess.run([sys.executable, "-c", "from canvasroute.engine import embedded_engine; embedded_engine()"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(IMPORT_ROOT)})
+    made = run([sys.executable, "-c", "from canvasroute.engine import embedded_engine; embedded_engine()"],
+               env={**os.environ, "PYTHONPATH": str(IMPORT_ROOT)}, cpu_s=300)
     return None if made.returncode == 0 else f"could not convert the embedded SmolLM2: {made.stderr[-2000:]}"
 
 
@@ -167,7 +160,7 @@ def vllm_url() -> Iterator[str]:
     """Base URL of a real vLLM server serving the tiny DiffusionGemma (tests need `@pytest.mark.vllm`)."""
     if url := os.environ.get("CANVASROUTE_VLLM_URL"):
         try:
-            httpx.get(f"{url}/v1/models", timeout=10).raise_for_status()
+            httpx.get(f"{url}/v1/models", timeout=patience(10)).raise_for_status()
         except httpx.HTTPError:
             unavailable(f"CANVASROUTE_VLLM_URL={url} does not answer")
         yield url
@@ -182,7 +175,7 @@ def causal_vllm_url() -> Iterator[str]:
     embedded engine's converted weights, served name `smollm2` (tests need `@pytest.mark.vllm`)."""
     if url := os.environ.get("CANVASROUTE_CAUSAL_VLLM_URL"):
         try:
-            httpx.get(f"{url}/v1/models", timeout=10).raise_for_status()
+            httpx.get(f"{url}/v1/models", timeout=patience(10)).raise_for_status()
         except httpx.HTTPError:
             unavailable(f"CANVASROUTE_CAUSAL_VLLM_URL={url} does not answer")
         yield url
