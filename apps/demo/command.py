@@ -145,16 +145,25 @@ ADD_TARGET = ("To escalate them, add an OpenAI-compatible AR server: canvasroute
               "http://HOST:8001/v1 --escalate-model MODEL")
 
 
+ESCALATION_TIMEOUT_S = 120.0
+"""How long one escalation may take: the target's HTTP reply timeout, and the escalation's own."""
+
+
 def escalation_target(url: str, model: str) -> Any:
-    """`ChatOpenAI` on an OpenAI-compatible server (`/v1` is added when the URL lacks it)."""
+    """`ChatOpenAI` on an OpenAI-compatible server (`/v1` is added when the URL lacks it), as an
+    `Escalation` whose timeout is its client's (an escalation's default, 60 s, would cut short a
+    reply the client still waits for)."""
     from langchain_openai import ChatOpenAI
 
+    from canvasroute import Escalation
     from canvasroute.engine import Connection
 
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    target = Connection(base, api_key=os.environ.get("CANVASROUTE_ESCALATE_API_KEY", "EMPTY"), timeout=120, retries=1)
-    return ChatOpenAI(model=model, logprobs=True, top_logprobs=5, temperature=0, **target.openai_options())
+    target = Connection(base, api_key=os.environ.get("CANVASROUTE_ESCALATE_API_KEY", "EMPTY"),
+                        timeout=ESCALATION_TIMEOUT_S, retries=1)
+    chat = ChatOpenAI(model=model, logprobs=True, top_logprobs=5, temperature=0, **target.openai_options())
+    return Escalation(chat, timeout=ESCALATION_TIMEOUT_S)
 
 
 def _gate(d: dict[str, Any], target: str | None) -> str:
