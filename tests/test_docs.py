@@ -442,18 +442,10 @@ WITH_PYTHON = [p for p in PAGES if offline(b for b in page_blocks(p) if b.lang =
 """Pages with Python blocks that run where nothing listens (the included root files have none)."""
 WITH_ONLINE = [p for p in PAGES if online(page_blocks(p))]
 """Pages with Python blocks that need the causal server the page has the reader start."""
-NEEDS_SUITE = {"development.md": ROOT / "tests" / "deadlines.py"}
-"""Pages whose blocks run inside tests/ on a module of the suite's: skipped, saying so, where it is absent."""
 
 
-def _offline_param(page: str) -> Any:
-    marks = [pytest.mark.smollm] if page in EMBEDDED else []
-    if page in NEEDS_SUITE and not NEEDS_SUITE[page].is_file():
-        marks.append(pytest.mark.skip(reason=f"{page}'s block imports {NEEDS_SUITE[page].name}, absent from tests/"))
-    return pytest.param(page, marks=marks)
-
-
-@pytest.mark.parametrize("page", [_offline_param(p) for p in WITH_PYTHON])
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.smollm) if p in EMBEDDED else p
+                                  for p in WITH_PYTHON])
 def test_every_python_block_of_the_page_runs_and_computes_what_the_page_says(page, monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", _refuse_real_servers(socket.socket.connect))  # over conftest's
     sessions = run_python(offline(page_blocks(page)))
