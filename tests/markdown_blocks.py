@@ -3,7 +3,10 @@
 Python blocks run as a reader would paste them: each in a fresh session, except a block whose first line
 is `# continues the block above`, which runs in the session of the block before it on the same page.
 Nothing is added to them: a block that needs a server builds it in its own text (the project's doubles)
-or only constructs what would connect. Bash blocks are parsed (`bash -n`) and every command in them is
+or only constructs what would connect, except a block whose first line is `# needs: ...` naming the
+`127.0.0.1:PORT`s of servers the page has the reader start: such a block is left out where nothing may
+listen (`offline`), and run on its own where the suite's real server answers at those ports
+(`online`, `forwarding`). Bash blocks are parsed (`bash -n`) and every command in them is
 checked without running it: `canvasroute ...` (any spelling: `.venv/bin/canvasroute`, `python -m
 canvasroute`) parses with the real CLI parser, `bash SCRIPT` names a script of the repository,
 `pip install` names real extras and the pins the project itself uses, `python -m MODULE` names an
@@ -13,20 +16,27 @@ other command must be one of the tools the pages are known to name. JSON blocks 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import shlex
 import subprocess
 import sys
+import threading
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTINUES = "# continues the block above"
+NEEDS = "# needs: "
+"""The first line of a block that needs a server the page has the reader start, naming where it answers
+(`# needs: the server started above, at 127.0.0.1:8000`)."""
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
                    flags=re.DOTALL | re.MULTILINE)
 EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -83,6 +93,88 @@ def run_python(page: Iterable[Block]) -> list[dict[str, Any]]:
     return sessions
 
 
+def needs_server(block: Block) -> bool:
+    """Whether a Python block needs a server the page has the reader start (its first line is `# needs: ...`)."""
+    return block.lang == "python" and block.code.startswith(NEEDS)
+
+
+def served_ports(block: Block) -> tuple[int, ...]:
+    """The loopback ports a `# needs: ...` block names, in order."""
+    return tuple(int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", block.code.splitlines()[0]))
+
+
+def offline(page: Iterable[Block]) -> list[Block]:
+    """A page's blocks without those that need a server the reader starts: what runs with nothing listening."""
+    return [b for b in page if not needs_server(b)]
+
+
+def online(page: Iterable[Block]) -> list[Block]:
+    """A page's blocks that need a server the reader starts, each of which runs in a session of its own."""
+    found = [b for b in page if needs_server(b)]
+    for block in found:
+        assert served_ports(block), f"{block} needs a server but names no 127.0.0.1:PORT on its first line"
+    return found
+
+
+@contextmanager
+def forwarding(ports: Iterable[int], target: str) -> Iterator[None]:
+    """Every connection to 127.0.0.1:PORT (each of `ports`) piped to `target`'s host and port, so a block
+    runs exactly as written against the server the suite runs elsewhere (an asyncio loop in a thread)."""
+    url = urlsplit(target)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    loop = asyncio.new_event_loop()
+    servers: list[asyncio.Server] = []
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, port)
+        except OSError:
+            writer.close()
+            return
+        try:
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        except asyncio.CancelledError:  # the forwarder stops: end quietly (asyncio's server asks the task)
+            writer.close()
+            up_writer.close()
+
+    async def start() -> None:
+        for listen in ports:
+            try:
+                servers.append(await asyncio.start_server(handle, "127.0.0.1", listen, reuse_address=True))
+            except OSError as exc:
+                raise AssertionError(f"127.0.0.1:{listen} is taken ({exc}): the block runs as written, against "
+                                     f"that port, forwarded to {target}") from exc
+
+    async def stop() -> None:
+        for server in servers:
+            server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    thread = threading.Thread(target=loop.run_forever, name="docs-forwarder", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+        yield
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
 def session_with(sessions: list[dict[str, Any]], *names: str) -> dict[str, Any]:
     """The last session that defines every one of `names`."""
     found = [s for s in sessions if all(n in s for n in names)]
@@ -102,6 +194,22 @@ def assert_embedded_reads(resp: Any) -> None:
         assert read.reads == 1 and read.rereadable is False
     assert resp.answers["team"].choice in ("billing", "technical")
     assert math.isclose(sum(resp.answers["team"].probabilities.values()), 1.0, rel_tol=1e-9)
+
+
+def assert_causal_reads(ns: dict[str, Any]) -> None:
+    """What the causal block must compute on the real causal server, whatever near-chance answers SmolLM2
+    gives: both questions from ONE /v1/completions request, each read once (read alone, a causal read has
+    nothing to re-read), passed by the default gate or `unsure` (no target), exact distributions."""
+    engine, resp = ns["model"].engine, ns["resp"]
+    assert type(engine).__name__ == "CausalServerEngine" and engine.connection.urls == ("http://127.0.0.1:8000",)
+    assert engine.readout == "token_ids" and engine.requests_sent == 1
+    assert set(resp.reads) == {"team", "urgent"}
+    for read in resp.reads.values():
+        passed = read.normalized_entropy <= 0.5
+        assert (read.path, read.cause) == (("canvas", None) if passed else ("unsure", "uncertain")), read
+        assert read.reads == 1 and read.rereadable is False
+        assert math.isclose(sum(read.probabilities.values()), 1.0, rel_tol=1e-6)
+    assert resp.answers["team"].choice in ("billing", "technical")
 
 
 # -- bash ------------------------------------------------------------------------------------------

