@@ -83,7 +83,7 @@ NEEDS_MARKER = {"vllm_url": "vllm", "second_vllm_url": "vllm", "spare_vllm": "vl
                 "smol": "smollm",
                 "postgres_dsn": "services",
                 "langgraph_server": "services", "phoenix": "services", "chromium": "services",
-                "installed": "services"}
+                "installed": "services", "editable": "services", "readme_venv": "services"}
 """Fixture -> the marker every test using it must carry, so `-m "not vllm"` never provisions vLLM and
 `-m "not services"` starts no PostgreSQL, LangGraph Server, Phoenix or Chromium and builds no wheel."""
 GROUPS = ("vllm", "services", "smollm", "slow")

@@ -71,7 +71,7 @@ __all__ = ["COLUMNS", "configure", "run"]
 
 COLUMNS = {
     "question": "the question id",
-    "rows": "its labelled rows, split into fit and check rows by --holdout",
+    "rows": "its labelled rows, split into fit and check rows by --holdout (--max-error tests every row)",
     "T": "the temperature fitted on the fit rows: softmax(log p / T), T > 1 softens the canvas's distribution, "
          "T < 1 sharpens it",
     "kept": "yes: the check rows confirmed T (neither NLL nor ECE got worse) and the policy uses it; no: T = 1",
@@ -79,10 +79,12 @@ COLUMNS = {
     "ECE before": "expected calibration error on the check rows at T = 1 (0: confidence matches accuracy)",
     "ECE after": "the same at the policy's T",
     "threshold": "the policy's max_normalized_entropy: an answer whose H/lnK is above it escalates (-: none set)",
-    "escalate": "share of the check rows that threshold escalates",
-    "certified": "--max-error: yes, the check rows certify the bound; NO, the gate passes nothing (all escalate)",
-    "errors/passed": "wrong answers among the check rows the certified gate passes",
-    "bound": "what is certified: the passed answers' error rate, with probability C over the check rows",
+    "escalate": "share of the check rows (with --max-error, of every row) that threshold escalates",
+    "certified": "--max-error: yes, the rows certify the bound asked; at X%: they certify only the looser X% "
+                 "(--uncertified looser); NO: uncertified, the gate keeps its own threshold or passes nothing "
+                 "(--uncertified threshold | escalate)",
+    "errors/passed": "wrong answers among the rows the certified gate passes",
+    "bound": "the bound asked for: the passed answers' error rate, with probability C over the labelled rows",
 }
 """The summary table's columns, in words: printed under the table and in `--help`."""
 
