@@ -129,6 +129,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from canvasroute.engine import EscalationError
 
 from . import telemetry as tm
+from ._breaker import watched
 from ._escalation import Asked, Calls, Restated, escalate, target_name
 from ._policy import Audit, Certificate, GatePolicy, LiveFigures, LiveSetting
 from ._questions import QuestionSpec
@@ -282,21 +283,11 @@ class _TargetLabeller:
         breaker = self.escalation.breaker_state
         probe = breaker.admit(ids) if breaker is not None else False
         calls = Calls()
-        try:
-            with tm.escalation_call(self.escalation.target, self.name, ids, audit=True, calls=calls) as call:
-                result = await escalate(self.escalation, asked, calls)
-                call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
-                call.output({**result.answers, **dict.fromkeys(result.refused)}, result.response_model)
-        except EscalationError as exc:
-            if breaker is not None:
-                breaker.failed(probe, exc)
-            raise
-        except BaseException:
-            if breaker is not None:
-                breaker.abandoned(probe)
-            raise
-        if breaker is not None:
-            breaker.answered(probe)
+        with watched(breaker, probe), tm.escalation_call(self.escalation.target, self.name, ids, audit=True,
+                                                         calls=calls) as call:
+            result = await escalate(self.escalation, asked, calls)
+            call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
+            call.output({**result.answers, **dict.fromkeys(result.refused)}, result.response_model)
         return {qid: result.answers.get(qid) for qid in ids}
 
 

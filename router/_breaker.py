@@ -39,7 +39,8 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
 from canvasroute.engine import BreakerOpen, EscalationError
@@ -47,7 +48,7 @@ from canvasroute.engine import BreakerOpen, EscalationError
 from . import telemetry as tm
 from ._policy import Breaker
 
-__all__ = ["BreakerState"]
+__all__ = ["BreakerState", "watched"]
 
 logger = logging.getLogger("canvasroute.router")
 
@@ -181,6 +182,20 @@ class BreakerState:
             with self._lock:
                 self._probing = False
 
+    @contextmanager
+    def watching(self, probe: bool) -> Iterator[None]:
+        """Around an admitted call: the breaker learns how it ended (`answered`; `failed` on an
+        `EscalationError`; `abandoned` on anything else, a cancellation among them)."""
+        try:
+            yield
+        except EscalationError as exc:
+            self.failed(probe, exc)
+            raise
+        except BaseException:
+            self.abandoned(probe)
+            raise
+        self.answered(probe)
+
     # -- the engine-fault cap ---------------------------------------------------------------
 
     def take_faults(self, question_ids: Sequence[str]) -> int:
@@ -246,3 +261,8 @@ class BreakerState:
             counts = {k: self.counts[k] for k in ("open", "half_open", "closed", "short_circuits", "failures",
                                                   "fault_refused", "capped", "uncapped")}
             return {"state": self._state, **counts, "fault_cap": cap, "fault_escalations": len(self._faults)}
+
+
+def watched(breaker: BreakerState | None, probe: bool) -> AbstractContextManager[None]:
+    """`breaker.watching(probe)`, or nothing to watch without a breaker."""
+    return breaker.watching(probe) if breaker is not None else nullcontext()

@@ -49,6 +49,7 @@ from canvasroute.engine import (
 
 from . import _audit as live
 from . import telemetry as tm
+from ._breaker import watched
 from ._control import observe, steer
 from ._escalation import Asked, Calls, Escalated, Restated, escalate, target_name
 from ._hedge import Hedging, cancel, joined
@@ -427,8 +428,8 @@ class _Run:
             probe = breaker.admit(list(canvas)) if breaker is not None else False
         calls = hedge if hedge is not None else Calls()
         try:
-            with tm.escalation_call(escalation.target, name, list(canvas), hedge=hedge is not None,
-                                    calls=calls) as call:
+            with watched(breaker, probe), tm.escalation_call(escalation.target, name, list(canvas),
+                                                             hedge=hedge is not None, calls=calls) as call:
                 try:
                     result = await asyncio.wait_for(escalate(escalation, asked, calls), escalation.timeout)
                 except TimeoutError as exc:
@@ -436,19 +437,9 @@ class _Run:
                                           failure="network", retryable=True) from exc
                 call.usage(result.usage.get("input_tokens", 0), result.usage.get("output_tokens", 0))
                 call.output({**result.answers, **dict.fromkeys(result.refused)}, result.response_model)
-        except EscalationError as exc:
-            if breaker is not None:
-                breaker.failed(probe, exc)
-            raise
-        except BaseException:
-            if breaker is not None:
-                breaker.abandoned(probe)
-            raise
         finally:
             self.log.target_calls += calls.sent
             self.log.ran_on += calls.ran_on
-        if breaker is not None:
-            breaker.answered(probe)
         return result
 
     def report(self, r: QuestionRead, escalated: Escalated | None, latency_s: float = 0.0,

@@ -31,13 +31,14 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar, get_args
 
-from .._prompts import EMPTY_CHAT, SPECIAL_CANDIDATES, ChatPrompts, PromptCache, template_kwargs, tokenizer_specials
+from .._prompts import EMPTY_CHAT, ChatPrompts, PromptCache, template_kwargs, tokenizer_specials
 from .._types import CanvasRead, EngineInfo, Message, ReadResult, check_rows, refuse_images, refuse_thoughts
 from ..errors import EngineRequestError, EngineResponseError
 from ..transport import Connection
+from ..transport._server_api import SingleFlight, json_object, positive, served_entry, special_texts, token_ids
 from ..vllm._server import MAX_LABEL_IDS, session_key, structured_vocab, token_id
 
 __all__ = ["CausalServerEngine", "Readout", "ServerKind", "server_kind"]
@@ -73,7 +74,7 @@ async def server_kind(connection: Connection, *, model: str | None = None) -> Se
         kind = await server_kind(Connection("http://127.0.0.1:8000/v1"))   # "causal" or "diffusion"
         ```
     """
-    name = str((await _served(connection, model))["id"])
+    name = str((await served_entry(connection, model))["id"])
     try:
         return "diffusion" if await structured_vocab(connection, name) is not None else "causal"
     except EngineRequestError as exc:
@@ -139,7 +140,7 @@ class CausalServerEngine:
         self._vocab_size = vocab_size
         self._info: EngineInfo | None = None
         self._tokens = PromptCache(4096)
-        self._inflight: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Future[Any]] = {}
+        self._once = SingleFlight()
         self.requests_sent = 0
         """Read requests sent (retries included); discovery and `/tokenize` excluded."""
 
@@ -166,7 +167,7 @@ class CausalServerEngine:
         ids = self._tokens.get(key)
         if ids is None:
             body = {"model": await self._model_name(), "prompt": text, "add_special_tokens": False}
-            ids = self._tokens.put(key, await self._once(key, lambda: self._tokenize_request(body)))
+            ids = self._tokens.put(key, await self._once(key, lambda: token_ids(self.connection, body)))
         return list(ids)
 
     async def count_prompt(self, messages: Sequence[Message]) -> int:
@@ -277,7 +278,7 @@ class CausalServerEngine:
             body = {"model": await self._model_name(), "messages": [dict(m) for m in messages],
                     "add_generation_prompt": generation, "chat_template_kwargs": self._kwargs}
             try:
-                fetched = await self._once(key, lambda: self._tokenize_request(body))
+                fetched = await self._once(key, lambda: token_ids(self.connection, body))
             except EngineRequestError as exc:
                 raise EngineRequestError(
                     f"the server cannot render a chat prompt at /tokenize: {exc.message}", status=exc.status,
@@ -286,27 +287,6 @@ class CausalServerEngine:
                 ) from exc
             ids = self._tokens.put(key, fetched)
         return ids
-
-    async def _tokenize_request(self, body: Mapping[str, Any]) -> list[int]:
-        tokens = _object((await self.connection.request("POST", "/tokenize", body)).data, "/tokenize").get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise EngineResponseError(f"/tokenize answered no token ids: {str(tokens)[:200]}")
-        return tokens
-
-    async def _once(self, key: str, fetch: Callable[[], Awaitable[T]]) -> T:
-        """Run `fetch` once for every concurrent caller on this loop asking for `key`."""
-        slot = (asyncio.get_running_loop(), key)
-        task = self._inflight.get(slot)
-        if task is None:
-            task = self._inflight[slot] = asyncio.ensure_future(fetch())
-
-            def done(t: asyncio.Future[Any]) -> None:
-                self._inflight.pop(slot, None)
-                if not t.cancelled():
-                    t.exception()  # retrieved: the waiters re-raise it
-
-            task.add_done_callback(done)
-        return await asyncio.shield(task)
 
     async def _model_name(self) -> str:
         if self._model is None:
@@ -318,10 +298,10 @@ class CausalServerEngine:
 
     async def _discover(self) -> EngineInfo:
         """Model, context, kind, readout, vocabulary, specials and end of turn, asked of the server once."""
-        entry = await _served(self.connection, self._model)
+        entry = await served_entry(self.connection, self._model)
         self._model = model = str(entry["id"])
         urls = ", ".join(self.connection.urls)
-        max_len = self._max_model_len or _positive(entry.get("max_model_len"))
+        max_len = self._max_model_len or positive(entry.get("max_model_len"))
         if max_len is None:
             raise EngineResponseError(
                 f"the server does not say its context length: /v1/models lists {model!r} without max_model_len",
@@ -390,13 +370,7 @@ class CausalServerEngine:
         (special: exactly one id)."""
         if self._tokenizer is not None:
             return tokenizer_specials(self._tokenizer)
-        body = {"model": model, "prompt": "\n".join(SPECIAL_CANDIDATES), "add_special_tokens": False,
-                "return_token_strs": True}
-        strs = _object((await self.connection.request("POST", "/tokenize", body)).data, "/tokenize").get("token_strs")
-        if isinstance(strs, list) and all(isinstance(t, str) for t in strs):
-            return tuple(sorted(t for t in SPECIAL_CANDIDATES if t in set(strs)))
-        ids = await asyncio.gather(*(self.tokenize(text) for text in SPECIAL_CANDIDATES))
-        return tuple(sorted(t for t, i in zip(SPECIAL_CANDIDATES, ids, strict=True) if len(i) == 1))
+        return await special_texts(self.connection, model, self.tokenize)
 
     async def _turn_end(self) -> tuple[str, int]:
         """The end of turn and the pad id: with `tokenizer=`, its eos and pad tokens (as `TransformersEngine`
@@ -411,7 +385,7 @@ class CausalServerEngine:
                       if list(turn[i:i + len(mark)]) == mark), len(turn))
         if after >= len(turn):
             return "", 0
-        text = _object((await self.connection.request("POST", "/detokenize", {
+        text = json_object((await self.connection.request("POST", "/detokenize", {
             "model": await self._model_name(), "tokens": [turn[after]]})).data, "/detokenize").get("prompt")
         return (text, turn[after]) if isinstance(text, str) and text else ("", 0)
 
@@ -435,7 +409,7 @@ def _label_groups(batch: Sequence[CanvasRead]) -> list[list[int]]:
 
 def _choices(data: Any, n: int) -> list[Mapping[str, Any]]:
     """A completions reply's choices in prompt order (`index`), one per prompt sent."""
-    choices = _object(data, "/v1/completions").get("choices")
+    choices = json_object(data, "/v1/completions").get("choices")
     if not isinstance(choices, list) or len(choices) != n or not all(isinstance(c, dict) for c in choices):
         raise EngineResponseError(f"the completions reply holds {len(choices) if isinstance(choices, list) else 'no'} "
                                   f"choices for {n} prompts")
@@ -497,26 +471,3 @@ def _finished(row: dict[int, float], read: CanvasRead, best: tuple[int, float] |
     if best is not None:
         row[best[0]] = best[1]
     return row
-
-
-async def _served(connection: Connection, model: str | None) -> Mapping[str, Any]:
-    """The `/v1/models` entry of `model` (the first served when None)."""
-    served = _object((await connection.request("GET", "/v1/models")).data, "/v1/models").get("data") or []
-    if not isinstance(served, list) or not all(isinstance(m, dict) and m.get("id") for m in served):
-        raise EngineResponseError(f"the server lists no usable models at /v1/models: {str(served)[:200]}")
-    if not served:
-        raise EngineResponseError("the server lists no models at /v1/models")
-    entry: dict[str, Any] | None = next((m for m in served if m["id"] == model), None) if model else served[0]
-    if entry is None:
-        raise EngineRequestError(f"model {model!r} is not served here; served: {[m['id'] for m in served]}")
-    return entry
-
-
-def _positive(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _object(data: Any, path: str) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise EngineResponseError(f"{path} answered {type(data).__name__}, not an object")
-    return data

@@ -20,14 +20,15 @@ import json
 import random
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from .._compat import SERVER_KEYWORDS, moved_keywords, server_keywords
-from .._prompts import EMPTY_CHAT, SPECIAL_CANDIDATES, PromptCache, scaffold_prefix, template_kwargs
+from .._prompts import EMPTY_CHAT, PromptCache, scaffold_prefix, template_kwargs
 from .._types import THOUGHT_SCAFFOLD, CanvasRead, EngineInfo, Message, ReadResult, Thought, check_rows
 from ..errors import EngineRequestError, EngineResponseError, ImagesUnsupported
 from ..transport import Connection
+from ..transport._server_api import SingleFlight, json_object, positive, served_entry, special_texts, token_ids
 
 __all__ = ["MAX_LABEL_IDS", "VLLMServerEngine", "session_key", "structured_vocab"]
 
@@ -116,7 +117,7 @@ class VLLMServerEngine:
         self._vocab_size = vocab_size
         self._template_kwargs = template_kwargs(enable_thinking, chat_template_kwargs)
         self._info: EngineInfo | None = None
-        self._inflight: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Future[Any]] = {}
+        self._once = SingleFlight()
         self._tokens = PromptCache(4096)
         self.narrow_canvases = True
         """Whether reads narrower than the served canvas go out narrow (False once the
@@ -136,7 +137,7 @@ class VLLMServerEngine:
     @property
     def pending_fetches(self) -> int:
         """Discovery and `/tokenize` fetches in flight, shared by their concurrent callers."""
-        return len(self._inflight)
+        return len(self._once)
 
     # -- protocol -------------------------------------------------------------------
 
@@ -147,16 +148,9 @@ class VLLMServerEngine:
 
     async def _discover(self) -> EngineInfo:
         """Model, context, vocabulary, canvas, specials and scaffold, asked of the server once."""
-        served = (await self._request("GET", "/v1/models")).get("data") or []
-        if not isinstance(served, list) or not all(isinstance(m, dict) and m.get("id") for m in served):
-            raise EngineResponseError(f"the server lists no usable models at /v1/models: {str(served)[:200]}")
-        if not served:
-            raise EngineResponseError("the server lists no models at /v1/models")
-        entry = next((m for m in served if m["id"] == self._model), None) if self._model else served[0]
-        if entry is None:
-            raise EngineRequestError(f"model {self._model!r} is not served here; served: {[m['id'] for m in served]}")
-        self._model = str(entry["id"])
-        max_len = self._max_model_len or _positive(entry.get("max_model_len"))
+        entry = await served_entry(self.connection, self._model)
+        self._model = model = str(entry["id"])
+        max_len = self._max_model_len or positive(entry.get("max_model_len"))
         if max_len is None:  # some proxies drop vLLM's extra fields
             raise EngineResponseError(
                 f"the server does not say its context length: /v1/models lists {self._model!r} without "
@@ -165,7 +159,8 @@ class VLLMServerEngine:
         vocab = self._vocab_size or await self._discover_vocab()
         width = self._canvas_width or await self._discover_canvas(max_len)
         prompt, scaffold, specials = await asyncio.gather(
-            self.prompt_ids(EMPTY_CHAT), self.tokenize(THOUGHT_SCAFFOLD), self._discover_specials())
+            self.prompt_ids(EMPTY_CHAT), self.tokenize(THOUGHT_SCAFFOLD),
+            special_texts(self.connection, model, self.tokenize))
         return EngineInfo(model=self._model, provider="vllm", canvas_width=width, max_model_len=max_len,
                           vocab_size=vocab, pad_id=0, chat_overhead=len(prompt),
                           canvas_prefix=scaffold_prefix(prompt, scaffold), special_tokens=specials,
@@ -176,7 +171,7 @@ class VLLMServerEngine:
         ids = self._tokens.get(key)
         if ids is None:
             body = {"model": await self._model_name(), "prompt": text, "add_special_tokens": False}
-            ids = self._tokens.put(key, await self._once(key, lambda: self._tokenize_request(body)))
+            ids = self._tokens.put(key, await self._once(key, lambda: token_ids(self.connection, body)))
         return list(ids)
 
     async def count_prompt(self, messages: Sequence[Message]) -> int:
@@ -297,7 +292,7 @@ class VLLMServerEngine:
         reply = await self.connection.request("POST", path, body, on_attempt=self._count, headers=headers,
                                               affinity=key if self.affinity else None)
         latency = time.perf_counter() - start
-        data = _object(reply.data, path)
+        data = json_object(reply.data, path)
         rows = parse_rows(data, endpoint, width, read.slots)
         check_rows(read, rows)
         usage = data.get("usage")
@@ -347,58 +342,21 @@ class VLLMServerEngine:
             kwargs = {**self._template_kwargs, "enable_thinking": True} if thinking else self._template_kwargs
             body = {"model": await self._model_name(), "messages": [dict(m) for m in messages],
                     "add_generation_prompt": True, "chat_template_kwargs": kwargs}
-            ids = self._tokens.put(key, await self._once(key, lambda: self._tokenize_request(body)))
+            ids = self._tokens.put(key, await self._once(key, lambda: token_ids(self.connection, body)))
         return ids
-
-    async def _tokenize_request(self, body: Mapping[str, Any]) -> list[int]:
-        tokens = (await self._request("POST", "/tokenize", body)).get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise EngineResponseError(f"/tokenize answered no token ids: {str(tokens)[:200]}")
-        return tokens
-
-    async def _once(self, key: str, fetch: Callable[[], Awaitable[T]]) -> T:
-        """Run `fetch` once for every concurrent caller on this loop asking for `key`, so a
-        burst of cold decisions sends one discovery and one `/tokenize` per text, not N."""
-        slot = (asyncio.get_running_loop(), key)
-        task = self._inflight.get(slot)
-        if task is None:
-            task = self._inflight[slot] = asyncio.ensure_future(fetch())
-
-            def done(t: asyncio.Future[Any]) -> None:
-                self._inflight.pop(slot, None)
-                if not t.cancelled():
-                    t.exception()  # retrieved: the waiters re-raise it
-
-            task.add_done_callback(done)
-        return await asyncio.shield(task)
 
     async def post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """POST a JSON body to the server (retries and typed errors as for reads); its JSON object."""
         return await self._request("POST", path, body)
 
     async def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        return _object((await self.connection.request(method, path, body)).data, path)
+        return json_object((await self.connection.request(method, path, body)).data, path)
 
     async def _model_name(self) -> str:
         if self._model is None:
             await self.info()
         assert self._model is not None
         return self._model
-
-    async def _discover_specials(self) -> tuple[str, ...]:
-        """Which special-token texts this server's tokenizer knows, by tokenizing candidates:
-        one `/tokenize` of them all with `return_token_strs` (a special comes back as one
-        token string equal to its text); a server without token strings gets each candidate
-        probed (special: exactly one id)."""
-        body = {"model": self._model, "prompt": "\n".join(SPECIAL_CANDIDATES), "add_special_tokens": False,
-                "return_token_strs": True}
-        strs = (await self._request("POST", "/tokenize", body)).get("token_strs")
-        if isinstance(strs, list) and all(isinstance(t, str) for t in strs):
-            found = set(strs)
-            return tuple(sorted(t for t in SPECIAL_CANDIDATES if t in found))
-        ids = await asyncio.gather(*(self._tokenize_request(
-            {"model": self._model, "prompt": text, "add_special_tokens": False}) for text in SPECIAL_CANDIDATES))
-        return tuple(sorted(t for t, i in zip(SPECIAL_CANDIDATES, ids, strict=True) if len(i) == 1))
 
     async def _discover_vocab(self) -> int:
         """Ask the server for its vocabulary size (`structured_vocab`); a server that serves no
@@ -464,17 +422,6 @@ def _usage(data: Mapping[str, Any], field: str, default: int) -> int:
         return int((usage.get(field) if isinstance(usage, dict) else None) or default)
     except (TypeError, ValueError) as exc:
         raise EngineResponseError(f"the response has unreadable usage ({exc!r})") from exc
-
-
-def _positive(value: Any) -> int | None:
-    """A positive int from a JSON field, else None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _object(data: Any, path: str) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise EngineResponseError(f"{path} answered {type(data).__name__}, not an object")
-    return data
 
 
 # -- the structured-read wire (shared with VLLMEngine) --------------------------------------
