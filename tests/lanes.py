@@ -1,4 +1,5 @@
-"""The graph several test modules route through: START -> triage (the decision node) -> billing | tech -> END."""
+"""The graphs several test modules route through: START -> triage (the decision node) -> billing | tech -> END,
+and the one-node graph START -> triage -> END."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ def lanes(node: Any, **compile_kwargs: Any) -> Any:
         builder.add_node(lane, lambda state, lane=lane: {"lane": lane})
         builder.add_edge(lane, END)
     return builder.compile(**compile_kwargs)
+
+
+def one_node_graph(node: Any, **compile: Any) -> Any:
+    """START -> triage (the node) -> END over `State`, compiled with `compile` (with a `cache`, the node's
+    own `cache_policy()`)."""
+    builder = StateGraph(State)
+    builder.add_node("triage", node, **({"cache_policy": node.cache_policy()} if "cache" in compile else {}))
+    builder.add_edge(START, "triage")
+    builder.add_edge("triage", END)
+    return builder.compile(**compile)

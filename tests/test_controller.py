@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import httpx
 import pytest
+from lanes import one_node_graph
 from langchain_core.decisions import Noul
 from langgraph.cache.memory import InMemoryCache
 from langgraph.checkpoint.memory import InMemorySaver
@@ -254,14 +255,6 @@ async def test_workers_on_a_real_postgres_store_take_the_steps_one_controller_wo
 class Ticket(TypedDict, total=False):
     ticket: str
     decisions: Annotated[dict, merge_decisions]
-
-
-def one_node_graph(node: Any, **compile: Any) -> Any:
-    builder = StateGraph(Ticket)
-    builder.add_node("triage", node, **({"cache_policy": node.cache_policy()} if "cache" in compile else {}))
-    builder.add_edge(START, "triage")
-    builder.add_edge("triage", END)
-    return builder.compile(**compile)
 
 
 async def test_a_decision_node_in_a_graph_with_a_store_keeps_its_controller_there_with_no_wiring():

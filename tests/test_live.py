@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 import pytest
 from deadlines import Deadline, patience
+from lanes import one_node_graph
 from langchain_core.decisions import BaseDecisionModel, Noul
 from langchain_core.exceptions import ModelRefusalError
 from langgraph.cache.memory import InMemoryCache
@@ -462,19 +463,6 @@ async def test_a_decision_cache_replays_at_the_same_live_threshold_and_a_hit_is_
     after = live_steered(model.request(state(0.1, i=9), {"urgent": URGENT}))
     assert before.gates["urgent"].gate_text != after.gates["urgent"].gate_text  # one more row, another bound
     assert before.key == after.key
-
-
-class Ticket(TypedDict, total=False):
-    ticket: str
-    decisions: Annotated[dict, merge_decisions]
-
-
-def one_node_graph(node: Any, **compile: Any) -> Any:
-    builder = StateGraph(Ticket)
-    builder.add_node("triage", node, **({"cache_policy": node.cache_policy()} if "cache" in compile else {}))
-    builder.add_edge(START, "triage")
-    builder.add_edge("triage", END)
-    return builder.compile(**compile)
 
 
 async def test_a_node_cache_key_names_the_live_threshold_and_its_miss_is_decided_with_it():
