@@ -351,7 +351,8 @@ def test_calibrate_explains_its_columns_under_the_table_and_in_help(tmp_path, p_
     with pytest.raises(SystemExit):
         main(["calibrate", "--help"])
     helped = capsys.readouterr().out
-    assert "The summary table's columns:" in helped and "errors/passed  wrong answers among the rows the certified gate passes" in helped
+    assert "The summary table's columns:" in helped
+    assert "errors/passed  wrong answers among the rows the certified gate passes" in helped
     assert "'target not met'" in helped
 
 
