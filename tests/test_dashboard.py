@@ -631,6 +631,9 @@ def test_the_runs_panel_counts_each_runs_cost_beside_every_decision_sent_to_the_
     assert main(["dashboard", str(tmp_path / "monday.jsonl"), str(tmp_path / "tuesday.jsonl"), "-o", str(out)]) == 0
     page = out.read_text()
     table = re.search(r'<table id="runs">.*?</table>', page, re.DOTALL).group(0)
+    heads = re.findall(r"<th[^>]*>(.*?)</th>", table)  # one name per column, and the estimates say so
+    assert len(heads) == len(set(heads)) and heads[-4:] == ["target tokens", "tokens if all to target",
+                                                           "target time", "time if all to target"]
     monday_row = re.search(r'<tr data-run="monday.jsonl">(.*?)</tr>', table).group(1)
     cells = re.findall(r"<td[^>]*>(.*?)</td>", monday_row)
     assert cells[2:5] == ["4", "4", str(monday.reads)]

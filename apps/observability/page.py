@@ -440,7 +440,8 @@ def _runs_section(report: Report) -> str:
             '<th class="num">decision sets</th><th class="num">questions</th><th class="num">canvas reads</th>'
             '<th class="num">canvas tokens</th><th class="num">decision time</th><th class="num">escalated</th>'
             '<th class="num">target calls</th><th class="num">calls saved</th><th class="num">target tokens</th>'
-            '<th class="num">all to target</th><th class="num">target time</th><th class="num">all to target</th>'
+            '<th class="num">tokens if all to target</th><th class="num">target time</th>'
+            '<th class="num">time if all to target</th>'
             '</tr></thead>'
             f"<tbody>{rows}</tbody></table></section>")
 
