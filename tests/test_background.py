@@ -115,6 +115,7 @@ def test_background_work_starts_for_selected_tests_only_beside_the_others_and_re
     marks_dir = tmp_path / "marks"
     marks_dir.mkdir()
     monkeypatch.setenv("BACKGROUND_MARKS", str(marks_dir))
+    monkeypatch.setenv("BACKGROUND_NICE", "0")  # this test waits for its jobs at once (background.NICE)
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # background.py (pytester adds its folder)
     pytester.makepyfile(test_a_jobs=JOBS, test_b_plain=textwrap.dedent('''
         def test_plain():
@@ -193,7 +194,10 @@ time.sleep(60)
 
 @pytest.fixture
 def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The module of LEAVES's jobs, importable by a job's child (and a process starting one)."""
+    """The module of LEAVES's jobs, importable by a job's child (and a process starting one), which run
+    at this test's priority: it waits for them at once (background.NICE)."""
+    monkeypatch.setattr(background, "NICE", ("nice", "-n", "0"))
+    monkeypatch.setenv("BACKGROUND_NICE", "0")
     (tmp_path / "background_leaves.py").write_text(LEAVES)
     paths = [str(tmp_path), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
